@@ -1,0 +1,44 @@
+# dspark — the two set-up commands are `make demo` and `make test`; both create .venv themselves.
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+PROFILE ?= default
+export RAY_USAGE_STATS_ENABLED := 0
+export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
+export DS_ACCELERATOR := cpu
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: venv demo test test-fast stack-up stack-down bench clean
+
+venv: $(STAMP)
+
+# torch is installed first from the pinned CPU build; GPU machines: see README ("GPU install").
+$(STAMP): pyproject.toml
+	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e ".[test]"
+	touch $(STAMP)
+
+demo: $(STAMP)  ## the whole lifecycle on the embedded local stack (PROFILE=smoke|default|full)
+	$(PY) -m jobs.demo --profile $(PROFILE)
+
+test: $(STAMP)  ## the full test suite, as CI runs it
+	$(PY) -m pytest -q --timeout=900
+
+test-fast: $(STAMP)  ## unit tests only (no servers, no slow tests)
+	$(PY) -m pytest -q -m "not slow and not integration"
+
+stack-up: $(STAMP)
+	$(VENV)/bin/dspark stack up
+
+stack-down: $(STAMP)
+	$(VENV)/bin/dspark stack down
+
+bench: $(STAMP)  ## every benchmark, JSON into benchmarks/report.json
+	$(PY) -m benchmarks.run_all
+
+clean:
+	-$(VENV)/bin/dspark stack down
+	rm -rf .dspark

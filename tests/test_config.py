@@ -1,0 +1,63 @@
+"""Config system: unknown keys and wrong types rejected with a clear message; overrides applied."""
+from typing import Literal
+
+import pytest
+
+from dspark.config import ConfigError, StrictModel, apply_overrides, dump_config, flatten, load_config
+
+
+class Optim(StrictModel):
+    lr: float = 1e-3
+    betas: list[float] = [0.9, 0.95]
+
+
+class Job(StrictModel):
+    name: str = "run"
+    algo: Literal["dspark", "dflash"] = "dspark"
+    optim: Optim = Optim()
+
+
+def write(tmp_path, text):
+    path = tmp_path / "cfg.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_yaml_and_overrides(tmp_path):
+    path = write(tmp_path, "name: a\noptim:\n  lr: 0.1\n")
+    cfg = load_config(Job, path, ["optim.lr=3e-4", "algo=dflash", "optim.betas=[0.8, 0.9]"])
+    assert cfg.name == "a" and cfg.algo == "dflash"
+    assert cfg.optim.lr == pytest.approx(3e-4) and cfg.optim.betas == [0.8, 0.9]
+
+
+def test_unknown_key_named(tmp_path):
+    path = write(tmp_path, "optim:\n  lrr: 0.1\n")
+    with pytest.raises(ConfigError, match=r"unknown key 'optim.lrr'"):
+        load_config(Job, path)
+
+
+def test_unknown_override_named():
+    with pytest.raises(ConfigError, match=r"unknown key 'bogus'"):
+        load_config(Job, None, ["bogus=1"])
+
+
+def test_wrong_type_named(tmp_path):
+    path = write(tmp_path, "optim:\n  lr: fast\n")
+    with pytest.raises(ConfigError, match=r"'optim.lr'.*got 'fast'"):
+        load_config(Job, path)
+    with pytest.raises(ConfigError, match=r"'algo'"):
+        load_config(Job, None, ["algo=medusa"])
+
+
+def test_bad_override_syntax_and_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match="key.path=value"):
+        apply_overrides({}, ["optim.lr"])
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(Job, tmp_path / "nope.yaml")
+
+
+def test_dump_roundtrip_and_flatten(tmp_path):
+    cfg = load_config(Job, None, ["optim.lr=0.5"])
+    again = load_config(Job, write(tmp_path, dump_config(cfg)))
+    assert again == cfg
+    assert flatten({"a": {"b": 1}, "c": 2}) == {"a.b": 1, "c": 2}

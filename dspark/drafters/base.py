@@ -1,0 +1,148 @@
+"""What every drafter shares: the frozen target's embedding and LM head (held by reference, never
+saved), the per-request drafting state, proposals, and calibrated confidences.
+
+Inference contract (used by dspark/specdec.py and dspark/engine.py):
+    state = drafter.new_state()
+    drafter.extend_context(state, features[n, m*d], token_ids[n])   # verified positions only, in order
+    proposal = drafter.propose(state, anchor, gamma, sampling, generator)
+The state only ever holds verified positions 0..n-1; the anchor (the token the target just emitted,
+with no target state yet) sits at position n. After verification the caller extends the state with
+the newly verified positions, so no rollback is needed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from dspark.drafters.config import DrafterConfig
+from dspark.drafters.layers import KVBuffer, Rotary
+from dspark.sampling import SamplingParams
+
+
+@dataclass
+class DraftProposal:
+    tokens: Tensor  # LongTensor [n]
+    probs: Tensor  # float32 [n, V]: the exact processed distribution each token was sampled from
+    confidences: Tensor | None = None  # [n] c_k (STS-calibrated when drafter.calibration is set)
+
+
+@dataclass
+class DraftState:
+    """Per-request drafting state: projected context K/V per layer for verified positions 0..length-1."""
+    kv: list[KVBuffer]
+    length: int = 0
+    last_fused: Tensor | None = None  # eagle3: fused target feature of position length-1
+
+
+@dataclass
+class DraftTrainOut:
+    logits: Tensor  # [M, V] draft logits at the selected (supervised) positions, order (b, anchor, k)
+    conf_logits: Tensor | None  # [M] confidence logits at the same positions (dspark only)
+
+
+class Drafter(nn.Module):
+    """Base class. Subclasses implement forward (training), extend_context and propose."""
+
+    algo = ""
+
+    def __init__(self, config: DrafterConfig, target_meta: dict):
+        super().__init__()
+        if config.num_heads is None or config.head_dim is None or config.target_layer_ids is None:
+            raise ValueError("DrafterConfig is not resolved; build drafters with build_drafter(cfg, target) "
+                             "or load_drafter(path)")
+        self.config = config
+        self.target_meta = dict(target_meta)
+        self.calibration: list[float] | None = None
+        self.hidden_size: int = int(target_meta["hidden_size"])
+        self.vocab_size: int = int(target_meta["vocab_size"])
+        self.rotary = Rotary(config.head_dim, config.rope_theta)
+        object.__setattr__(self, "_target", None)  # plain attribute: never a submodule, never in state_dict
+
+    # ---- target sharing -----------------------------------------------------------------
+    @property
+    def layer_ids(self) -> list[int]:
+        return list(self.config.target_layer_ids)
+
+    @property
+    def target(self):
+        if self._target is None:
+            raise RuntimeError("this drafter has no target attached; call drafter.attach_target(target) "
+                               "or load_drafter(path, target=target)")
+        return self._target
+
+    def attach_target(self, target) -> None:
+        """Share the target's frozen embedding and LM head by reference (nothing is copied or saved)."""
+        got = (target.hidden_size, target.vocab_size)
+        want = (self.hidden_size, self.vocab_size)
+        if got != want:
+            raise ValueError(f"target {target.name!r} has hidden/vocab {got} but this drafter was built for {want}")
+        object.__setattr__(self, "_target", target)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.parameters()).dtype
+
+    def embed(self, ids: Tensor) -> Tensor:
+        t = self.target
+        with torch.no_grad():
+            return t.embed(ids.to(t.device)).to(self.device, self.dtype)
+
+    def lm_logits(self, h: Tensor) -> Tensor:
+        """Frozen target LM head on (normed) drafter hidden states -> float32 logits (grad flows to h)."""
+        t = self.target
+        return t.lm_logits(h.to(t.device, t.dtype)).float().to(h.device)
+
+    # ---- inference ----------------------------------------------------------------------
+    def new_state(self) -> DraftState:
+        return DraftState(kv=[KVBuffer() for _ in range(self.config.depth)])
+
+    def extend_context(self, state: DraftState, features: Tensor, token_ids: Tensor) -> None:
+        raise NotImplementedError
+
+    def propose(self, state: DraftState, anchor: int, gamma: int, sampling: SamplingParams,
+                generator: torch.Generator | None = None) -> DraftProposal:
+        raise NotImplementedError
+
+    def propose_batch(self, states: list[DraftState], anchors: list[int], gamma: int | list[int],
+                      sampling: SamplingParams | list[SamplingParams],
+                      generator: torch.Generator | None = None) -> list[DraftProposal]:
+        """One proposal per request (loops over requests; same results as calling propose in order)."""
+        n = len(states)
+        gammas = gamma if isinstance(gamma, list) else [gamma] * n
+        sps = sampling if isinstance(sampling, list) else [sampling] * n
+        if not len(anchors) == len(gammas) == len(sps) == n:
+            raise ValueError("propose_batch needs one anchor (and gamma/sampling, if lists) per state")
+        return [self.propose(s, int(a), g, sp, generator) for s, a, g, sp in zip(states, anchors, gammas, sps)]
+
+    def check_gamma(self, gamma: int) -> None:
+        if not 1 <= gamma <= self.config.block_size:
+            raise ValueError(f"gamma={gamma} must be in 1..block_size={self.config.block_size}")
+
+    def _check_features(self, features: Tensor, token_ids: Tensor) -> None:
+        width = self.hidden_size * len(self.layer_ids)
+        if features.dim() != 2 or features.shape[1] != width or features.shape[0] != token_ids.shape[0]:
+            raise ValueError(f"extend_context needs features [n, {width}] and token_ids [n], got "
+                             f"{tuple(features.shape)} and {tuple(token_ids.shape)}")
+
+    def confidences(self, logits: Tensor) -> Tensor:
+        """c_k = σ(logit_k / T_k) with the STS temperatures when calibrated, else σ(logit_k)."""
+        if self.calibration is None:
+            return torch.sigmoid(logits.float())
+        if len(self.calibration) < logits.shape[0]:
+            raise ValueError(f"calibration has {len(self.calibration)} temperatures but {logits.shape[0]} "
+                             "positions were drafted; recalibrate with the drafter's block_size")
+        temps = torch.tensor(self.calibration[: logits.shape[0]], device=logits.device)
+        return torch.sigmoid(logits.float() / temps)
+
+
+def selected_tokens(input_ids: Tensor, anchors: Tensor, steps: int, offset: int) -> Tensor:
+    """Teacher-forced tokens x[t + offset + k] for k = 0..steps-1 (clamped at the end): [B, N, steps]."""
+    pos = anchors.unsqueeze(-1) + offset + torch.arange(steps, device=anchors.device)
+    pos = pos.clamp(max=input_ids.shape[1] - 1)
+    return input_ids.gather(1, pos.flatten(1)).view_as(pos)

@@ -1,0 +1,103 @@
+"""DrafterConfig: the one config section that defines a drafter's architecture and its losses.
+
+Fields left `None` are filled from the target when the drafter is built (`resolve_config`), and the
+resolved config is what a checkpoint stores, so a saved drafter rebuilds without the target.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Literal
+
+from pydantic import field_validator, model_validator
+
+from dspark.config import StrictModel
+
+
+class DrafterConfig(StrictModel):
+    algo: Literal["dspark", "dflash", "eagle3"] = "dspark"
+    block_size: int = 7  # γ: draft tokens proposed per round
+    num_layers: int = 5  # decoder layers (eagle3 always uses 1)
+    num_context_layers: int = 3  # m: target layers fused into the context features
+    target_layer_ids: list[int] | None = None  # None -> target.default_layer_ids(m)
+    head: Literal["markov", "rnn", "none"] = "markov"  # dspark only: sequential head
+    rank: int = 256  # r: Markov / RNN rank
+    confidence_head: bool = True  # dspark only
+    ttt_steps: int = 7  # eagle3: training-time-test unroll depth
+    num_heads: int | None = None  # None -> from the target config
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
+    intermediate_size: int | None = None
+    rms_norm_eps: float | None = None  # None -> target's
+    rope_theta: float | None = None  # None -> target's
+    mask_token_id: int | None = None  # None -> a learned MASK vector; else this (frozen) target vocab row
+    init_std: float = 0.02
+    position_weight: Literal["paper", "reference"] = "paper"  # exp(-(k-1)/γ) vs exp(-(k-1)/4)
+    loss_ce: float = 0.1
+    loss_tv: float = 0.9
+    loss_conf: float = 1.0
+    anchors_per_seq: int = 16
+
+    @field_validator("block_size", "num_layers", "num_context_layers", "rank", "ttt_steps", "anchors_per_seq")
+    @classmethod
+    def _positive(cls, v: int) -> int:
+        if v < 1:
+            raise ValueError("must be >= 1")
+        return v
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "DrafterConfig":
+        ids = self.target_layer_ids
+        if ids is not None and len(ids) != self.num_context_layers:
+            raise ValueError(f"target_layer_ids has {len(ids)} ids but num_context_layers="
+                             f"{self.num_context_layers}; make them agree (or leave target_layer_ids unset)")
+        if self.num_heads and self.num_kv_heads and self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
+        return self
+
+    @property
+    def train_steps(self) -> int:
+        """Predictions per anchor during training: γ for block drafters, ttt_steps for eagle3."""
+        return self.ttt_steps if self.algo == "eagle3" else self.block_size
+
+    @property
+    def depth(self) -> int:
+        return 1 if self.algo == "eagle3" else self.num_layers
+
+
+def _target_rope_theta(hf_config) -> float:
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    theta = params.get("rope_theta") if isinstance(params, dict) else None
+    return float(theta or getattr(hf_config, "rope_theta", None) or 10000.0)
+
+
+def resolve_config(cfg: DrafterConfig, target) -> DrafterConfig:
+    """Fill every `None` architecture field from the target; check the layer ids fit the target."""
+    hf = target.model.config
+    if cfg.algo == "eagle3" and cfg.num_layers not in (1, DrafterConfig.model_fields["num_layers"].default):
+        warnings.warn(f"eagle3 drafters have exactly one decoder layer; num_layers={cfg.num_layers} is ignored",
+                      stacklevel=2)
+    heads = cfg.num_heads or hf.num_attention_heads
+    update = {
+        "target_layer_ids": list(cfg.target_layer_ids or target.default_layer_ids(cfg.num_context_layers)),
+        "num_heads": heads,
+        "num_kv_heads": cfg.num_kv_heads or getattr(hf, "num_key_value_heads", None) or heads,
+        "head_dim": cfg.head_dim or getattr(hf, "head_dim", None) or target.hidden_size // heads,
+        "intermediate_size": cfg.intermediate_size or hf.intermediate_size,
+        "rms_norm_eps": cfg.rms_norm_eps or float(getattr(hf, "rms_norm_eps", 1e-6)),
+        "rope_theta": cfg.rope_theta or _target_rope_theta(hf),
+    }
+    if cfg.algo == "eagle3":
+        update["num_layers"] = 1
+    ids = update["target_layer_ids"]
+    if len(ids) != cfg.num_context_layers:  # default_layer_ids dedups on shallow targets
+        update["num_context_layers"] = len(ids)
+    bad = [i for i in ids if not 0 <= i < target.num_layers]
+    if bad:
+        raise ValueError(f"target_layer_ids {bad} do not exist in target {target.name!r} "
+                         f"({target.num_layers} layers, ids 0..{target.num_layers - 1})")
+    if cfg.mask_token_id is not None and not 0 <= cfg.mask_token_id < target.vocab_size:
+        raise ValueError(f"mask_token_id={cfg.mask_token_id} is outside the target vocabulary "
+                         f"(size {target.vocab_size})")
+    data = cfg.model_dump()
+    data.update(update)
+    return DrafterConfig.model_validate(data)

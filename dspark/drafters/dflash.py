@@ -1,0 +1,125 @@
+"""DFlash: a parallel block drafter with KV injection (paper eq. 2-3; DESIGN §3).
+
+Block for anchor t = [emb(x_t), MASK, ..., MASK] (γ+1 inputs at positions t..t+γ). In every layer the
+block's queries attend over [W_K H_ctx(0..t-1) ; W_K h_block] (bidirectional inside the block), with
+H_ctx = RMSNorm(W_c [f_{l1}; ...; f_{lm}]) the fused target features. One forward pass gives logits
+for the γ MASK slots; slot j predicts token t+j.
+
+Training packs all anchor blocks of a sequence into one dense batch (dspark/anchors.py); inference
+caches W_K H_ctx / W_V H_ctx per layer in the state and appends only newly verified positions.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from dspark.anchors import block_mask, block_positions
+from dspark.drafters.base import DraftProposal, DraftState, DraftTrainOut, Drafter
+from dspark.drafters.config import DrafterConfig
+from dspark.drafters.layers import InjectedLayer, RMSNorm, init_weights
+from dspark.sampling import SamplingParams, sample, to_probs
+
+
+class DFlashDrafter(Drafter):
+    algo = "dflash"
+
+    def __init__(self, config: DrafterConfig, target_meta: dict):
+        super().__init__(config, target_meta)
+        d, c = self.hidden_size, config
+        self.fc = nn.Linear(c.num_context_layers * d, d, bias=False)
+        self.hidden_norm = RMSNorm(d, c.rms_norm_eps)
+        self.layers = nn.ModuleList(
+            InjectedLayer(d, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size, c.rms_norm_eps)
+            for _ in range(c.num_layers))
+        self.norm = RMSNorm(d, c.rms_norm_eps)
+        self.mask_embedding = nn.Parameter(torch.zeros(d)) if c.mask_token_id is None else None
+        init_weights(self, c.init_std)
+        if self.mask_embedding is not None:
+            nn.init.normal_(self.mask_embedding, std=c.init_std)
+
+    # ---- block geometry (DSpark overrides) ------------------------------------------------
+    @property
+    def block_len(self) -> int:
+        return self.config.block_size + 1  # anchor + γ masks
+
+    @property
+    def first_pred_slot(self) -> int:
+        return 1  # slot j >= 1 predicts token t+j
+
+    # ---- shared math ----------------------------------------------------------------------
+    def context_states(self, features: Tensor) -> Tensor:
+        """H_ctx = RMSNorm(W_c · concat(target layer states)): [..., m*d] -> [..., d]."""
+        return self.hidden_norm(self.fc(features.to(self.device, self.dtype)))
+
+    def mask_vector(self) -> Tensor:
+        if self.mask_embedding is not None:
+            return self.mask_embedding
+        return self.embed(torch.tensor([self.config.mask_token_id], device=self.device))[0]
+
+    def block_inputs(self, anchor_tokens: Tensor) -> Tensor:
+        """anchor_tokens [...] -> block input embeddings [..., L, d] = [emb(anchor), MASK, ...]."""
+        first = self.embed(anchor_tokens).unsqueeze(-2)
+        masks = self.mask_vector().expand(*anchor_tokens.shape, self.block_len - 1, self.hidden_size)
+        return torch.cat([first, masks], dim=-2)
+
+    def context_kv(self, h_ctx: Tensor, positions: Tensor) -> list[tuple[Tensor, Tensor]]:
+        cos, sin = self.rotary(positions)
+        return [layer.context_kv(h_ctx, cos, sin) for layer in self.layers]
+
+    def run_blocks(self, x: Tensor, positions: Tensor, ctx_kv: list[tuple[Tensor, Tensor]],
+                   mask: Tensor | None) -> Tensor:
+        cos, sin = self.rotary(positions)
+        for layer, (k, v) in zip(self.layers, ctx_kv):
+            x = layer(x, cos, sin, k, v, mask)
+        return self.norm(x)
+
+    # ---- training -------------------------------------------------------------------------
+    def forward(self, features: Tensor, input_ids: Tensor, ctx_valid: Tensor, anchors: Tensor,
+                select: Tensor) -> DraftTrainOut:
+        """features [B,T,m*d], input_ids [B,T], ctx_valid [B,T], anchors [B,N], select bool [B,N,γ]
+        -> logits at the selected (anchor, k) pairs; prediction k of anchor t is for token t+k."""
+        B, T = input_ids.shape
+        N, L, gamma = anchors.shape[1], self.block_len, self.config.block_size
+        kv = self.context_kv(self.context_states(features), torch.arange(T, device=self.device))
+        x = self.block_inputs(input_ids.gather(1, anchors)).flatten(1, 2)  # [B, N*L, d]
+        h = self.run_blocks(x, block_positions(anchors, L), kv, block_mask(anchors, ctx_valid, L))
+        h = h.view(B, N, L, -1)[:, :, self.first_pred_slot:self.first_pred_slot + gamma]
+        return self.predict_train(h, input_ids, anchors, select)
+
+    def predict_train(self, h: Tensor, input_ids: Tensor, anchors: Tensor, select: Tensor) -> DraftTrainOut:
+        return DraftTrainOut(logits=self.lm_logits(h[select]), conf_logits=None)
+
+    # ---- inference ------------------------------------------------------------------------
+    @torch.no_grad()
+    def extend_context(self, state: DraftState, features: Tensor, token_ids: Tensor) -> None:
+        self._check_features(features, token_ids)
+        n = features.shape[0]
+        if n == 0:
+            return
+        positions = torch.arange(state.length, state.length + n, device=self.device)
+        for (k, v), buf in zip(self.context_kv(self.context_states(features).unsqueeze(0), positions), state.kv):
+            buf.append(k[0], v[0])
+        state.length += n
+
+    @torch.no_grad()
+    def block_hidden(self, state: DraftState, anchor: int) -> Tensor:
+        """Final-normed hidden states [L, d] of the block anchored at position state.length."""
+        x = self.block_inputs(torch.tensor([anchor], device=self.device))  # [1, L, d]
+        positions = torch.arange(state.length, state.length + self.block_len, device=self.device)
+        c = self.config
+        empty = x.new_empty(c.num_kv_heads, 0, c.head_dim)
+        ctx = [tuple(t.unsqueeze(0) for t in buf.view(empty)) for buf in state.kv]
+        return self.run_blocks(x, positions, ctx, None)[0]  # no mask: all held context precedes the anchor
+
+    @torch.no_grad()
+    def propose(self, state: DraftState, anchor: int, gamma: int, sampling: SamplingParams,
+                generator: torch.Generator | None = None) -> DraftProposal:
+        self.check_gamma(gamma)
+        h = self.block_hidden(state, int(anchor))
+        return self.sample_block(h[self.first_pred_slot:self.first_pred_slot + gamma], int(anchor), sampling, generator)
+
+    def sample_block(self, h: Tensor, anchor: int, sampling: SamplingParams,
+                     generator: torch.Generator | None) -> DraftProposal:
+        """Parallel drafting: every slot is sampled independently from its own processed distribution."""
+        probs = to_probs(self.lm_logits(h), sampling)
+        return DraftProposal(tokens=sample(probs, generator).to(probs.device), probs=probs)

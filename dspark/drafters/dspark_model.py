@@ -1,0 +1,91 @@
+"""DSpark: DFlash backbone + sequential head + confidence head (paper §3.1, §3.2.1).
+
+The anchor itself is the first prediction slot: γ inputs [emb(x_0), MASK × (γ-1)] at positions
+t..t+γ-1 give hidden states h_1..h_γ and base logits U_1..U_γ (slot k-1 predicts token t+k). The
+sequential head then samples left to right from p_k = to_probs(U_k + B_k(x_0, x_<k)), so each
+returned probability row is the exact distribution its token was drawn from (lossless verification).
+Training teacher-forces x_{k-1} with the ground-truth tokens t+k-1 (x_0 = the anchor token).
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from dspark.drafters.base import DraftProposal, DraftTrainOut, selected_tokens
+from dspark.drafters.config import DrafterConfig
+from dspark.drafters.dflash import DFlashDrafter
+from dspark.drafters.heads import ConfidenceHead, build_sequential_head
+from dspark.drafters.layers import init_weights
+from dspark.sampling import SamplingParams, sample, to_probs
+
+
+class DSparkDrafter(DFlashDrafter):
+    algo = "dspark"
+
+    def __init__(self, config: DrafterConfig, target_meta: dict):
+        super().__init__(config, target_meta)
+        d, r = self.hidden_size, config.rank
+        self.markov_head = build_sequential_head(config.head, self.vocab_size, r, d)
+        conf_dim = d + (r if self.markov_head is not None else 0)
+        self.confidence_head = ConfidenceHead(conf_dim) if config.confidence_head else None
+        for head in (self.markov_head, self.confidence_head):
+            if head is not None:
+                init_weights(head, config.init_std)
+
+    @property
+    def block_len(self) -> int:
+        return self.config.block_size  # anchor + γ-1 masks
+
+    @property
+    def first_pred_slot(self) -> int:
+        return 0
+
+    def prev_embed(self, prev_tokens: Tensor) -> Tensor | None:
+        return None if self.markov_head is None else self.markov_head.prev_embed(prev_tokens)
+
+    # ---- training -------------------------------------------------------------------------
+    def predict_train(self, h: Tensor, input_ids: Tensor, anchors: Tensor, select: Tensor) -> DraftTrainOut:
+        prev = selected_tokens(input_ids, anchors, h.shape[2], offset=0)  # x_{k-1} = token t+k-1
+        prev_emb = self.prev_embed(prev)
+        logits = self.lm_logits(h[select])
+        if self.markov_head is not None:
+            logits = logits + self.markov_head.block_bias(prev_emb, h, select).float()
+        conf = None
+        if self.confidence_head is not None:
+            conf = self.confidence_head(h[select], None if prev_emb is None else prev_emb[select])
+        return DraftTrainOut(logits=logits, conf_logits=conf)
+
+    def sequential_logits(self, u: Tensor, h: Tensor, prev_tokens: Tensor) -> tuple[Tensor, Tensor | None]:
+        """Teacher-forced U_k + B_k and confidence logits for one block: u [γ, V], h [γ, d],
+        prev_tokens [γ] = (x_0, ..., x_{γ-1}). Same math as sampling, for tests and analysis."""
+        prev_emb = self.prev_embed(prev_tokens.to(self.device))
+        logits = u
+        if self.markov_head is not None:
+            logits = u + self.markov_head.block_bias(prev_emb, h).float()
+        conf = None if self.confidence_head is None else self.confidence_head(h, prev_emb)
+        return logits, conf
+
+    # ---- inference ------------------------------------------------------------------------
+    def sample_block(self, h: Tensor, anchor: int, sampling: SamplingParams,
+                     generator: torch.Generator | None) -> DraftProposal:
+        """Left-to-right: p_k = to_probs(U_k + B_k(x_{k-1}, state)); x_k ~ p_k; c_k from [h_k; W1[x_{k-1}]]."""
+        u = self.lm_logits(h)  # all γ base logits in one LM-head call
+        head, conf_head = self.markov_head, self.confidence_head
+        state = None if head is None else head.initial_state(h[0])
+        prev = torch.tensor(anchor, device=self.device)
+        tokens, probs, conf_logits = [], [], []
+        for k in range(h.shape[0]):
+            prev_emb = self.prev_embed(prev)
+            logits = u[k]
+            if head is not None:
+                state, bias = head.step(state, prev_emb, h[k])
+                logits = logits + bias.float()
+            p = to_probs(logits, sampling)
+            tok = sample(p, generator).to(self.device)
+            if conf_head is not None:
+                conf_logits.append(conf_head(h[k], prev_emb))
+            tokens.append(tok)
+            probs.append(p)
+            prev = tok
+        conf = self.confidences(torch.stack(conf_logits)) if conf_logits else None
+        return DraftProposal(tokens=torch.stack(tokens), probs=torch.stack(probs), confidences=conf)

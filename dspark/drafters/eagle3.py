@@ -1,0 +1,131 @@
+"""Eagle3: a one-layer autoregressive drafter with training-time test (DESIGN §3 baseline).
+
+Entry at position j: x_j = [RMSNorm(emb(x_j)) ; RMSNorm(g_{j-1})], residual = RMSNorm(g_{j-1}), where
+g_{j-1} is the fused target feature W_f·concat(f_{j-1}) (zeros for j = 0) for verified positions, or
+the drafter's own previous output (pre-norm) when unrolled. One decoder layer with causal attention
+over its own entries; logits = LM_head(RMSNorm(g_j)) predict token j+1.
+
+Drafting from anchor x_n: step 1 uses (x_n, fused f_{n-1}); step k uses (x̂_{k-1}, g of step k-1);
+each step attends to the cached context entries 0..n-1 and the block's earlier steps. Cost grows
+linearly with γ. Training (TTT) unrolls `ttt_steps` such steps from every sampled anchor with the
+tokens teacher-forced, each step attending to the context strictly before the anchor plus the block's
+earlier steps: exactly what inference sees.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from dspark.anchors import packed_mask
+from dspark.drafters.base import DraftProposal, DraftState, DraftTrainOut, Drafter
+from dspark.drafters.config import DrafterConfig
+from dspark.drafters.layers import MLP, Attention, RMSNorm, init_weights
+from dspark.sampling import SamplingParams, sample, to_probs
+
+
+class Eagle3Layer(nn.Module):
+    """Llama-style Eagle3 mid layer: qkv from the 2d input, norm before residual, SwiGLU MLP."""
+
+    def __init__(self, d: int, num_heads: int, num_kv_heads: int, head_dim: int, intermediate: int, eps: float):
+        super().__init__()
+        self.input_layernorm = RMSNorm(d, eps)
+        self.hidden_norm = RMSNorm(d, eps)
+        self.self_attn = Attention(2 * d, d, num_heads, num_kv_heads, head_dim, eps, qk_norm=False)
+        self.post_attention_layernorm = RMSNorm(d, eps)
+        self.mlp = MLP(d, intermediate)
+
+    def inputs(self, emb: Tensor, hidden: Tensor) -> tuple[Tensor, Tensor]:
+        residual = self.hidden_norm(hidden)
+        return torch.cat([self.input_layernorm(emb), residual], dim=-1), residual
+
+    def forward(self, x: Tensor, residual: Tensor, cos: Tensor, sin: Tensor, k: Tensor, v: Tensor,
+                mask: Tensor | None) -> Tensor:
+        r = residual + self.self_attn.attend(self.self_attn.queries(x, cos, sin), k, v, mask)
+        return r + self.mlp(self.post_attention_layernorm(r))
+
+
+class Eagle3Drafter(Drafter):
+    algo = "eagle3"
+
+    def __init__(self, config: DrafterConfig, target_meta: dict):
+        super().__init__(config, target_meta)
+        d, c = self.hidden_size, config
+        self.fc = nn.Linear(c.num_context_layers * d, d, bias=False)
+        self.midlayer = Eagle3Layer(d, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size, c.rms_norm_eps)
+        self.norm = RMSNorm(d, c.rms_norm_eps)
+        init_weights(self, c.init_std)
+
+    def fused(self, features: Tensor) -> Tensor:
+        return self.fc(features.to(self.device, self.dtype))
+
+    # ---- training (TTT) -------------------------------------------------------------------
+    def forward(self, features: Tensor, input_ids: Tensor, ctx_valid: Tensor, anchors: Tensor,
+                select: Tensor) -> DraftTrainOut:
+        """Same contract as DFlashDrafter.forward with K = ttt_steps predictions per anchor."""
+        B, T = input_ids.shape
+        N, K, layer = anchors.shape[1], select.shape[2], self.midlayer
+        prev_feat = F.pad(self.fused(features)[:, :-1], (0, 0, 1, 0))  # entry j uses f_{j-1}; f_{-1} = 0
+        x_ctx, _ = layer.inputs(self.embed(input_ids), prev_feat)
+        ctx_k, ctx_v = layer.self_attn.keys_values(x_ctx, *self.rotary(torch.arange(T, device=self.device)))
+        hidden = prev_feat.gather(1, anchors.unsqueeze(-1).expand(-1, -1, prev_feat.shape[-1]))  # f_{t-1}
+        q_block = torch.arange(N, device=self.device)
+        keys, values, outs = [ctx_k], [ctx_v], []
+        for k in range(K):  # step k+1 sits at position t+k with token x_{t+k} (teacher-forced)
+            pos = anchors + k
+            x, res = layer.inputs(self.embed(input_ids.gather(1, pos.clamp(max=T - 1))), hidden)
+            cos, sin = self.rotary(pos)
+            kk, vv = layer.self_attn.keys_values(x, cos, sin)
+            keys.append(kk)
+            values.append(vv)
+            k_block = q_block.repeat(k + 1)  # block keys are laid out step-major
+            k_slot = torch.arange(k + 1, device=self.device).repeat_interleave(N)
+            mask = packed_mask(anchors, ctx_valid, q_block, torch.full_like(q_block, k), k_block, k_slot, causal=True)
+            hidden = layer(x, res, cos, sin, torch.cat(keys, -2), torch.cat(values, -2), mask)
+            outs.append(self.norm(hidden))
+        h = torch.stack(outs, dim=2)  # [B, N, K, d]
+        return DraftTrainOut(logits=self.lm_logits(h[select]), conf_logits=None)
+
+    # ---- inference ------------------------------------------------------------------------
+    @torch.no_grad()
+    def extend_context(self, state: DraftState, features: Tensor, token_ids: Tensor) -> None:
+        self._check_features(features, token_ids)
+        n = features.shape[0]
+        if n == 0:
+            return
+        fused = self.fused(features)
+        first = state.last_fused if state.last_fused is not None else fused.new_zeros(fused.shape[-1])
+        prev = torch.cat([first.unsqueeze(0), fused[:-1]], dim=0)
+        x, _ = self.midlayer.inputs(self.embed(token_ids.to(self.device)), prev)
+        positions = torch.arange(state.length, state.length + n, device=self.device)
+        k, v = self.midlayer.self_attn.keys_values(x.unsqueeze(0), *self.rotary(positions))
+        state.kv[0].append(k[0], v[0])
+        state.last_fused = fused[-1]
+        state.length += n
+
+    @torch.no_grad()
+    def propose(self, state: DraftState, anchor: int, gamma: int, sampling: SamplingParams,
+                generator: torch.Generator | None = None) -> DraftProposal:
+        self.check_gamma(gamma)
+        c, layer = self.config, self.midlayer
+        d = self.hidden_size
+        hidden = state.last_fused
+        if hidden is None:  # empty context: f_{-1} = 0, as in training
+            hidden = torch.zeros(d, device=self.device, dtype=self.dtype)
+        ctx_k, ctx_v = state.kv[0].view(hidden.new_empty(c.num_kv_heads, 0, c.head_dim))
+        keys, values = [ctx_k.unsqueeze(0)], [ctx_v.unsqueeze(0)]
+        tok = torch.tensor(int(anchor), device=self.device)
+        tokens, probs = [], []
+        for k in range(gamma):  # autoregressive: one layer pass per drafted token
+            x, res = layer.inputs(self.embed(tok.view(1, 1)), hidden.view(1, 1, d))
+            cos, sin = self.rotary(torch.tensor([state.length + k], device=self.device))
+            kk, vv = layer.self_attn.keys_values(x, cos, sin)
+            keys.append(kk)
+            values.append(vv)
+            g = layer(x, res, cos, sin, torch.cat(keys, -2), torch.cat(values, -2), None)  # causal by construction
+            p = to_probs(self.lm_logits(self.norm(g))[0, 0], sampling)
+            tok = sample(p, generator).to(self.device)
+            tokens.append(tok)
+            probs.append(p)
+            hidden = g[0, 0]
+        return DraftProposal(tokens=torch.stack(tokens), probs=torch.stack(probs))

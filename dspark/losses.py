@@ -1,0 +1,67 @@
+"""Drafter losses and acceptance metrics (paper §3.3 eq. 8-12; DESIGN §4).
+
+All functions take the M supervised (anchor block, position k) pairs flattened, a per-pair position
+weight w_k, and `n_blocks` (anchor blocks with at least one supervised position). Each loss is the
+paper's per-block sum over k, averaged over blocks:
+
+    L_ce   = (1/n_blocks) Σ w_k · (−log p_d^k(x*_k))
+    L_tv   = (1/n_blocks) Σ w_k · ‖p_d^k − p_t^k‖₁
+    L_conf = (1/n_blocks) Σ w_k · BCE(c_k, c*_k),   c*_k = 1 − ½‖p_d^k − p_t^k‖₁  (label detached)
+
+p_d is the drafter's full (temperature-1) distribution, p_t the target's next-token distribution.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def position_weights(steps: int, kind: str = "paper", device=None) -> Tensor:
+    """w_k for k = 1..steps: paper exp(-(k-1)/γ), reference code exp(-(k-1)/4)."""
+    scale = {"paper": float(steps), "reference": 4.0}.get(kind)
+    if scale is None:
+        raise ValueError(f"position_weight must be 'paper' or 'reference', got {kind!r}")
+    return torch.exp(-torch.arange(steps, dtype=torch.float32, device=device) / scale)
+
+
+def tv_l1(p_draft: Tensor, p_target: Tensor) -> Tensor:
+    """‖p_d − p_t‖₁ per row (twice the total-variation distance, in [0, 2])."""
+    return (p_draft - p_target).abs().sum(-1)
+
+
+def ce_loss(draft_logits: Tensor, labels: Tensor, weights: Tensor, n_blocks: int) -> Tensor:
+    nll = F.cross_entropy(draft_logits.float(), labels, reduction="none")
+    return (weights * nll).sum() / max(n_blocks, 1)
+
+
+def tv_loss(p_draft: Tensor, p_target: Tensor, weights: Tensor, n_blocks: int) -> Tensor:
+    return (weights * tv_l1(p_draft, p_target)).sum() / max(n_blocks, 1)
+
+
+def acceptance_label(p_draft: Tensor, p_target: Tensor) -> Tensor:
+    """c*_k = 1 − ½‖p_d − p_t‖₁: the exact probability that speculative sampling accepts draft k."""
+    return (1.0 - 0.5 * tv_l1(p_draft.detach(), p_target.detach())).clamp(0.0, 1.0)
+
+
+def conf_loss(conf_logits: Tensor, c_star: Tensor, weights: Tensor, n_blocks: int) -> Tensor:
+    bce = F.binary_cross_entropy_with_logits(conf_logits.float(), c_star.detach(), reduction="none")
+    return (weights * bce).sum() / max(n_blocks, 1)
+
+
+def acceptance_metrics(c_star: Tensor, valid: Tensor) -> dict[str, float]:
+    """c_star, valid [blocks, K] -> acc_pos_{k} (mean c*_k where supervised) and expected_accept_len
+    = 1 + Σ_k Π_{j≤k} c*_j, averaged over fully supervised blocks (all blocks if none is complete;
+    unsupervised positions then count as rejected)."""
+    K = c_star.shape[-1]
+    c = torch.where(valid, c_star, torch.zeros_like(c_star)).float()
+    out = {}
+    for k in range(K):
+        n = int(valid[:, k].sum())
+        out[f"acc_pos_{k + 1}"] = float(c[:, k].sum() / n) if n else math.nan
+    full = valid.all(-1)
+    rows = c[full] if bool(full.any()) else c[valid.any(-1)]
+    out["expected_accept_len"] = float(1.0 + rows.cumprod(-1).sum(-1).mean()) if rows.numel() else math.nan
+    return out

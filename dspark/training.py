@@ -1,0 +1,94 @@
+"""One drafter training step's loss: anchors -> packed blocks -> losses (paper §3.3; DESIGN §4).
+
+Labels, exactly: for an anchor at position t, prediction k (k = 1..K; K = block_size, or ttt_steps
+for eagle3) is for the ground-truth token x*_k = input_ids[t+k], and its target distribution is
+p_t^k = softmax(target logits at position t+k-1), i.e. the target's teacher-forced next-token
+distribution for that token. A pair (t, k) is supervised iff t+k < T and token t+k is a supervised,
+non-padding token. Anchors are positions t with loss_mask[t] and loss_mask[t+1] (and not padding),
+up to `anchors_per_seq` per sequence, drawn with `generator`.
+
+The target runs once (no grad) for the context features and its final hidden states; its LM head
+is applied only at the supervised positions. Sequences are right-padded.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from dspark.anchors import sample_anchors
+from dspark.losses import acceptance_label, acceptance_metrics, ce_loss, conf_loss, position_weights, tv_loss
+
+
+@dataclass
+class LossOutput:
+    loss: Tensor  # scalar with grad
+    metrics: dict[str, float]
+
+
+def supervised_pairs(loss_mask: Tensor, attention_mask: Tensor, anchors: Tensor, valid: Tensor,
+                     steps: int) -> tuple[Tensor, Tensor]:
+    """(label positions t+k [B,N,K] clamped into the sequence, select bool [B,N,K])."""
+    T = loss_mask.shape[1]
+    pos = anchors.unsqueeze(-1) + torch.arange(1, steps + 1, device=anchors.device)
+    clamped = pos.clamp(max=T - 1)
+    ok = (loss_mask.bool() & attention_mask.bool()).gather(1, clamped.flatten(1)).view_as(pos)
+    return clamped, valid.unsqueeze(-1) & (pos < T) & ok
+
+
+def _gather_rows(x: Tensor, pos: Tensor) -> Tensor:
+    """x [B, T, D], pos [B, N, K] -> [B, N, K, D]."""
+    flat = pos.flatten(1)
+    return x.gather(1, flat.unsqueeze(-1).expand(-1, -1, x.shape[-1])).view(*pos.shape, x.shape[-1])
+
+
+def _zero_loss(model, n_anchors: int) -> LossOutput:
+    zero = sum(p.sum() for p in model.parameters() if p.requires_grad) * 0.0
+    return LossOutput(zero, {"loss": 0.0, "loss_ce": 0.0, "loss_tv": 0.0, "loss_conf": 0.0,
+                             "n_anchors": float(n_anchors), "n_supervised": 0.0})
+
+
+def drafter_loss(drafter, target, input_ids: Tensor, loss_mask: Tensor, attention_mask: Tensor | None,
+                 generator: torch.Generator | None = None) -> LossOutput:
+    """Combined loss α_ce·L_ce + α_tv·L_tv (+ α_conf·L_conf for DSpark with a confidence head).
+    `drafter` may be wrapped (DDP / DeepSpeed engine): it is called, never unwrapped, for the forward."""
+    model = getattr(drafter, "module", drafter)
+    cfg, K = model.config, model.config.train_steps
+    device = target.device
+    input_ids, loss_mask = input_ids.to(device), loss_mask.to(device)
+    attention_mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(device)
+
+    anchors, valid = sample_anchors(loss_mask, attention_mask, cfg.anchors_per_seq, generator)
+    label_pos, select = supervised_pairs(loss_mask, attention_mask, anchors, valid, K)
+    if not bool(select.any()):
+        return _zero_loss(model, int(valid.sum()))
+
+    with torch.no_grad():
+        out = target.forward(input_ids, attention_mask=attention_mask, layer_ids=model.layer_ids, logits_at=None)
+        target_hidden = _gather_rows(out.final_hidden, label_pos - 1)[select]  # position t+k-1
+        p_target = torch.softmax(target.lm_logits(target_hidden).float(), dim=-1)
+    labels = input_ids.gather(1, label_pos.flatten(1)).view_as(label_pos)[select]
+
+    draft = drafter(out.features, input_ids, attention_mask.bool(), anchors, select)
+    p_draft = torch.softmax(draft.logits.float(), dim=-1)
+    weights = position_weights(K, cfg.position_weight, device).expand_as(select)[select]
+    n_blocks = int(select.any(-1).sum())
+
+    l_ce = ce_loss(draft.logits, labels, weights, n_blocks)
+    l_tv = tv_loss(p_draft, p_target, weights, n_blocks)
+    c_star = acceptance_label(p_draft, p_target)
+    loss = cfg.loss_ce * l_ce + cfg.loss_tv * l_tv
+    metrics = {"loss_ce": l_ce.item(), "loss_tv": l_tv.item(), "loss_conf": 0.0}
+    if draft.conf_logits is not None:
+        l_conf = conf_loss(draft.conf_logits, c_star, weights, n_blocks)
+        loss = loss + cfg.loss_conf * l_conf
+        metrics["loss_conf"] = l_conf.item()
+        metrics["conf_mae"] = float((torch.sigmoid(draft.conf_logits.detach().float()) - c_star).abs().mean())
+
+    c_full = torch.zeros(select.shape, device=device)
+    c_full[select] = c_star
+    metrics.update(acceptance_metrics(c_full[valid], select[valid]))
+    metrics.update(loss=loss.item(), n_anchors=float(valid.sum()), n_supervised=float(select.sum()),
+                   token_acc=float((draft.logits.argmax(-1) == labels).float().mean()))
+    return LossOutput(loss, metrics)

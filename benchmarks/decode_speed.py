@@ -1,0 +1,167 @@
+"""Batch-1 decode speed: target-only vs speculative decoding with each drafter, side by side.
+
+    python benchmarks/decode_speed.py --target tiny --quick
+    python benchmarks/decode_speed.py --target smollm2-135m --drafter models:/smollm2-135m-dspark-drafter@latest \
+        --drafter /path/to/dflash_ckpt --prompts 3 --max-new-tokens 128
+    python benchmarks/decode_speed.py --target smollm2-135m --algo dspark --algo eagle3   # untrained drafters
+
+Every mode decodes the same prompts (the first turn of the first `--prompts` lines of each
+`--datasets` file, chat template applied) with the same per-prompt seed. Reported per mode:
+tokens/s (all new tokens over all wall time, prefill included), speedup over target-only, τ
+(accepted + 1 per round), position-wise conditional acceptance, mean draft / verify seconds per
+round. `--drafter` takes any drafter reference (local dir, s3://, runs:/, models:/) and may repeat;
+without one, untrained drafters are built for each `--algo` (τ ≈ 1: a floor, not a result).
+`--scheduler dynamic` verifies the Algorithm-1 prefix (R = 1) on an SPS table profiled at start.
+The last stdout line is one JSON object.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))
+
+from dspark import metrics  # noqa: E402
+from dspark.evaluation import parse_benchmark  # noqa: E402
+from dspark.sampling import SamplingParams  # noqa: E402
+from dspark.scheduler import PrefixScheduler, SchedulerConfig, profile_sps, target_verify_fn  # noqa: E402
+from dspark.specdec import speculative_generate, target_generate  # noqa: E402
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--target", default="tiny", help="tiny | smollm2-135m | model dir | s3:// | hub name")
+    ap.add_argument("--drafter", action="append", default=[], help="trained drafter reference (repeatable)")
+    ap.add_argument("--algo", action="append", default=[], choices=["dspark", "dflash", "eagle3"],
+                    help="untrained drafter to build (repeatable; default all three when no --drafter)")
+    ap.add_argument("--drafter-layers", type=int, default=None, help="layers of untrained drafters")
+    ap.add_argument("--data-dir", default=None, help="eval JSONL dir (default data/eval in the repo, "
+                                                     "else /work/shared/eval_datasets)")
+    ap.add_argument("--datasets", default="gsm8k,humaneval,mt-bench", help="comma-separated JSONL stems")
+    ap.add_argument("--prompts", type=int, default=2, help="prompts per dataset")
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--gamma", type=int, default=None, help="drafts per round (default: drafter block size)")
+    ap.add_argument("--scheduler", choices=["fixed", "dynamic"], default="fixed")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--quick", action="store_true", help="1 prompt per dataset, 24 new tokens, tiny target")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.prompts, args.max_new_tokens = 1, min(args.max_new_tokens, 24)
+    if not args.drafter and not args.algo:
+        args.algo = ["dspark", "dflash", "eagle3"]
+    return args
+
+
+def load_prompts(target, data_dir: str | None, datasets: str, per_dataset: int) -> list[tuple[str, list[int]]]:
+    candidates = [data_dir] if data_dir else [str(REPO_ROOT / "data" / "eval"), "/work/shared/eval_datasets"]
+    base = next((d for d in candidates if d and os.path.isdir(d)), None)
+    if base is None:
+        raise SystemExit(f"no eval data directory found (tried {candidates}); pass --data-dir")
+    prompts = []
+    for name in [s.strip() for s in datasets.split(",") if s.strip()]:
+        path = Path(base) / f"{name}.jsonl"
+        if not path.exists():
+            raise SystemExit(f"{path} not found; pick --datasets from {sorted(p.stem for p in Path(base).glob('*.jsonl'))}")
+        for i, turns in enumerate(parse_benchmark(path.read_text(), str(path))[:per_dataset]):
+            prompts.append((f"{name}/{i}", target.chat_ids([{"role": "user", "content": turns[0]}])))
+    return prompts
+
+
+def load_drafters(args, target) -> dict:
+    from dspark.drafter_source import load_drafter_ref
+    from dspark.drafters import DrafterConfig, build_drafter
+
+    drafters = {}
+    for ref in args.drafter:
+        drafter = load_drafter_ref(ref, target).eval()
+        drafters[f"{drafter.config.algo}:{Path(ref.rstrip('/')).name}"] = drafter
+    for algo in args.algo:
+        extra = {"num_layers": args.drafter_layers} if args.drafter_layers and algo != "eagle3" else {}
+        torch.manual_seed(args.seed)
+        drafters[f"{algo}:untrained"] = build_drafter(DrafterConfig(algo=algo, **extra), target).eval()
+    return drafters
+
+
+def decode_all(prompts, decode) -> list:
+    return [decode(ids, torch.Generator(device="cpu").manual_seed(1000 + i)) for i, (_, ids) in enumerate(prompts)]
+
+
+def mode_summary(results) -> dict:
+    s = metrics.summarize_results(results)
+    rounds = [r for res in results for r in res.rounds]
+    n = max(len(rounds), 1)
+    return {"tokens": s["tokens"], "wall_s": round(s["wall_s"], 4), "tokens_per_s": s["tokens_per_s"],
+            "tau": s["tau"], "mean_verified": s["mean_verified"], "cond_accept": s["cond_accept"],
+            "draft_s_per_round": sum(r.draft_s for r in rounds) / n,
+            "verify_s_per_round": sum(r.verify_s for r in rounds) / n, "rounds": s["rounds"]}
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from dspark.target import load_target
+
+    t0 = time.perf_counter()
+    target = load_target(args.target, device=args.device)
+    drafters = load_drafters(args, target)
+    prompts = load_prompts(target, args.data_dir, args.datasets, args.prompts)
+    sp = SamplingParams(temperature=args.temperature)
+    stops = target.eos_token_ids
+    print(f"target {target.name} ({target.num_layers} layers, vocab {target.vocab_size}) on {args.device}; "
+          f"{len(prompts)} prompts x {args.max_new_tokens} new tokens; modes: target, {', '.join(drafters)}",
+          flush=True)
+
+    verify_len = None
+    sps_points = None
+    if args.scheduler == "dynamic":
+        block = max(d.config.block_size for d in drafters.values())
+        sps = profile_sps(target_verify_fn(target, context_len=128), list(range(1, (args.gamma or block) + 2)))
+        sps_points = sps.to_dict()
+        verify_len = PrefixScheduler(SchedulerConfig(mode="dynamic"), sps).verify_len_hook()
+
+    modes = {"target": lambda ids, gen: target_generate(target, ids, sp, args.max_new_tokens, stops, gen)}
+    for name, drafter in drafters.items():
+        hook = verify_len if (verify_len and drafter.config.algo == "dspark" and drafter.config.confidence_head) else None
+        modes[name] = (lambda d, h: lambda ids, gen: speculative_generate(
+            target, d, ids, sp, args.max_new_tokens, stops, verify_len=h, generator=gen, gamma=args.gamma))(drafter, hook)
+
+    warm = prompts[:1]
+    for decode in modes.values():  # one short warm-up per mode: allocator, kernels, lazy imports
+        decode(warm[0][1], torch.Generator().manual_seed(0))
+
+    summaries = {}
+    for name, decode in modes.items():
+        summaries[name] = mode_summary(decode_all(prompts, decode))
+        print(f"  {name:24s} {summaries[name]['tokens_per_s']:8.2f} tok/s  tau {summaries[name]['tau'] or 1:.2f}",
+              flush=True)
+    base = summaries["target"]["tokens_per_s"]
+    rows = []
+    for name, s in summaries.items():
+        s["speedup"] = s["tokens_per_s"] / base if base else None
+        rows.append({"mode": name, "tok/s": s["tokens_per_s"], "speedup": s["speedup"],
+                     "tau": s["tau"] if name != "target" else 1.0, "verified/round": s["mean_verified"],
+                     "draft ms/round": 1e3 * s["draft_s_per_round"], "verify ms/round": 1e3 * s["verify_s_per_round"]})
+    print("\n" + metrics.markdown_table(rows, floatfmt=".2f"))
+    spec = {k: v for k, v in summaries.items() if k != "target"}
+    print("\nposition-wise conditional acceptance\n" + metrics.markdown_table(metrics.position_rows(spec)))
+    report = {"benchmark": "decode_speed", "target": target.name, "device": args.device,
+              "threads": torch.get_num_threads(), "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
+              "temperature": args.temperature, "gamma": args.gamma, "scheduler": args.scheduler,
+              "sps": sps_points, "modes": summaries, "elapsed_s": round(time.perf_counter() - t0, 2)}
+    print(json.dumps(report, default=float))
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,229 @@
+"""How many drafts of each request to verify: the hardware-aware prefix scheduler (paper §3.2.2,
+Algorithm 1, Appendix A, §5.2) and its baselines.
+
+Modes
+- dynamic:   Algorithm 1. a_{r,j} = Π_{i≤j} c_{r,i}; admit candidates (r, j) in descending a while
+             the expected throughput Θ = τ*·SPS(B) strictly improves; stop at the first Θ ≤ Θ_best.
+- threshold: verify while a_{r,j} ≥ threshold (`threshold_on="prefix"`, the default) or while the
+             conditional confidence c_{r,j} ≥ threshold (`threshold_on="confidence"`).
+- fixed:     verify min(gamma, proposed) drafts of every request (gamma None = all proposed).
+- off:       verify nothing (target-only decoding through the same engine).
+- async_topk: the production variant (§5.2): the batch capacity K comes from an unconstrained
+             global search over the confidences of `lag` (2) steps ago, then the K current
+             candidates with the highest a_{r,j} are verified.
+
+Why these are lossless although the engine sees all γ confidences at once. Speculative decoding
+stays exact if the event "draft k of request r is verified" is independent of x_{r,k} given the
+tokens before it (non-anticipating). The Markov confidence c_{r,k+1} is computed from x_{r,k}, so
+that event may depend on c_{r,1..k} (and on other requests, whose drafts are independent) but never
+on c_{r,k+1..γ}. In Algorithm 1 candidates are visited in descending a; for one request a_{r,j} is
+non-increasing in j and ties are broken by j, so every candidate (r, j') with j' > k comes after
+(r, k). With the early stop, "(r, k) admitted" is decided when (r, k) is visited, from candidates
+visited so far only — so it depends on c_{r,≤k} and never on later confidences. Without the early
+stop the argmax over the whole path lets c_{r,k+1} (i.e. x_{r,k}) decide whether x_{r,k} is verified:
+Appendix A shows this turns a (0.7, 0.3) target into (0.85, 0.15) output. Threshold mode is a
+per-position test of a_{r,≤k} (or c_{r,k}), and async_topk ranks current candidates by a_{r,k} (rank
+of (r, k) depends on a_{r,k} and earlier positions only) with K fixed from old, already verified
+steps — both non-anticipating too.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable, Literal, Sequence
+
+import numpy as np
+
+from dspark.config import StrictModel
+
+
+# ---- the profiled cost table ---------------------------------------------------------------
+@dataclass
+class SPSTable:
+    """Target forward steps per second as a function of tokens per verify batch B.
+
+    Between profiled points the step time (1/SPS) is interpolated linearly; below the smallest
+    point SPS is flat; beyond the largest it grows with the slope of the last two points (or
+    proportionally to B, compute-bound, when that slope is not positive)."""
+
+    points: dict[int, float]
+
+    def __post_init__(self):
+        if not self.points or any(v <= 0 for v in self.points.values()):
+            raise ValueError(f"SPS table needs at least one positive steps/s entry, got {self.points}")
+        self.points = {int(b): float(v) for b, v in sorted(self.points.items())}
+        self._b = np.array(list(self.points), dtype=np.float64)
+        self._t = 1.0 / np.array(list(self.points.values()), dtype=np.float64)
+
+    def step_time(self, batch: float) -> float:
+        b, t = self._b, self._t
+        if batch <= b[-1]:
+            return float(np.interp(batch, b, t))
+        slope = (t[-1] - t[-2]) / (b[-1] - b[-2]) if len(b) > 1 else 0.0
+        if slope <= 0:
+            slope = t[-1] / b[-1]
+        return float(t[-1] + slope * (batch - b[-1]))
+
+    def __call__(self, batch: float) -> float:
+        return 1.0 / self.step_time(batch)
+
+    def to_dict(self) -> dict[str, float]:
+        return {str(b): v for b, v in self.points.items()}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "SPSTable":
+        return cls({int(b): float(v) for b, v in d.items()})
+
+
+def profile_sps(fn: Callable[[int], object], batch_sizes: Sequence[int], repeats: int = 5, warmup: int = 1,
+                sync: Callable[[], None] | None = None) -> SPSTable:
+    """Time fn(B) (one target forward over B tokens) for each B; SPS = 1 / median seconds.
+    Pass `sync` (e.g. torch.cuda.synchronize) on asynchronous devices."""
+    points = {}
+    for batch in batch_sizes:
+        for _ in range(warmup):
+            fn(batch)
+        times = []
+        for _ in range(repeats):
+            if sync:
+                sync()
+            t0 = time.perf_counter()
+            fn(batch)
+            if sync:
+                sync()
+            times.append(time.perf_counter() - t0)
+        points[int(batch)] = 1.0 / max(float(np.median(times)), 1e-9)
+    return SPSTable(points)
+
+
+def target_verify_fn(target, context_len: int = 64, seed: int = 0) -> Callable[[int], None]:
+    """A callable B -> one batch-1 target forward of B new tokens over a cached context of
+    `context_len` tokens (the shape of a verify pass), for `profile_sps`."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    ctx = torch.randint(0, target.vocab_size, (1, context_len), generator=gen).to(target.device)
+    cache = target.new_cache()
+    target.forward(ctx, cache=cache, use_cache=True, logits_at=None)
+
+    def step(batch: int) -> None:
+        ids = torch.randint(0, target.vocab_size, (1, batch), generator=gen).to(target.device)
+        out = target.forward(ids, cache=cache, use_cache=True, logits_at="all")
+        target.crop_cache(out.cache, context_len)
+
+    return step
+
+
+# ---- Algorithm 1 -------------------------------------------------------------------------------
+def prefix_survival(confidences: Sequence[Sequence[float]]) -> list[np.ndarray]:
+    """a_{r,j} = Π_{i≤j} c_{r,i} for each request (rows may differ in length)."""
+    return [np.cumprod(np.asarray(c, dtype=np.float64)) for c in confidences]
+
+
+def _candidates(survival: list[np.ndarray]) -> list[tuple[float, int, int]]:
+    """(a, r, j) with a > 0, descending a; ties by request then position, so (r, j-1) precedes (r, j)."""
+    cands = [(float(a), r, j + 1) for r, row in enumerate(survival) for j, a in enumerate(row) if a > 0]
+    return sorted(cands, key=lambda c: (-c[0], c[1], c[2]))
+
+
+def prefix_schedule(confidences: Sequence[Sequence[float]], sps: Callable[[float], float],
+                    early_stop: bool = True) -> list[int]:
+    """Algorithm 1: per-request verify lengths ℓ_r maximising Θ = τ*·SPS(B) along the greedy path.
+    early_stop=False searches the whole path (NOT lossless on fresh confidences; Appendix A)."""
+    survival = prefix_survival(confidences)
+    n_req = len(survival)
+    if n_req == 0:
+        return []
+    lengths, best_lengths = [0] * n_req, [0] * n_req
+    batch, tau = n_req, float(n_req)  # every request verifies at least its anchor
+    best = tau * sps(batch)
+    for a, r, j in _candidates(survival):
+        lengths[r], batch, tau = j, batch + 1, tau + a
+        theta = tau * sps(batch)
+        if theta > best:
+            best, best_lengths = theta, list(lengths)
+        elif early_stop:
+            break  # the decision for (r, j) uses only candidates visited so far: non-anticipating
+    return best_lengths
+
+
+def expected_throughput(confidences: Sequence[Sequence[float]], lengths: Sequence[int],
+                        sps: Callable[[float], float]) -> float:
+    """Θ = (Σ_r 1 + Σ_{j≤ℓ_r} a_{r,j}) · SPS(Σ_r (1 + ℓ_r))."""
+    survival = prefix_survival(confidences)
+    tau = sum(1 + float(a[:n].sum()) for a, n in zip(survival, lengths))
+    return tau * sps(sum(1 + n for n in lengths))
+
+
+def topk_schedule(confidences: Sequence[Sequence[float]], capacity: int) -> list[int]:
+    """Verify the `capacity` candidates (r, j) with the highest a_{r,j} (prefix-closed by the ordering)."""
+    lengths = [0] * len(confidences)
+    for _, r, j in _candidates(prefix_survival(confidences))[: max(capacity, 0)]:
+        lengths[r] = j
+    return lengths
+
+
+def threshold_schedule(confidences: Sequence[Sequence[float]], threshold: float, on: str = "prefix") -> list[int]:
+    """Leading positions with a_{r,j} ≥ threshold (on="prefix") or c_{r,j} ≥ threshold (on="confidence")."""
+    rows = prefix_survival(confidences) if on == "prefix" else [np.asarray(c, dtype=np.float64) for c in confidences]
+    return [int(np.argmin(np.append(row >= threshold, False))) for row in rows]  # first failing position
+
+
+# ---- the scheduler the engines call ---------------------------------------------------------------
+class SchedulerConfig(StrictModel):
+    mode: Literal["dynamic", "threshold", "fixed", "off", "async_topk"] = "fixed"
+    threshold: float = 0.5
+    threshold_on: Literal["prefix", "confidence"] = "prefix"
+    gamma: int | None = None  # fixed mode: drafts verified per request (None = all proposed)
+    lag: int = 2  # async_topk: capacity from the confidences of `lag` steps ago
+
+
+class PrefixScheduler:
+    """Stateful front end: `schedule(confidences, proposed)` -> verify length per active request."""
+
+    def __init__(self, cfg: SchedulerConfig | None = None, sps: SPSTable | Callable[[float], float] | None = None):
+        self.cfg = cfg or SchedulerConfig()
+        if self.cfg.mode in ("dynamic", "async_topk") and sps is None:
+            raise ValueError(f"scheduler mode {self.cfg.mode!r} needs an SPS table: profile one with "
+                             "profile_sps(target_verify_fn(target), batch_sizes) or pick mode fixed/threshold")
+        self.sps = sps
+        self._history: deque[list[list[float]]] = deque(maxlen=max(self.cfg.lag, 1))
+
+    def schedule(self, confidences: Sequence[Sequence[float] | None], proposed: Sequence[int]) -> list[int]:
+        mode = self.cfg.mode
+        if mode == "off":
+            return [0] * len(proposed)
+        if mode == "fixed":
+            cap = self.cfg.gamma
+            return [p if cap is None else min(cap, p) for p in proposed]
+        if any(c is None for c in confidences):
+            raise ValueError(f"scheduler mode {mode!r} needs confidences: use a DSpark drafter with "
+                             "confidence_head=True, or scheduler mode fixed/off")
+        conf = [list(c)[:p] for c, p in zip(confidences, proposed)]
+        if mode == "threshold":
+            return threshold_schedule(conf, self.cfg.threshold, self.cfg.threshold_on)
+        if mode == "dynamic":
+            return prefix_schedule(conf, self.sps)
+        return self._async_topk(conf)
+
+    def _async_topk(self, conf: list[list[float]]) -> list[int]:
+        """§5.2: K from an unconstrained search over stale confidences (already verified, so they
+        carry no information about the current drafts); until `lag` steps exist, K comes from
+        Algorithm 1 with the early stop on the current ones (lossless either way)."""
+        if len(self._history) == self._history.maxlen:
+            stale = self._history[0]
+            capacity = sum(prefix_schedule(stale, self.sps, early_stop=False))
+        else:
+            capacity = sum(prefix_schedule(conf, self.sps))
+        self._history.append(conf)
+        return topk_schedule(conf, capacity)
+
+    def verify_len_hook(self) -> Callable[[int, object], int]:
+        """Adapter for batch-1 `speculative_generate(..., verify_len=...)`."""
+
+        def hook(_round_idx: int, proposal) -> int:
+            conf = proposal.confidences.tolist() if getattr(proposal, "confidences", None) is not None else None
+            return self.schedule([conf], [int(proposal.tokens.shape[0])])[0]
+
+        return hook

@@ -1,0 +1,88 @@
+"""`dspark` command line: `dspark stack up|down|status`, `dspark target prepare NAME`.
+
+Each command group is a subparser whose handler returns an exit code; errors the user can fix
+are printed as one line (`error: cause; fix`) instead of a traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _stack_up(args) -> int:
+    from dspark import stack
+
+    stack.up(stack.StackConfig.from_env(args.state_dir))
+    return 0
+
+
+def _stack_down(args) -> int:
+    from dspark import stack
+
+    stack.down(stack.StackConfig.from_env(args.state_dir))
+    return 0
+
+
+def _stack_status(args) -> int:
+    from dspark import stack
+
+    report = stack.status(stack.StackConfig.from_env(args.state_dir))
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        for service, info in report.items():
+            state = "healthy" if info["healthy"] else ("running, unhealthy" if info["running"] else "stopped")
+            note = "  (stale pid file)" if info["stale_pid_file"] else ""
+            print(f"{service:7s} {state:19s} pid={info['pid'] or '-':<8} {info['url']}{note}")
+    return 0 if all(info["healthy"] for info in report.values()) else 1
+
+
+def _target_prepare(args) -> int:
+    from dspark.target import load_target
+
+    target = load_target(args.name)
+    path = getattr(target.model, "name_or_path", "") or getattr(target.model.config, "_name_or_path", "")
+    print(path)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dspark", description="DSpark speculative-decoding toolkit")
+    groups = parser.add_subparsers(dest="group", required=True)
+
+    stack_parser = groups.add_parser("stack", help="local S3 + MLflow + Ray stack on 127.0.0.1")
+    stack_parser.add_argument("--state-dir", default=None,
+                              help="state directory (default: $DSPARK_STATE_DIR or <repo>/.dspark)")
+    stack_cmds = stack_parser.add_subparsers(dest="command", required=True)
+    stack_cmds.add_parser("up", help="start (or reuse) the services and write env.sh").set_defaults(func=_stack_up)
+    stack_cmds.add_parser("down", help="stop the services this state dir started").set_defaults(func=_stack_down)
+    status_parser = stack_cmds.add_parser("status", help="report each service (exit 1 unless all healthy)")
+    status_parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    status_parser.set_defaults(func=_stack_status)
+
+    target_parser = groups.add_parser("target", help="target models")
+    target_cmds = target_parser.add_subparsers(dest="command", required=True)
+    prepare = target_cmds.add_parser("prepare", help="build/download a target into the cache and print its path")
+    prepare.add_argument("name", help='"tiny", "smollm2-135m", a local dir, an s3:// dir or a hub name')
+    prepare.set_defaults(func=_target_prepare)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from dspark.stack import StackError
+
+    expected = (StackError, ValueError, FileNotFoundError, PermissionError)  # ConfigError is a ValueError
+    try:
+        return args.func(args)
+    except expected as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

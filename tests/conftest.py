@@ -1,0 +1,60 @@
+"""Shared pytest fixtures.
+
+`local_stack` (session scope, integration): a real SeaweedFS S3 + MLflow + Ray stack on test ports
+in a temporary state dir, its client env applied to os.environ for the session (restored after).
+Run tests that use it under `flock /tmp/dspark-heavy.lock`.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+# Test ports: every derived port (SeaweedFS internals, Ray client/agent) differs from a default
+# stack's and from the ports tests/test_stack.py uses for its own stack.
+LOCAL_STACK_PORTS = {"DSPARK_S3_PORT": "8533", "DSPARK_MLFLOW_PORT": "5200",
+                     "DSPARK_RAY_PORT": "6579", "DSPARK_DASHBOARD_PORT": "8465"}
+
+
+@dataclass
+class LocalStack:
+    state_dir: Path
+    env: dict[str, str]      # the full env.sh contents
+
+    @property
+    def ray_gcs_address(self) -> str:
+        """For in-process `ray.init(address=...)`: RAY_ADDRESS holds the dashboard's HTTP address,
+        which ray.init() rejects, so the fixture leaves RAY_ADDRESS out of os.environ."""
+        return self.env["DSPARK_RAY_GCS_ADDRESS"]
+
+
+@pytest.fixture(scope="session")
+def local_stack():
+    from dspark import stack
+
+    state_dir = Path(tempfile.mkdtemp(prefix="dspark-stack-"))
+    with pytest.MonkeyPatch.context() as patch:
+        for key, value in LOCAL_STACK_PORTS.items():
+            patch.setenv(key, value)
+        patch.setenv("DSPARK_STATE_DIR", str(state_dir))
+        cfg = stack.StackConfig.from_env()
+        try:
+            env = stack.up(cfg, say=lambda msg: None)
+        except BaseException:
+            shutil.rmtree(state_dir, ignore_errors=True)
+            raise
+        try:
+            for key, value in env.items():
+                if key != "RAY_ADDRESS":  # see LocalStack.ray_gcs_address
+                    patch.setenv(key, value)
+            patch.delenv("RAY_ADDRESS", raising=False)
+            yield LocalStack(state_dir=state_dir, env=env)
+        finally:
+            stack.down(cfg, say=lambda msg: None)
+            shutil.rmtree(state_dir, ignore_errors=True)
+            if os.path.isdir(cfg.ray_temp_dir()):
+                shutil.rmtree(cfg.ray_temp_dir(), ignore_errors=True)

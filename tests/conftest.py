@@ -13,6 +13,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
+
+# Tiny-model tests are overhead-bound: one intra-op thread is much faster on 2 shared cores
+# (measured ~50x on micro-model forwards when other processes load the machine).
+torch.set_num_threads(1)
 
 # Test ports: every derived port (SeaweedFS internals, Ray client/agent) differs from a default
 # stack's and from the ports tests/test_stack.py uses for its own stack.

@@ -1,0 +1,142 @@
+"""Resolve a drafter reference to a local checkpoint directory and load it against a target.
+
+Accepted references (the same everywhere a job or the server takes a drafter):
+  /path/to/dir                     a local HF-style dir (config.json + model.safetensors)
+  s3://bucket/prefix               copied once into the storage cache (dspark.storage.local_copy)
+  runs:/<run_id>/<artifact_path>   an MLflow run artifact directory
+  models:/<name>/<version>         a registered model version
+  models:/<name>@<alias>           a registered model alias (`@latest` without such an alias = newest)
+
+Usage:  drafter = load_drafter_ref("models:/tiny-dspark@latest", target)
+MLflow references are resolved to an immutable (run / name+version) key and downloaded once into
+$DSPARK_CACHE/drafters/<key>. Loading against a target raises ValueError (naming the reference) when
+the drafter was trained for another target (name, hidden/vocab size, layer ids).
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+_MODEL_URI = re.compile(r"^models:/(?P<name>[^/@]+)(?:@(?P<alias>[^/]+)|/(?P<version>[^/]+))(?P<path>/.*)?$")
+
+
+@dataclass(frozen=True)
+class DrafterRef:
+    kind: str  # "local" | "s3" | "run" | "model"
+    uri: str
+    model_name: str | None = None  # kind "model": registered model name
+    model_version: str | None = None  # kind "model": version number (after resolve_ref), alias before
+
+
+def parse_ref(ref: str) -> DrafterRef:
+    """Classify a reference without touching the network."""
+    ref = str(ref).strip()
+    if ref.startswith("s3://"):
+        return DrafterRef("s3", ref)
+    if ref.startswith("runs:/"):
+        return DrafterRef("run", ref)
+    if ref.startswith("models:/"):
+        match = _MODEL_URI.match(ref)
+        if not match:
+            raise ValueError(f"drafter reference {ref!r}: expected models:/<name>/<version> or models:/<name>@<alias>")
+        return DrafterRef("model", ref, match["name"], match["version"] or f"@{match['alias']}")
+    if re.match(r"^[a-z][a-z0-9+.-]*://", ref):
+        raise ValueError(f"drafter reference {ref!r}: unsupported scheme; use a local dir, s3://, runs:/ or models:/")
+    return DrafterRef("local", ref)
+
+
+def resolve_ref(ref: str | DrafterRef) -> DrafterRef:
+    """For models:/ references, turn an alias (or `latest`) into a concrete version number."""
+    ref = parse_ref(ref) if isinstance(ref, str) else ref
+    pinned = ref.kind == "model" and not ref.model_version.startswith("@") and ref.model_version != "latest"
+    if ref.kind != "model" or pinned:
+        return ref
+    client = _mlflow_client()
+    alias = ref.model_version.lstrip("@")
+    try:
+        version = str(client.get_model_version_by_alias(ref.model_name, alias).version)
+    except Exception as err:  # noqa: BLE001 - MLflow raises RestException / MlflowException
+        if alias != "latest":
+            raise ValueError(f"drafter reference {ref.uri!r}: {err}") from None
+        versions = client.search_model_versions(f"name='{ref.model_name}'")
+        if not versions:
+            raise ValueError(f"drafter reference {ref.uri!r}: registered model {ref.model_name!r} "
+                             f"has no versions") from None
+        version = str(max(int(v.version) for v in versions))  # no `latest` alias: the newest version
+    suffix = _MODEL_URI.match(ref.uri)["path"] or ""
+    return DrafterRef("model", f"models:/{ref.model_name}/{version}{suffix}", ref.model_name, version)
+
+
+def local_dir(ref: str | DrafterRef) -> str:
+    """A local directory holding the drafter checkpoint (downloading and caching when needed)."""
+    ref = resolve_ref(ref)
+    if ref.kind == "local":
+        if not os.path.isdir(ref.uri):
+            raise FileNotFoundError(f"drafter directory not found: {ref.uri}")
+        return _checkpoint_dir(ref.uri, ref.uri)
+    if ref.kind == "s3":
+        from dspark import storage
+
+        return _checkpoint_dir(storage.local_copy(ref.uri), ref.uri)
+    cached = _cache_root() / hashlib.sha256(ref.uri.encode()).hexdigest()[:20]
+    if not cached.is_dir():
+        _download_mlflow(ref.uri, cached)
+    return _checkpoint_dir(str(cached), ref.uri)
+
+
+def load_drafter_ref(ref: str, target=None):
+    """Resolve `ref`, load the drafter (attached to `target` when given) and check it fits the target."""
+    from dspark.drafters import load_drafter
+
+    try:
+        return load_drafter(local_dir(ref), target)  # checks target name, sizes and layer ids
+    except ValueError as err:
+        raise ValueError(f"drafter {ref}: {err}") from None
+
+
+# ---- helpers ---------------------------------------------------------------------------------------
+def _cache_root() -> Path:
+    return Path(os.environ.get("DSPARK_CACHE", Path.home() / ".cache" / "dspark")) / "drafters"
+
+
+def _mlflow_client():
+    import mlflow
+
+    from dspark import tracking
+
+    mlflow.set_tracking_uri(tracking.tracking_uri())  # MLFLOW_TRACKING_URI or the local default store
+    return mlflow.MlflowClient()
+
+
+def _download_mlflow(uri: str, dest: Path) -> None:
+    """Download into a temp dir next to `dest`, then rename (a half-downloaded dir is never visible)."""
+    import mlflow
+
+    _mlflow_client()
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = tempfile.mkdtemp(dir=dest.parent, prefix=".download-")
+    try:
+        mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=tmp)
+        os.rename(tmp, dest)
+    except OSError:
+        if not dest.is_dir():  # a concurrent download that won the rename is fine
+            raise
+    except Exception as err:
+        raise FileNotFoundError(f"cannot download drafter {uri}: {err}") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _checkpoint_dir(path: str, label: str) -> str:
+    """The directory that holds config.json: `path` itself or its single sub-directory that does."""
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return path
+    found = sorted(str(p.parent) for p in Path(path).glob("*/config.json"))
+    if len(found) == 1:
+        return found[0]
+    raise FileNotFoundError(f"drafter {label}: no config.json in {path} (expected a dir saved by save_drafter)")

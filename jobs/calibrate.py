@@ -1,0 +1,276 @@
+"""Calibrate a DSpark drafter's confidence head with Sequential Temperature Scaling (paper §3.2.1).
+
+    python -m jobs.calibrate --config configs/calibrate/tiny.yaml [--set drafter=models:/x@latest ...]
+
+1. Decode held-out prompts (rows with split == "holdout" of a jobs.generate output, or a
+   {"turns": [...]} JSONL file) with real speculative decoding, every draft verified, the drafter's
+   calibration switched off: each round gives raw confidences c_1..c_γ and its accepted length.
+2. Fit T_1..T_γ left to right (dspark.calibration.fit_sts: ECE of the cumulative product).
+3. Save a NEW drafter checkpoint with the temperatures under `output`/drafter (the source is never
+   written), log it to MLflow and, when the source is a registered model (or `registered_model` is
+   set), register it as a new version with `aliases`.
+4. Report per position: ECE before/after, ROC-AUC, Brier, temperature (report.json, report.md,
+   reliability diagrams as PNG), printed as a Markdown table.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import tempfile
+
+import numpy as np
+from pydantic import field_validator, model_validator
+
+from dspark import calibration as cal
+from dspark import evaluation as ev
+from dspark import metrics
+from dspark.config import StrictModel
+from jobs.common import RayConfig, TrackingConfig, load_job_config, tracked_run
+from jobs.evaluate import WorkersConfig, decode_items, worker_spec
+
+log = logging.getLogger("dspark.calibrate")
+DRAFTER_NAME = "drafter"
+
+
+class CalibrationData(StrictModel):
+    rollouts: str | None = None  # a jobs.generate output (local dir or s3:// prefix)
+    split: str = "holdout"  # rollout rows used (never the training split)
+    prompts: str | None = None  # or a {"turns": [...]} JSONL file (local or s3://)
+    max_prompts: int | None = 64
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "CalibrationData":
+        if (self.rollouts is None) == (self.prompts is None):
+            raise ValueError("set exactly one of data.rollouts (a jobs.generate output) or data.prompts (a JSONL file)")
+        return self
+
+
+class CalibrateConfig(StrictModel):
+    target: str = "tiny"
+    drafter: str  # local dir | s3:// | runs:/<run_id>/<path> | models:/<name>/<version> | models:/<name>@<alias>
+    data: CalibrationData
+    seed: int = 0
+    decode: ev.DecodeSettings = ev.DecodeSettings()
+    n_bins: int = 15  # equal-width ECE bins
+    min_rounds: int = 100  # fewer calibration rounds than this -> a warning (noisy temperatures)
+    output: str = "results/calibrate"  # report + the new drafter under <output>/drafter (local or s3://)
+    registered_model: str | None = None  # register under this name; None -> the source's name if models:/
+    aliases: list[str] = ["calibrated"]  # aliases moved to the new registered version
+    workers: WorkersConfig = WorkersConfig()
+    ray: RayConfig = RayConfig()
+    tracking: TrackingConfig = TrackingConfig(experiment="dspark-calibrate")
+
+    @field_validator("decode")
+    @classmethod
+    def _full_block(cls, value: ev.DecodeSettings) -> ev.DecodeSettings:
+        if value.gamma is not None:
+            raise ValueError("decode.gamma must stay null: temperatures are fitted for every position of the "
+                             "drafter's block (block_size)")
+        return value
+
+
+# ---- held-out prompts ------------------------------------------------------------------------------
+def rollout_prompts(uri: str, split: str) -> list[tuple[str | None, list[str]]]:
+    """(system, user turns) of every rollout row in `split`."""
+    from pipelines.rollout import read_rollouts
+
+    rows = read_rollouts(uri).to_pylist()
+    if not rows:
+        raise FileNotFoundError(f"no committed rollout rows under {uri}; run jobs.generate first")
+    prompts = []
+    for row in rows:
+        if row["split"] != split:
+            continue
+        system = next((m["content"] for m in row["messages"] if m["role"] == "system"), None)
+        turns = [m["content"] for m in row["messages"] if m["role"] == "user"]
+        if turns:
+            prompts.append((system, turns))
+    if not prompts:
+        raise ValueError(f"rollouts {uri} have no rows with split == {split!r}; regenerate them with "
+                         f"holdout_fraction > 0 or point data.prompts at a held-out JSONL file")
+    return prompts
+
+
+def load_prompts(data: CalibrationData) -> list[tuple[str | None, list[str]]]:
+    if data.rollouts:
+        prompts = rollout_prompts(data.rollouts, data.split)
+    else:
+        from dspark import storage
+
+        try:
+            text = storage.read_text(data.prompts)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"calibration prompts file not found: {data.prompts}") from None
+        prompts = [(None, turns) for turns in ev.parse_benchmark(text, data.prompts)]
+    return prompts[: data.max_prompts]
+
+
+# ---- fitting and the report ---------------------------------------------------------------------------
+def fit(rounds, n_bins: int) -> tuple[cal.STSResult, dict]:
+    """STS on raw-confidence rounds; also the per-position (raw, calibrated) prefix-survival arrays."""
+    conf, accepted, verified = cal.rounds_to_arrays(rounds)
+    result = cal.fit_sts(conf, accepted, verified, n_bins=n_bins)
+    raw = np.cumprod(conf, axis=1)  # a_k = Π_{i≤k} c_i
+    calibrated = np.cumprod(cal.apply_sts(conf, result.temperatures), axis=1)
+    curves = {}
+    for k in range(1, conf.shape[1] + 1):
+        rows = verified >= k
+        label = (accepted[rows] >= k).astype(float)
+        curves[k] = {"before": (raw[rows, k - 1], label), "after": (calibrated[rows, k - 1], label)}
+    return result, curves
+
+
+def report_rows(result: cal.STSResult) -> list[dict]:
+    keys = ("k", "n", "temperature", "survival", "ece_before", "ece_after", "auc_after", "cond_auc",
+            "brier_before", "brier_after")
+    return [{key: p[key] for key in keys} for p in result.positions]
+
+
+def json_safe(value):
+    """NaN/inf (e.g. ROC-AUC of a position with one class only) -> None, so the JSON stays standard."""
+    if isinstance(value, float):
+        return value if np.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
+
+
+def write_report(result: cal.STSResult, curves: dict, info: dict, out_dir: str, n_bins: int) -> dict[str, str]:
+    """report.json, report.md and reliability_k{k}.png in a local dir; returns {name: path}."""
+    rows = report_rows(result)
+    report = {**info, "temperatures": result.temperatures, "positions": result.positions, "summary": result.summary()}
+    md = "\n\n".join([f"## STS calibration of {info['source']}",
+                      metrics.markdown_table(rows, floatfmt=".3f"),
+                      metrics.markdown_table([{k: v for k, v in report["summary"].items()}], floatfmt=".4f")])
+    paths = {"report.json": os.path.join(out_dir, "report.json"), "report.md": os.path.join(out_dir, "report.md")}
+    with open(paths["report.json"], "w") as f:
+        json.dump(json_safe(report), f, indent=2)
+    with open(paths["report.md"], "w") as f:
+        f.write(md + "\n")
+    for k, pair in curves.items():
+        if len(pair["before"][1]):
+            name = f"reliability_k{k}.png"
+            paths[name] = cal.write_reliability_diagram(os.path.join(out_dir, name), pair, n_bins,
+                                                        title=f"prefix survival, position {k}")
+    return paths
+
+
+# ---- the new drafter version ----------------------------------------------------------------------------
+def register_version(run_id: str, name: str, aliases: list[str], source: str) -> str:
+    """Register the run's `drafter` artifacts as a new version of `name` and move `aliases` to it.
+    (MLflow 3's register_model wants an MLmodel or a logged model; a plain checkpoint directory is
+    registered with create_model_version on its runs:/ URI.)"""
+    import mlflow
+
+    client = mlflow.MlflowClient()
+    try:
+        client.create_registered_model(name)
+    except mlflow.exceptions.MlflowException as err:
+        if err.error_code not in ("RESOURCE_ALREADY_EXISTS", "ALREADY_EXISTS"):
+            raise
+    version = client.create_model_version(name, f"runs:/{run_id}/{DRAFTER_NAME}", run_id,
+                                          description=f"STS-calibrated from {source}").version
+    for alias in aliases:
+        client.set_registered_model_alias(name, alias, version)
+    return str(version)
+
+
+def log_report(paths: dict[str, str], result: cal.STSResult, n_rounds: int) -> None:
+    from dspark import tracking
+
+    for name, path in paths.items():
+        tracking.log_artifact(path, "reliability" if name.endswith(".png") else None)
+    keys = ("temperature", "ece_before", "ece_after", "auc_after", "brier_before", "brier_after")
+    tracking.log_metrics({f"{key}.k{p['k']}": p[key] for p in result.positions for key in keys})
+    tracking.log_metrics({f"mean.{k}": v for k, v in result.summary().items()} | {"rounds": n_rounds})
+
+
+def publish_drafter(drafter, new_uri: str, tmp: str, run_id: str | None, model_name: str | None,
+                    aliases: list[str], source: str) -> dict | None:
+    """Save the calibrated drafter to `new_uri`, log it to the run and register it; returns the registration."""
+    import shutil
+
+    from dspark import storage
+    from dspark.drafters import save_drafter
+
+    saved = save_drafter(drafter, os.path.join(tmp, DRAFTER_NAME))
+    if storage.is_s3(new_uri):
+        storage.upload_dir(saved, new_uri)
+    else:
+        shutil.copytree(saved, new_uri, dirs_exist_ok=True)
+    if not run_id:
+        if model_name:
+            log.warning("tracking is disabled: the calibrated drafter was not registered as %s", model_name)
+        return None
+    from dspark import tracking
+
+    tracking.log_artifact(saved, DRAFTER_NAME)
+    if not model_name:
+        return None
+    return {"name": model_name, "aliases": aliases, "version": register_version(run_id, model_name, aliases, source)}
+
+
+def run(cfg: CalibrateConfig) -> dict:
+    from dspark import storage
+    from dspark.drafter_source import load_drafter_ref, local_dir, resolve_ref
+    from dspark.target import load_target
+
+    storage.check_writable(cfg.output)
+    new_uri = storage.join(cfg.output, DRAFTER_NAME)
+    pinned = resolve_ref(cfg.drafter)  # an alias resolves once: the report names the exact source version
+    if not storage.is_s3(new_uri) and os.path.realpath(new_uri) == os.path.realpath(local_dir(pinned)):
+        raise ValueError(f"output {cfg.output} would overwrite the source drafter; choose another output")
+    drafter = load_drafter_ref(pinned.uri, load_target(cfg.target))
+    if drafter.config.algo != "dspark" or not drafter.config.confidence_head:
+        raise ValueError(f"drafter {cfg.drafter} ({drafter.config.algo}) has no confidence head; STS calibrates "
+                         f"DSpark drafters built with confidence_head=true")
+    prompts = load_prompts(cfg.data)
+    items = [{"benchmark": "calibration", "index": i, "turns": turns, "system": system,
+              "modes": [ev.Mode(DRAFTER_NAME)]} for i, (system, turns) in enumerate(prompts)]
+    spec = worker_spec(cfg.target, {DRAFTER_NAME: pinned.uri}, cfg.decode, cfg.seed, cfg.workers, raw_confidences=True)
+    model_name = cfg.registered_model or (pinned.model_name if pinned.kind == "model" else None)
+    with tracked_run(cfg.tracking, cfg, f"calibrate-{cfg.target}") as run_id:
+        convs = decode_items(items, spec, cfg.workers, cfg.ray, desc="calibration prompts")
+        rounds = [r for c in convs if c.error is None for t in c.turns for r in t.rounds]
+        if len(rounds) < cfg.min_rounds:
+            log.warning("only %d calibration rounds (< min_rounds=%d): temperatures will be noisy; add held-out "
+                        "prompts or raise decode.max_new_tokens", len(rounds), cfg.min_rounds)
+        result, curves = fit(rounds, cfg.n_bins)
+        drafter.calibration = [float(t) for t in result.temperatures]
+        info = {"source": cfg.drafter, "source_pinned": pinned.uri, "calibrated_drafter": new_uri,
+                "prompts": len(prompts), "rounds": len(rounds), "failed_prompts": [c.error for c in convs if c.error],
+                "mlflow_run_id": run_id}
+        with tempfile.TemporaryDirectory(prefix="dspark-calib-") as tmp:
+            info["registered"] = publish_drafter(drafter, new_uri, tmp, run_id, model_name, cfg.aliases, pinned.uri)
+            paths = write_report(result, curves, info, tmp, cfg.n_bins)
+            for name, path in paths.items():
+                with open(path, "rb") as f:
+                    storage.write_bytes(storage.join(cfg.output, name), f.read())
+            if run_id:
+                log_report(paths, result, len(rounds))
+    print(metrics.markdown_table(report_rows(result), floatfmt=".3f"))
+    print(json.dumps(json_safe({"calibrated_drafter": new_uri, "registered": info["registered"], **result.summary()})))
+    return json_safe({**info, "temperatures": result.temperatures, "positions": result.positions,
+                      "summary": result.summary()})
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    cfg = load_job_config(CalibrateConfig, argv, "Fit STS temperatures of a DSpark drafter's confidence head.")
+    from dspark.storage import StorageError
+    from dspark.tracking import TrackingError
+
+    try:
+        run(cfg)
+    except (ValueError, FileNotFoundError, StorageError, TrackingError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,280 @@
+"""Closed-loop load against the Ray Serve endpoint: throughput vs per-user speed for each scheduler.
+
+    python benchmarks/serve_load.py                                  # smollm2-135m + its trained DSpark drafter
+    python benchmarks/serve_load.py --drafter /path/to/drafter_dir   # any drafter reference
+    python benchmarks/serve_load.py --tiny [--drafter models:/tiny-dspark-drafter@latest]
+    python benchmarks/serve_load.py --quick                          # tiny target, few requests (minutes)
+
+For each scheduler mode (off / fixed / threshold / dynamic) the app is (re)deployed on a local Ray
+Serve (the replica gets every CPU of the local Ray, profiles SPS(B) at start for `dynamic`); then for
+each concurrency c (1, 4, 16, 64) c users each send `--requests-per-user` chat requests back to back
+(closed loop: a user's next request starts when its previous one returns). Prompts are the first turns
+of the eval JSONL files (data/eval in the repo). Every request asks for exactly `--max-tokens` tokens
+(`ignore_eos`), at temperature 1.0.
+
+Reported per (mode, c): aggregate tokens/s (all completion tokens over the wall time of the load),
+per-user tokens/s (mean over requests of completion tokens / request latency), mean verify budget
+(drafts verified per request per round, from the responses' spec_decode), τ (mean accepted length)
+and the engine's mean tokens per verify forward (B). A PNG plots aggregate vs per-user speed, one
+line per mode (the paper's Fig. 7). The last stdout line is one JSON object.
+
+With --quick and no --drafter (or when the tiny drafter cannot be resolved), an untrained DSpark
+drafter is built: τ ≈ 1, so the numbers only exercise the machinery (expect dynamic ≈ off there).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))
+
+MODES = ("off", "fixed", "threshold", "dynamic")
+DEFAULT_DRAFTER = {"smollm2-135m": "models:/smollm2-135m-dspark-drafter@latest",
+                   "tiny": "models:/tiny-dspark-drafter@latest"}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--target", default="smollm2-135m", help="smollm2-135m | tiny | model dir | s3:// dir")
+    ap.add_argument("--tiny", action="store_true", help="use the built-in tiny target (and its tiny drafter)")
+    ap.add_argument("--drafter", default=None, help="drafter reference: dir | s3:// | runs:/ | models:/ "
+                                                    "(default: the target's registered DSpark drafter)")
+    ap.add_argument("--modes", default=",".join(MODES), help="comma-separated scheduler modes")
+    ap.add_argument("--concurrency", default="1,4,16,64", help="comma-separated numbers of concurrent users")
+    ap.add_argument("--requests-per-user", type=int, default=3)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--threshold", type=float, default=0.5, help="threshold mode: prefix-survival threshold")
+    ap.add_argument("--gamma", type=int, default=None, help="drafts per round (default: drafter block size)")
+    ap.add_argument("--data-dir", default=None, help="eval JSONL dir (default data/eval, else /work/shared/eval_datasets)")
+    ap.add_argument("--num-cpus", type=int, default=os.cpu_count(), help="CPUs of the local Ray (all go to the replica)")
+    ap.add_argument("--port", type=int, default=None, help="Serve HTTP port (default: a free one)")
+    ap.add_argument("--out", default="results/serve_load", help="directory for the PNG and the JSON")
+    ap.add_argument("--quick", action="store_true", help="tiny target, 24 tokens, 1 request per user")
+    args = ap.parse_args(argv)
+    if args.quick or args.tiny:
+        args.target = "tiny"
+    if args.quick:
+        args.max_tokens, args.requests_per_user = min(args.max_tokens, 24), 1
+    return args
+
+
+# ---- prompts and the drafter ------------------------------------------------------------------------------
+def load_prompts(data_dir: str | None) -> list[str]:
+    candidates = [data_dir] if data_dir else [str(REPO_ROOT / "data" / "eval"), "/work/shared/eval_datasets"]
+    for d in candidates:
+        files = sorted(Path(d).glob("*.jsonl")) if d and Path(d).is_dir() else []
+        prompts = [json.loads(line)["turns"][0] for f in files for line in f.read_text().splitlines() if line.strip()]
+        if prompts:
+            return prompts
+    raise SystemExit(f"error: no eval prompts found in {candidates}; pass --data-dir")
+
+
+def resolve_drafter(args) -> tuple[str, str]:
+    """(local drafter dir, label). Falls back to an untrained drafter only with --quick."""
+    from dspark import drafter_source
+
+    ref = args.drafter or DEFAULT_DRAFTER.get(args.target)
+    if ref:
+        try:
+            return drafter_source.local_dir(ref), ref
+        except Exception as err:  # noqa: BLE001 — reported below or replaced in quick mode
+            if not args.quick:
+                raise SystemExit(f"error: cannot resolve drafter {ref!r}: {err}. Train one (jobs.train / "
+                                 f"jobs.demo) or pass --drafter, or use --quick for an untrained one") from None
+            print(f"[serve_load] drafter {ref!r} unavailable ({err}); using an untrained drafter", file=sys.stderr)
+    import torch
+
+    from dspark.drafters import DrafterConfig, build_drafter, save_drafter
+    from dspark.target import load_target
+
+    torch.manual_seed(0)
+    drafter = build_drafter(DrafterConfig(algo="dspark", block_size=args.gamma or 4, num_layers=1),
+                            load_target(args.target))
+    path = os.path.join(tempfile.mkdtemp(prefix="serve-load-drafter-"), "untrained")
+    save_drafter(drafter, path)
+    return path, "untrained"
+
+
+# ---- deployment ------------------------------------------------------------------------------------------
+def serve_config(args, drafter_dir: str, mode: str, max_users: int):
+    from dspark.serve_app import ServeConfig
+
+    return ServeConfig.model_validate({
+        "model": {"target": args.target, "drafter": drafter_dir, "served_name": "bench"},
+        "engine": {"scheduler": {"mode": mode, "threshold": args.threshold}, "gamma": args.gamma,
+                   "max_batch": max_users, "max_waiting": 4 * max_users, "max_model_len": 2048,
+                   "sps_repeats": 1 if args.quick else 3,
+                   "sps_batch_sizes": [1, 2, 4, 8, 16, 32, 64, 128, 256, 512][: 8 if args.quick else 10]},
+        "api": {"max_tokens_limit": max(args.max_tokens, 16), "api_key_env": "DSPARK_BENCH_UNUSED_KEY"},
+        "deployment": {"name": "dspark-bench", "num_cpus": args.num_cpus, "torch_threads": args.num_cpus,
+                       "max_ongoing_requests": 8 * max_users, "max_queued_requests": 8 * max_users},
+    })
+
+
+def deploy(cfg, url: str) -> dict:
+    import httpx
+    from ray import serve
+
+    from dspark.serve_app import deployment_for
+
+    if cfg.deployment.name in serve.status().applications:  # free the CPUs before the next replica starts
+        serve.delete(cfg.deployment.name)
+    serve.run(deployment_for(cfg), name=cfg.deployment.name, route_prefix="/", blocking=False)
+    deadline = time.time() + 900
+    while time.time() < deadline:
+        try:
+            resp = httpx.get(f"{url}/healthz", timeout=10)
+            if resp.status_code == 200 and resp.json().get("mode") == cfg.engine.scheduler.mode:
+                return resp.json()
+        except httpx.HTTPError:
+            pass
+        time.sleep(1.0)
+    raise SystemExit(f"error: the {cfg.engine.scheduler.mode} deployment did not become healthy")
+
+
+# ---- closed-loop load --------------------------------------------------------------------------------------
+async def closed_loop(url: str, prompts: list[str], users: int, per_user: int, max_tokens: int) -> dict:
+    import httpx
+
+    records, errors = [], []
+
+    async def user(u: int, client: httpx.AsyncClient) -> None:
+        for k in range(per_user):
+            prompt = prompts[(u * per_user + k) % len(prompts)]
+            body = {"model": "bench", "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+                    "temperature": 1.0, "ignore_eos": True}
+            t0 = time.perf_counter()
+            resp = await client.post("/v1/chat/completions", json=body)
+            latency = time.perf_counter() - t0
+            if resp.status_code != 200:
+                errors.append(f"{resp.status_code}: {resp.text[:200]}")
+                continue
+            out = resp.json()
+            records.append({"latency": latency, "tokens": out["usage"]["completion_tokens"], **out["spec_decode"]})
+
+    limits = httpx.Limits(max_connections=users + 4, max_keepalive_connections=users + 4)
+    async with httpx.AsyncClient(base_url=url, timeout=3600, limits=limits) as client:
+        before = (await client.get("/v1/stats")).json()["totals"]
+        t0 = time.perf_counter()
+        await asyncio.gather(*(user(u, client) for u in range(users)))
+        wall = time.perf_counter() - t0
+        after = (await client.get("/v1/stats")).json()["totals"]
+    return summarize(records, errors, wall, users, before, after)
+
+
+def summarize(records: list[dict], errors: list[str], wall: float, users: int, before: dict, after: dict) -> dict:
+    tokens = sum(r["tokens"] for r in records)
+    rounds = sum(r["rounds"] for r in records)
+    verified = sum(r["draft_tokens_verified"] for r in records)
+    accepted = sum(r["draft_tokens_accepted"] for r in records)
+    steps = after["steps"] - before["steps"]
+    return {
+        "concurrency": users, "requests": len(records), "errors": len(errors), "error_samples": errors[:3],
+        "completion_tokens": tokens, "wall_s": round(wall, 3),
+        "agg_tokens_per_s": tokens / wall if wall > 0 else None,
+        "per_user_tokens_per_s": (sum(r["tokens"] / r["latency"] for r in records) / len(records)) if records else None,
+        "mean_latency_s": sum(r["latency"] for r in records) / len(records) if records else None,
+        "mean_verify_budget": verified / rounds if rounds else None,
+        "mean_accepted_length": (accepted + rounds) / rounds if rounds else None,
+        "mean_batch_tokens": (after["batch_tokens"] - before["batch_tokens"]) / steps if steps else None,
+    }
+
+
+# ---- plot ------------------------------------------------------------------------------------------------------
+def plot(results: list[dict], path: Path, title: str) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 5))
+    for mode in dict.fromkeys(r["mode"] for r in results):
+        rows = sorted((r for r in results if r["mode"] == mode and r["agg_tokens_per_s"]), key=lambda r: r["concurrency"])
+        xs, ys = [r["per_user_tokens_per_s"] for r in rows], [r["agg_tokens_per_s"] for r in rows]
+        ax.plot(xs, ys, marker="o", label=mode)
+        for r, x, y in zip(rows, xs, ys):
+            ax.annotate(f"c={r['concurrency']}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+    ax.set_xlabel("per-user speed (tokens/s/user)")
+    ax.set_ylabel("aggregate throughput (tokens/s)")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(title="scheduler")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return str(path)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    modes = [m for m in args.modes.split(",") if m]
+    unknown = set(modes) - set(MODES) - {"async_topk"}
+    if unknown:
+        raise SystemExit(f"error: unknown modes {sorted(unknown)}; choose from {MODES + ('async_topk',)}")
+    levels = [int(c) for c in args.concurrency.split(",") if c]
+    prompts = load_prompts(args.data_dir)
+    drafter_dir, drafter_label = resolve_drafter(args)
+
+    from jobs.common import RayConfig, init_ray
+    from ray import serve
+
+    init_ray(RayConfig(num_cpus=args.num_cpus))
+    port = args.port or _free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    url = f"http://127.0.0.1:{port}"
+    results, tables = [], {}
+    try:
+        for mode in modes:
+            health = deploy(serve_config(args, drafter_dir, mode, max(levels)), url)
+            tables[mode] = health.get("sps_table")
+            asyncio.run(closed_loop(url, prompts, 2, 1, min(8, args.max_tokens)))  # warm-up
+            for users in levels:
+                row = {"mode": mode, **asyncio.run(closed_loop(url, prompts, users, args.requests_per_user,
+                                                               args.max_tokens))}
+                results.append(row)
+                print(f"[serve_load] {mode:>9} c={users:<3} agg {row['agg_tokens_per_s'] or 0:7.1f} tok/s  "
+                      f"per-user {row['per_user_tokens_per_s'] or 0:6.2f} tok/s  budget "
+                      f"{row['mean_verify_budget'] if row['mean_verify_budget'] is not None else float('nan'):.2f}  "
+                      f"tau {row['mean_accepted_length'] or float('nan'):.2f}  errors {row['errors']}",
+                      file=sys.stderr, flush=True)
+    finally:
+        serve.shutdown()
+        import ray
+
+        ray.shutdown()
+    out = Path(args.out)
+    png = plot(results, out / "serve_load.png",
+               f"{args.target} + {drafter_label}: closed-loop load, {args.max_tokens} tokens/request")
+    best_other = {}
+    for users in levels:
+        by_mode = {r["mode"]: r["agg_tokens_per_s"] or 0.0 for r in results if r["concurrency"] == users}
+        if "dynamic" in by_mode:
+            others = {m: v for m, v in by_mode.items() if m != "dynamic"}
+            best_other[str(users)] = {"dynamic": by_mode["dynamic"], "best_other": max(others.values(), default=None),
+                                      "best_other_mode": max(others, key=others.get) if others else None}
+    report = {"benchmark": "serve_load", "target": args.target, "drafter": drafter_label, "modes": modes,
+              "concurrency": levels, "max_tokens": args.max_tokens, "requests_per_user": args.requests_per_user,
+              "num_cpus": args.num_cpus, "sps_tables": tables, "results": results,
+              "dynamic_vs_best_other": best_other, "plot": png}
+    (out / "serve_load.json").write_text(json.dumps(report, indent=2))
+    print(json.dumps(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

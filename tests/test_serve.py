@@ -1,0 +1,318 @@
+"""OpenAI-compatible HTTP API on the built-in `tiny` target.
+
+In-process tests (FastAPI TestClient, engine in its background thread, no Ray): every bad input gets
+its 400 naming the field, 401 without the API key, 429 on a full queue, 503 when the engine is
+unhealthy, well-formed SSE, greedy HTTP output == target-only output, stop strings.
+
+Integration tests (`-m integration`, one real Ray Serve deployment for the module, run under
+`flock /tmp/dspark-heavy.lock`): 32 concurrent requests complete, bad inputs through the Serve proxy,
+SSE streaming, the API key, and the `openai` client.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import time
+
+import httpx
+import pytest
+import torch
+
+from dspark.drafters import DrafterConfig, build_drafter, save_drafter
+from dspark.engine import Engine, EngineConfig
+from dspark.sampling import SamplingParams
+from dspark.scheduler import SchedulerConfig
+from dspark.serve_app import OpenAIService, ServeConfig, TextAssembler, build_app, make_app
+from dspark.specdec import target_generate
+from dspark.target import load_target
+
+KEY_ENV = "DSPARK_TEST_API_KEY"
+CHAT = {"messages": [{"role": "user", "content": "what is the sum"}], "max_tokens": 8}
+BAD_INPUTS = [  # (route, body, param named in the error)
+    ("chat", b"{not json", None),
+    ("chat", [1, 2], None),
+    ("chat", {"messages": []}, "messages"),
+    ("chat", {"messages": "hi"}, "messages"),
+    ("chat", {"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
+    ("chat", {**CHAT, "model": "gpt-4"}, "model"),
+    ("chat", {**CHAT, "max_tokens": 0}, "max_tokens"),
+    ("chat", {**CHAT, "max_tokens": -3}, "max_tokens"),
+    ("chat", {**CHAT, "max_tokens": 10_000}, "max_tokens"),
+    ("chat", {**CHAT, "temperature": -0.5}, "temperature"),
+    ("chat", {**CHAT, "top_p": 0}, "top_p"),
+    ("chat", {**CHAT, "top_p": 1.5}, "top_p"),
+    ("chat", {**CHAT, "n": 3}, "n"),
+    ("chat", {"messages": [{"role": "user", "content": "the a of " * 200}]}, "messages"),
+    ("completions", {"prompt": ""}, "prompt"),
+    ("completions", {"prompt": []}, "prompt"),
+    ("completions", {"prompt": [1, 2, 99999]}, "prompt"),
+    ("completions", {"prompt": "the a of " * 200}, "prompt"),
+]
+ROUTES = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
+
+
+def _serve_config(drafter_dir: str, **engine) -> ServeConfig:
+    return ServeConfig.model_validate({
+        "model": {"target": "tiny", "drafter": drafter_dir, "served_name": "dspark-tiny"},
+        "engine": {"scheduler": {"mode": "dynamic"}, "max_model_len": 256, "max_batch": 32,
+                   "sps_table": {1: 300.0, 32: 100.0, 256: 20.0}, **engine},
+        "api": {"api_key_env": KEY_ENV, "max_tokens_limit": 64, "default_max_tokens": 16},
+    })
+
+
+def _post(client, route, body, **kw):
+    if isinstance(body, bytes):
+        return client.post(ROUTES[route], content=body, headers={"content-type": "application/json", **kw})
+    return client.post(ROUTES[route], json=body, headers=kw)
+
+
+def _check_bad_input(resp, param):
+    assert resp.status_code == 400, resp.text
+    err = resp.json()["error"]
+    assert err["param"] == param and err["message"]
+    if param:
+        assert param.split(".")[0] in err["message"]
+
+
+def _sse_events(lines) -> list:
+    """Parse an SSE body strictly: 'data: <json>' events separated by blank lines, ending with [DONE]."""
+    lines = [ln for ln in lines]
+    events = []
+    for i in range(0, len(lines), 2):
+        assert lines[i].startswith("data: "), lines[i]
+        assert i + 1 < len(lines) and lines[i + 1] == "", "each event ends with a blank line"
+        events.append(lines[i][6:])
+    assert events and events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+# ---- in-process -------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the tiny target is overhead-bound; more threads only contend
+    target = load_target("tiny")
+    torch.manual_seed(0)
+    yield target, build_drafter(DrafterConfig(algo="dspark", block_size=4, num_layers=1), target)
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def drafter_dir(tiny, tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("drafter") / "tiny-dspark")
+    save_drafter(tiny[1], path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def client(tiny, drafter_dir):
+    from fastapi.testclient import TestClient
+
+    cfg = _serve_config(drafter_dir)
+    engine = Engine(*tiny, cfg.engine).start()
+    with TestClient(make_app(OpenAIService(engine, cfg))) as c:
+        yield c
+    engine.stop()
+
+
+@pytest.mark.parametrize("route,body,param", BAD_INPUTS, ids=[f"{r}-{p}-{i}" for i, (r, _, p) in enumerate(BAD_INPUTS)])
+def test_bad_input_gets_400_naming_the_field(client, route, body, param):
+    _check_bad_input(_post(client, route, body), param)
+
+
+def test_models_health_and_stats(client):
+    models = client.get("/v1/models").json()
+    assert models["data"][0]["id"] == "dspark-tiny" and models["data"][0]["scheduler"] == "dynamic"
+    health = client.get("/healthz")
+    assert health.status_code == 200 and health.json()["status"] == "ok"
+    assert client.get("/v1/stats").json()["sps_table"] == {"1": 300.0, "32": 100.0, "256": 20.0}
+
+
+def test_chat_and_completions_carry_usage_and_spec_decode(client, tiny):
+    target = tiny[0]
+    chat = _post(client, "chat", {**CHAT, "temperature": 0}).json()
+    assert chat["object"] == "chat.completion" and chat["choices"][0]["message"]["role"] == "assistant"
+    usage, spec = chat["usage"], chat["spec_decode"]
+    assert usage["completion_tokens"] <= 8 and usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    assert spec["rounds"] >= 1 and spec["draft_tokens_proposed"] == 4 * spec["rounds"]
+    assert spec["mean_accepted_length"] == pytest.approx((spec["draft_tokens_accepted"] + spec["rounds"]) / spec["rounds"])
+    # greedy over HTTP == target-only greedy decoding (token ids prompt, two prompts in one request)
+    prompts = [[5, 6, 7, 8], [100, 101]]
+    out = _post(client, "completions", {"prompt": prompts, "max_tokens": 12, "temperature": 0}).json()
+    for prompt, choice in zip(prompts, out["choices"]):
+        ref = target_generate(target, prompt, SamplingParams(temperature=0), 12)
+        assert choice["token_ids"] == ref.token_ids and choice["finish_reason"] == ref.finish_reason
+        assert choice["text"] == target.tokenizer.decode(ref.token_ids, skip_special_tokens=True)
+    assert out["usage"]["prompt_tokens"] == 6
+
+
+def test_streaming_is_well_formed_sse(client):
+    body = {**CHAT, "max_tokens": 12, "stream": True}
+    with client.stream("POST", ROUTES["chat"], json=body) as resp:
+        assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/event-stream")
+        chunks = _sse_events(resp.iter_lines())
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert all(c["object"] == "chat.completion.chunk" and c["id"] == chunks[0]["id"] for c in chunks)
+    assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
+    last = chunks[-1]
+    assert last["choices"][0]["finish_reason"] in ("stop", "length")
+    assert last["usage"]["completion_tokens"] >= 1 and last["spec_decode"]["rounds"] >= 1
+    with client.stream("POST", ROUTES["completions"], json={"prompt": "the a of", "max_tokens": 6,
+                                                             "stream": True}) as resp:
+        chunks = _sse_events(resp.iter_lines())
+    assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length") and chunks[-1]["object"] == "text_completion"
+
+
+def test_api_key_is_enforced_when_set(client, monkeypatch):
+    monkeypatch.setenv(KEY_ENV, "s3cret")
+    assert _post(client, "chat", CHAT).status_code == 401
+    assert _post(client, "chat", CHAT, authorization="Bearer wrong").status_code == 401
+    assert client.get("/v1/models").status_code == 401
+    assert _post(client, "chat", CHAT, authorization="Bearer s3cret").status_code == 200
+    assert client.get("/healthz").status_code == 200  # probes need no key
+    monkeypatch.delenv(KEY_ENV)
+    assert _post(client, "chat", CHAT).status_code == 200
+
+
+def test_full_queue_gets_429_and_unhealthy_engine_503(tiny, drafter_dir):
+    from fastapi.testclient import TestClient
+
+    cfg = _serve_config(drafter_dir, max_waiting=0)
+    engine = Engine(*tiny, cfg.engine).start()
+    try:
+        with TestClient(make_app(OpenAIService(engine, cfg))) as c:
+            resp = _post(c, "chat", CHAT)
+            assert resp.status_code == 429 and resp.headers["retry-after"] == "1"
+            engine.healthy, engine.health_error = False, "simulated device loss"
+            assert c.get("/healthz").status_code == 503
+            assert "simulated device loss" in _post(c, "chat", CHAT).json()["error"]["message"]
+    finally:
+        engine.stop()
+
+
+def test_text_assembler_holds_back_partial_stop_strings(tiny):
+    tok = tiny[0].tokenizer
+    ids = tok("the answer is 42. then more")["input_ids"]
+    assembler, sent = TextAssembler(tok, ["42."]), ""
+    for n in range(1, len(ids) + 1):
+        delta, stopped = assembler.update(ids[:n], n == len(ids))
+        sent += delta
+        assert "4" not in sent  # nothing of a possible stop string leaks before it is decided
+        if stopped:
+            break
+    assert stopped and sent == "the answer is " and assembler.text == "the answer is "
+
+
+def test_build_app_reads_a_serve_config(drafter_dir, tmp_path):
+    pytest.importorskip("ray.serve")
+    path = tmp_path / "serve.yaml"
+    path.write_text(f"model: {{target: tiny, drafter: {drafter_dir}}}\nray: {{num_cpus: 2}}\n")
+    app = build_app({"config": str(path), "set": ["deployment.num_replicas=2"]})
+    assert type(app).__name__ == "Application"
+    with pytest.raises(ValueError, match="unknown application args"):
+        build_app({"config": str(path), "bogus": 1})
+    from dspark.config import ConfigError
+
+    with pytest.raises(ConfigError, match="unknown key 'engine.nope'"):
+        build_app({"config": str(path), "set": ["engine.nope=1"]})
+
+
+# ---- integration: a real Ray Serve deployment ----------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def served(drafter_dir):
+    """One Serve deployment for the module: tiny target, dynamic scheduler (SPS profiled at start),
+    API key required."""
+    from jobs.common import RayConfig, init_ray
+    from ray import serve
+
+    from dspark.serve_app import deployment_for
+
+    os.environ[KEY_ENV] = "test-key"
+    cfg = _serve_config(drafter_dir, sps_table=None, sps_batch_sizes=[1, 8, 32], sps_repeats=1, sps_context=32)
+    cfg.deployment.num_cpus = 1
+    cfg.deployment.max_ongoing_requests = 64
+    port = _free_port()
+    init_ray(RayConfig(num_cpus=2))
+    import ray
+
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(deployment_for(cfg), name="dspark-test", route_prefix="/")
+        url = f"http://127.0.0.1:{port}"
+        from jobs.serve import wait_ready
+
+        wait_ready(url, timeout_s=60)
+        yield url, {"authorization": "Bearer test-key"}
+    finally:
+        os.environ.pop(KEY_ENV, None)
+        serve.shutdown()
+        ray.shutdown()
+
+
+@pytest.mark.integration
+def test_serve_32_concurrent_requests_complete(served):
+    url, auth = served
+
+    async def run():
+        async with httpx.AsyncClient(base_url=url, headers=auth, timeout=120) as c:
+            bodies = [{"messages": [{"role": "user", "content": f"question {i}: add the sum"}], "max_tokens": 12,
+                       "temperature": 1.0} for i in range(32)]
+            return await asyncio.gather(*(c.post("/v1/chat/completions", json=b) for b in bodies))
+
+    t0 = time.time()
+    responses = asyncio.run(run())
+    assert [r.status_code for r in responses] == [200] * 32
+    for r in responses:
+        body = r.json()
+        assert body["choices"][0]["finish_reason"] in ("stop", "length") and body["usage"]["completion_tokens"] >= 1
+    stats = httpx.get(f"{url}/v1/stats", headers=auth).json()
+    assert stats["totals"]["finished"] >= 32 and stats["sps_table"] and set(stats["sps_table"]) == {"1", "8", "32"}
+    print(f"\n[serve] 32 concurrent chat requests in {time.time() - t0:.1f} s; "
+          f"mean batch tokens {stats['mean_batch_tokens']:.1f}, verify budget {stats['mean_verify_budget']:.2f}")
+
+
+@pytest.mark.integration
+def test_serve_rejects_bad_input_and_missing_key(served):
+    url, auth = served
+    with httpx.Client(base_url=url, timeout=60) as c:
+        assert c.post(ROUTES["chat"], json=CHAT).status_code == 401
+        assert c.post(ROUTES["chat"], json=CHAT, headers={"authorization": "Bearer nope"}).status_code == 401
+        assert c.get("/healthz").status_code == 200
+        for route, body, param in BAD_INPUTS:
+            _check_bad_input(_post(c, route, body, **auth), param)
+
+
+@pytest.mark.integration
+def test_serve_streams_sse_and_works_with_the_openai_client(served):
+    from openai import OpenAI
+
+    url, auth = served
+    with httpx.Client(base_url=url, headers=auth, timeout=60) as c:
+        with c.stream("POST", ROUTES["chat"], json={**CHAT, "stream": True}) as resp:
+            assert resp.status_code == 200
+            chunks = _sse_events(resp.iter_lines())
+    assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+    client = OpenAI(base_url=f"{url}/v1", api_key="test-key", max_retries=0)
+    assert [m.id for m in client.models.list().data] == ["dspark-tiny"]
+    chat = client.chat.completions.create(model="dspark-tiny", messages=CHAT["messages"], max_tokens=8)
+    assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens >= 1
+    assert chat.model_extra["spec_decode"]["rounds"] >= 1
+    text = client.completions.create(model="dspark-tiny", prompt="the a of", max_tokens=6, temperature=0)
+    assert text.choices[0].finish_reason in ("stop", "length")
+    pieces = list(client.chat.completions.create(model="dspark-tiny", messages=CHAT["messages"], max_tokens=8,
+                                                 stream=True))
+    assert pieces[-1].choices[0].finish_reason in ("stop", "length")
+    import openai
+
+    with pytest.raises(openai.AuthenticationError):
+        OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0).models.list()
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="dspark-tiny", messages=CHAT["messages"], temperature=-1)

@@ -195,18 +195,19 @@ def test_calibration_temperatures_scale_confidence_logits(target):
     assert torch.allclose(cal, torch.sigmoid(logit / torch.tensor([2.0, 1.0, 0.5, 4.0])), atol=1e-5)
 
 
-def test_propose_batch_equals_sequential_proposals(target):
-    drafter = make(target, "dspark")
+@pytest.mark.parametrize("algo", ["dspark", "dflash", "eagle3"])
+def test_propose_batch_equals_sequential_proposals(target, algo):
+    """Greedy: the batched pass gives each request exactly its own proposal (tests/test_propose_batch.py
+    covers sampling, mixed params and gammas)."""
+    drafter = make(target, algo)
     ids = torch.randint(0, 16, (2, 7), generator=torch.Generator().manual_seed(6))
     feats = features(target, drafter, ids)
     states = [drafter.new_state() for _ in range(2)]
     for b, n in enumerate([4, 6]):
         drafter.extend_context(states[b], feats[b, :n], ids[b, :n])
-    batch = drafter.propose_batch(states, [int(ids[0, 4]), int(ids[1, 6])], 3, SamplingParams(),
-                                  torch.Generator().manual_seed(0))
-    g = torch.Generator().manual_seed(0)
-    one = [drafter.propose(states[0], int(ids[0, 4]), 3, SamplingParams(), g),
-           drafter.propose(states[1], int(ids[1, 6]), 3, SamplingParams(), g)]
+    sp = SamplingParams(temperature=0)
+    batch = drafter.propose_batch(states, [int(ids[0, 4]), int(ids[1, 6])], 3, sp)
+    one = [drafter.propose(states[0], int(ids[0, 4]), 3, sp), drafter.propose(states[1], int(ids[1, 6]), 3, sp)]
     for x, y in zip(batch, one):
         assert torch.equal(x.tokens, y.tokens) and torch.allclose(x.probs, y.probs)
 

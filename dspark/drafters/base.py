@@ -5,6 +5,7 @@ Inference contract (used by dspark/specdec.py and dspark/engine.py):
     state = drafter.new_state()
     drafter.extend_context(state, features[n, m*d], token_ids[n])   # verified positions only, in order
     proposal = drafter.propose(state, anchor, gamma, sampling, generator)
+    proposals = drafter.propose_batch(states, anchors, gamma(s), sampling(s), generator)  # one pass, R requests
 The state only ever holds verified positions 0..n-1; the anchor (the token the target just emitted,
 with no target state yet) sits at position n. After verification the caller extends the state with
 the newly verified positions, so no rollback is needed.
@@ -18,7 +19,7 @@ from torch import Tensor, nn
 
 from dspark.drafters.config import DrafterConfig
 from dspark.drafters.layers import KVBuffer, Rotary
-from dspark.sampling import SamplingParams
+from dspark.sampling import SamplingParams, to_probs
 
 
 @dataclass
@@ -107,18 +108,42 @@ class Drafter(nn.Module):
 
     def propose(self, state: DraftState, anchor: int, gamma: int, sampling: SamplingParams,
                 generator: torch.Generator | None = None) -> DraftProposal:
-        raise NotImplementedError
+        """γ draft tokens for one request: `propose_batch` with a batch of one (same random draws)."""
+        return self.propose_batch([state], [anchor], gamma, sampling, generator)[0]
 
+    @torch.no_grad()
     def propose_batch(self, states: list[DraftState], anchors: list[int], gamma: int | list[int],
                       sampling: SamplingParams | list[SamplingParams],
                       generator: torch.Generator | None = None) -> list[DraftProposal]:
-        """One proposal per request (loops over requests; same results as calling propose in order)."""
+        """One proposal per request from ONE batched drafter pass over all R requests (contexts of any
+        lengths, padded and masked). gamma / sampling: one for all, or a list with one per request;
+        max(gamma) positions are drafted and each proposal is cut to its own gamma.
+
+        Each request's proposal has the same distribution as `propose` on its own. Random draws: one
+        `sample` call per drafted position (rows of requests still drafting, in request order; DFlash
+        draws all positions in one call, request-major), so R = 1 reproduces `propose` exactly.
+        """
+        gammas, sps = self._batch_args(states, anchors, gamma, sampling)
+        if not states:
+            return []
+        anchor_ids = torch.tensor([int(a) for a in anchors], dtype=torch.long, device=self.device)
+        return self.draft_batch(states, anchor_ids, gammas, RowSampling(sps), generator)
+
+    def draft_batch(self, states: list[DraftState], anchors: Tensor, gammas: list[int], rows: "RowSampling",
+                    generator: torch.Generator | None) -> list[DraftProposal]:
+        """The batched drafting pass (subclasses): anchors LongTensor [R], validated gammas -> proposals."""
+        raise NotImplementedError
+
+    def _batch_args(self, states, anchors, gamma, sampling) -> tuple[list[int], list[SamplingParams]]:
         n = len(states)
-        gammas = gamma if isinstance(gamma, list) else [gamma] * n
-        sps = sampling if isinstance(sampling, list) else [sampling] * n
+        gammas = [int(g) for g in gamma] if isinstance(gamma, (list, tuple)) else [int(gamma)] * n
+        sps = list(sampling) if isinstance(sampling, (list, tuple)) else [sampling] * n
         if not len(anchors) == len(gammas) == len(sps) == n:
-            raise ValueError("propose_batch needs one anchor (and gamma/sampling, if lists) per state")
-        return [self.propose(s, int(a), g, sp, generator) for s, a, g, sp in zip(states, anchors, gammas, sps)]
+            raise ValueError(f"propose_batch got {n} states but {len(anchors)} anchors, {len(gammas)} gammas and "
+                             f"{len(sps)} sampling params; pass one per state (or a single gamma / sampling)")
+        for g in gammas:
+            self.check_gamma(g)
+        return gammas, sps
 
     def check_gamma(self, gamma: int) -> None:
         if not 1 <= gamma <= self.config.block_size:
@@ -134,11 +159,48 @@ class Drafter(nn.Module):
         """c_k = σ(logit_k / T_k) with the STS temperatures when calibrated, else σ(logit_k)."""
         if self.calibration is None:
             return torch.sigmoid(logits.float())
-        if len(self.calibration) < logits.shape[0]:
-            raise ValueError(f"calibration has {len(self.calibration)} temperatures but {logits.shape[0]} "
+        n = logits.shape[-1]  # logits [..., n]: positions 1..n on the last axis
+        if len(self.calibration) < n:
+            raise ValueError(f"calibration has {len(self.calibration)} temperatures but {n} "
                              "positions were drafted; recalibrate with the drafter's block_size")
-        temps = torch.tensor(self.calibration[: logits.shape[0]], device=logits.device)
+        temps = torch.tensor(self.calibration[:n], device=logits.device)
         return torch.sigmoid(logits.float() / temps)
+
+
+class RowSampling:
+    """Per-request SamplingParams applied to rows: logits [R, ..., V] -> probs with row r processed by
+    `to_probs(·, sps[r])`. Requests with identical params share one to_probs call (the same math as
+    the single-request path); greedy rows come out one-hot."""
+
+    def __init__(self, sps: list[SamplingParams]):
+        groups: dict[tuple, list[int]] = {}
+        for r, sp in enumerate(sps):
+            groups.setdefault(tuple(sp.model_dump().values()), []).append(r)
+        self.sps = sps
+        self.groups = [(sps[rows[0]], rows) for rows in groups.values()]
+
+    def probs(self, logits: Tensor) -> Tensor:
+        if len(self.groups) == 1:
+            return to_probs(logits, self.sps[0])
+        out = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
+        for sp, rows in self.groups:
+            idx = torch.tensor(rows, device=logits.device)
+            out[idx] = to_probs(logits[idx], sp)
+        return out
+
+
+def drafting_mask(gammas: list[int], device=None) -> Tensor:
+    """bool [R, max γ]: True where request r drafts position k (k < γ_r)."""
+    return torch.arange(max(gammas), device=device) < torch.tensor(gammas, device=device).unsqueeze(-1)
+
+
+def split_proposals(tokens: Tensor, probs: Tensor, confidences: Tensor | None,
+                    gammas: list[int]) -> list[DraftProposal]:
+    """Batched drafts tokens [R, G], probs [R, G, V], confidences [R, G] -> one proposal per request,
+    cut to its own γ_r."""
+    return [DraftProposal(tokens=tokens[r, :g], probs=probs[r, :g],
+                          confidences=None if confidences is None else confidences[r, :g])
+            for r, g in enumerate(gammas)]
 
 
 def selected_tokens(input_ids: Tensor, anchors: Tensor, steps: int, offset: int) -> Tensor:

@@ -6,7 +6,8 @@ H_ctx = RMSNorm(W_c [f_{l1}; ...; f_{lm}]) the fused target features. One forwar
 for the γ MASK slots; slot j predicts token t+j.
 
 Training packs all anchor blocks of a sequence into one dense batch (dspark/anchors.py); inference
-caches W_K H_ctx / W_V H_ctx per layer in the state and appends only newly verified positions.
+caches W_K H_ctx / W_V H_ctx per layer in the state and appends only newly verified positions, and
+drafts the blocks of many requests in one backbone pass (contexts right-padded, padding masked).
 """
 from __future__ import annotations
 
@@ -14,10 +15,11 @@ import torch
 from torch import Tensor, nn
 
 from dspark.anchors import block_mask, block_positions
-from dspark.drafters.base import DraftProposal, DraftState, DraftTrainOut, Drafter
+from dspark.drafters.base import (DraftProposal, DraftState, DraftTrainOut, Drafter, RowSampling, drafting_mask,
+                                  split_proposals)
 from dspark.drafters.config import DrafterConfig
-from dspark.drafters.layers import InjectedLayer, RMSNorm, init_weights
-from dspark.sampling import SamplingParams, sample, to_probs
+from dspark.drafters.layers import InjectedLayer, RMSNorm, batch_kv, init_weights, padding_mask
+from dspark.sampling import sample
 
 
 class DFlashDrafter(Drafter):
@@ -103,7 +105,8 @@ class DFlashDrafter(Drafter):
 
     @torch.no_grad()
     def block_hidden(self, state: DraftState, anchor: int) -> Tensor:
-        """Final-normed hidden states [L, d] of the block anchored at position state.length."""
+        """Final-normed hidden states [L, d] of ONE block anchored at position state.length, computed
+        without padding: the single-request reference for `blocks_hidden` (tests, analysis)."""
         x = self.block_inputs(torch.tensor([anchor], device=self.device))  # [1, L, d]
         positions = torch.arange(state.length, state.length + self.block_len, device=self.device)
         c = self.config
@@ -112,14 +115,32 @@ class DFlashDrafter(Drafter):
         return self.run_blocks(x, positions, ctx, None)[0]  # no mask: all held context precedes the anchor
 
     @torch.no_grad()
-    def propose(self, state: DraftState, anchor: int, gamma: int, sampling: SamplingParams,
-                generator: torch.Generator | None = None) -> DraftProposal:
-        self.check_gamma(gamma)
-        h = self.block_hidden(state, int(anchor))
-        return self.sample_block(h[self.first_pred_slot:self.first_pred_slot + gamma], int(anchor), sampling, generator)
+    def blocks_hidden(self, states: list[DraftState], anchors: Tensor) -> Tensor:
+        """Final-normed hidden states [R, L, d] of R blocks in ONE backbone pass; block r is anchored at
+        position states[r].length (its own RoPE positions) and attends to its own cached context only.
 
-    def sample_block(self, h: Tensor, anchor: int, sampling: SamplingParams,
-                     generator: torch.Generator | None) -> DraftProposal:
-        """Parallel drafting: every slot is sampled independently from its own processed distribution."""
-        probs = to_probs(self.lm_logits(h), sampling)
-        return DraftProposal(tokens=sample(probs, generator).to(probs.device), probs=probs)
+        Invariant: row r equals block_hidden(states[r], anchors[r]): the contexts are right-padded to
+        the longest and the padded key columns are masked out of every query row."""
+        c, L = self.config, self.block_len
+        x = self.block_inputs(anchors)  # [R, L, d]
+        lengths = [s.length for s in states]
+        positions = torch.tensor(lengths, device=self.device).unsqueeze(-1) + torch.arange(L, device=self.device)
+        empty = x.new_empty(c.num_kv_heads, 0, c.head_dim)
+        ctx = [batch_kv([s.kv[i] for s in states], empty) for i in range(len(self.layers))]
+        return self.run_blocks(x, positions, ctx, padding_mask(lengths, L, self.device))
+
+    def draft_batch(self, states: list[DraftState], anchors: Tensor, gammas: list[int], rows: RowSampling,
+                    generator: torch.Generator | None) -> list[DraftProposal]:
+        first = self.first_pred_slot
+        h = self.blocks_hidden(states, anchors)[:, first:first + max(gammas)]  # [R, G, d]
+        return self.sample_blocks(h, anchors, gammas, rows, generator)
+
+    def sample_blocks(self, h: Tensor, anchors: Tensor, gammas: list[int], rows: RowSampling,
+                      generator: torch.Generator | None) -> list[DraftProposal]:
+        """Parallel drafting: every slot is sampled independently from its own processed distribution;
+        one LM-head call and one `sample` call (request-major) for all R×γ rows."""
+        probs = rows.probs(self.lm_logits(h))  # [R, G, V]
+        drafted = drafting_mask(gammas, self.device)
+        tokens = torch.zeros(drafted.shape, dtype=torch.long, device=self.device)
+        tokens[drafted] = sample(probs[drafted], generator).to(self.device)
+        return split_proposals(tokens, probs, None, gammas)

@@ -4,6 +4,8 @@ The anchor itself is the first prediction slot: γ inputs [emb(x_0), MASK × (γ
 t..t+γ-1 give hidden states h_1..h_γ and base logits U_1..U_γ (slot k-1 predicts token t+k). The
 sequential head then samples left to right from p_k = to_probs(U_k + B_k(x_0, x_<k)), so each
 returned probability row is the exact distribution its token was drawn from (lossless verification).
+Many requests draft together: one backbone pass and one LM-head call for all R blocks, then each
+sequential step k runs for all R requests at once.
 Training teacher-forces x_{k-1} with the ground-truth tokens t+k-1 (x_0 = the anchor token).
 """
 from __future__ import annotations
@@ -11,12 +13,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from dspark.drafters.base import DraftProposal, DraftTrainOut, selected_tokens
+from dspark.drafters.base import (DraftProposal, DraftTrainOut, RowSampling, drafting_mask, selected_tokens,
+                                  split_proposals)
 from dspark.drafters.config import DrafterConfig
 from dspark.drafters.dflash import DFlashDrafter
 from dspark.drafters.heads import ConfidenceHead, build_sequential_head
 from dspark.drafters.layers import init_weights
-from dspark.sampling import SamplingParams, sample, to_probs
+from dspark.sampling import sample
 
 
 class DSparkDrafter(DFlashDrafter):
@@ -66,26 +69,29 @@ class DSparkDrafter(DFlashDrafter):
         return logits, conf
 
     # ---- inference ------------------------------------------------------------------------
-    def sample_block(self, h: Tensor, anchor: int, sampling: SamplingParams,
-                     generator: torch.Generator | None) -> DraftProposal:
-        """Left-to-right: p_k = to_probs(U_k + B_k(x_{k-1}, state)); x_k ~ p_k; c_k from [h_k; W1[x_{k-1}]]."""
-        u = self.lm_logits(h)  # all γ base logits in one LM-head call
+    def sample_blocks(self, h: Tensor, anchors: Tensor, gammas: list[int], rows: RowSampling,
+                      generator: torch.Generator | None) -> list[DraftProposal]:
+        """Left to right, each step batched over the R requests: p_k = to_probs(U_k + B_k(x_{k-1}, state))
+        per row with its request's params; x_k ~ p_k; c_k from [h_k; W1[x_{k-1}]].
+        h [R, G, d]; rows past their own γ_r are computed but neither sampled nor returned."""
+        u = self.lm_logits(h)  # [R, G, V]: all base logits in one LM-head call
         head, conf_head = self.markov_head, self.confidence_head
-        state = None if head is None else head.initial_state(h[0])
-        prev = torch.tensor(anchor, device=self.device)
-        tokens, probs, conf_logits = [], [], []
-        for k in range(h.shape[0]):
-            prev_emb = self.prev_embed(prev)
-            logits = u[k]
+        drafted = drafting_mask(gammas, self.device)  # [R, G]
+        tokens = torch.zeros(drafted.shape, dtype=torch.long, device=self.device)
+        probs = torch.empty(u.shape, dtype=torch.float32, device=self.device)
+        state = None if head is None else head.initial_state(h[:, 0])
+        prev, conf_logits = anchors, []
+        for k in range(h.shape[1]):
+            prev_emb = self.prev_embed(prev)  # [R, r]
+            logits = u[:, k]
             if head is not None:
-                state, bias = head.step(state, prev_emb, h[k])
+                state, bias = head.step(state, prev_emb, h[:, k])
                 logits = logits + bias.float()
-            p = to_probs(logits, sampling)
-            tok = sample(p, generator).to(self.device)
+            probs[:, k] = rows.probs(logits)
+            live = drafted[:, k]
+            tokens[live, k] = sample(probs[live, k], generator).to(self.device)
             if conf_head is not None:
-                conf_logits.append(conf_head(h[k], prev_emb))
-            tokens.append(tok)
-            probs.append(p)
-            prev = tok
-        conf = self.confidences(torch.stack(conf_logits)) if conf_logits else None
-        return DraftProposal(tokens=torch.stack(tokens), probs=torch.stack(probs), confidences=conf)
+                conf_logits.append(conf_head(h[:, k], prev_emb))
+            prev = tokens[:, k]
+        conf = self.confidences(torch.stack(conf_logits, dim=-1)) if conf_logits else None
+        return split_proposals(tokens, probs, conf, gammas)

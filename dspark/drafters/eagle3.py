@@ -7,8 +7,9 @@ over its own entries; logits = LM_head(RMSNorm(g_j)) predict token j+1.
 
 Drafting from anchor x_n: step 1 uses (x_n, fused f_{n-1}); step k uses (x̂_{k-1}, g of step k-1);
 each step attends to the cached context entries 0..n-1 and the block's earlier steps. Cost grows
-linearly with γ. Training (TTT) unrolls `ttt_steps` such steps from every sampled anchor with the
-tokens teacher-forced, each step attending to the context strictly before the anchor plus the block's
+linearly with γ; many requests step together (one layer pass per position for all of them).
+Training (TTT) unrolls `ttt_steps` such steps from every sampled anchor with the tokens
+teacher-forced, each step attending to the context strictly before the anchor plus the block's
 earlier steps: exactly what inference sees.
 """
 from __future__ import annotations
@@ -18,10 +19,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dspark.anchors import packed_mask
-from dspark.drafters.base import DraftProposal, DraftState, DraftTrainOut, Drafter
+from dspark.drafters.base import (DraftProposal, DraftState, DraftTrainOut, Drafter, RowSampling, drafting_mask,
+                                  split_proposals)
 from dspark.drafters.config import DrafterConfig
-from dspark.drafters.layers import MLP, Attention, RMSNorm, init_weights
-from dspark.sampling import SamplingParams, sample, to_probs
+from dspark.drafters.layers import MLP, Attention, RMSNorm, batch_kv, init_weights, padding_mask
+from dspark.sampling import sample
 
 
 class Eagle3Layer(nn.Module):
@@ -103,29 +105,31 @@ class Eagle3Drafter(Drafter):
         state.last_fused = fused[-1]
         state.length += n
 
-    @torch.no_grad()
-    def propose(self, state: DraftState, anchor: int, gamma: int, sampling: SamplingParams,
-                generator: torch.Generator | None = None) -> DraftProposal:
-        self.check_gamma(gamma)
-        c, layer = self.config, self.midlayer
-        d = self.hidden_size
-        hidden = state.last_fused
-        if hidden is None:  # empty context: f_{-1} = 0, as in training
-            hidden = torch.zeros(d, device=self.device, dtype=self.dtype)
-        ctx_k, ctx_v = state.kv[0].view(hidden.new_empty(c.num_kv_heads, 0, c.head_dim))
-        keys, values = [ctx_k.unsqueeze(0)], [ctx_v.unsqueeze(0)]
-        tok = torch.tensor(int(anchor), device=self.device)
-        tokens, probs = [], []
-        for k in range(gamma):  # autoregressive: one layer pass per drafted token
-            x, res = layer.inputs(self.embed(tok.view(1, 1)), hidden.view(1, 1, d))
-            cos, sin = self.rotary(torch.tensor([state.length + k], device=self.device))
+    def draft_batch(self, states: list[DraftState], anchors: Tensor, gammas: list[int], rows: RowSampling,
+                    generator: torch.Generator | None) -> list[DraftProposal]:
+        """Autoregressive, each step one layer pass for all R requests: step k of request r sits at
+        position len_r + k and attends to r's own cached context (padding masked) and its earlier steps."""
+        c, layer, d = self.config, self.midlayer, self.hidden_size
+        zeros = torch.zeros(d, device=self.device, dtype=self.dtype)  # empty context: f_{-1} = 0, as in training
+        hidden = torch.stack([zeros if s.last_fused is None else s.last_fused for s in states]).unsqueeze(1)
+        lengths = [s.length for s in states]
+        starts = torch.tensor(lengths, device=self.device).unsqueeze(-1)  # [R, 1]
+        ctx_k, ctx_v = batch_kv([s.kv[0] for s in states], hidden.new_empty(c.num_kv_heads, 0, c.head_dim))
+        keys, values = [ctx_k], [ctx_v]
+        drafted = drafting_mask(gammas, self.device)  # [R, G]
+        tokens = torch.zeros(drafted.shape, dtype=torch.long, device=self.device)
+        probs = torch.empty(*drafted.shape, self.vocab_size, dtype=torch.float32, device=self.device)
+        tok = anchors
+        for k in range(drafted.shape[1]):  # autoregressive: one layer pass per drafted position
+            x, res = layer.inputs(self.embed(tok.unsqueeze(-1)), hidden)  # [R, 1, 2d], [R, 1, d]
+            cos, sin = self.rotary(starts + k)
             kk, vv = layer.self_attn.keys_values(x, cos, sin)
             keys.append(kk)
             values.append(vv)
-            g = layer(x, res, cos, sin, torch.cat(keys, -2), torch.cat(values, -2), None)  # causal by construction
-            p = to_probs(self.lm_logits(self.norm(g))[0, 0], sampling)
-            tok = sample(p, generator).to(self.device)
-            tokens.append(tok)
-            probs.append(p)
-            hidden = g[0, 0]
-        return DraftProposal(tokens=torch.stack(tokens), probs=torch.stack(probs))
+            mask = padding_mask(lengths, k + 1, self.device)  # causal by construction: no later steps exist yet
+            g = layer(x, res, cos, sin, torch.cat(keys, -2), torch.cat(values, -2), mask)
+            probs[:, k] = rows.probs(self.lm_logits(self.norm(g))[:, 0])
+            live = drafted[:, k]
+            tokens[live, k] = sample(probs[live, k], generator).to(self.device)
+            tok, hidden = tokens[:, k], g
+        return split_proposals(tokens, probs, None, gammas)

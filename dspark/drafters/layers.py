@@ -159,6 +159,32 @@ class KVBuffer:
         self.length = length
 
 
+def batch_kv(buffers: list[KVBuffer], like: Tensor) -> tuple[Tensor, Tensor]:
+    """R per-request contexts as one right-padded batch (k, v) [R, KV, N, hd], N = the longest held
+    context; columns past a request's length are zeros that `padding_mask` hides from attention.
+    `like` [KV, 0, hd] gives the shape/dtype of an empty context. One request: a view, no copy."""
+    if len(buffers) == 1:
+        k, v = buffers[0].view(like)
+        return k.unsqueeze(0), v.unsqueeze(0)
+    n = max(buf.length for buf in buffers)
+    k = like.new_zeros(len(buffers), *like.shape[:-2], n, like.shape[-1])
+    v = torch.zeros_like(k)
+    for r, buf in enumerate(buffers):
+        k[r, ..., :buf.length, :], v[r, ..., :buf.length, :] = buf.view(like)
+    return k, v
+
+
+def padding_mask(lengths: list[int], extra: int, device=None) -> Tensor | None:
+    """Key mask bool [R, 1, 1, N + extra] (True = may attend) for `batch_kv` contexts followed by
+    `extra` keys every query may see; None when no request is padded (every length is N)."""
+    n = max(lengths, default=0)
+    if all(length == n for length in lengths):
+        return None
+    ctx = torch.arange(n, device=device) < torch.tensor(lengths, device=device).unsqueeze(-1)  # [R, N]
+    mask = torch.cat([ctx, ctx.new_ones(len(lengths), extra)], dim=-1)
+    return mask[:, None, None, :]
+
+
 def _grow(buf: Tensor, used: int, cap: int) -> Tensor:
     new = buf.new_empty(*buf.shape[:-2], cap, buf.shape[-1])
     new[..., :used, :] = buf[..., :used, :]

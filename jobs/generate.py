@@ -1,0 +1,99 @@
+"""Generate rollouts: the target's own answers to a prompt set, as a resumable Ray Data job.
+
+    python -m jobs.generate --config configs/generate/tiny.yaml [--set sampling.seed=1 ...]
+    ray job submit --working-dir . -- python -m jobs.generate --config configs/generate/smollm2-135m.yaml
+
+Runs against the Ray cluster in $RAY_ADDRESS (or `ray.address`), else a local Ray on 127.0.0.1.
+Rerunning the same command resumes an interrupted run (and continues its MLflow run).
+The output layout and row schema are documented in pipelines/schema.py.
+"""
+from __future__ import annotations
+
+import json
+import sys
+
+from dspark import storage
+from dspark.storage import StorageError
+from dspark.tracking import TrackingError
+from jobs.common import RayConfig, TrackingConfig, init_ray, load_job_config, save_config, tracked_run
+from pipelines.rollout import RolloutConfig, RolloutResult, RunStats, read_rollouts, run_rollouts
+
+RUN_ID_FILE = "_state/mlflow_run.json"
+
+
+class GenerateConfig(RolloutConfig):
+    ray: RayConfig = RayConfig()
+    tracking: TrackingConfig = TrackingConfig(experiment="dspark-generate")
+    sample_rows: int = 16  # rows in the MLflow sample table
+
+
+def _previous_run_id(out: str) -> str | None:
+    try:
+        return json.loads(storage.read_text(storage.join(out, RUN_ID_FILE))).get("run_id")
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def sample_table(output_uri: str, n: int) -> dict:
+    """A few rows as columns (MLflow table-artifact layout): prompt, answer, counts."""
+    rows = read_rollouts(output_uri).slice(0, n).to_pylist()
+    first = lambda r, role: next((m["content"] for m in r["messages"] if m["role"] == role), "")  # noqa: E731
+    return {"columns": ["prompt_id", "split", "domain", "prompt", "answer", "num_turns", "num_generated_tokens",
+                        "finish_reason"],
+            "data": [[r["prompt_id"], r["split"], r["domain"], first(r, "user")[:500], first(r, "assistant")[:500],
+                      r["num_turns"], r["num_generated_tokens"], r["finish_reason"]] for r in rows]}
+
+
+def final_metrics(result: RolloutResult) -> dict:
+    m, s = result.manifest, result.stats
+    metrics = {"rows_in": m["counts"]["records_read"], "unique_prompts": m["counts"]["unique_prompts"],
+               "duplicates": m["counts"]["duplicates"], "rows_out": m["counts"]["rows_out"],
+               "errors": m["counts"]["errors"], "tokens_generated": m["tokens"]["generated"],
+               "tokens_prompt": m["tokens"]["prompt"], "tokens_generated_this_run": s.generated_tokens,
+               "tokens_per_s": s.tokens_per_s, "generation_wall_s": s.wall_s, "chunks_skipped": s.chunks_skipped}
+    metrics.update({f"errors.{reason}": n for reason, n in m["errors_by_reason"].items()})
+    return metrics
+
+
+def run(cfg: GenerateConfig) -> RolloutResult:
+    out = cfg.output.rstrip("/")
+    storage.check_writable(out)  # fail fast: before Ray, MLflow or any generation
+    init_ray(cfg.ray)
+    from dspark import tracking
+
+    run_name = f"generate-{cfg.target.rstrip('/').split('/')[-1]}"
+    with tracked_run(cfg.tracking, cfg, run_name, run_id=_previous_run_id(out)) as run_id:
+        def on_start(uri: str) -> None:
+            save_config(cfg, storage.join(uri, "config.yaml"))
+            if run_id:
+                storage.write_text(storage.join(uri, RUN_ID_FILE), json.dumps({"run_id": run_id}))
+
+        def on_chunk(stats: RunStats) -> None:
+            if run_id:
+                tracking.log_metrics(stats.metrics(), step=stats.chunks_done + stats.chunks_skipped)
+
+        result = run_rollouts(cfg, on_chunk=on_chunk, on_start=on_start)
+        if run_id:
+            tracking.log_metrics(final_metrics(result), step=result.stats.chunks_total)
+            tracking.log_dict(result.manifest, "manifest.json")
+            tracking.log_dict(sample_table(out, cfg.sample_rows), "samples.json")
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = load_job_config(GenerateConfig, argv, "Generate target rollouts for drafter training (Ray Data).")
+    try:
+        result = run(cfg)
+    except (ValueError, FileNotFoundError, StorageError, TrackingError) as err:  # one line, no traceback
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    m = result.manifest
+    print(json.dumps({"output": cfg.output, "rows_out": m["counts"]["rows_out"],
+                      "errors": m["counts"]["errors"], "errors_by_reason": m["errors_by_reason"],
+                      "tokens_generated": m["tokens"]["generated"], "tokens_per_s": round(result.stats.tokens_per_s, 2),
+                      "chunks_skipped": result.stats.chunks_skipped, "complete": m["complete"]}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,284 @@
+"""Rollout generation: the engine (unit, tiny target) and the Ray Data job on the local stack
+(end to end into S3, exactly-once resume after an injected failure, bad input, fail-fast)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from dspark import storage
+from dspark.config import load_config
+from pipelines import schema
+from pipelines.prompts import load_prompts, prompt_id_of, write_jsonl
+from pipelines.rollout import (RolloutConfig, RolloutEngine, SamplingConfig, commit_chunk, make_plan, prepare_output,
+                               read_commits, read_errors, read_rollouts, row_seed)
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from dspark.target import load_target
+
+    return load_target("tiny")
+
+
+def engine_row(turns: list[str], system: str = "") -> dict:
+    return {"prompt_id": prompt_id_of(system, turns), "source": "t", "domain": "", "split": "train",
+            "system": system, "turns": turns, "chunk": 0}
+
+
+def mask_runs(mask: list[int]) -> list[tuple[int, int]]:
+    """[start, end) spans where mask == 1."""
+    runs, start = [], None
+    for i, bit in enumerate(mask + [0]):
+        if bit and start is None:
+            start = i
+        elif not bit and start is not None:
+            runs.append((start, i))
+            start = None
+    return runs
+
+
+def check_row(row: dict, target, max_new: int) -> None:
+    """The invariants of pipelines/schema.py for one rollout row."""
+    ids, mask, stops = row["input_ids"], row["loss_mask"], set(target.eos_token_ids)
+    assert len(ids) == len(mask) and set(mask) <= {0, 1}
+    assert row["num_generated_tokens"] == sum(mask) and row["num_prompt_tokens"] == len(ids) - sum(mask)
+    has_system = row["messages"][0]["role"] == "system"
+    roles = [m["role"] for m in row["messages"][int(has_system):]]
+    assert roles == ["user", "assistant"] * row["num_turns"]
+    answers = [m["content"] for m in row["messages"] if m["role"] == "assistant"]
+    runs = mask_runs(mask)
+    assert len(runs) == row["num_turns"] == len(row["turn_finish_reasons"])  # one generated span per turn
+    for (start, end), answer, finish in zip(runs, answers, row["turn_finish_reasons"]):
+        span = ids[start:end]
+        stopped = span[-1] in stops
+        assert finish == ("stop" if stopped else "length")
+        assert stopped or len(span) <= max_new
+        assert target.tokenizer.decode(span[:-1] if stopped else span, skip_special_tokens=False) == answer
+    # everything before the first answer is exactly the chat-templated first prompt
+    assert ids[:runs[0][0]] == target.chat_ids(row["messages"][:int(has_system) + 1])
+
+
+# ---------------------------------------------------------------- engine (no Ray)
+def test_engine_masks_exactly_the_generated_tokens_multi_turn(tiny):
+    engine = RolloutEngine(tiny, SamplingConfig(temperature=0.8, max_new_tokens=12, seed=3))
+    rows = [engine_row(["what is 2 + 3"]), engine_row(["def f(x): return", "and again", "once more"], "be short")]
+    results = engine.run(rows)
+    assert [r["error_reason"] for r in results] == [None, None]
+    assert [r["num_turns"] for r in results] == [1, 3]
+    for r in results:
+        check_row(r, tiny, 12)
+    users = [m["content"] for m in results[1]["messages"] if m["role"] == "user"]
+    assert users == rows[1]["turns"] and results[1]["messages"][0] == {"role": "system", "content": "be short"}
+    # the template tokens between answers contain the next user turn
+    runs = mask_runs(results[1]["loss_mask"])
+    between = tiny.tokenizer.decode(results[1]["input_ids"][runs[0][1]:runs[1][0]])
+    assert "and again" in between and between.rstrip().endswith("assistant")
+
+
+def test_engine_is_deterministic_per_prompt_whatever_the_batch(tiny):
+    sampling = SamplingConfig(temperature=1.0, top_p=0.95, max_new_tokens=6, seed=7)
+    engine = RolloutEngine(tiny, sampling)
+    rows = [engine_row([f"question number {i} " * (1 + 2 * i)]) for i in range(3)]
+    together = engine.run(rows)
+    alone = [engine.run([r])[0] for r in reversed(rows)][::-1]
+    assert [r["input_ids"] for r in together] == [r["input_ids"] for r in alone]
+    other_seed = RolloutEngine(tiny, sampling.model_copy(update={"seed": 8})).run(rows)
+    assert [r["input_ids"] for r in other_seed] != [r["input_ids"] for r in together]
+    assert row_seed(7, rows[0]["prompt_id"], 0) != row_seed(7, rows[0]["prompt_id"], 1)
+
+
+def test_engine_greedy_matches_plain_greedy_generate(tiny):
+    engine = RolloutEngine(tiny, SamplingConfig(temperature=0.0, max_new_tokens=10))
+    row = engine.run([engine_row(["sum the list"])])[0]
+    prompt = row["input_ids"][:row["num_prompt_tokens"]]
+    assert tiny.generate([prompt], max_new_tokens=10, temperature=0.0) == [row["input_ids"][len(prompt):]]
+
+
+def test_engine_reports_prompts_longer_than_the_context(tiny):
+    engine = RolloutEngine(tiny, SamplingConfig(max_new_tokens=8), max_context_tokens=40)
+    results = engine.run([engine_row(["short"]), engine_row(["the a of " * 40]),
+                          engine_row(["short two", "second turn " * 20])])
+    assert [r["error_reason"] for r in results] == [None, "prompt_too_long", "prompt_too_long"]
+    assert "turn 1" in results[2]["error_detail"] and "max_context_tokens" in results[1]["error_detail"]
+    assert len(results[0]["input_ids"]) <= 40  # the budget shrinks to fit the context
+
+
+# ---------------------------------------------------------------- commits and plans (no Ray)
+def _cfg(output: str, sources: list[dict], **extra) -> RolloutConfig:
+    return RolloutConfig.model_validate({"target": "tiny", "sources": sources, "output": output, **extra})
+
+
+def test_commit_markers_decide_what_is_done(tmp_path):
+    src = tmp_path / "p.jsonl"
+    write_jsonl([{"turns": [f"q{i}"]} for i in range(5)], str(src))
+    cfg = _cfg(str(tmp_path / "out"), [{"uri": str(src)}], chunk_size=2)
+    plan = make_plan(cfg, load_prompts(cfg.sources))
+    assert [len(c) for c in plan.chunks] == [2, 2, 1]
+    prepare_output(cfg.output, plan, overwrite=False)
+    prepare_output(cfg.output, plan, overwrite=False)  # same plan: fine
+    result = {**{k: None for k in schema.RESULT_SCHEMA.names}, "prompt_id": "x" * 32, "source": "p", "domain": "",
+              "split": "train", "messages": [], "input_ids": [1], "loss_mask": [1], "num_prompt_tokens": 0,
+              "num_generated_tokens": 1, "num_turns": 1, "finish_reason": "stop", "turn_finish_reasons": ["stop"],
+              "target": "tiny", "target_revision": "", "sampling": "{}", "chunk": 0, "location": "p:1"}
+    commit_chunk(cfg.output, 0, [result])
+    storage.write_text(str(tmp_path / "out" / "_commits" / "part-00001.json"), '{"chunk": 1, "rows"')  # torn write
+    assert list(read_commits(cfg.output)) == [0]
+    assert read_rollouts(cfg.output).num_rows == 1
+    changed = cfg.model_copy(update={"sampling": SamplingConfig(seed=1)})
+    with pytest.raises(ValueError, match="different plan"):
+        prepare_output(cfg.output, make_plan(changed, load_prompts(cfg.sources)), overwrite=False)
+    prepare_output(cfg.output, make_plan(changed, load_prompts(cfg.sources)), overwrite=True)
+    assert read_commits(cfg.output) == {}
+
+
+# ---------------------------------------------------------------- the Ray Data job on the local stack
+@pytest.fixture(scope="module")
+def stack_ray(local_stack):
+    import ray
+
+    from jobs.common import RayConfig, init_ray
+
+    init_ray(RayConfig(address=local_stack.ray_gcs_address))
+    yield local_stack
+    ray.shutdown()
+
+
+def s3_prefix(name: str) -> str:
+    return f"s3://dspark/tests/rollouts-{name}-{uuid.uuid4().hex[:8]}"
+
+
+def job_config(output: str, sources: list[dict], *overrides: str):
+    from jobs.generate import GenerateConfig
+
+    base = [f"output={output}", f"sources={json.dumps(sources)}", "tracking.experiment=test-generate",
+            "compute.batch_size=8", "sampling.max_new_tokens=16"]
+    return load_config(GenerateConfig, str(REPO / "configs" / "generate" / "tiny.yaml"), base + list(overrides))
+
+
+@pytest.mark.integration
+def test_end_to_end_jsonl_to_parquet_in_s3(stack_ray, tiny):
+    import mlflow
+
+    from jobs.generate import RUN_ID_FILE, run
+
+    prefix = s3_prefix("e2e")
+    single = [{"turns": [f"Question {i}: what is {i} + {i}?"]} for i in range(26)]
+    multi = [{"messages": [{"role": "user", "content": f"Tell me about {w}"}, {"role": "assistant", "content": "old"},
+                           {"role": "user", "content": "Shorter please"}]} for w in ("cats", "dogs", "code")]
+    three = [{"conversations": [{"from": "human", "value": "one"}, {"from": "human", "value": "two"},
+                                {"from": "human", "value": "three"}]}]
+    write_jsonl(single + multi + three + single[:2], f"{prefix}/prompts.jsonl")  # 2 duplicates
+    cfg = job_config(f"{prefix}/out", [{"uri": f"{prefix}/prompts.jsonl", "domain": "math"}], "chunk_size=8")
+    result = run(cfg)
+
+    counts = result.manifest["counts"]
+    assert counts["records_read"] == 32 and counts["duplicates"] == 2 and counts["rows_out"] == 30
+    assert counts["errors"] == 0 and result.manifest["complete"] and len(result.manifest["shards"]) == 4
+    shard = result.manifest["shards"][0]
+    fs, path = storage.pyarrow_fs(storage.join(cfg.output, shard))
+    assert pq.read_schema(path, filesystem=fs).remove_metadata() == schema.ROLLOUT_SCHEMA
+    rows = read_rollouts(cfg.output).to_pylist()
+    assert sorted(r["prompt_id"] for r in rows) == sorted(p.prompt_id for p in load_prompts(cfg.sources).prompts)
+    for row in rows:
+        check_row(row, tiny, 16)
+        assert row["domain"] == "math" and row["target"] == "tiny" and row["split"] in ("train", "holdout")
+        assert json.loads(row["sampling"])["max_new_tokens"] == 16
+    assert sorted(r["num_turns"] for r in rows) == [1] * 26 + [2] * 3 + [3]
+    assert result.manifest["tokens"]["generated"] == sum(r["num_generated_tokens"] for r in rows)
+    # a prompt regenerated on its own, outside Ray, gets the same answer (seed + prompt_id)
+    engine = RolloutEngine(tiny, cfg.sampling, cfg.max_context_tokens)
+    again = engine.run([dict(p.as_row(), chunk=0) for p in load_prompts(cfg.sources).prompts[:2]])
+    by_id = {r["prompt_id"]: r for r in rows}
+    assert all(a["input_ids"] == by_id[a["prompt_id"]]["input_ids"] for a in again)
+    # MLflow: params, metrics, sample table, manifest, config
+    run_id = json.loads(storage.read_text(storage.join(cfg.output, RUN_ID_FILE)))["run_id"]
+    logged = mlflow.get_run(run_id)
+    assert logged.info.status == "FINISHED" and logged.data.params["target"] == "tiny"
+    assert logged.data.metrics["rows_out"] == 30 and logged.data.metrics["tokens_per_s"] > 0
+    artifacts = {a.path for a in mlflow.MlflowClient().list_artifacts(run_id)}
+    assert {"samples.json", "manifest.json", "config.yaml"} <= artifacts
+    assert storage.exists(storage.join(cfg.output, "config.yaml"))
+
+
+@pytest.mark.integration
+def test_exactly_once_after_an_injected_failure(stack_ray, monkeypatch):
+    import mlflow
+
+    from jobs.generate import RUN_ID_FILE, run
+
+    prefix = s3_prefix("resume")
+    write_jsonl([{"turns": [f"prompt {i}"]} for i in range(20)], f"{prefix}/prompts.jsonl")
+    cfg = job_config(f"{prefix}/out", [{"uri": f"{prefix}/prompts.jsonl"}], "chunk_size=4",
+                     "compute.batch_size=2")
+    monkeypatch.setenv("DSPARK_FAIL_AFTER_CHUNKS", "2")
+    with pytest.raises(RuntimeError, match="injected failure"):
+        run(cfg)
+    monkeypatch.delenv("DSPARK_FAIL_AFTER_CHUNKS")
+    first = read_commits(cfg.output)
+    assert len(first) == 2 and not storage.exists(storage.join(cfg.output, "manifest.json"))
+    run_id = json.loads(storage.read_text(storage.join(cfg.output, RUN_ID_FILE)))["run_id"]
+    assert mlflow.get_run(run_id).info.status == "FAILED"
+    pending = next(c for c in range(5) if c not in first)
+    storage.write_bytes(storage.join(cfg.output, "data", f"{schema.shard_name(pending)}.parquet"), b"half-writ")
+
+    result = run(cfg)
+    assert result.stats.chunks_skipped == len(first) and result.stats.chunks_done == 5 - len(first)
+    after = read_commits(cfg.output)
+    assert all(after[c]["committed_at"] == first[c]["committed_at"] for c in first)  # not regenerated
+    ids = [r["prompt_id"] for r in read_rollouts(cfg.output).to_pylist()]
+    expected = {p.prompt_id for p in load_prompts(cfg.sources).prompts}
+    assert len(ids) == len(set(ids)) == 20 and set(ids) == expected
+    assert result.manifest["counts"]["rows_out"] == 20 and result.manifest["complete"]
+    assert json.loads(storage.read_text(storage.join(cfg.output, RUN_ID_FILE)))["run_id"] == run_id
+    assert mlflow.get_run(run_id).info.status == "FINISHED"  # the same MLflow run, continued
+    assert run(cfg).stats.chunks_done == 0  # a third run has nothing left to do
+
+
+@pytest.mark.integration
+def test_bad_input_gives_good_rows_and_errors_with_reasons(stack_ray, tmp_path):
+    """Through the CLI, with RAY_ADDRESS as `source .dspark/env.sh` sets it (the dashboard URL)."""
+    src = tmp_path / "mixed.jsonl"
+    good = [{"turns": [f"good prompt {i}"]} for i in range(6)]
+    write_jsonl(good[:3] + ['{"turns": ["missing brace"', {"messages": [{"role": "assistant", "content": "hi"}]},
+                            {"turns": ["  "]}, {"turns": ["the a of " * 200]}, "[1, 2]"] + good[3:], str(src))
+    output = s3_prefix("bad") + "/out"
+    env = dict(os.environ, RAY_ADDRESS=stack_ray.env["RAY_ADDRESS"])
+    cmd = [sys.executable, "-m", "jobs.generate", "--config", "configs/generate/tiny.yaml", "--set", f"output={output}",
+           "--set", f"sources=[{{uri: {src}}}]", "--set", "max_context_tokens=128", "--set", "tracking.enabled=false"]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert summary["rows_out"] == 6 and summary["errors"] == 5
+    expected = {"malformed_json": 1, "no_user_turn": 1, "empty_prompt": 1, "prompt_too_long": 1, "bad_record": 1}
+    assert summary["errors_by_reason"] == expected
+    manifest = json.loads(storage.read_text(f"{output}/manifest.json"))
+    assert manifest["errors_by_reason"] == expected and manifest["counts"]["rows_out"] == 6
+    errors = read_errors(output).to_pylist()
+    assert sorted(e["reason"] for e in errors) == sorted(expected)
+    assert all(e["detail"] and e["raw"] and e["location"].startswith(str(src)) for e in errors)
+    too_long = next(e for e in errors if e["reason"] == "prompt_too_long")
+    assert too_long["prompt_id"] and "context limit is 128" in too_long["detail"]
+    assert {r["prompt_id"] for r in read_rollouts(output).to_pylist()} == {
+        prompt_id_of("", t["turns"]) for t in good}
+
+
+@pytest.mark.integration
+def test_unreachable_bucket_fails_fast_before_generation(local_stack, tmp_path, capsys):
+    from jobs.generate import main
+
+    src = tmp_path / "p.jsonl"
+    write_jsonl([{"turns": ["q"]}], str(src))
+    code = main(["--config", str(REPO / "configs" / "generate" / "tiny.yaml"),
+                 "--set", "output=s3://no-such-bucket-dspark/out", "--set", f"sources=[{{uri: {src}}}]",
+                 "--set", "tracking.enabled=false"])
+    err = capsys.readouterr().err
+    assert code == 2 and "no-such-bucket-dspark" in err and len(err.strip().splitlines()) == 1

@@ -1,0 +1,148 @@
+"""Training throughput of jobs.train per DeepSpeed ZeRO stage, same batch, measured in one run.
+
+    python benchmarks/train_throughput.py                  # smollm2-135m, ZeRO 0, 2 and 3, 2 CPU workers
+    python benchmarks/train_throughput.py --quick          # the tiny target (a smoke check, seconds per stage)
+    python benchmarks/train_throughput.py --stages 2,3 --steps 6 --seq-len 512 --gpu --workers 8
+
+Each stage is a full Ray Train run (TorchTrainer, DeepSpeed, target features computed online) of
+`--steps` optimizer steps on the same synthetic rollouts (random tokens, a quarter prompt and three
+quarters supervised: content does not change the cost), starting from the drafter recipe in
+`--config`. Reported per stage: training tokens/s over all workers (tokens = non-padding tokens the
+target and drafter process; the first step of each run, with its start-up, is excluded), tokens/s per
+worker, seconds per optimizer step, and peak memory per worker (max RSS on CPU, max allocated on GPU;
+the maximum over workers). Checkpoints go to a temporary directory; MLflow is off. The last stdout
+line is one JSON object.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--config", default=None, help="train config whose target and drafter are used "
+                                                   "(default configs/train/smollm2-135m-dspark.yaml; --quick: tiny)")
+    ap.add_argument("--stages", default="0,2,3", help="comma-separated ZeRO stages")
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--micro-batch", type=int, default=2, help="sequences per worker per micro batch")
+    ap.add_argument("--accum", type=int, default=1, help="micro batches per optimizer step")
+    ap.add_argument("--seq-len", type=int, default=256, help="tokens per sequence")
+    ap.add_argument("--steps", type=int, default=4, help="optimizer steps per stage (the first is not timed)")
+    ap.add_argument("--gpu", action="store_true", help="one GPU per worker, bf16")
+    ap.add_argument("--quick", action="store_true", help="tiny target, 3 steps, 128 tokens")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.config = args.config or "configs/train/tiny-dspark.yaml"
+        args.steps, args.seq_len = 3, 128
+    args.config = args.config or "configs/train/smollm2-135m-dspark.yaml"
+    if args.steps < 2:
+        ap.error("--steps must be >= 2 (the first step is not timed)")
+    return args
+
+
+def vocab_size(target: str) -> int:
+    from transformers import AutoConfig
+
+    from dspark import models_builtin
+
+    path = models_builtin.prepare(target) if target in models_builtin.BUILTIN else target
+    return int(AutoConfig.from_pretrained(path).vocab_size)
+
+
+def write_rollouts(path: str, rows: int, seq_len: int, vocab: int, seed: int = 0) -> str:
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rng = np.random.default_rng(seed)
+    prompt = seq_len // 4
+    ids = [rng.integers(0, vocab, seq_len).tolist() for _ in range(rows)]
+    mask = [[0] * prompt + [1] * (seq_len - prompt)] * rows
+    pq.write_table(pa.table({"split": ["train"] * rows, "input_ids": pa.array(ids, pa.list_(pa.int32())),
+                             "loss_mask": pa.array(mask, pa.list_(pa.int8()))}), path)
+    return path
+
+
+def stage_config(args, stage: int, rollouts: str, storage: str, cpus_per_worker: float):
+    from dspark.config import load_config
+    from jobs.train import TrainJobConfig
+
+    global_batch = args.micro_batch * args.workers * args.accum
+    overrides = [f"run_name=bench-zero{stage}-{uuid.uuid4().hex[:8]}", f"data.rollouts={rollouts}",
+                 f"data.max_seq_len={args.seq_len}", f"optim.micro_batch_size={args.micro_batch}",
+                 f"optim.global_batch_size={global_batch}", f"optim.max_steps={args.steps}", "optim.warmup_ratio=0",
+                 f"deepspeed.zero_stage={stage}", f"scaling.num_workers={args.workers}",
+                 f"scaling.use_gpu={str(args.gpu).lower()}", f"scaling.cpus_per_worker={cpus_per_worker}",
+                 f"checkpoint.storage_path={storage}", f"checkpoint.every_steps={args.steps}",
+                 "checkpoint.max_failures=0", "tracking.enabled=false", "fault=null"]
+    return load_config(TrainJobConfig, REPO_ROOT / args.config, overrides)
+
+
+def cpus_per_worker(args) -> float:
+    """Leave one CPU for Ray Data (and the driver) beside the workers."""
+    import ray
+
+    total = ray.cluster_resources().get("CPU", 1.0)
+    return round(max(0.25, min(4.0, (total - 1) / args.workers)), 2)
+
+
+def measure(args, stage: int, rollouts: str, workdir: str, cpus: float) -> dict:
+    from jobs.train import run
+
+    cfg = stage_config(args, stage, rollouts, os.path.join(workdir, f"ckpt-{stage}"), cpus)
+    start = time.perf_counter()
+    summary = run(cfg)
+    m = summary["metrics"]
+    tokens_per_s = float(m.get("mean_tokens_per_s", m.get("tokens_per_s", 0.0)))
+    tokens_per_step = float(m.get("tokens", 0.0))
+    return {"tokens_per_s": round(tokens_per_s, 1), "tokens_per_s_per_worker": round(tokens_per_s / args.workers, 1),
+            "step_s": round(tokens_per_step / tokens_per_s, 3) if tokens_per_s else None,
+            "peak_mem_gb_per_worker": round(float(m.get("peak_mem_gb", 0.0)), 3),
+            "final_loss": round(float(m.get("loss", float("nan"))), 4),
+            "run_wall_s": round(time.perf_counter() - start, 1)}
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    from jobs.common import RayConfig, init_ray
+
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    init_ray(RayConfig())
+    from dspark.config import load_config
+    from jobs.train import TrainJobConfig
+
+    base = load_config(TrainJobConfig, REPO_ROOT / args.config, ["data.rollouts=unused"])
+    stages = [int(s) for s in args.stages.split(",")]
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="dspark-train-bench-") as workdir:
+        rows = args.micro_batch * args.workers * args.accum * args.steps
+        rollouts = write_rollouts(os.path.join(workdir, "rollouts.parquet"), rows, args.seq_len,
+                                  vocab_size(base.target))
+        cpus = cpus_per_worker(args)
+        for stage in stages:
+            print(f"[bench] ZeRO-{stage}: {args.workers} workers x {args.micro_batch} seq x {args.seq_len} tokens "
+                  f"x {args.accum} accum, {args.steps} steps", file=sys.stderr, flush=True)
+            results[f"zero{stage}"] = measure(args, stage, rollouts, workdir, cpus)
+            print(f"[bench] ZeRO-{stage}: {results[f'zero{stage}']}", file=sys.stderr, flush=True)
+    report = {"benchmark": "train_throughput", "target": base.target, "algo": base.drafter.algo,
+              "drafter_layers": base.drafter.depth, "workers": args.workers, "device": "gpu" if args.gpu else "cpu",
+              "precision": "bf16" if args.gpu else "fp32", "cpus_per_worker": cpus,
+              "batch": {"micro_batch": args.micro_batch, "accum": args.accum, "seq_len": args.seq_len,
+                        "global_batch_sequences": args.micro_batch * args.workers * args.accum},
+              "timed_steps": args.steps - 1, "results": results}
+    print(json.dumps(report))
+    return report
+
+
+if __name__ == "__main__":
+    main()

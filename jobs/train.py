@@ -1,0 +1,555 @@
+"""Distributed drafter training: `python -m jobs.train --config configs/train/tiny-dspark.yaml [--set k=v ...]`.
+
+The driver (this module) validates everything that can fail before training starts (config, rollouts
+schema and size, storage, MLflow), creates the MLflow run once, saves the run record, config and
+DeepSpeed JSON next to the checkpoints, and launches a Ray Train `TorchTrainer` whose workers run
+`jobs.train_worker.train_loop_per_worker` (DeepSpeed ZeRO, online target features). After training it
+logs the final drafter export and registers it as an MLflow model version with an alias.
+
+Resume: launching the same `run_name` with the same `checkpoint.storage_path` continues the run —
+Ray Train restores its checkpoint list from `<storage_path>/<run_name>/`, the workers reload the
+latest DeepSpeed state, and the run record (`dspark_run.json`) there gives back the MLflow run id.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from dspark.config import ConfigError, StrictModel, config_to_dict, dump_config, flatten
+from dspark.drafters import DrafterConfig
+from dspark.storage import StorageError
+from dspark.tracking import TrackingError
+from jobs.common import RayConfig, TrackingConfig
+
+ROLLOUT_COLUMNS = ("split", "input_ids", "loss_mask")  # what training reads from the rollouts Parquet
+RUN_RECORD = "dspark_run.json"  # beside Ray Train's own files in <storage_path>/<run_name>/
+TRAINING_ONLY_FIELDS = {"loss_ce", "loss_tv", "loss_conf", "anchors_per_seq", "position_weight", "init_std",
+                        "ttt_steps"}  # drafter fields that may change between a run and its resume
+
+
+# ----------------------------------------------------------------------------- config
+class DataSection(StrictModel):
+    rollouts: str  # Parquet file or directory (local or s3://) written by jobs.generate
+    split: str = "train"  # rows with this `split` value are trained on
+    max_seq_len: int = Field(1024, ge=8)  # sequences are cut to this many tokens (prompt + response)
+    shuffle_buffer: int = Field(0, ge=0)  # rows in each worker's local shuffle buffer (0 = file order)
+
+
+class OptimSection(StrictModel):
+    lr: float = Field(6e-4, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    warmup_ratio: float = Field(0.04, ge=0, lt=1)
+    schedule: Literal["cosine", "constant"] = "cosine"
+    min_lr_ratio: float = Field(0.0, ge=0, le=1)
+    grad_clip: float = Field(1.0, ge=0)  # 0 = no clipping
+    micro_batch_size: int = Field(4, ge=1)  # sequences per worker per forward/backward
+    global_batch_size: int = Field(16, ge=1)  # sequences per optimizer step over all workers
+    epochs: int = Field(1, ge=1)
+    max_steps: int | None = Field(None, ge=1)  # optimizer steps; overrides epochs (data repeats as needed)
+    seed: int = 0
+
+
+class DeepSpeedSection(StrictModel):
+    zero_stage: Literal[0, 1, 2, 3] = 2
+    precision: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 on GPU workers, fp32 on CPU
+    extra: dict = {}  # deep-merged into the generated DeepSpeed JSON (advanced; e.g. bucket sizes)
+
+
+class ScalingSection(StrictModel):
+    num_workers: int = Field(2, ge=1)
+    use_gpu: bool = False
+    cpus_per_worker: float = Field(1.0, gt=0)
+    gpus_per_worker: float = Field(1.0, ge=0)  # used when use_gpu
+    resources_per_worker: dict[str, float] = {}  # extra custom Ray resources per worker
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+
+
+class CheckpointSection(StrictModel):
+    storage_path: str = "s3://dspark/checkpoints"  # local dir or s3://bucket/prefix; run dir = <this>/<run_name>
+    every_steps: int = Field(50, ge=1)  # a checkpoint every N optimizer steps, and always at the end
+    num_to_keep: int = Field(2, ge=1)
+    max_failures: int = Field(1, ge=-1)  # worker-group restarts allowed (-1 = unlimited)
+
+
+class TrainTracking(TrackingConfig):
+    experiment: str = "dspark-train"
+    registered_model: str | None = None  # model registry name; None -> "drafter-<run_name>"
+    # alias moved to each newly registered version. MLflow reserves "latest"; `models:/<name>@latest`
+    # still works in dspark (dspark.drafter_source resolves it to the newest version).
+    alias: str = "trained"
+    log_every_steps: int = Field(1, ge=1)
+
+
+class FaultSection(StrictModel):
+    """Test hook: worker `rank` calls os._exit(1) when it reaches optimizer step `at_step`, once —
+    the marker file is created first, and the fault does not fire again while it exists."""
+
+    rank: int = 1
+    at_step: int = Field(ge=1)
+    marker: str
+
+
+class TrainJobConfig(StrictModel):
+    run_name: str
+    target: str = "tiny"  # load_target spec
+    drafter: DrafterConfig = DrafterConfig()
+    data: DataSection
+    optim: OptimSection = OptimSection()
+    deepspeed: DeepSpeedSection = DeepSpeedSection()
+    scaling: ScalingSection = ScalingSection()
+    checkpoint: CheckpointSection = CheckpointSection()
+    tracking: TrainTracking = TrainTracking()
+    ray: RayConfig = RayConfig()
+    fault: FaultSection | None = None
+
+    @model_validator(mode="after")
+    def _batch_divides(self) -> "TrainJobConfig":
+        per_step = self.optim.micro_batch_size * self.scaling.num_workers
+        if self.optim.global_batch_size % per_step:
+            raise ValueError(f"optim.global_batch_size={self.optim.global_batch_size} must be a multiple of "
+                             f"optim.micro_batch_size x scaling.num_workers = {per_step}")
+        if "/" in self.run_name or not self.run_name.strip():
+            raise ValueError(f"run_name {self.run_name!r} must be a non-empty name without '/'")
+        return self
+
+    @property
+    def grad_accum(self) -> int:
+        return self.optim.global_batch_size // (self.optim.micro_batch_size * self.scaling.num_workers)
+
+    @property
+    def mlflow_run_name(self) -> str:
+        return self.tracking.run_name or self.run_name
+
+    @property
+    def registered_model_name(self) -> str:
+        return self.tracking.registered_model or f"drafter-{self.run_name}"
+
+    def resolved_precision(self) -> str:
+        if self.deepspeed.precision != "auto":
+            return self.deepspeed.precision
+        return "bf16" if self.scaling.use_gpu else "fp32"
+
+
+# ----------------------------------------------------------------------------- plan
+def deepspeed_config(cfg: TrainJobConfig) -> dict:
+    """The DeepSpeed JSON for this run: batch geometry, clipping, ZeRO stage, precision.
+    Invariant: train_batch_size = micro x grad_accum x world = optim.global_batch_size."""
+    stage = cfg.deepspeed.zero_stage
+    zero: dict = {"stage": stage}
+    if stage >= 2:
+        zero.update(contiguous_gradients=True, overlap_comm=False,
+                    reduce_bucket_size=int(5e7), allgather_bucket_size=int(5e7))
+    if stage == 3:
+        zero.update(stage3_gather_16bit_weights_on_model_save=False, stage3_param_persistence_threshold=0)
+    ds = {
+        "train_batch_size": cfg.optim.global_batch_size,
+        "train_micro_batch_size_per_gpu": cfg.optim.micro_batch_size,
+        "gradient_accumulation_steps": cfg.grad_accum,
+        "gradient_clipping": cfg.optim.grad_clip,
+        "zero_optimization": zero,
+        "bf16": {"enabled": cfg.resolved_precision() == "bf16"},
+        "fp16": {"enabled": False},
+        "zero_allow_untested_optimizer": True,  # plain torch AdamW: no JIT-compiled FusedAdam on CPU
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+    return _deep_merge(ds, cfg.deepspeed.extra)
+
+
+def _deep_merge(base: dict, extra: dict) -> dict:
+    out = dict(base)
+    for key, value in extra.items():
+        out[key] = _deep_merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def training_steps(cfg: TrainJobConfig, num_rows: int) -> tuple[int, int]:
+    """(total optimizer steps, steps per epoch). Each worker gets num_rows // world rows (equal split)
+    and uses whole micro batches and whole accumulation groups only."""
+    world = cfg.scaling.num_workers
+    micro_per_epoch = (num_rows // world) // cfg.optim.micro_batch_size
+    steps_per_epoch = micro_per_epoch // cfg.grad_accum
+    if steps_per_epoch < 1:
+        raise ConfigError(f"rollouts {cfg.data.rollouts!r} have {num_rows} '{cfg.data.split}' rows, fewer than one "
+                          f"global batch ({cfg.optim.global_batch_size}); lower optim.global_batch_size or add data")
+    total = cfg.optim.max_steps or cfg.optim.epochs * steps_per_epoch
+    return total, steps_per_epoch
+
+
+# ----------------------------------------------------------------------------- fail-fast checks
+def rollout_files(uri: str) -> list[str]:
+    """The Parquet shards of a rollouts dataset: one file; the committed shards of a jobs.generate
+    output (its commit markers, not a listing); or, for a hand-made directory, its *.parquet files."""
+    from dspark import storage
+    from pipelines.rollout import read_commits
+
+    if uri.endswith(".parquet"):
+        if not storage.exists(uri):
+            raise ConfigError(f"rollouts file {uri!r} does not exist; point data.rollouts at jobs.generate's output")
+        return [uri]
+    commits = read_commits(uri.rstrip("/"))
+    if commits:
+        return [storage.join(uri, marker["files"]["data"]) for _, marker in sorted(commits.items())]
+    try:
+        files = sorted(f for f in storage.list_files(uri) if f.endswith(".parquet") and "/errors/" not in f)
+    except FileNotFoundError:
+        files = []
+    if not files:
+        raise ConfigError(f"no rollouts found at {uri!r} (no committed shards, no .parquet files); run "
+                          f"jobs.generate first or fix data.rollouts")
+    return files
+
+
+def parquet_paths(files: list[str]):
+    """(pyarrow filesystem, paths inside it) for a list of same-store URIs."""
+    from dspark import storage
+
+    pairs = [storage.pyarrow_fs(f) for f in files]
+    return pairs[0][0], [path for _, path in pairs]
+
+
+def check_rollouts(uri: str, split: str) -> tuple[list[str], int]:
+    """(shard URIs, number of `split` rows); ConfigError for a missing, empty or schema-mismatched dataset."""
+    import pyarrow as pa
+    import pyarrow.dataset as pads
+
+    files = rollout_files(uri)
+    fs, paths = parquet_paths(files)
+    try:
+        dataset = pads.dataset(paths, filesystem=fs, format="parquet")
+    except (FileNotFoundError, OSError, pa.ArrowInvalid) as err:
+        raise ConfigError(f"cannot read rollouts {uri!r}: {err}; point data.rollouts at the Parquet output of "
+                          f"jobs.generate") from None
+    missing = [c for c in ROLLOUT_COLUMNS if c not in dataset.schema.names]
+    if missing:
+        raise ConfigError(f"rollouts {uri!r} lack column(s) {missing} (have {dataset.schema.names}); they must "
+                          f"follow pipelines/schema.py — regenerate them with jobs.generate")
+    for name in ("input_ids", "loss_mask"):
+        kind = dataset.schema.field(name).type
+        if not (pa.types.is_list(kind) or pa.types.is_large_list(kind)) or not (
+                pa.types.is_integer(kind.value_type) or pa.types.is_boolean(kind.value_type)):
+            raise ConfigError(f"rollouts column {name!r} of {uri!r} has type {kind}, expected a list of integers")
+    rows = dataset.count_rows(filter=pads.field("split") == split)
+    if rows == 0:
+        raise ConfigError(f"rollouts {uri!r} have no rows with split == {split!r}; check data.split or "
+                          f"regenerate the rollouts")
+    return files, rows
+
+
+def check_target_spec(spec: str) -> None:
+    """Fail in the driver, not in every worker, when the target cannot be found (reads its config only)."""
+    from dspark import models_builtin, storage
+
+    if spec in models_builtin.BUILTIN:
+        return
+    if storage.is_s3(spec):
+        if not storage.exists(storage.join(spec, "config.json")):
+            raise ConfigError(f"target {spec!r} holds no config.json; point `target` at a model directory")
+        return
+    from transformers import AutoConfig
+
+    try:
+        AutoConfig.from_pretrained(spec)
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"cannot load target {spec!r} ({str(err).splitlines()[0]}); use 'tiny', 'smollm2-135m', "
+                          f"a model directory, an s3:// copy or a hub name reachable from the cluster") from None
+
+
+def check_resume_matches(record: dict, cfg: TrainJobConfig) -> None:
+    """A relaunch must train the same drafter on the same target as the run it resumes."""
+    if record.get("target") != cfg.target:
+        raise ConfigError(f"run {cfg.run_name!r} was trained on target {record.get('target')!r}, not {cfg.target!r}; "
+                          f"use the original target or a new run_name")
+    old = {k: v for k, v in record.get("drafter", {}).items() if k not in TRAINING_ONLY_FIELDS}
+    new = {k: v for k, v in config_to_dict(cfg.drafter).items() if k not in TRAINING_ONLY_FIELDS}
+    changed = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
+    if changed:
+        raise ConfigError(f"run {cfg.run_name!r} has a drafter checkpoint with a different architecture "
+                          f"(changed: {changed}); restore those settings or use a new run_name")
+    # DeepSpeed's optimizer shards are per data-parallel rank and stage: both must stay the same.
+    layout = {"scaling.num_workers": (record.get("num_workers"), cfg.scaling.num_workers),
+              "deepspeed.zero_stage": (record.get("zero_stage"), cfg.deepspeed.zero_stage)}
+    moved = {k: old_new for k, old_new in layout.items() if old_new[0] is not None and old_new[0] != old_new[1]}
+    if moved:
+        raise ConfigError(f"run {cfg.run_name!r} was checkpointed with " + ", ".join(
+            f"{k}={o}" for k, (o, _) in moved.items()) + "; resuming needs the same values (or use a new run_name)")
+
+
+# ----------------------------------------------------------------------------- run record / MLflow
+def run_dir(cfg: TrainJobConfig) -> str:
+    from dspark import storage
+
+    return storage.join(cfg.checkpoint.storage_path, cfg.run_name)
+
+
+def read_run_record(cfg: TrainJobConfig) -> dict | None:
+    from dspark import storage
+
+    uri = storage.join(run_dir(cfg), RUN_RECORD)
+    return json.loads(storage.read_text(uri)) if storage.exists(uri) else None
+
+
+def write_run_record(cfg: TrainJobConfig, record: dict) -> None:
+    from dspark import storage
+
+    storage.write_text(storage.join(run_dir(cfg), RUN_RECORD), json.dumps(record, indent=2))
+
+
+def git_sha() -> str:
+    root = Path(__file__).resolve().parent.parent
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=root, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+    if sha.returncode != 0:
+        return "unknown"
+    return sha.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+
+
+def package_versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for name in ("dspark", "torch", "ray", "deepspeed", "transformers", "mlflow", "pyarrow"):
+        try:
+            out[f"version.{name}"] = version(name)
+        except PackageNotFoundError:
+            out[f"version.{name}"] = "not-installed"
+    return out
+
+
+def run_params(cfg: TrainJobConfig, num_rows: int, total_steps: int) -> dict:
+    params = flatten(config_to_dict(cfg))
+    params.update(package_versions())
+    params.update({"git_sha": git_sha(), "world_size": cfg.scaling.num_workers, "grad_accum": cfg.grad_accum,
+                   "train_rows": num_rows, "total_steps": total_steps, "precision": cfg.resolved_precision()})
+    return params
+
+
+def open_mlflow_run(cfg: TrainJobConfig, record: dict | None, params: dict) -> str | None:
+    """The MLflow run of this training run: the recorded one on resume, else a new one (params logged once)."""
+    from dspark import tracking
+
+    if not cfg.tracking.enabled:
+        return None
+    run_id = record.get("mlflow_run_id") if record else None
+    run_id = tracking.start_run(cfg.tracking.experiment, cfg.mlflow_run_name, run_id=run_id,
+                                tags={"dspark.stage": "train", "dspark.algo": cfg.drafter.algo,
+                                      "dspark.target": cfg.target})
+    if record is None or not record.get("mlflow_run_id"):
+        tracking.log_params(params)
+    return run_id
+
+
+# ----------------------------------------------------------------------------- driver
+def worker_env() -> dict[str, str]:
+    """Environment the workers need (tracking URI, object-store endpoint and credentials, caches)."""
+    keys = ("MLFLOW_TRACKING_URI", "MLFLOW_S3_ENDPOINT_URL", "AWS_ENDPOINT_URL", "DSPARK_S3_ENDPOINT",
+            "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_REGION", "DSPARK_CACHE", "HF_ENDPOINT", "HF_HOME",
+            "TOKENIZERS_PARALLELISM", "MLFLOW_HTTP_REQUEST_MAX_RETRIES")
+    return {k: os.environ[k] for k in keys if k in os.environ}
+
+
+def build_trainer(cfg: TrainJobConfig, loop_config: dict, dataset):
+    """TorchTrainer: gloo on CPU, NCCL on GPU; checkpoints kept under <storage_path>/<run_name>."""
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    from dspark import storage
+    from jobs.train_worker import train_loop_per_worker
+
+    sc = cfg.scaling
+    resources = {"CPU": sc.cpus_per_worker, **sc.resources_per_worker}
+    if sc.use_gpu:
+        resources["GPU"] = sc.gpus_per_worker
+    fs, path = storage.pyarrow_fs(cfg.checkpoint.storage_path)
+    return TorchTrainer(
+        train_loop_per_worker,
+        train_loop_config=loop_config,
+        torch_config=TorchConfig(backend="nccl" if sc.use_gpu else "gloo"),
+        scaling_config=ScalingConfig(num_workers=sc.num_workers, use_gpu=sc.use_gpu,
+                                     resources_per_worker=resources, placement_strategy=sc.placement_strategy),
+        run_config=RunConfig(name=cfg.run_name, storage_path=path, storage_filesystem=fs,
+                             checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.num_to_keep),
+                             failure_config=FailureConfig(max_failures=cfg.checkpoint.max_failures)),
+        datasets={"train": dataset},
+    )
+
+
+def read_rollouts(cfg: TrainJobConfig, files: list[str]):
+    """Ray Dataset of the training rows, only the columns training needs."""
+    import ray.data
+    from ray.data.expressions import col
+
+    ray.data.DataContext.get_current().enable_progress_bars = False  # the workers log training progress
+    fs, paths = parquet_paths(files)
+    ds = ray.data.read_parquet(paths, filesystem=fs)
+    return ds.filter(expr=col("split") == cfg.data.split).select_columns(["input_ids", "loss_mask"])
+
+
+def check_cluster_fits(cfg: TrainJobConfig) -> None:
+    """Ray Data reads the rollouts beside the training workers: if the workers take every CPU of the
+    cluster the read never starts and training waits forever, so refuse that up front."""
+    if "ray" not in sys.modules:  # Ray not started here (importing it would freeze its auth settings)
+        return
+    import ray
+
+    if not ray.is_initialized():
+        return
+    total = ray.cluster_resources().get("CPU", 0.0)
+    taken = cfg.scaling.num_workers * cfg.scaling.cpus_per_worker
+    if total and total - taken < 0.5:
+        raise ConfigError(f"the training workers take {taken:g} of the cluster's {total:g} CPUs, leaving none for "
+                          f"Ray Data to read the rollouts; lower scaling.cpus_per_worker (e.g. "
+                          f"{max(0.25, (total - 1) / cfg.scaling.num_workers):g}) or add CPUs")
+
+
+def prepare_run(cfg: TrainJobConfig) -> dict:
+    """Every check that can fail before training; returns the plan handed to the workers."""
+    from dspark import storage, tracking
+
+    check_cluster_fits(cfg)
+    storage.check_writable(run_dir(cfg))
+    if cfg.tracking.enabled:
+        tracking.check_reachable()
+    check_target_spec(cfg.target)
+    files, num_rows = check_rollouts(cfg.data.rollouts, cfg.data.split)
+    total_steps, steps_per_epoch = training_steps(cfg, num_rows)
+    record = read_run_record(cfg)
+    if record:
+        check_resume_matches(record, cfg)
+        if record.get("completed_steps", 0) >= total_steps:
+            return {"already_complete": True, "total_steps": total_steps, "record": record}
+        print(f"[train] resuming run {cfg.run_name!r} from {run_dir(cfg)}", file=sys.stderr)
+    ds_config = deepspeed_config(cfg)
+    run_id = open_mlflow_run(cfg, record, run_params(cfg, num_rows, total_steps))
+    record = {**(record or {}), "run_name": cfg.run_name, "target": cfg.target,
+              "drafter": config_to_dict(cfg.drafter), "mlflow_run_id": run_id,
+              "mlflow_experiment": cfg.tracking.experiment, "num_workers": cfg.scaling.num_workers,
+              "zero_stage": cfg.deepspeed.zero_stage, "launches": (record or {}).get("launches", 0) + 1}
+    write_run_record(cfg, record)
+    storage.write_text(storage.join(run_dir(cfg), "config.yaml"), dump_config(cfg))
+    storage.write_text(storage.join(run_dir(cfg), "ds_config.json"), json.dumps(ds_config, indent=2))
+    return {"total_steps": total_steps, "steps_per_epoch": steps_per_epoch, "train_rows": num_rows,
+            "grad_accum": cfg.grad_accum, "precision": cfg.resolved_precision(), "ds_config": ds_config,
+            "mlflow_run_id": run_id, "launch": record["launches"], "files": files}
+
+
+def finish_run(cfg: TrainJobConfig, plan: dict, result) -> dict:
+    """Log the final drafter and the config, register the drafter, close the MLflow run."""
+    from dspark import tracking
+
+    summary = {"run_name": cfg.run_name, "checkpoint": checkpoint_uri(cfg, result.checkpoint),
+               "metrics": dict(result.metrics or {}), "mlflow_run_id": plan["mlflow_run_id"]}
+    if not cfg.tracking.enabled:
+        return summary
+    with tempfile.TemporaryDirectory() as tmp:
+        drafter_dir = os.path.join(tmp, "drafter")
+        copy_checkpoint_subdir(result.checkpoint, "drafter", drafter_dir)
+        tracking.log_artifact(drafter_dir, "drafter")
+        config_path = os.path.join(tmp, "config.yaml")
+        Path(config_path).write_text(dump_config(cfg))
+        tracking.log_artifact(config_path)
+        ds_path = os.path.join(tmp, "ds_config.json")
+        Path(ds_path).write_text(json.dumps(plan["ds_config"], indent=2))
+        tracking.log_artifact(ds_path)
+    version = register_drafter(plan["mlflow_run_id"], cfg.registered_model_name, cfg.tracking.alias)
+    summary["registered_model"] = {"name": cfg.registered_model_name, "version": version, "alias": cfg.tracking.alias}
+    tracking.set_tags({"dspark.registered_model": cfg.registered_model_name, "dspark.registered_version": version})
+    tracking.end_run("FINISHED")
+    return summary
+
+
+def register_drafter(run_id: str, name: str, alias: str, attempts: int = 3) -> str:
+    """Register the run's `drafter` artifact directory as a new version of `name` and point `alias`
+    at it; returns the version. Transient errors are retried; a final failure raises TrackingError
+    (the trained drafter stays in the checkpoint and the run's artifacts)."""
+    from mlflow import MlflowClient
+
+    for attempt in range(1, attempts + 1):
+        try:
+            client = MlflowClient()
+            if not client.search_registered_models(filter_string=f"name = '{name}'"):
+                client.create_registered_model(name, description="dspark drafter (jobs.train)")
+            source = f"{client.get_run(run_id).info.artifact_uri.rstrip('/')}/drafter"
+            version = client.create_model_version(name, source, run_id=run_id).version
+            client.set_registered_model_alias(name, alias, version)
+            return str(version)
+        except Exception as err:  # noqa: BLE001 - MLflow raises many types for transient failures
+            if attempt == attempts:
+                raise TrackingError(f"registering the drafter of run {run_id} as {name!r} failed: {err}; the "
+                                    f"drafter is logged under the run's 'drafter' artifacts — register it by "
+                                    f"hand or rerun the same run_name") from err
+            time.sleep(2 ** attempt)
+    raise AssertionError("unreachable")
+
+
+def checkpoint_uri(cfg: TrainJobConfig, checkpoint) -> str | None:
+    from dspark import storage
+
+    if checkpoint is None:
+        return None
+    return f"s3://{checkpoint.path}" if storage.is_s3(cfg.checkpoint.storage_path) else checkpoint.path
+
+
+def copy_checkpoint_subdir(checkpoint, subdir: str, local_dir: str) -> None:
+    """Copy one folder of a (possibly remote) Ray checkpoint without downloading its optimizer state."""
+    import pyarrow.fs as pafs
+
+    if checkpoint is None:
+        raise RuntimeError("training produced no checkpoint; check the worker logs above")
+    os.makedirs(local_dir, exist_ok=True)
+    pafs.copy_files(f"{checkpoint.path}/{subdir}", local_dir, source_filesystem=checkpoint.filesystem,
+                    destination_filesystem=pafs.LocalFileSystem())
+
+
+def run(cfg: TrainJobConfig) -> dict:
+    """Train (or resume) one run; returns a summary (checkpoint URI, final metrics, MLflow ids)."""
+    from dspark import tracking
+
+    plan = prepare_run(cfg)
+    if plan.get("already_complete"):
+        print(f"[train] run {cfg.run_name!r} already completed {plan['total_steps']} steps: nothing to do "
+              f"(raise optim.max_steps or optim.epochs to continue it)", file=sys.stderr)
+        return {"run_name": cfg.run_name, "already_complete": True,
+                "mlflow_run_id": plan["record"].get("mlflow_run_id")}
+    loop_config = {"job": config_to_dict(cfg), "plan": plan, "env": worker_env()}
+    trainer = build_trainer(cfg, loop_config, read_rollouts(cfg, plan["files"]))
+    start = time.perf_counter()
+    try:
+        result = trainer.fit()
+    except Exception:
+        if cfg.tracking.enabled:
+            tracking.end_run("FAILED")
+        raise
+    summary = finish_run(cfg, plan, result)
+    write_run_record(cfg, {**read_run_record(cfg), "completed_steps": int(summary["metrics"].get("step", 0))})
+    summary["wall_s"] = round(time.perf_counter() - start, 1)
+    return summary
+
+
+def main(argv: list[str] | None = None) -> None:
+    from jobs import common
+
+    cfg = common.load_job_config(TrainJobConfig, argv, "Train a drafter with Ray Train + DeepSpeed ZeRO.")
+    try:
+        common.init_ray(cfg.ray)
+        summary = run(cfg)
+    except (ConfigError, StorageError, TrackingError) as err:
+        sys.exit(f"error: {err}")
+    print(json.dumps(summary, default=str))
+
+
+if __name__ == "__main__":
+    main()

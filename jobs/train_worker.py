@@ -1,0 +1,403 @@
+"""The per-worker training function run by Ray Train (`train_loop_per_worker`), and the DeepSpeed
+training session it drives (usable without Ray, e.g. in a single process for tests).
+
+Each worker holds the frozen target (eval mode, no grads) and a DeepSpeed engine around the drafter.
+Per micro batch `dspark.training.drafter_loss` runs the target to get the context features and the
+target distributions at the supervised positions only (online: nothing is cached on disk), then the
+drafter loss; DeepSpeed accumulates gradients to the global batch, clips, steps AdamW (a plain torch
+optimizer: no JIT-compiled ops on CPU) and the warmup+cosine schedule.
+
+Why online features: a precomputed target cache (what the public reference does) stores the fused
+hidden states of every training token, ~30 KB per token for a 4B target (5 layers x 2560 x bf16), i.e.
+tens of TB for a 1-2 B-token dataset, written once and re-read every epoch. Here that storage and its
+I/O are zero; the price is one no-grad target forward per sequence per epoch (~2·N FLOPs/token, N the
+target size) and the LM head only at the supervised positions (d-dim states, never V-dim logits
+over the whole sequence).
+
+Step bookkeeping: `step` = optimizer steps done. With S steps per epoch and G micro batches per step,
+step s lives in epoch s // S and starts after micro batch (s % S)·G of that epoch, so a checkpoint
+only needs `step` to resume exactly where it left off.
+"""
+from __future__ import annotations
+
+import json
+import os
+import resource
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable
+
+import numpy as np
+import torch
+from torch import nn
+
+DS_TAG = "deepspeed"  # DeepSpeed checkpoint tag (sub-folder) inside each Ray checkpoint
+DRAFTER_DIR = "drafter"  # HF-style drafter export inside each Ray checkpoint
+STATE_FILE = "train_state.json"
+
+
+# ----------------------------------------------------------------------------- batches
+def collate(batch: dict, max_len: int, pad_id: int) -> dict[str, torch.Tensor]:
+    """Rows of variable-length `input_ids` / `loss_mask` -> right-padded [B, T] tensors (T <= max_len)
+    with the attention mask marking real tokens. Sequences longer than max_len are cut."""
+    ids = [np.asarray(x, dtype=np.int64)[:max_len] for x in batch["input_ids"]]
+    masks = [np.asarray(x, dtype=np.int64)[:max_len] for x in batch["loss_mask"]]
+    width = max(len(x) for x in ids)
+    input_ids = torch.full((len(ids), width), pad_id, dtype=torch.long)
+    loss_mask = torch.zeros((len(ids), width), dtype=torch.long)
+    attention = torch.zeros((len(ids), width), dtype=torch.long)
+    for row, (tokens, mask) in enumerate(zip(ids, masks)):
+        if len(mask) != len(tokens):
+            raise ValueError(f"rollout row has {len(tokens)} input_ids but {len(mask)} loss_mask entries; "
+                             "the rollouts are corrupt — regenerate them")
+        input_ids[row, :len(tokens)] = torch.from_numpy(tokens)
+        loss_mask[row, :len(mask)] = torch.from_numpy(mask)
+        attention[row, :len(tokens)] = 1
+    return {"input_ids": input_ids, "loss_mask": loss_mask, "attention_mask": attention}
+
+
+# ----------------------------------------------------------------------------- engine
+class LossModule(nn.Module):
+    """Wraps drafter + loss so the DeepSpeed engine's forward sees a tensor loss (its backward hooks and
+    ZeRO-3 parameter gathering need the forward to go through the engine). The target is held by
+    reference, outside the module tree: DeepSpeed never sees (or partitions) its weights."""
+
+    def __init__(self, drafter: nn.Module, target):
+        super().__init__()
+        self.drafter = drafter
+        object.__setattr__(self, "target", target)
+
+    def forward(self, input_ids, loss_mask, attention_mask, generator):
+        from dspark.training import drafter_loss
+
+        out = drafter_loss(self.drafter, self.target, input_ids, loss_mask, attention_mask, generator)
+        return out.loss, out.metrics
+
+
+def precision_dtype(precision: str) -> torch.dtype:
+    return torch.bfloat16 if precision == "bf16" else torch.float32
+
+
+def resolve_precision(plan: dict, requested: str, device: torch.device) -> dict:
+    """bf16 needs hardware support: "auto" falls back to fp32 on GPUs without it, an explicit "bf16" fails."""
+    if plan["precision"] != "bf16" or device.type != "cuda" or torch.cuda.is_bf16_supported():
+        return plan
+    if requested == "bf16":
+        raise RuntimeError(f"bf16 is not supported on {torch.cuda.get_device_name(device)}; "
+                           f"set deepspeed.precision=fp32 (or auto)")
+    ds_config = {**plan["ds_config"], "bf16": {"enabled": False}}
+    return {**plan, "precision": "fp32", "ds_config": ds_config}
+
+
+def init_engine(cfg, plan: dict, target):
+    """Build the drafter (same seed on every rank) and wrap it in a DeepSpeed engine."""
+    import deepspeed
+
+    from dspark.drafters import build_drafter
+    from dspark.lr_schedule import build_scheduler
+
+    if target.device.type == "cpu":
+        # DeepSpeed's CPU shared-memory allreduce is JIT-compiled on first use (minutes): use gloo's.
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    torch.manual_seed(cfg.optim.seed)
+    drafter = build_drafter(cfg.drafter, target)
+    drafter.train()
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), eps=cfg.optim.eps,
+                                  weight_decay=cfg.optim.weight_decay)
+    schedule = (plan["total_steps"], cfg.optim.warmup_ratio, cfg.optim.schedule, cfg.optim.min_lr_ratio)
+    engine, _, _, _ = deepspeed.initialize(
+        model=LossModule(drafter, target), optimizer=optimizer, config=plan["ds_config"],
+        lr_scheduler=lambda opt: build_scheduler(opt, *schedule))  # stepped by DeepSpeed per optimizer step
+    return engine
+
+
+def drafter_of(engine) -> nn.Module:
+    return engine.module.drafter
+
+
+# ----------------------------------------------------------------------------- session
+@dataclass
+class StepResult:
+    step: int
+    metrics: dict[str, float]  # rank-averaged loss terms + lr, grad_norm, tokens_per_s, ...
+
+
+@dataclass
+class TrainSession:
+    """One worker's training state: target, DeepSpeed engine, step counter. Drive it with `run`."""
+
+    cfg: object  # jobs.train.TrainJobConfig
+    plan: dict
+    rank: int
+    world: int
+    device: torch.device
+    engine: object = None
+    target: object = None
+    step: int = 0
+    restored_from: int | None = None
+    restarts: int = 0
+    _tokens: int = 0
+    _metric_sums: dict = field(default_factory=dict)
+    _micro: int = 0
+    _t_last: float = 0.0
+    _grad_norm: float | None = None
+    _lr: float = 0.0  # lr of the last optimizer step (DeepSpeed steps the schedule right after it)
+    _steps_here: int = 0  # optimizer steps taken since this process started (or resumed)
+    _timed: tuple = (0.0, 0)  # (time of this launch's first step, tokens since then)
+
+    def setup(self) -> "TrainSession":
+        from dspark.target import load_target
+
+        self.plan = resolve_precision(self.plan, self.cfg.deepspeed.precision, self.device)
+        precision = self.plan["precision"]
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.target = load_target(self.cfg.target, dtype=precision_dtype(precision), device=str(self.device))
+        self.engine = init_engine(self.cfg, self.plan, self.target)
+        return self
+
+    # ---- checkpoints ---------------------------------------------------------------------
+    def save(self, out_dir: str) -> None:
+        """Collective: every rank writes its DeepSpeed shards; rank 0 adds the drafter export and state."""
+        self.engine.save_checkpoint(out_dir, tag=DS_TAG, client_state={"step": self.step})
+        self.export_drafter(os.path.join(out_dir, DRAFTER_DIR))
+        if self.rank == 0:
+            state = {"step": self.step, "restored_from": self.restored_from, "restarts": self.restarts,
+                     "target_meta": self.target.meta(), "world_size": self.world,
+                     "zero_stage": self.plan["ds_config"]["zero_optimization"]["stage"]}
+            Path(out_dir, STATE_FILE).write_text(json.dumps(state, indent=2))
+
+    def export_drafter(self, out_dir: str) -> None:
+        """HF-style drafter directory (rank 0). Under ZeRO-3 the weights are gathered first (collective)."""
+        from dspark.drafters import save_drafter
+
+        drafter = drafter_of(self.engine)
+        if self.plan["ds_config"]["zero_optimization"]["stage"] == 3:
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters(list(drafter.parameters()), modifier_rank=None):
+                if self.rank == 0:
+                    save_drafter(drafter, out_dir)
+        elif self.rank == 0:
+            save_drafter(drafter, out_dir)
+
+    def restore(self, ckpt_dir: str) -> None:
+        state_path = Path(ckpt_dir, STATE_FILE)
+        state = json.loads(state_path.read_text()) if state_path.exists() else {}
+        check_same_target(state.get("target_meta"), self.target, ckpt_dir)
+        load_path, client = self.engine.load_checkpoint(ckpt_dir, tag=DS_TAG, load_optimizer_states=True,
+                                                        load_lr_scheduler_states=True)
+        if load_path is None:
+            raise RuntimeError(f"checkpoint {ckpt_dir} holds no DeepSpeed state under '{DS_TAG}/'")
+        self.step = int(client["step"])
+        self.restored_from = self.step
+        self.restarts = int(state.get("restarts", 0)) + 1
+
+    # ---- training ------------------------------------------------------------------------
+    def micro_step(self, batch: dict[str, torch.Tensor], generator: torch.Generator) -> None:
+        """Forward + backward one micro batch; DeepSpeed steps the optimizer at accumulation boundaries."""
+        batch = {k: v.to(self.device) for k, v in batch.items()}
+        loss, metrics = self.engine(batch["input_ids"], batch["loss_mask"], batch["attention_mask"], generator)
+        self.engine.backward(loss)
+        if self._boundary():
+            self._grad_norm, self._lr = self._manual_grad_norm(), float(self.engine.get_lr()[0])
+        self.engine.step()
+        self._micro += 1
+        self._tokens += int(batch["attention_mask"].sum())
+        for key, value in {"loss": float(loss.detach()), **metrics}.items():
+            self._metric_sums[key] = self._metric_sums.get(key, 0.0) + float(value)
+
+    def _boundary(self) -> bool:
+        return (self._micro + 1) % self.plan["grad_accum"] == 0
+
+    def _manual_grad_norm(self) -> float | None:
+        """ZeRO stage 0 in fp32 does not record the clipped norm: compute it (grads are reduced by now)."""
+        if self.plan["ds_config"]["zero_optimization"]["stage"] != 0:
+            return None
+        sq = [p.grad.detach().float().pow(2).sum() for p in self.engine.module.parameters() if p.grad is not None]
+        return float(torch.stack(sq).sum().sqrt()) if sq else 0.0
+
+    def step_metrics(self) -> dict[str, float]:
+        """Metrics of the micro batches since the last call, averaged over micro batches and ranks
+        (tokens summed, memory the maximum over ranks). `mean_tokens_per_s` covers this launch's
+        steps after its first (start-up and warm-up excluded)."""
+        import torch.distributed as dist
+
+        local = {k: v / max(1, self._micro) for k, v in self._metric_sums.items()}
+        payload = {"metrics": local, "tokens": self._tokens, "mem": peak_memory_gb(self.device)}
+        gathered = [None] * self.world
+        if dist.is_available() and dist.is_initialized() and self.world > 1:
+            dist.all_gather_object(gathered, payload)
+        else:
+            gathered = [payload]
+        now = time.perf_counter()
+        out = average_dicts([g["metrics"] for g in gathered])
+        tokens = sum(g["tokens"] for g in gathered)
+        norm = self.engine.get_global_grad_norm()
+        norm = self._grad_norm if norm is None else norm
+        out.update({"lr": self._lr, "tokens": float(tokens), "tokens_per_s": tokens / max(1e-9, now - self._t_last),
+                    "step_time_s": now - self._t_last, "peak_mem_gb": max(g["mem"] for g in gathered)})
+        if norm is not None:
+            out["grad_norm"] = float(norm)
+        self._steps_here += 1
+        if self._steps_here == 1:
+            self._timed = (now, 0)
+        else:
+            self._timed = (self._timed[0], self._timed[1] + tokens)
+            out["mean_tokens_per_s"] = self._timed[1] / max(1e-9, now - self._timed[0])
+        self._metric_sums, self._micro, self._tokens, self._t_last = {}, 0, 0, now
+        return out
+
+    def run(self, epoch_batches: Callable[[int], Iterable[dict]],
+            on_step: Callable[[StepResult], None]) -> None:
+        """Train from `self.step` to plan['total_steps']. `epoch_batches(epoch)` yields raw row batches
+        (dict of columns); `on_step` is called after every optimizer step on every rank."""
+        total, per_epoch, accum = self.plan["total_steps"], self.plan["steps_per_epoch"], self.plan["grad_accum"]
+        pad_id, max_len = self.target.pad_token_id, self.cfg.data.max_seq_len
+        self._t_last = time.perf_counter()
+        while self.step < total:
+            epoch, done_in_epoch = divmod(self.step, per_epoch)
+            first, last = done_in_epoch * accum, per_epoch * accum  # micro batch range still to train on
+            for index, rows in enumerate(epoch_batches(epoch)):
+                if self.step >= total:
+                    break
+                if not first <= index < last:
+                    continue  # already trained on (resume) or the tail that does not fill a global batch
+                generator = torch.Generator().manual_seed(micro_seed(self.cfg.optim.seed, self.rank, epoch, index))
+                self.micro_step(collate(rows, max_len, pad_id), generator)
+                if (index + 1) % accum == 0:
+                    self.step += 1
+                    on_step(StepResult(self.step, {**self.step_metrics(), "epoch": float(epoch)}))
+
+
+def micro_seed(seed: int, rank: int, epoch: int, index: int) -> int:
+    """Anchor-sampling seed of one micro batch: distinct per rank/epoch/batch, identical on a rerun."""
+    return (seed * 1_000_003 + rank * 7_919 + epoch * 104_729 + index) % (2**63 - 1)
+
+
+def average_dicts(dicts: list[dict[str, float]]) -> dict[str, float]:
+    keys = sorted({k for d in dicts for k in d})
+    return {k: float(np.mean([d[k] for d in dicts if k in d])) for k in keys}
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux: KiB
+
+
+def check_same_target(meta: dict | None, target, source: str) -> None:
+    if not meta:
+        return
+    mine = target.meta()
+    diff = [k for k in ("name", "hidden_size", "vocab_size", "num_layers") if meta.get(k) != mine.get(k)]
+    if diff:
+        raise ValueError(f"checkpoint {source} was trained with target {meta.get('name')!r} "
+                         f"({ {k: meta.get(k) for k in diff} }), but this run loads {mine['name']!r} "
+                         f"({ {k: mine.get(k) for k in diff} }); use the original target or a new run_name")
+
+
+# ----------------------------------------------------------------------------- Ray glue
+class RankZeroLogger:
+    """Continues the driver's MLflow run on rank 0 (also after a restart: same run id, no new run)."""
+
+    def __init__(self, cfg, run_id: str | None):
+        self.every = cfg.tracking.log_every_steps
+        self.run_id = run_id
+        if run_id:
+            from dspark import tracking
+
+            tracking.start_run(cfg.tracking.experiment, cfg.run_name, run_id=run_id)
+
+    def log(self, step: int, metrics: dict[str, float], force: bool = False) -> None:
+        if self.run_id and (force or step % self.every == 0):
+            from dspark import tracking
+
+            tracking.log_metrics(metrics, step=step)
+
+
+def print_progress(result: StepResult, total: int, every: int) -> None:
+    if result.step % every and result.step != total:
+        return
+    m = result.metrics
+    print(f"[train] step {result.step}/{total} loss {m.get('loss', float('nan')):.4f} "
+          f"accept_len {m.get('expected_accept_len', float('nan')):.3f} lr {m.get('lr', 0.0):.2e} "
+          f"{m.get('tokens_per_s', 0.0):.0f} tok/s", file=sys.stderr, flush=True)
+
+
+def maybe_inject_fault(cfg, rank: int, step: int) -> None:
+    """Test hook (config `fault`): kill this worker process once, at the configured step."""
+    fault = cfg.fault
+    if fault is None or fault.rank != rank or fault.at_step != step or os.path.exists(fault.marker):
+        return
+    import ray.train
+    from ray.train import CheckpointConsistencyMode
+
+    # Let Ray Train register the reports already made (it polls the workers): a crash that follows a
+    # checkpoint by more than a poll interval, as in a real run, resumes from that checkpoint.
+    ray.train.get_all_reported_checkpoints(consistency_mode=CheckpointConsistencyMode.COMMITTED, timeout_s=120)
+    Path(fault.marker).parent.mkdir(parents=True, exist_ok=True)
+    Path(fault.marker).write_text(f"rank {rank} killed at step {step}\n")
+    print(f"[train] fault injection: rank {rank} exits at step {step}", file=sys.stderr, flush=True)
+    os._exit(1)
+
+
+def train_loop_per_worker(loop_config: dict) -> None:
+    """Ray Train entry point. loop_config = {"job": TrainJobConfig dict, "plan": driver plan, "env": {...}}."""
+    os.environ.update(loop_config.get("env", {}))
+    if not loop_config["job"].get("scaling", {}).get("use_gpu", False):
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import ray.train
+    import ray.train.torch
+
+    from jobs.train import TrainJobConfig
+
+    cfg = TrainJobConfig.model_validate(loop_config["job"])
+    plan = loop_config["plan"]
+    ctx = ray.train.get_context()
+    session = TrainSession(cfg, plan, ctx.get_world_rank(), ctx.get_world_size(), ray.train.torch.get_device())
+    session.setup()
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint is not None:
+        with checkpoint.as_directory() as ckpt_dir:
+            session.restore(ckpt_dir)
+        print(f"[train] rank {session.rank}: resumed from step {session.step}", file=sys.stderr, flush=True)
+    logger = RankZeroLogger(cfg, plan.get("mlflow_run_id")) if session.rank == 0 else None
+    if logger and session.restored_from is not None:
+        logger.log(session.step, {"resumed_from_step": float(session.step),
+                                  "restarts": float(session.restarts)}, force=True)
+    shard = ray.train.get_dataset_shard("train")
+
+    def epoch_batches(epoch: int):
+        buffer = cfg.data.shuffle_buffer or None
+        return shard.iter_batches(batch_size=cfg.optim.micro_batch_size, batch_format="numpy", drop_last=True,
+                                  local_shuffle_buffer_size=buffer,
+                                  local_shuffle_seed=(cfg.optim.seed + epoch) if buffer else None)
+
+    def on_step(result: StepResult) -> None:
+        if logger:
+            logger.log(result.step, result.metrics)
+            print_progress(result, plan["total_steps"], cfg.tracking.log_every_steps)
+        final = result.step >= plan["total_steps"]
+        if result.step % cfg.checkpoint.every_steps == 0 or final:
+            report_checkpoint(session, {"step": result.step, **result.metrics})
+        maybe_inject_fault(cfg, session.rank, result.step)
+
+    session.run(epoch_batches, on_step)
+
+
+def report_checkpoint(session: TrainSession, metrics: dict) -> None:
+    """Every rank saves its part into a local temp dir; Ray Train uploads and merges them."""
+    import ray.train
+
+    tmp = tempfile.mkdtemp(prefix="dspark-ckpt-")
+    try:
+        session.save(tmp)
+        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

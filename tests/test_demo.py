@@ -1,0 +1,202 @@
+"""The demo driver (jobs/demo.py): its checks and stage table (fast), and the smoke profile end to end
+on the `tiny` target (slow, integration: starts the local stack and submits every stage as a Ray job).
+"""
+from __future__ import annotations
+
+import ast
+import importlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from jobs import demo
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+# ----------------------------------------------------------------------------- fast: the stage table
+@pytest.mark.parametrize("profile", sorted(demo.PROFILES))
+def test_every_stage_config_of_every_profile_exists(profile):
+    prof = demo.PROFILES[profile]
+    configs = [demo.STAGE_CONFIG[s].format(target=prof.target) for s in ("generate", "calibrate", "evaluate", "serve")]
+    configs += [demo.STAGE_CONFIG["train"].format(target=prof.target, algo=a) for a in prof.algos]
+    missing = [c for c in configs if not (ROOT / c).exists()]
+    assert not missing, f"profile {profile}: stage configs missing: {missing}"
+    assert set(demo.STAGE_BUDGET) == set(demo.STAGE_CONFIG) == set(demo.STAGE_WIRING)
+    assert all(profile in per_profile for per_profile in demo.STAGE_BUDGET.values())
+
+
+@pytest.mark.parametrize("profile", sorted(demo.PROFILES))
+def test_stage_overrides_validate_against_each_job_config(profile):
+    """Budget + wiring overrides (placeholders filled with dummy values) are accepted by each job's
+    config model, so the demo cannot die on an unknown key after minutes of earlier stages."""
+    from dspark.config import load_config
+
+    prof = demo.PROFILES[profile]
+    dummy = {"rollouts": "s3://dspark/x/rollouts", "experiment": "e", "run_name": "r", "checkpoints": "s3://dspark/c",
+             "model_name": "m", "drafter": "models:/m/1", "calibrated": "s3://dspark/x/cal", "eval_dir": "s3://dspark/e",
+             "drafters": json.dumps([{"name": "dspark", "ref": "models:/m/1"}]), "serve_host": "127.0.0.1",
+             "serve_port": "8000", "alias": "demo-x"}
+    for stage in demo.STAGE_CONFIG:
+        for algo in (prof.algos if stage == "train" else (None,)):
+            config = demo.STAGE_CONFIG[stage].format(target=prof.target, algo=algo)
+            model = job_config_model(stage)
+            overrides = demo.STAGE_BUDGET[stage][profile] + demo.fill(demo.STAGE_WIRING[stage], dummy)
+            load_config(model, ROOT / config, overrides)
+
+
+def job_config_model(stage: str):
+    """The config class `jobs.<stage>` validates its --config with (found in its load_*config call)."""
+    source = ROOT / "jobs" / f"{stage}.py"
+    for node in ast.walk(ast.parse(source.read_text())):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", "")) in (
+                "load_job_config", "load_config") and node.args and isinstance(node.args[0], ast.Name):
+            return getattr(importlib.import_module(f"jobs.{stage}"), node.args[0].id)
+    raise AssertionError(f"{source}: no load_job_config(<Model>, ...) call")
+
+
+def test_job_command_is_the_cluster_command():
+    d = demo.Demo(profile=demo.PROFILES["smoke"], state_dir=ROOT / ".dspark",
+                  env={"RAY_ADDRESS": "http://127.0.0.1:8265"})
+    cmd = demo.job_command(d, "demo-smoke-train-abc", "jobs.train", "configs/train/tiny-dspark.yaml",
+                           ["optim.max_steps=3", "run_name=x"])
+    assert cmd[:3] == ["ray", "job", "submit"]
+    sep = cmd.index("--")
+    assert cmd[sep + 1:sep + 6] == ["python", "-m", "jobs.train", "--config", "configs/train/tiny-dspark.yaml"]
+    assert cmd[sep + 6:] == ["--set", "optim.max_steps=3", "--set", "run_name=x"]
+    head = cmd[:sep]
+    assert head[head.index("--runtime-env") + 1] == demo.RUNTIME_ENV and (ROOT / demo.RUNTIME_ENV).exists()
+    assert head[head.index("--working-dir") + 1] == "."
+    assert head[head.index("--address") + 1] == "http://127.0.0.1:8265"
+
+
+def test_last_json_object_and_fill():
+    text = "progress 10%\n{\"not\": json\n{\"rows_out\": 5}\n------\nJob 'x' succeeded\n"
+    assert demo.last_json_object(text) == {"rows_out": 5}
+    assert demo.last_json_object("no json here") is None
+    assert demo.fill(["output={out}/r", "n={n}"], {"out": "s3://b", "n": "3"}) == ["output=s3://b/r", "n=3"]
+
+
+def test_stage_key_follows_config_budget_and_upstream():
+    config = demo.STAGE_CONFIG["generate"].format(target="tiny")
+    if not (ROOT / config).exists():
+        pytest.fail(f"{config} missing (see test_every_stage_config_of_every_profile_exists)")
+    key = demo.stage_key("jobs.generate", config, ["a=1"], ["up"])
+    assert key == demo.stage_key("jobs.generate", config, ["a=1"], ["up"])
+    assert key != demo.stage_key("jobs.generate", config, ["a=2"], ["up"])
+    assert key != demo.stage_key("jobs.generate", config, ["a=1"], ["other-upstream"])
+    with pytest.raises(demo.DemoError, match="does not exist"):
+        demo.stage_key("jobs.generate", "configs/generate/nope.yaml", [], [])
+
+
+# ----------------------------------------------------------------------------- fast: checks fail early
+def test_busy_port_fails_early_with_recovery_hint(tmp_path, monkeypatch):
+    from dspark import stack
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        # only this port matters (a stack running on this machine must not change the outcome)
+        monkeypatch.setattr(stack.StackConfig, "service_ports",
+                            lambda self, service: {"server": port} if service == "mlflow" else {})
+        cfg = stack.StackConfig(state_dir=tmp_path)
+        with pytest.raises(demo.DemoError, match=rf"port {port} .*dspark stack down.*rerun"):
+            demo.check_stack_state(cfg)
+
+
+def test_short_disk_fails_early(tmp_path):
+    prof = demo.PROFILES["smoke"]
+    huge = demo.Profile(**{**prof.__dict__, "min_free_gb": 10**9})
+    with pytest.raises(demo.DemoError, match="GiB free.*rerun"):
+        demo.check_disk(demo.Demo(profile=huge, state_dir=tmp_path / ".dspark"))
+
+
+def test_unhealthy_stack_is_reported_as_bad_state(tmp_path, monkeypatch):
+    from dspark import stack
+
+    cfg = stack.StackConfig(state_dir=tmp_path)
+    fake = {s: {"pid": 1, "url": cfg.url(s), "running": True, "healthy": s != "mlflow", "stale_pid_file": False}
+            for s in stack.SERVICES}
+    monkeypatch.setattr(stack, "status", lambda _cfg=None: fake)
+    with pytest.raises(demo.DemoError, match="bad state: mlflow.*dspark stack down"):
+        demo.check_stack_state(cfg)
+
+
+def test_main_prints_one_line_error_and_exit_code(monkeypatch, capsys):
+    def fail(*_args):
+        raise demo.DemoError("port 5000 is in use; run `dspark stack down`, then rerun the demo")
+
+    monkeypatch.setattr(demo, "run", fail)
+    assert demo.main(["--profile", "smoke"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: port 5000 is in use; run `dspark stack down`, then rerun the demo"]
+
+
+# ----------------------------------------------------------------------------- slow: smoke end to end
+def stage_of(run) -> str:
+    return run.data.tags.get("dspark.stage") or run.data.tags.get("mlflow.runName", "").split("-")[0]
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.timeout(3600)
+def test_smoke_demo_end_to_end(monkeypatch):
+    from dspark import stack, storage
+
+    cfg = stack.StackConfig.from_env()
+    was_up = all(info["running"] for info in stack.status(cfg).values())
+    log_path = cfg.state_dir / "demo" / "test_smoke.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    start = time.monotonic()
+    try:
+        with open(log_path, "w") as log:
+            proc = subprocess.run([sys.executable, "-m", "jobs.demo", "--profile", "smoke"], cwd=ROOT,
+                                  stdout=log, stderr=subprocess.STDOUT, timeout=3000)
+        tail = "".join(log_path.read_text().splitlines(keepends=True)[-60:])
+        assert proc.returncode == 0, f"demo failed (log {log_path}):\n{tail}"
+        summary = json.loads((cfg.state_dir / "demo" / "summary.json").read_text())
+        assert summary["profile"] == "smoke" and summary["target"] == "tiny"
+        print(f"smoke demo: {time.monotonic() - start:.0f} s; stages:",
+              {k: (v["status"], round(v["wall_s"], 1)) for k, v in summary["stages"].items()})
+
+        for key, value in stack.load_env(cfg.state_dir).items():
+            monkeypatch.setenv(key, value)
+        # rollouts in the bucket
+        rollouts = storage.list_files(summary["rollouts"])
+        assert summary["rollouts"].startswith("s3://dspark/demo/smoke/")
+        assert any(f.endswith(".parquet") for f in rollouts), f"no Parquet under {summary['rollouts']}"
+        # an MLflow run per stage, all finished
+        from mlflow import MlflowClient
+
+        client = MlflowClient()
+        experiment = client.get_experiment_by_name(summary["mlflow_experiment"])
+        assert experiment is not None, f"no MLflow experiment {summary['mlflow_experiment']}"
+        runs = client.search_runs([experiment.experiment_id], max_results=500)
+        finished = {stage_of(r) for r in runs if r.info.status == "FINISHED"}
+        assert {"generate", "train", "calibrate", "evaluate"} <= finished, f"finished runs by stage: {finished}"
+        # a registered drafter
+        name, ver = summary["drafters"]["dspark"].removeprefix("models:/").split("/")
+        assert client.get_model_version(name, ver).status == "READY"
+        # results.json with tau for the served drafter on every benchmark
+        results = json.loads(storage.read_text(summary["results"]))
+        assert results and summary["tau"], "results.json / tau table empty"
+        for per_bench in summary["tau"].values():
+            assert all(1.0 <= tau for tau in per_bench.values() if tau is not None)
+        # an endpoint answer (the demo's chats, and one more request now)
+        assert summary["chat"] and all(c["answer"].strip() for c in summary["chat"])
+        from openai import OpenAI
+
+        api = OpenAI(base_url=summary["endpoint"], api_key=os.environ.get("DSPARK_API_KEY", "not-needed"))
+        model = api.models.list().data[0].id
+        reply = api.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi!"}], max_tokens=8)
+        assert reply.choices[0].message.content and reply.usage.completion_tokens >= 1
+    finally:
+        if not was_up:
+            stack.down(cfg)

@@ -61,3 +61,14 @@ def test_dump_roundtrip_and_flatten(tmp_path):
     again = load_config(Job, write(tmp_path, dump_config(cfg)))
     assert again == cfg
     assert flatten({"a": {"b": 1}, "c": 2}) == {"a.b": 1, "c": 2}
+
+
+def test_config_reference_is_current():
+    """docs/config-reference.md is generated from the job configs; regenerate it when they change:
+    `python -m dspark.config_reference > docs/config-reference.md`."""
+    from pathlib import Path
+
+    from dspark.config_reference import render
+
+    committed = (Path(__file__).resolve().parents[1] / "docs" / "config-reference.md").read_text()
+    assert committed.strip() == render().strip()

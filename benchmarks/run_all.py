@@ -29,7 +29,8 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BENCH_DIR = Path(__file__).resolve().parent
-TAIL_LINES = 40
+TAIL_LINES = 400  # output lines kept to find the JSON result
+REPORT_TAIL_LINES = 40  # of which a failed script's report shows the last
 
 
 @dataclass(frozen=True)
@@ -55,14 +56,23 @@ SCRIPT_ARGS: dict[str, ScriptArgs] = {
 }
 
 
+STACK_VARS = ("MLFLOW_TRACKING_URI", "MLFLOW_S3_ENDPOINT_URL", "AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID",
+              "AWS_SECRET_ACCESS_KEY", "AWS_REGION")
+
+
 def stack_env() -> dict[str, str]:
-    """The local stack's client variables (MLflow, S3, Ray) when it is up and the caller set none."""
+    """MLflow + S3 variables of the local stack (to resolve models:/ drafters), only when the stack is
+    up and healthy and the caller set no tracking URI. Ray variables are left out: benchmarks start
+    their own Ray unless the caller exports RAY_ADDRESS."""
     if os.environ.get("MLFLOW_TRACKING_URI"):
         return {}
     try:
         from dspark import stack
 
-        return stack.load_env()
+        cfg = stack.StackConfig.from_env()
+        if not all(info["healthy"] for name, info in stack.status(cfg).items() if name in ("s3", "mlflow")):
+            return {}
+        return {k: v for k, v in stack.load_env(cfg.state_dir).items() if k in STACK_VARS}
     except Exception:  # noqa: BLE001 — no stack: scripts that need one record their own failure
         return {}
 
@@ -73,16 +83,22 @@ def discover(bench_dir: Path) -> list[Path]:
                   if not p.name.startswith("_") and p.name != Path(__file__).name)
 
 
-def last_json_object(lines: list[str]) -> dict | None:
-    """The last non-empty line parsed as a JSON object, or None if it is not one."""
-    for line in reversed(lines):
-        if line.strip():
-            try:
-                value = json.loads(line)
-            except json.JSONDecodeError:
-                return None
-            return value if isinstance(value, dict) else None
-    return None
+def last_json_object(lines: list[str]) -> tuple[dict | None, bool]:
+    """(the last line that parses as a JSON object, whether it was the very last non-empty line).
+    Ray may flush its workers' log lines after a script's final print, so trailing lines that are
+    not JSON are skipped (and flagged in the report) rather than failing the benchmark."""
+    non_empty = [line for line in lines if line.strip()]
+    for position, line in enumerate(reversed(non_empty)):
+        text = line.strip()
+        if not (text.startswith("{") and text.endswith("}")):
+            continue
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(value, dict):
+            return value, position == 0
+    return None, False
 
 
 def _pump(stream, tail: collections.deque) -> None:
@@ -119,17 +135,19 @@ def run_script(script: Path, args: list[str], timeout_s: float) -> dict:
     pump.join(timeout=10)
     wall_s = round(time.monotonic() - start, 1)
     record = {"script": script.name, "command": cmd[1:], "returncode": rc, "wall_s": wall_s}
-    result = last_json_object(list(tail))
+    result, json_last = last_json_object(list(tail))
     if timed_out:
         record.update(ok=False, error=f"timed out after {timeout_s:.0f} s")
     elif rc != 0:
         record.update(ok=False, error=f"exited with status {rc}")
     elif result is None:
-        record.update(ok=False, error="last output line is not a JSON object")
+        record.update(ok=False, error="no output line is a JSON object (the last line must be one)")
     else:
         record.update(ok=True, result=result)
+        if not json_last:
+            record["note"] = "the JSON line was followed by other output (e.g. Ray worker logs)"
     if not record["ok"]:
-        record["output_tail"] = list(tail)
+        record["output_tail"] = list(tail)[-REPORT_TAIL_LINES:]
     print(f"=== {script.stem}: {'ok' if record['ok'] else 'FAILED: ' + record['error']} ({wall_s} s)", flush=True)
     return record
 

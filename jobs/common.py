@@ -92,6 +92,7 @@ def init_ray(cfg: RayConfig) -> str:
         ray_constants.ENABLE_RAY_CLUSTER = False
     if ray.is_initialized():
         return address or "local"
+    _refresh_ray_auth()
     if address:
         if Path.home().joinpath(".ray", "auth_token").exists():
             os.environ.setdefault("RAY_AUTH_MODE", "token")
@@ -100,6 +101,17 @@ def init_ray(cfg: RayConfig) -> str:
     ray.init(num_cpus=cfg.num_cpus, num_gpus=cfg.num_gpus, include_dashboard=False,
              _node_ip_address="127.0.0.1", log_to_driver=True)
     return "local"
+
+
+def _refresh_ray_auth() -> None:
+    """Ray caches its auth mode and token at first use in a process; re-read them from the current
+    env (RAY_AUTH_MODE / RAY_AUTH_TOKEN_PATH) so a process can join a stack set up after that."""
+    try:
+        from ray._private.authentication.authentication_token_setup import AuthenticationTokenLoader, Config
+    except ImportError:  # another Ray version: nothing cached the way 2.60 does
+        return
+    Config.initialize("")
+    AuthenticationTokenLoader.instance().reset_cache()
 
 
 def save_config(cfg: StrictModel, uri: str) -> None:

@@ -641,7 +641,8 @@ def run(profile: Profile, until: str = "chat") -> dict:
         served = profile.algos[0]
         cal = calibrate(demo, trained[served]["outputs"]["drafter"], trained[served]["key"], gen["outputs"]["rollouts"])
         done("calibrate")
-        drafters = {served: cal["outputs"]["drafter"]} | {a: trained[a]["outputs"]["drafter"] for a in profile.algos[1:]}
+        drafters = {served: cal["outputs"]["drafter"]}  # the calibrated one, then the baselines as trained
+        drafters |= {a: trained[a]["outputs"]["drafter"] for a in profile.algos[1:]}
         evaluation = evaluate(demo, drafters, [cal["key"], *(trained[a]["key"] for a in profile.algos[1:])])
         done("evaluate")
         serve(demo, cal["outputs"]["drafter"], cal["key"])

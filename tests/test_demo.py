@@ -40,7 +40,7 @@ def test_stage_overrides_validate_against_each_job_config(profile):
 
     prof = demo.PROFILES[profile]
     dummy = {"rollouts": "s3://dspark/x/rollouts", "experiment": "e", "run_name": "r", "checkpoints": "s3://dspark/c",
-             "model_name": "m", "drafter": "models:/m/1", "calibrated": "s3://dspark/x/cal", "eval_dir": "s3://dspark/e",
+             "drafter": "models:/m/1", "calibrated": "s3://dspark/x/cal", "eval_dir": "s3://dspark/e",
              "drafters": json.dumps([{"name": "dspark", "ref": "models:/m/1"}]), "serve_host": "127.0.0.1",
              "serve_port": "8000", "alias": "demo-x"}
     for stage in demo.STAGE_CONFIG:
@@ -175,7 +175,7 @@ def test_smoke_demo_end_to_end(monkeypatch):
         # an MLflow run per stage, all finished
         from mlflow import MlflowClient
 
-        client = MlflowClient()
+        client = MlflowClient(tracking_uri=os.environ["MLFLOW_TRACKING_URI"])  # not one cached by an earlier test
         experiment = client.get_experiment_by_name(summary["mlflow_experiment"])
         assert experiment is not None, f"no MLflow experiment {summary['mlflow_experiment']}"
         runs = client.search_runs([experiment.experiment_id], max_results=500)

@@ -430,6 +430,7 @@ def test_run_all_collects_json_and_records_failures(tmp_path):
     """)
     write_script(bench, "crash.py", "raise SystemExit('boom')\n")
     write_script(bench, "no_json.py", "print('finished, but forgot the JSON')\n")
+    write_script(bench, "ray_noise.py", "print('{\"x\": 2}')\nprint('(raylet) a worker log flushed late')\n")
     write_script(bench, "_helper.py", "raise SystemExit('helpers are not benchmarks')\n")
     out = tmp_path / "report.json"
     sys.path.insert(0, str(ROOT))
@@ -438,11 +439,13 @@ def test_run_all_collects_json_and_records_failures(tmp_path):
     rc = run_all.main(["--bench-dir", str(bench), "--out", str(out), "--quick"])
     report = json.loads(out.read_text())
     assert rc == 1
-    assert set(report["results"]) == {"good", "crash", "no_json"}  # _helper skipped, all others ran
+    assert set(report["results"]) == {"good", "crash", "no_json", "ray_noise"}  # _helper skipped, others ran
     assert report["results"]["good"]["ok"] and report["results"]["good"]["result"]["tokens_per_s"] == 12.5
     assert report["results"]["crash"]["ok"] is False and "status 1" in report["results"]["crash"]["error"]
     assert any("boom" in line for line in report["results"]["crash"]["output_tail"])
-    assert "not a JSON object" in report["results"]["no_json"]["error"]
+    assert "no output line is a JSON object" in report["results"]["no_json"]["error"]
+    noisy = report["results"]["ray_noise"]
+    assert noisy["ok"] and noisy["result"] == {"x": 2} and "followed by other output" in noisy["note"]
     assert sorted(report["failed"]) == ["crash", "no_json"]
     assert report["quick"] is True and report["machine"]["cpu_count"] >= 1
 

@@ -276,11 +276,11 @@ def run_train_job(cfg: TrainJobConfig, local_stack, tmp_path) -> dict:
 
 
 def mlflow_runs(experiment: str, run_name: str):
-    import mlflow
+    from mlflow import MlflowClient
 
-    exp = mlflow.get_experiment_by_name(experiment)
-    return [] if exp is None else mlflow.search_runs([exp.experiment_id], f"tags.mlflow.runName = '{run_name}'",
-                                                     output_format="list")
+    client = MlflowClient(tracking_uri=os.environ["MLFLOW_TRACKING_URI"])  # not a URI cached by an earlier test
+    exp = client.get_experiment_by_name(experiment)
+    return [] if exp is None else client.search_runs([exp.experiment_id], f"tags.mlflow.runName = '{run_name}'")
 
 
 @pytest.mark.slow
@@ -306,7 +306,7 @@ def test_ray_train_zero2_survives_a_killed_worker(local_stack, tiny_rollouts, tm
 
     runs = mlflow_runs("test-train", "test-train-zero2")
     assert len(runs) == 1 and runs[0].info.run_id == summary["mlflow_run_id"], "one MLflow run despite the restart"
-    client = MlflowClient()
+    client = MlflowClient(tracking_uri=os.environ["MLFLOW_TRACKING_URI"])
     run_id = summary["mlflow_run_id"]
     for key in ("loss", "loss_ce", "loss_tv", "loss_conf", "acc_pos_1", "expected_accept_len", "lr", "grad_norm",
                 "tokens_per_s"):
@@ -350,7 +350,7 @@ def test_relaunch_resumes_run_and_drafter_decodes_losslessly(local_stack, tiny_r
     assert summary["metrics"]["step"] == 20
     state = json.loads(open_checkpoint_state(summary["checkpoint"]))
     assert state["restored_from"] == 16
-    client = mlflow.MlflowClient()
+    client = mlflow.MlflowClient(tracking_uri=os.environ["MLFLOW_TRACKING_URI"])
     latest = client.get_model_version_by_alias("test-tiny-dspark", "trained")
     assert int(latest.version) == int(summary["registered_model"]["version"]) >= 2
 

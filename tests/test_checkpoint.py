@@ -15,15 +15,6 @@ from dspark.target import build_tiny_model
 VARIANTS = [("dflash", "markov"), ("dspark", "markov"), ("dspark", "rnn"), ("eagle3", "markov")]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matrices: extra intra-op threads only contend with other jobs on this 2-core machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def target():
     return build_tiny_model(vocab_size=16)

@@ -20,14 +20,6 @@ SAMPLINGS = [SamplingParams(temperature=0), SamplingParams(temperature=0.8, top_
 GAMMAS = [4, 2, 3, 1, 4]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def target():
     return build_tiny_model(vocab_size=16)

@@ -14,14 +14,6 @@ from dspark.target import load_target
 from jobs import calibrate
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def tiny():
     return load_target("tiny")

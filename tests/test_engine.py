@@ -26,15 +26,6 @@ GREEDY = SamplingParams(temperature=0.0)
 STEEP_SPS = {1: 1 / 0.011, 128: 1 / 0.138}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Micro models are dominated by per-op overhead; more threads on two shared cores only slow them."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def micro_target():
     return build_tiny_model(vocab_size=VOCAB, seed=0, num_layers=3, hidden_size=32, init_std=0.3)

@@ -18,15 +18,6 @@ from dspark.target import build_tiny_model, load_target
 GAMMA = 3
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models are overhead-bound; two threads on two shared cores are much slower than one."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def tiny():
     return load_target("tiny")

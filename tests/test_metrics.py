@@ -56,15 +56,7 @@ def test_markdown_helpers():
     assert markdown_table([]) == ""
 
 
-@pytest.fixture
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # micro models: per-op overhead dominates, threads only contend
-    yield
-    torch.set_num_threads(before)
-
-
-def test_tau_of_a_real_run(one_thread):
+def test_tau_of_a_real_run():
     target = build_tiny_model(vocab_size=32, seed=2, num_layers=3, hidden_size=32, init_std=0.3)
     gamma = 5
     drafter = build_drafter(DrafterConfig(algo="dspark", block_size=gamma, num_layers=1, num_context_layers=2,

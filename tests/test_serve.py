@@ -91,12 +91,9 @@ def _sse_events(lines) -> list:
 # ---- in-process -------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tiny():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the tiny target is overhead-bound; more threads only contend
     target = load_target("tiny")
     torch.manual_seed(0)
-    yield target, build_drafter(DrafterConfig(algo="dspark", block_size=4, num_layers=1), target)
-    torch.set_num_threads(threads)
+    return target, build_drafter(DrafterConfig(algo="dspark", block_size=4, num_layers=1), target)
 
 
 @pytest.fixture(scope="module")

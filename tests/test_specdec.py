@@ -34,15 +34,6 @@ VOCAB, PROMPT, N_TOKENS, RUNS, GAMMA = 6, [1, 5, 2, 4, 3], 3, 20000, 3
 ALGOS = ["dspark", "dflash", "eagle3"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Micro models are dominated by per-op overhead; two threads on two shared cores are ~50x slower."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def micro_target():
     return build_tiny_model(vocab_size=VOCAB, seed=0, num_layers=3, hidden_size=32, init_std=0.3)

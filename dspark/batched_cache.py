@@ -49,6 +49,8 @@ class RaggedBatch:
     def build(cls, store: "KVSlots", first: int, starts: list[int], counts: list[int]) -> "RaggedBatch":
         if not counts or min(counts) < 1:
             raise ValueError(f"every row of a ragged batch needs >= 1 new token, got counts {counts}")
+        # index math runs on the host (tiny, data-dependent shapes); every tensor field then moves to
+        # store.device, so a batch always lives where its KV slots (and the target) live
         device, rows = store.device, len(counts)
         width = max(counts)
         kv_len = max(s + n for s, n in zip(starts, counts))

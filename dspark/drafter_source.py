@@ -89,12 +89,13 @@ def local_dir(ref: str | DrafterRef) -> str:
     return _checkpoint_dir(str(cached), ref.uri)
 
 
-def load_drafter_ref(ref: str, target=None):
-    """Resolve `ref`, load the drafter (attached to `target` when given) and check it fits the target."""
+def load_drafter_ref(ref: str, target=None, device=None):
+    """Resolve `ref`, load the drafter (attached to `target` when given) and check it fits the target.
+    device None: the target's device (cpu without a target)."""
     from dspark.drafters import load_drafter
 
     try:
-        return load_drafter(local_dir(ref), target)  # checks target name, sizes and layer ids
+        return load_drafter(local_dir(ref), target, device=device)  # checks target name, sizes and layer ids
     except ValueError as err:
         raise ValueError(f"drafter {ref}: {err}") from None
 

@@ -156,6 +156,8 @@ class Engine:
         self.layer_ids = drafter_layer_ids(drafter) if self.drafting else None
         self.max_model_len = min(self.cfg.max_model_len, getattr(target, "max_positions", self.cfg.max_model_len))
         enable_ragged(target.model)
+        # Device invariant: KV slots, the RNG and every tensor a step creates live on target.device (the
+        # drafter sits there too); sampling moves probabilities to the generator's device, never back.
         self.kv = KVSlots(target.device, target.dtype)
         self.generator = torch.Generator(device=target.device)
         if self.cfg.seed is None:
@@ -200,26 +202,33 @@ class Engine:
             log.info("SPS table (given): %s", _fmt_table(table))
             return table
         t0 = time.perf_counter()
-        table = profile_sps(self._profile_forward(), self.cfg.sps_batch_sizes, repeats=self.cfg.sps_repeats)
+        table = profile_sps(self._profile_forward(), self.cfg.sps_batch_sizes, repeats=self.cfg.sps_repeats,
+                            sync=self._device_sync())
         log.info("SPS table profiled in %.1f s (B: verify steps/s): %s", time.perf_counter() - t0, _fmt_table(table))
         return table
 
     def _profile_forward(self) -> Callable[[int], None]:
         """B -> one ragged verify forward of B tokens split evenly over ceil(B/(γ+1)) rows, each row
         with `sps_context` cached positions (the shape of a real verify step)."""
-        scratch = KVSlots(self.target.device, self.target.dtype)
+        device = self.target.device
+        scratch = KVSlots(device, self.target.dtype)
         context = self.cfg.sps_context
-        gen = torch.Generator().manual_seed(0)
+        gen = torch.Generator(device=device).manual_seed(0)
 
         def forward(batch: int) -> None:
             rows = max(1, math.ceil(batch / (self.gamma + 1)))
             counts = [batch // rows + (1 if r < batch % rows else 0) for r in range(rows)]
             while scratch.used < rows:
                 scratch.set_length(scratch.allocate(), context)
-            ids = torch.randint(0, self.target.vocab_size, (1, batch), generator=gen)
+            ids = torch.randint(0, self.target.vocab_size, (1, batch), generator=gen, device=device)
             self._ragged_forward(scratch, 0, ids, counts, logits_at="all")
 
         return forward
+
+    def _device_sync(self) -> Callable[[], None] | None:
+        """CUDA runs asynchronously: SPS timings must wait for the kernels (None on cpu)."""
+        device = self.target.device
+        return (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None
 
     # ---- public API --------------------------------------------------------------------------
     def submit(self, prompt_ids: Sequence[int], sampling: SamplingParams | None = None, max_new_tokens: int = 64,
@@ -465,7 +474,7 @@ class Engine:
                         logits_at: str) -> list[tuple]:
         layout = store.ragged(first, counts)
         slices = layout.row_slices()
-        where = "all" if logits_at == "all" else torch.tensor([s.stop - 1 for s in slices], device=ids.device)
+        where = "all" if logits_at == "all" else torch.tensor([s.stop - 1 for s in slices], device=self.target.device)
         with store.batch(layout):
             out = self.target.forward(ids.to(self.target.device), position_ids=layout.position_ids,
                                       attention_mask=layout.mask, layer_ids=self.layer_ids, logits_at=where)
@@ -570,7 +579,7 @@ class Engine:
             "mean_batch_tokens": t["batch_tokens"] / t["steps"] if t["steps"] else None,
             "tokens_per_busy_s": t["generated_tokens"] / t["busy_s"] if t["busy_s"] else None,
             "sps_table": self.sps.to_dict() if self.sps else None,
-            "kv_bytes": self.kv.memory_bytes(),
+            "kv_bytes": self.kv.memory_bytes(), "device": str(self.target.device),
         }
 
 

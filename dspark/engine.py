@@ -39,7 +39,7 @@ from pydantic import Field
 from dspark.batched_cache import KVSlots, enable_ragged
 from dspark.config import StrictModel
 from dspark.sampling import SamplingParams, accept_drafts, sample, to_probs
-from dspark.scheduler import PrefixScheduler, SchedulerConfig, SPSTable, profile_sps
+from dspark.scheduler import DraftGate, PrefixScheduler, SchedulerConfig, SPSTable, profile_sps
 from dspark.specdec import _keep, drafter_layer_ids
 
 log = logging.getLogger("dspark.engine")
@@ -142,6 +142,7 @@ class StepReport:
     verify_s: float = 0.0
     step_s: float = 0.0
     verify_lens: list[int] = field(default_factory=list)
+    drafted: bool = False  # False: mode off, or the draft gate judged a target-only step faster
 
 
 class Engine:
@@ -168,6 +169,8 @@ class Engine:
         if self.mode in ("dynamic", "async_topk"):
             self.sps = self._sps_table()
         self.scheduler = PrefixScheduler(self.cfg.scheduler, self.sps)
+        gate_on = self.cfg.scheduler.draft_gate and self.sps is not None and self.drafting
+        self.gate = DraftGate(self.sps, self.cfg.scheduler.draft_gate_explore_every) if gate_on else None
         self.active: list[Request] = []  # active[i].slot == i
         self.waiting: deque[Request] = deque()
         self._lock = threading.Lock()
@@ -179,7 +182,7 @@ class Engine:
         self.step_listeners: list[Callable[[StepReport], None]] = []
         self.totals = dict(submitted=0, rejected=0, finished=0, failed=0, cancelled=0, steps=0, rounds=0,
                            prompt_tokens=0, generated_tokens=0, proposed=0, verified=0, accepted=0,
-                           batch_tokens=0, busy_s=0.0)
+                           batch_tokens=0, busy_s=0.0, draft_skipped_steps=0)
         self.started_at = time.time()
 
     # ---- setup -------------------------------------------------------------------------------
@@ -337,12 +340,16 @@ class Engine:
             self._prefill(newcomers, report)
             self._retire()
         if self.active:
-            if self.drafting:
+            drafted = self.drafting and (self.gate is None or self.gate.should_draft(len(self.active)))
+            if drafted:
                 self._draft(report)
                 self._retire()
             if self.active:
                 self._verify(report)
                 self._retire()
+            if drafted and self.gate is not None:
+                self.gate.observe(report.rows, report.draft_s, report.verified, report.accepted)
+            report.drafted = drafted
         report.step_s = time.perf_counter() - t0
         self._account(report)
         return report
@@ -405,9 +412,9 @@ class Engine:
         report.draft_s = time.perf_counter() - t0
 
     def _schedule(self) -> list[int]:
-        if not self.drafting:
-            return [0] * len(self.active)
         proposals = [r.proposal for r in self.active]
+        if not self.drafting or any(p is None for p in proposals):  # mode off, or the gate skipped drafting
+            return [0] * len(self.active)
         confidences = [p.confidences.tolist() if p.confidences is not None else None for p in proposals]
         return self.scheduler.schedule(confidences, [int(p.tokens.shape[0]) for p in proposals])
 
@@ -442,7 +449,7 @@ class Engine:
         if self.drafting:
             self.drafter.extend_context(req.draft_state, features[: 1 + n_acc], ids[: 1 + n_acc])
         s = req.stats
-        proposed = int(req.proposal.tokens.shape[0]) if self.drafting else 0
+        proposed = int(req.proposal.tokens.shape[0]) if req.proposal is not None else 0
         s.rounds, s.proposed, s.verified, s.accepted = s.rounds + 1, s.proposed + proposed, s.verified + n, \
             s.accepted + n_acc
         report.proposed, report.verified, report.accepted = (report.proposed + proposed, report.verified + n,
@@ -558,6 +565,7 @@ class Engine:
         for key in ("proposed", "verified", "accepted", "batch_tokens"):
             t[key] += getattr(report, key)
         t["busy_s"] += report.step_s
+        t["draft_skipped_steps"] += int(self.drafting and report.rows > 0 and not report.drafted)
         for fn in self.step_listeners:
             try:
                 fn(report)

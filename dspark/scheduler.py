@@ -35,6 +35,8 @@ from typing import Callable, Literal, Sequence
 
 import numpy as np
 
+from pydantic import Field
+
 from dspark.config import StrictModel
 
 
@@ -94,7 +96,18 @@ def profile_sps(fn: Callable[[int], object], batch_sizes: Sequence[int], repeats
                 sync()
             times.append(time.perf_counter() - t0)
         points[int(batch)] = 1.0 / max(float(np.median(times)), 1e-9)
-    return SPSTable(points)
+    return SPSTable(monotone_envelope(points))
+
+
+def monotone_envelope(points: dict[int, float]) -> dict[int, float]:
+    """SPS(B) := max over B' >= B of the measured SPS(B'). A batch of B tokens is never slower than
+    a larger one (it could be padded), so a measured dip at small B is timing noise; left in, it
+    makes Algorithm 1 see a cliff that is not there."""
+    out, best = {}, 0.0
+    for batch in sorted(points, reverse=True):
+        best = max(best, points[batch])
+        out[batch] = best
+    return dict(sorted(out.items()))
 
 
 def target_verify_fn(target, context_len: int = 64, seed: int = 0) -> Callable[[int], None]:
@@ -173,6 +186,10 @@ def threshold_schedule(confidences: Sequence[Sequence[float]], threshold: float,
 # ---- the scheduler the engines call ---------------------------------------------------------------
 class SchedulerConfig(StrictModel):
     mode: Literal["dynamic", "threshold", "fixed", "off", "async_topk"] = "fixed"
+    # dynamic / async_topk: skip drafting in steps where a target-only step is expected to emit more
+    # tokens per second (DraftGate); off = always draft, as in the paper's Algorithm 1
+    draft_gate: bool = False
+    draft_gate_explore_every: int = Field(16, ge=1)  # draft at least every N steps to refresh the estimates
     threshold: float = 0.5
     threshold_on: Literal["prefix", "confidence"] = "prefix"
     gamma: int | None = None  # fixed mode: drafts verified per request (None = all proposed)
@@ -227,3 +244,49 @@ class PrefixScheduler:
             return self.schedule([conf], [int(proposal.tokens.shape[0])])[0]
 
         return hook
+
+
+class DraftGate:
+    """Whether to draft at all this step (engine, dynamic modes). Algorithm 1 picks verify lengths
+    for drafts that already exist, with a cost model (SPS) of the verify forward only; the draft pass
+    itself is a cost it never sees, and where drafting is expensive next to a target step (a small
+    target, a CPU) speculation can lose to plain decoding at every load. Before each step, with N
+    active requests and running means over recent drafting steps of the draft time per request d,
+    the drafts verified per request v and accepted per request a:
+
+        spec = N·(1 + a) / (N·d + 1/SPS(N·(1 + v)))        off = N / (1/SPS(N))
+
+    Draft iff spec >= off, and at least every `explore_every` steps so the estimates track the load.
+    Lossless: the decision uses only finished rounds, never the current drafts, so a skipped step is
+    an ordinary target-only step (the non-anticipation argument of the module docstring)."""
+
+    def __init__(self, sps: SPSTable | Callable[[float], float], explore_every: int = 16, decay: float = 0.8):
+        self.sps, self.explore_every, self.decay = sps, explore_every, decay
+        self.draft_s_per_req: float | None = None
+        self.verified_per_req = self.accepted_per_req = 0.0
+        self.skipped_in_a_row = 0
+
+    def should_draft(self, n_active: int) -> bool:
+        if self.draft_s_per_req is None or self.skipped_in_a_row + 1 >= self.explore_every:
+            return self._decide(True)
+        n = n_active
+        spec = n * (1 + self.accepted_per_req) / (n * self.draft_s_per_req + 1 / self.sps(n * (1 + self.verified_per_req)))
+        off = n * self.sps(n)
+        return self._decide(spec >= off)
+
+    def _decide(self, draft: bool) -> bool:
+        self.skipped_in_a_row = 0 if draft else self.skipped_in_a_row + 1
+        return draft
+
+    def observe(self, n_requests: int, draft_s: float, verified: int, accepted: int) -> None:
+        """Fold in one drafting step (n_requests drafted and verified)."""
+        if n_requests <= 0:
+            return
+        sample = (draft_s / n_requests, verified / n_requests, accepted / n_requests)
+        if self.draft_s_per_req is None:
+            self.draft_s_per_req, self.verified_per_req, self.accepted_per_req = sample
+            return
+        k = self.decay
+        self.draft_s_per_req = k * self.draft_s_per_req + (1 - k) * sample[0]
+        self.verified_per_req = k * self.verified_per_req + (1 - k) * sample[1]
+        self.accepted_per_req = k * self.accepted_per_req + (1 - k) * sample[2]

@@ -272,3 +272,46 @@ def test_sps_table_is_profiled_at_start(wide_target):
                                  sps_repeats=1, sps_context=16))
     table = engine.stats()["sps_table"]
     assert set(table) == {"1", "8", "32"} and all(v > 0 for v in table.values())
+
+
+class _AlternatingGate:
+    """Stands in for DraftGate: drafts every other step, whatever the timings (deterministic)."""
+
+    def __init__(self):
+        self.calls, self.observed = 0, 0
+
+    def should_draft(self, n_active: int) -> bool:
+        self.calls += 1
+        return self.calls % 2 == 1
+
+    def observe(self, *args) -> None:
+        self.observed += 1
+
+
+def test_engine_with_draft_gate_skipping_steps_stays_lossless(micro_target):
+    """Steps where the gate skips drafting are plain target steps; mixed with drafting steps (requests
+    carry their drafter context across both), the output joint is still the target's."""
+    runs, sp = 3000, SamplingParams(temperature=1.0)
+    engine = Engine(micro_target, _drafter(micro_target), EngineConfig(
+        scheduler=SchedulerConfig(mode="dynamic", draft_gate=True), sps_table={1: 100.0, 128: 60.0, 512: 25.0},
+        max_batch=96, max_waiting=runs))
+    assert engine.gate is not None
+    engine.gate = gate = _AlternatingGate()
+    reqs = engine.generate([PROMPT] * runs, sp, max_new_tokens=3, stop_ids=[])
+    counts = np.zeros([VOCAB] * 3)
+    for r in reqs:
+        counts[tuple(r.tokens)] += 1
+    joint = exact_joint(micro_target, PROMPT, 3, sp)
+    totals = engine.stats()["totals"]
+    assert totals["draft_skipped_steps"] > 0 and gate.observed > 0 and totals["accepted"] > 0
+    assert chi2_pvalue(counts.sum(2), joint.sum(2)) > 1e-3 and chi2_pvalue(counts.sum(0), joint.sum(0)) > 1e-3
+
+
+def test_greedy_output_with_the_real_draft_gate_equals_target_only(wide_target):
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11], [3] * 12]
+    engine = Engine(wide_target, _drafter(wide_target, gamma=4), EngineConfig(
+        scheduler=SchedulerConfig(mode="dynamic", draft_gate=True, draft_gate_explore_every=3),
+        sps_table=STEEP_SPS, max_batch=2))
+    reqs = engine.generate(prompts, GREEDY, max_new_tokens=16, stop_ids=[])
+    for prompt, req in zip(prompts, reqs):
+        assert req.tokens == target_generate(wide_target, prompt, GREEDY, 16, stop_ids=[]).token_ids

@@ -133,3 +133,39 @@ def test_async_topk_takes_capacity_from_two_steps_ago():
     assert prefix_schedule(confident, sps, early_stop=False) == [3]
     assert sched.schedule(doubtful, [3]) == [3]
     assert sched.schedule(confident, [3]) == [0]  # K from `doubtful`
+
+
+# ---- draft gate and the measured-table envelope ----------------------------------------------------
+def test_monotone_envelope_removes_dips_at_small_batches():
+    from dspark.scheduler import monotone_envelope
+
+    measured = {1: 14.7, 2: 7.9, 4: 8.7, 8: 9.5, 16: 7.4, 32: 5.7}
+    assert monotone_envelope(measured) == {1: 14.7, 2: 9.5, 4: 9.5, 8: 9.5, 16: 7.4, 32: 5.7}
+    flat = {1: 3.0, 8: 2.0, 64: 1.0}
+    assert monotone_envelope(flat) == flat
+
+
+def test_draft_gate_skips_drafting_when_drafts_cost_more_than_they_save():
+    from dspark.scheduler import DraftGate, SPSTable
+
+    sps = SPSTable({1: 10.0, 64: 10.0, 512: 1.0})  # 0.1 s per target step up to 64 tokens
+    gate = DraftGate(sps, explore_every=4)
+    assert gate.should_draft(8)  # no estimates yet: draft
+    gate.observe(8, draft_s=0.8, verified=16, accepted=4)  # 0.1 s per request to draft, τ 1.5
+    # spec = 8·1.5 / (0.8 + 0.1) = 13.3 tok/s < off = 8 / 0.1 = 80 tok/s
+    assert [gate.should_draft(8) for _ in range(6)] == [False, False, False, True, False, False]
+    cheap = DraftGate(sps)
+    cheap.observe(8, draft_s=0.008, verified=16, accepted=8)  # τ 2, drafting ~free: speculation wins
+    assert cheap.should_draft(8)
+
+
+def test_draft_gate_estimates_follow_the_recent_steps():
+    from dspark.scheduler import DraftGate, SPSTable
+
+    gate = DraftGate(SPSTable({1: 10.0}), decay=0.5)
+    gate.observe(4, draft_s=0.4, verified=8, accepted=4)
+    gate.observe(2, draft_s=0.0, verified=0, accepted=0)
+    assert gate.draft_s_per_req == pytest.approx(0.05)
+    assert gate.verified_per_req == pytest.approx(1.0) and gate.accepted_per_req == pytest.approx(0.5)
+    gate.observe(0, draft_s=1.0, verified=0, accepted=0)  # nothing drafted: ignored
+    assert gate.draft_s_per_req == pytest.approx(0.05)

@@ -256,22 +256,32 @@ class DraftGate:
 
         spec = N·(1 + a) / (N·d + 1/SPS(N·(1 + v)))        off = N / (1/SPS(N))
 
-    Draft iff spec >= off, and at least every `explore_every` steps so the estimates track the load.
+    Draft iff spec >= off, and at least every `interval` steps so the estimates track the load; the
+    interval starts at `explore_every` and doubles (up to `max_explore_every`) after each exploration
+    step while drafting keeps losing, so an unprofitable drafter costs ever less; a step that the rule
+    itself chooses to draft resets it.
     Lossless: the decision uses only finished rounds, never the current drafts, so a skipped step is
     an ordinary target-only step (the non-anticipation argument of the module docstring)."""
 
-    def __init__(self, sps: SPSTable | Callable[[float], float], explore_every: int = 16, decay: float = 0.8):
-        self.sps, self.explore_every, self.decay = sps, explore_every, decay
+    def __init__(self, sps: SPSTable | Callable[[float], float], explore_every: int = 16, decay: float = 0.8,
+                 max_explore_every: int = 256):
+        self.sps, self.explore_every, self.decay, self.max_explore_every = sps, explore_every, decay, max_explore_every
+        self.interval = explore_every
         self.draft_s_per_req: float | None = None
         self.verified_per_req = self.accepted_per_req = 0.0
         self.skipped_in_a_row = 0
 
     def should_draft(self, n_active: int) -> bool:
-        if self.draft_s_per_req is None or self.skipped_in_a_row + 1 >= self.explore_every:
+        if self.draft_s_per_req is None:
+            return self._decide(True)
+        if self.skipped_in_a_row + 1 >= self.interval:  # exploration step
+            self.interval = min(2 * self.interval, self.max_explore_every)
             return self._decide(True)
         n = n_active
         spec = n * (1 + self.accepted_per_req) / (n * self.draft_s_per_req + 1 / self.sps(n * (1 + self.verified_per_req)))
         off = n * self.sps(n)
+        if spec >= off:
+            self.interval = self.explore_every
         return self._decide(spec >= off)
 
     def _decide(self, draft: bool) -> bool:

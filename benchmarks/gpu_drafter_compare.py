@@ -184,11 +184,11 @@ def train_all(target, rows: list[dict], args) -> tuple[dict, dict]:
 
 # ---------------------------------------------------------------- checks on the device
 def eval_prompts(per_benchmark: int) -> dict[str, list[list[str]]]:
-    out = {}
-    for bench in ("gsm8k", "humaneval", "mt-bench"):
-        with open(f"data/eval/{bench}.jsonl") as f:
-            out[bench] = [json.loads(line)["turns"] for line in f][:per_benchmark]
-    return out
+    from dspark.evaluation import BenchmarkSpec, load_benchmark
+
+    benches = [load_benchmark(BenchmarkSpec(path=f"{name}.jsonl"), "data/eval", per_benchmark)
+               for name in ("gsm8k", "humaneval", "mt-bench")]
+    return {b.name: b.prompts for b in benches}
 
 
 def device_checks(target, drafters: dict, args) -> dict:
@@ -201,11 +201,11 @@ def device_checks(target, drafters: dict, args) -> dict:
     out = {"greedy_equal": {}, "tau_t1": {}, "speedup_t1": {}}
     first = [target.chat_ids([{"role": "user", "content": turns[0]}], add_generation_prompt=True)
              for bench in prompts.values() for turns in bench]
-    for algo, drafter in drafters.items():
-        with torch.no_grad():
-            out["greedy_equal"][algo] = all(
-                speculative_generate(target, drafter, ids, greedy, 48).token_ids == target_generate(target, ids, greedy, 48).token_ids
-                for ids in first[:3])
+    with torch.no_grad():
+        reference = [target_generate(target, ids, greedy, 48).token_ids for ids in first[:3]]  # once, for all drafters
+        for algo, drafter in drafters.items():
+            out["greedy_equal"][algo] = all(speculative_generate(target, drafter, ids, greedy, 48).token_ids == ref
+                                            for ids, ref in zip(first, reference))
     from dspark import metrics
 
     for mode in ("target",) + tuple(drafters):

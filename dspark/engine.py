@@ -23,7 +23,6 @@ len(prompt) + len(tokens) - 1 (everything but the anchor, which is tokens[-1]).
 """
 from __future__ import annotations
 
-import itertools
 import logging
 import math
 import threading

@@ -4,21 +4,20 @@ load-dependent verify lengths, ragged batching, failure isolation, queue bounds 
 from __future__ import annotations
 
 import collections
-import itertools
 import threading
 
 import numpy as np
 import pytest
 import torch
-from scipy import stats
 
 from dspark.batched_cache import KVSlots, enable_ragged
 from dspark.drafters import DrafterConfig, build_drafter
 from dspark.engine import Engine, EngineConfig, EngineUnavailableError, QueueFullError
-from dspark.sampling import SamplingParams, to_probs
+from dspark.sampling import SamplingParams
 from dspark.scheduler import SchedulerConfig
 from dspark.specdec import target_generate
 from dspark.target import build_tiny_model
+from lossless_stats import chi2_pvalue, exact_joint
 
 VOCAB, PROMPT, GAMMA = 8, [1, 5, 2, 7, 3], 3
 GREEDY = SamplingParams(temperature=0.0)
@@ -49,27 +48,6 @@ def _engine(target, drafter, mode, **kw):
     return Engine(target, drafter, EngineConfig(scheduler=scfg, **kw))
 
 
-# ---- exact target joint and χ² -------------------------------------------------------------------
-def exact_joint(target, prompt, n_tokens, sp):
-    """P(t_1..t_n) under target-only sampling: one batched forward per depth over all prefixes."""
-    joint = torch.ones([1], dtype=torch.float64)
-    for depth in range(n_tokens):
-        ids = torch.tensor([prompt + list(p) for p in itertools.product(range(VOCAB), repeat=depth)])
-        cond = to_probs(target.forward(ids, logits_at="last").logits[:, -1].double(), sp).double()
-        joint = (joint.reshape(-1, 1) * cond).reshape(-1)
-    return joint.reshape([VOCAB] * n_tokens).numpy()
-
-
-def chi2_pvalue(counts, probs, min_expected=5.0):
-    counts, expected = counts.ravel(), probs.ravel() / probs.sum() * counts.sum()
-    small = expected < min_expected
-    obs = np.append(counts[~small], counts[small].sum())
-    exp = np.append(expected[~small], expected[small].sum())
-    keep = exp > 0
-    assert obs[~keep].sum() == 0, "a token sequence with zero target probability was generated"
-    return float(stats.chisquare(obs[keep], exp[keep]).pvalue)
-
-
 @pytest.mark.parametrize("mode,extra", [("dynamic", {"sps_table": {1: 100.0, 128: 60.0, 512: 25.0}}),
                                         ("threshold", {"threshold": 0.5, "threshold_on": "confidence"})])
 def test_engine_is_lossless_at_temperature_one(micro_target, mode, extra):
@@ -84,7 +62,7 @@ def test_engine_is_lossless_at_temperature_one(micro_target, mode, extra):
     counts = np.zeros([VOCAB] * 3)
     for r in reqs:
         counts[tuple(r.tokens)] += 1
-    joint = exact_joint(micro_target, PROMPT, 3, sp)
+    joint = exact_joint(micro_target, PROMPT, 3, sp, VOCAB)
     p12 = chi2_pvalue(counts.sum(2), joint.sum(2))
     p23 = chi2_pvalue(counts.sum(0), joint.sum(0))
     totals = engine.stats()["totals"]
@@ -301,7 +279,7 @@ def test_engine_with_draft_gate_skipping_steps_stays_lossless(micro_target):
     counts = np.zeros([VOCAB] * 3)
     for r in reqs:
         counts[tuple(r.tokens)] += 1
-    joint = exact_joint(micro_target, PROMPT, 3, sp)
+    joint = exact_joint(micro_target, PROMPT, 3, sp, VOCAB)
     totals = engine.stats()["totals"]
     assert totals["draft_skipped_steps"] > 0 and gate.observed > 0 and totals["accepted"] > 0
     assert chi2_pvalue(counts.sum(2), joint.sum(2)) > 1e-3 and chi2_pvalue(counts.sum(0), joint.sum(0)) > 1e-3

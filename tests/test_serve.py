@@ -21,9 +21,8 @@ import pytest
 import torch
 
 from dspark.drafters import DrafterConfig, build_drafter, save_drafter
-from dspark.engine import Engine, EngineConfig
+from dspark.engine import Engine
 from dspark.sampling import SamplingParams
-from dspark.scheduler import SchedulerConfig
 from dspark.serve_app import OpenAIService, ServeConfig, TextAssembler, build_app, make_app
 from dspark.specdec import target_generate
 from dspark.target import load_target

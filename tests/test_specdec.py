@@ -20,7 +20,6 @@ import sys
 import numpy as np
 import pytest
 import torch
-from scipy import stats
 
 import dspark.sampling
 from dspark.drafters import DraftProposal, DrafterConfig, build_drafter
@@ -29,6 +28,7 @@ from dspark.sampling import SamplingParams, accept_drafts, sample, to_probs
 from dspark.scheduler import PrefixScheduler, SchedulerConfig, SPSTable
 from dspark.specdec import drafter_layer_ids, fixed_verify_len, speculative_generate, target_generate
 from dspark.target import build_tiny_model
+from lossless_stats import chi2_pvalue, exact_joint
 
 VOCAB, PROMPT, N_TOKENS, RUNS, GAMMA = 6, [1, 5, 2, 4, 3], 3, 20000, 3
 ALGOS = ["dspark", "dflash", "eagle3"]
@@ -43,29 +43,6 @@ def _drafter(algo: str, target, gamma: int = GAMMA, seed: int = 0):
     torch.manual_seed(seed)
     cfg = DrafterConfig(algo=algo, block_size=gamma, num_layers=1, num_context_layers=2, rank=8, init_std=0.2)
     return build_drafter(cfg, target)
-
-
-# ---- exact target distribution and χ² ----------------------------------------------------------
-def exact_joint(target, prompt: list[int], n_tokens: int, sp: SamplingParams) -> np.ndarray:
-    """P(t_1..t_n) under target-only sampling, from one batched forward per extra token."""
-    joint = torch.ones([1], dtype=torch.float64)
-    for depth in range(n_tokens):
-        prefixes = list(itertools.product(range(VOCAB), repeat=depth))
-        ids = torch.tensor([prompt + list(p) for p in prefixes])
-        cond = to_probs(target.forward(ids, logits_at="last").logits[:, -1], sp).double()  # [V^depth, V]
-        joint = (joint.reshape(-1, 1) * cond).reshape(-1)
-    return joint.reshape([VOCAB] * n_tokens).numpy()
-
-
-def chi2_pvalue(counts: np.ndarray, probs: np.ndarray, min_expected: float = 5.0) -> float:
-    """Pearson χ² goodness of fit; cells with expected count < min_expected are pooled into one."""
-    counts, expected = counts.ravel(), probs.ravel() / probs.sum() * counts.sum()
-    small = expected < min_expected
-    obs = np.append(counts[~small], counts[small].sum())
-    exp = np.append(expected[~small], expected[small].sum())
-    keep = exp > 0
-    assert obs[~keep].sum() == 0, "a token sequence with zero target probability was generated"
-    return float(stats.chisquare(obs[keep], exp[keep]).pvalue)
 
 
 # ---- replay of speculative_generate with looked-up distributions ------------------------------------
@@ -187,7 +164,7 @@ def _lossless_check(monkeypatch, target, drafter, verify_len, label, runs=RUNS, 
     counts = np.zeros([VOCAB] * N_TOKENS)
     for _ in range(runs):
         counts[tuple(replay.run(gen))] += 1
-    p = chi2_pvalue(counts, exact_joint(target, PROMPT, N_TOKENS, sp))
+    p = chi2_pvalue(counts, exact_joint(target, PROMPT, N_TOKENS, sp, VOCAB))
     lengths = np.bincount(replay.lengths, minlength=GAMMA + 1).tolist()
     print(f"\n[lossless] {label}: chi2 p-value = {p:.4g} over {runs} runs "
           f"(joint of the first {N_TOKENS} tokens; rounds by verify length {lengths})")

@@ -1,0 +1,34 @@
+"""Shared by the lossless tests (test_specdec, test_engine): the exact target joint of the first
+tokens and a pooled Pearson χ² test of sampled counts against it."""
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import torch
+from scipy import stats
+
+from dspark.sampling import SamplingParams, to_probs
+
+
+def exact_joint(target, prompt: list[int], n_tokens: int, sp: SamplingParams, vocab: int) -> np.ndarray:
+    """P(t_1..t_n) under target-only sampling, from one batched forward per extra token over all
+    prefixes (vocab^depth rows): only for micro vocabularies."""
+    joint = torch.ones([1], dtype=torch.float64)
+    for depth in range(n_tokens):
+        prefixes = list(itertools.product(range(vocab), repeat=depth))
+        ids = torch.tensor([prompt + list(p) for p in prefixes])
+        cond = to_probs(target.forward(ids, logits_at="last").logits[:, -1], sp).double()  # [V^depth, V]
+        joint = (joint.reshape(-1, 1) * cond).reshape(-1)
+    return joint.reshape([vocab] * n_tokens).numpy()
+
+
+def chi2_pvalue(counts: np.ndarray, probs: np.ndarray, min_expected: float = 5.0) -> float:
+    """Pearson χ² goodness of fit; cells with expected count < min_expected are pooled into one."""
+    counts, expected = counts.ravel(), probs.ravel() / probs.sum() * counts.sum()
+    small = expected < min_expected
+    obs = np.append(counts[~small], counts[small].sum())
+    exp = np.append(expected[~small], expected[small].sum())
+    keep = exp > 0
+    assert obs[~keep].sum() == 0, "a token sequence with zero target probability was generated"
+    return float(stats.chisquare(obs[keep], exp[keep]).pvalue)

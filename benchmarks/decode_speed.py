@@ -78,7 +78,7 @@ def load_prompts(target, data_dir: str | None, datasets: str, per_dataset: int) 
 
 
 def load_drafters(args, target) -> dict:
-    from dspark.drafter_source import load_drafter_ref
+    from dspark.io.drafter_source import load_drafter_ref
     from dspark.drafters import DrafterConfig, build_drafter
 
     drafters = {}

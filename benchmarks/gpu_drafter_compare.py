@@ -98,13 +98,13 @@ class Trainee:
         self.curve: list[dict] = []
 
     def set_schedule(self, total_steps: int) -> None:
-        from dspark.lr_schedule import build_scheduler
+        from dspark.training.lr_schedule import build_scheduler
 
         cfg = self.optim_cfg
         self.sched = build_scheduler(self.opt, total_steps, cfg.warmup_ratio, cfg.schedule, cfg.min_lr_ratio)
 
     def step(self, batch: dict, seed: int, update: bool = True) -> dict:
-        from dspark.training import drafter_loss
+        from dspark.training.loss import drafter_loss
 
         out = drafter_loss(self.drafter, self.target, batch["input_ids"], batch["loss_mask"],
                            batch["attention_mask"], torch.Generator().manual_seed(seed))

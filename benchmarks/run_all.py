@@ -67,7 +67,7 @@ def stack_env() -> dict[str, str]:
     if os.environ.get("MLFLOW_TRACKING_URI"):
         return {}
     try:
-        from dspark import stack
+        from dspark.devstack import stack
 
         cfg = stack.StackConfig.from_env()
         if not all(info["healthy"] for name, info in stack.status(cfg).items() if name in ("s3", "mlflow")):

@@ -81,7 +81,7 @@ def load_prompts(data_dir: str | None) -> list[str]:
 
 def resolve_drafter(args) -> tuple[str, str]:
     """(local drafter dir, label). Falls back to an untrained drafter only with --quick."""
-    from dspark import drafter_source
+    from dspark.io import drafter_source
 
     ref = args.drafter or DEFAULT_DRAFTER.get(args.target)
     if ref:

@@ -11,21 +11,21 @@ import sys
 
 
 def _stack_up(args) -> int:
-    from dspark import stack
+    from dspark.devstack import stack
 
     stack.up(stack.StackConfig.from_env(args.state_dir))
     return 0
 
 
 def _stack_down(args) -> int:
-    from dspark import stack
+    from dspark.devstack import stack
 
     stack.down(stack.StackConfig.from_env(args.state_dir))
     return 0
 
 
 def _stack_status(args) -> int:
-    from dspark import stack
+    from dspark.devstack import stack
 
     report = stack.status(stack.StackConfig.from_env(args.state_dir))
     if args.json:
@@ -71,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from dspark.stack import StackError
+    from dspark.devstack.stack import StackError
 
     expected = (StackError, ValueError, FileNotFoundError, PermissionError)  # ConfigError is a ValueError
     try:

@@ -73,7 +73,7 @@ def validate_config(model: type[M], data: dict, source: str = "") -> M:
 
 
 def read_yaml(path: str | Path) -> dict:
-    from dspark import storage  # local import: storage pulls optional S3 deps
+    from dspark.io import storage  # local import: storage pulls optional S3 deps
 
     try:
         text = storage.read_text(str(path))

@@ -106,7 +106,7 @@ def parse_benchmark(text: str, source: str) -> list[list[str]]:
 
 
 def load_benchmark(spec: BenchmarkSpec, base_dir: str | None = None, max_prompts: int | None = None) -> Benchmark:
-    from dspark import storage  # local import: keeps S3 dependencies out of the pure paths
+    from dspark.io import storage  # local import: keeps S3 dependencies out of the pure paths
 
     source = spec.path
     if base_dir and not storage.is_s3(source) and not source.startswith("/"):

@@ -125,7 +125,7 @@ def build_engine(cfg: ServeConfig, device: str | None = None) -> Engine:
     device None: resolved from model.device (see `resolve_device`)."""
     import torch
 
-    from dspark.drafter_source import load_drafter_ref
+    from dspark.io.drafter_source import load_drafter_ref
     from dspark.target import load_target
 
     device = device or resolve_device(cfg.model.device, replica_has_gpus(cfg))

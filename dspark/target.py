@@ -224,7 +224,7 @@ def load_target(spec: str, *, dtype: torch.dtype = torch.float32, device: str = 
     if spec in models_builtin.BUILTIN:
         path = models_builtin.prepare(spec)
     elif spec.startswith("s3://"):
-        from dspark import storage
+        from dspark.io import storage
 
         path = storage.local_copy(spec)
     elif os.path.isdir(spec):

@@ -97,7 +97,7 @@ def load_prompts(data: CalibrationData) -> list[tuple[str | None, list[str]]]:
     if data.rollouts:
         prompts = rollout_prompts(data.rollouts, data.split)
     else:
-        from dspark import storage
+        from dspark.io import storage
 
         try:
             text = storage.read_text(data.prompts)
@@ -180,7 +180,7 @@ def register_version(run_id: str, name: str, aliases: list[str], source: str) ->
 
 
 def log_report(paths: dict[str, str], result: cal.STSResult, n_rounds: int) -> None:
-    from dspark import tracking
+    from dspark.io import tracking
 
     for name, path in paths.items():
         tracking.log_artifact(path, "reliability" if name.endswith(".png") else None)
@@ -194,7 +194,7 @@ def publish_drafter(drafter, new_uri: str, tmp: str, run_id: str | None, model_n
     """Save the calibrated drafter to `new_uri`, log it to the run and register it; returns the registration."""
     import shutil
 
-    from dspark import storage
+    from dspark.io import storage
     from dspark.drafters import save_drafter
 
     saved = save_drafter(drafter, os.path.join(tmp, DRAFTER_NAME))
@@ -206,7 +206,7 @@ def publish_drafter(drafter, new_uri: str, tmp: str, run_id: str | None, model_n
         if model_name:
             log.warning("tracking is disabled: the calibrated drafter was not registered as %s", model_name)
         return None
-    from dspark import tracking
+    from dspark.io import tracking
 
     tracking.log_artifact(saved, DRAFTER_NAME)
     if not model_name:
@@ -215,8 +215,8 @@ def publish_drafter(drafter, new_uri: str, tmp: str, run_id: str | None, model_n
 
 
 def run(cfg: CalibrateConfig) -> dict:
-    from dspark import storage
-    from dspark.drafter_source import load_drafter_ref, local_dir, resolve_ref
+    from dspark.io import storage
+    from dspark.io.drafter_source import load_drafter_ref, local_dir, resolve_ref
     from dspark.target import load_target
 
     storage.check_writable(cfg.output)
@@ -261,8 +261,8 @@ def run(cfg: CalibrateConfig) -> dict:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     cfg = load_job_config(CalibrateConfig, argv, "Fit STS temperatures of a DSpark drafter's confidence head.")
-    from dspark.storage import StorageError
-    from dspark.tracking import TrackingError
+    from dspark.io.storage import StorageError
+    from dspark.io.tracking import TrackingError
 
     try:
         run(cfg)

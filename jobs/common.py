@@ -116,7 +116,7 @@ def _refresh_ray_auth() -> None:
 
 def save_config(cfg: StrictModel, uri: str) -> None:
     """Write the resolved config as YAML to a local path or s3:// URI."""
-    from dspark import storage
+    from dspark.io import storage
 
     storage.write_text(uri, dump_config(cfg))
 
@@ -130,7 +130,7 @@ def tracked_run(tracking_cfg: TrackingConfig, cfg: StrictModel, run_name: str,
     if not tracking_cfg.enabled:
         yield None
         return
-    from dspark import tracking
+    from dspark.io import tracking
 
     tracking.check_reachable()
     run_id = tracking.start_run(tracking_cfg.experiment, tracking_cfg.run_name or run_name, run_id=run_id, tags=tags)

@@ -190,7 +190,7 @@ def check_disk(demo: Demo) -> None:
 
 def check_stack_state(cfg) -> dict:
     """Refuse a stack that is up but unhealthy, and busy ports for services that are down."""
-    from dspark import stack
+    from dspark.devstack import stack
 
     report = stack.status(cfg)
     for service, info in report.items():
@@ -228,7 +228,7 @@ def preflight(demo: Demo, cfg) -> dict:
 
 # ----------------------------------------------------------------------------- 2. stack and target
 def stack_up(demo: Demo, cfg, was_healthy: bool) -> None:
-    from dspark import stack
+    from dspark.devstack import stack
 
     banner("dspark stack up — S3 (SeaweedFS), MLflow, Ray head on 127.0.0.1")
     start = time.monotonic()
@@ -322,7 +322,7 @@ def stage_key(module: str, config: str, budget: list[str], upstream: list[str]) 
 
 
 def read_marker(demo: Demo, stage_id: str) -> dict | None:
-    from dspark import storage
+    from dspark.io import storage
 
     uri = demo.marker_uri(stage_id)
     try:
@@ -334,7 +334,7 @@ def read_marker(demo: Demo, stage_id: str) -> dict | None:
 def run_job_stage(demo: Demo, stage_id: str, title: str, module: str, config: str, budget: list[str],
                   wiring: list[str], key: str, done_check) -> dict:
     """Submit one stage as a Ray job, unless a marker with the same key says it already finished."""
-    from dspark import storage
+    from dspark.io import storage
 
     banner(f"{title}  [{stage_id}, key {key}]")
     marker = read_marker(demo, stage_id)
@@ -372,7 +372,7 @@ def stage_args(stage: str, demo: Demo, **names) -> tuple[str, list[str]]:
 
 
 def generate(demo: Demo) -> dict:
-    from dspark import storage
+    from dspark.io import storage
 
     config, budget = stage_args("generate", demo)
     key = stage_key("jobs.generate", config, budget, [demo.profile.target])
@@ -419,7 +419,7 @@ def registered_version(stage: dict) -> str | None:
 
 
 def calibrate(demo: Demo, drafter: str, upstream_key: str, rollouts: str) -> dict:
-    from dspark import storage
+    from dspark.io import storage
 
     config, budget = stage_args("calibrate", demo)
     key = stage_key("jobs.calibrate", config, budget, [upstream_key])
@@ -436,7 +436,7 @@ def calibrate(demo: Demo, drafter: str, upstream_key: str, rollouts: str) -> dic
 
 
 def evaluate(demo: Demo, drafters: dict[str, str], upstream_keys: list[str]) -> dict:
-    from dspark import storage
+    from dspark.io import storage
 
     config, budget = stage_args("evaluate", demo)
     key = stage_key("jobs.evaluate", config, budget, upstream_keys)
@@ -621,7 +621,7 @@ class StopHere(Exception):
 
 
 def run(profile: Profile, until: str = "chat") -> dict:
-    from dspark import stack
+    from dspark.devstack import stack
 
     def done(step: str) -> None:
         if step == until:

@@ -90,7 +90,7 @@ class EvalConfig(StrictModel):
 def load_drafter_infos(entries: Sequence[DrafterEntry], target) -> dict[str, dict]:
     """Resolve and load every drafter once against the target (fail fast, all problems in one error).
     Returns {name: {ref (pinned), algo, block_size, calibrated, confidence_head, source}}."""
-    from dspark.drafter_source import load_drafter_ref, resolve_ref
+    from dspark.io.drafter_source import load_drafter_ref, resolve_ref
 
     infos, problems = {}, []
     for entry in entries:
@@ -134,7 +134,7 @@ class EvalWorker:
     def __init__(self, spec: dict):
         import torch
 
-        from dspark.drafter_source import load_drafter_ref
+        from dspark.io.drafter_source import load_drafter_ref
         from dspark.target import load_target
 
         if spec.get("threads"):
@@ -234,13 +234,13 @@ def write_outputs(results: dict, convs: list, report: str, out_dir: str) -> dict
 
 def publish(paths: dict[str, str], output: str, run_id: str | None) -> None:
     """Copy the local outputs to `output` (local or s3://) and log them to the MLflow run."""
-    from dspark import storage
+    from dspark.io import storage
 
     for name, path in paths.items():
         with open(path, "rb") as f:
             storage.write_bytes(storage.join(output, name), f.read())
     if run_id:
-        from dspark import tracking
+        from dspark.io import tracking
 
         for name, path in paths.items():
             tracking.log_artifact(path, "plots" if name.endswith(".png") else None)
@@ -263,7 +263,7 @@ def sweep_plan(cfg: EvalConfig, infos: dict[str, dict]) -> dict[str, list[float]
 
 
 def run(cfg: EvalConfig) -> dict:
-    from dspark import storage
+    from dspark.io import storage
     from dspark.target import load_target
 
     storage.check_writable(cfg.output)  # fail fast, before any decoding
@@ -293,7 +293,7 @@ def run(cfg: EvalConfig) -> dict:
         with tempfile.TemporaryDirectory(prefix="dspark-eval-") as tmp:
             publish(write_outputs(results, convs, report, tmp), cfg.output, run_id)
         if run_id:
-            from dspark import tracking
+            from dspark.io import tracking
 
             tracking.log_metrics(flat_metrics(results))
             tracking.set_tags({"drafters": ",".join(f"{n}={i['source']}" for n, i in infos.items()),
@@ -307,8 +307,8 @@ def run(cfg: EvalConfig) -> dict:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     cfg = load_job_config(EvalConfig, argv, "Evaluate drafters by real speculative decoding on benchmark prompts.")
-    from dspark.storage import StorageError
-    from dspark.tracking import TrackingError
+    from dspark.io.storage import StorageError
+    from dspark.io.tracking import TrackingError
 
     try:
         run(cfg)

@@ -12,9 +12,9 @@ from __future__ import annotations
 import json
 import sys
 
-from dspark import storage
-from dspark.storage import StorageError
-from dspark.tracking import TrackingError
+from dspark.io import storage
+from dspark.io.storage import StorageError
+from dspark.io.tracking import TrackingError
 from jobs.common import RayConfig, TrackingConfig, init_ray, load_job_config, save_config, tracked_run
 from pipelines.rollout import RolloutConfig, RolloutResult, RunStats, read_rollouts, run_rollouts
 
@@ -59,7 +59,7 @@ def run(cfg: GenerateConfig) -> RolloutResult:
     out = cfg.output.rstrip("/")
     storage.check_writable(out)  # fail fast: before Ray, MLflow or any generation
     init_ray(cfg.ray)
-    from dspark import tracking
+    from dspark.io import tracking
 
     run_name = f"generate-{cfg.target.rstrip('/').split('/')[-1]}"
     with tracked_run(cfg.tracking, cfg, run_name, run_id=_previous_run_id(out)) as run_id:

@@ -25,8 +25,8 @@ from pydantic import Field, model_validator
 
 from dspark.config import ConfigError, StrictModel, config_to_dict, dump_config, flatten
 from dspark.drafters import DrafterConfig
-from dspark.storage import StorageError
-from dspark.tracking import TrackingError
+from dspark.io.storage import StorageError
+from dspark.io.tracking import TrackingError
 from jobs.common import RayConfig, TrackingConfig
 
 ROLLOUT_COLUMNS = ("split", "input_ids", "loss_mask")  # what training reads from the rollouts Parquet
@@ -85,7 +85,7 @@ class TrainTracking(TrackingConfig):
     experiment: str = "dspark-train"
     registered_model: str | None = None  # model registry name; None -> "drafter-<run_name>"
     # alias moved to each newly registered version. MLflow reserves "latest"; `models:/<name>@latest`
-    # still works in dspark (dspark.drafter_source resolves it to the newest version).
+    # still works in dspark (dspark.io.drafter_source resolves it to the newest version).
     alias: str = "trained"
     log_every_steps: int = Field(1, ge=1)
 
@@ -190,7 +190,7 @@ def training_steps(cfg: TrainJobConfig, num_rows: int) -> tuple[int, int]:
 def rollout_files(uri: str) -> list[str]:
     """The Parquet shards of a rollouts dataset: one file; the committed shards of a jobs.generate
     output (its commit markers, not a listing); or, for a hand-made directory, its *.parquet files."""
-    from dspark import storage
+    from dspark.io import storage
     from pipelines.rollout import read_commits
 
     if uri.endswith(".parquet"):
@@ -212,7 +212,7 @@ def rollout_files(uri: str) -> list[str]:
 
 def parquet_paths(files: list[str]):
     """(pyarrow filesystem, paths inside it) for a list of same-store URIs."""
-    from dspark import storage
+    from dspark.io import storage
 
     pairs = [storage.pyarrow_fs(f) for f in files]
     return pairs[0][0], [path for _, path in pairs]
@@ -248,7 +248,8 @@ def check_rollouts(uri: str, split: str) -> tuple[list[str], int]:
 
 def check_target_spec(spec: str) -> None:
     """Fail in the driver, not in every worker, when the target cannot be found (reads its config only)."""
-    from dspark import models_builtin, storage
+    from dspark import models_builtin
+    from dspark.io import storage
 
     if spec in models_builtin.BUILTIN:
         return
@@ -287,20 +288,20 @@ def check_resume_matches(record: dict, cfg: TrainJobConfig) -> None:
 
 # ----------------------------------------------------------------------------- run record / MLflow
 def run_dir(cfg: TrainJobConfig) -> str:
-    from dspark import storage
+    from dspark.io import storage
 
     return storage.join(cfg.checkpoint.storage_path, cfg.run_name)
 
 
 def read_run_record(cfg: TrainJobConfig) -> dict | None:
-    from dspark import storage
+    from dspark.io import storage
 
     uri = storage.join(run_dir(cfg), RUN_RECORD)
     return json.loads(storage.read_text(uri)) if storage.exists(uri) else None
 
 
 def write_run_record(cfg: TrainJobConfig, record: dict) -> None:
-    from dspark import storage
+    from dspark.io import storage
 
     storage.write_text(storage.join(run_dir(cfg), RUN_RECORD), json.dumps(record, indent=2))
 
@@ -339,7 +340,7 @@ def run_params(cfg: TrainJobConfig, num_rows: int, total_steps: int) -> dict:
 
 def open_mlflow_run(cfg: TrainJobConfig, record: dict | None, params: dict) -> str | None:
     """The MLflow run of this training run: the recorded one on resume, else a new one (params logged once)."""
-    from dspark import tracking
+    from dspark.io import tracking
 
     if not cfg.tracking.enabled:
         return None
@@ -366,7 +367,7 @@ def build_trainer(cfg: TrainJobConfig, loop_config: dict, dataset):
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    from dspark import storage
+    from dspark.io import storage
     from jobs.train_worker import train_loop_per_worker
 
     sc = cfg.scaling
@@ -417,7 +418,7 @@ def check_cluster_fits(cfg: TrainJobConfig) -> None:
 
 def prepare_run(cfg: TrainJobConfig) -> dict:
     """Every check that can fail before training; returns the plan handed to the workers."""
-    from dspark import storage, tracking
+    from dspark.io import storage, tracking
 
     check_cluster_fits(cfg)
     storage.check_writable(run_dir(cfg))
@@ -448,7 +449,7 @@ def prepare_run(cfg: TrainJobConfig) -> dict:
 
 def finish_run(cfg: TrainJobConfig, plan: dict, result) -> dict:
     """Log the final drafter and the config, register the drafter, close the MLflow run."""
-    from dspark import tracking
+    from dspark.io import tracking
 
     summary = {"run_name": cfg.run_name, "checkpoint": checkpoint_uri(cfg, result.checkpoint),
                "metrics": dict(result.metrics or {}), "mlflow_run_id": plan["mlflow_run_id"]}
@@ -496,7 +497,7 @@ def register_drafter(run_id: str, name: str, alias: str, attempts: int = 3) -> s
 
 
 def checkpoint_uri(cfg: TrainJobConfig, checkpoint) -> str | None:
-    from dspark import storage
+    from dspark.io import storage
 
     if checkpoint is None:
         return None
@@ -516,7 +517,7 @@ def copy_checkpoint_subdir(checkpoint, subdir: str, local_dir: str) -> None:
 
 def run(cfg: TrainJobConfig) -> dict:
     """Train (or resume) one run; returns a summary (checkpoint URI, final metrics, MLflow ids)."""
-    from dspark import tracking
+    from dspark.io import tracking
 
     plan = prepare_run(cfg)
     if plan.get("already_complete"):

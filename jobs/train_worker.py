@@ -2,7 +2,7 @@
 training session it drives (usable without Ray, e.g. in a single process for tests).
 
 Each worker holds the frozen target (eval mode, no grads) and a DeepSpeed engine around the drafter.
-Per micro batch `dspark.training.drafter_loss` runs the target to get the context features and the
+Per micro batch `dspark.training.loss.drafter_loss` runs the target to get the context features and the
 target distributions at the supervised positions only (online: nothing is cached on disk), then the
 drafter loss; DeepSpeed accumulates gradients to the global batch, clips, steps AdamW (a plain torch
 optimizer: no JIT-compiled ops on CPU) and the warmup+cosine schedule.
@@ -72,7 +72,7 @@ class LossModule(nn.Module):
         object.__setattr__(self, "target", target)
 
     def forward(self, input_ids, loss_mask, attention_mask, generator):
-        from dspark.training import drafter_loss
+        from dspark.training.loss import drafter_loss
 
         out = drafter_loss(self.drafter, self.target, input_ids, loss_mask, attention_mask, generator)
         return out.loss, out.metrics
@@ -98,7 +98,7 @@ def init_engine(cfg, plan: dict, target):
     import deepspeed
 
     from dspark.drafters import build_drafter
-    from dspark.lr_schedule import build_scheduler
+    from dspark.training.lr_schedule import build_scheduler
 
     if target.device.type == "cpu":
         # DeepSpeed's CPU shared-memory allreduce is JIT-compiled on first use (minutes): use gloo's.
@@ -310,13 +310,13 @@ class RankZeroLogger:
         self.every = cfg.tracking.log_every_steps
         self.run_id = run_id
         if run_id:
-            from dspark import tracking
+            from dspark.io import tracking
 
             tracking.start_run(cfg.tracking.experiment, cfg.run_name, run_id=run_id)
 
     def log(self, step: int, metrics: dict[str, float], force: bool = False) -> None:
         if self.run_id and (force or step % self.every == 0):
-            from dspark import tracking
+            from dspark.io import tracking
 
             tracking.log_metrics(metrics, step=step)
 

@@ -28,7 +28,7 @@ from typing import Iterator, Literal
 
 from pydantic import field_validator
 
-from dspark import storage
+from dspark.io import storage
 from dspark.config import StrictModel
 from pipelines.schema import RAW_LIMIT
 

@@ -33,7 +33,7 @@ import pyarrow.parquet as pq
 import torch
 from pydantic import field_validator
 
-from dspark import storage
+from dspark.io import storage
 from dspark.config import StrictModel, config_to_dict
 from dspark.sampling import SamplingParams, to_probs
 from pipelines import schema

@@ -39,7 +39,7 @@ class LocalStack:
 
 @pytest.fixture(scope="session")
 def local_stack():
-    from dspark import stack
+    from dspark.devstack import stack
 
     state_dir = Path(tempfile.mkdtemp(prefix="dspark-stack-"))
     with pytest.MonkeyPatch.context() as patch:

@@ -106,7 +106,7 @@ def test_calibration_job_writes_a_new_registered_version(tiny, tmp_path, monkeyp
     new = load_drafter(str(tmp_path / "out" / "drafter"), tiny)
     assert new.calibration == pytest.approx(report["temperatures"]) and len(new.calibration) == 3
     assert load_drafter(source, tiny).calibration is None  # the source is untouched
-    from dspark.drafter_source import load_drafter_ref
+    from dspark.io.drafter_source import load_drafter_ref
 
     assert load_drafter_ref("models:/tiny-d@calibrated", tiny).calibration == pytest.approx(new.calibration)
     assert load_drafter_ref("models:/tiny-d/1", tiny).calibration is None

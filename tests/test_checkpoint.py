@@ -80,7 +80,7 @@ def test_load_rejects_a_different_target(tmp_path, target):
 
 
 def test_save_and_load_through_s3_uris(tmp_path, target, monkeypatch):
-    """s3:// goes through dspark.storage (upload_dir / local_copy); a local fake stands in for S3."""
+    """s3:// goes through dspark.io.storage (upload_dir / local_copy); a local fake stands in for S3."""
     bucket = tmp_path / "bucket"
 
     def local(uri):
@@ -88,8 +88,8 @@ def test_save_and_load_through_s3_uris(tmp_path, target, monkeypatch):
 
     fake = types.SimpleNamespace(upload_dir=lambda src, uri: shutil.copytree(src, local(uri)),
                                  local_copy=local, is_s3=lambda uri: uri.startswith("s3://"))
-    monkeypatch.setitem(sys.modules, "dspark.storage", fake)
-    monkeypatch.setattr("dspark.storage", fake, raising=False)
+    monkeypatch.setitem(sys.modules, "dspark.io.storage", fake)
+    monkeypatch.setattr("dspark.io.storage", fake, raising=False)
     drafter = make(target, "dspark")
     save_drafter(drafter, "s3://dspark/ckpts/run1")
     assert (bucket / "dspark/ckpts/run1/model.safetensors").exists()

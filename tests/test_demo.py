@@ -97,7 +97,7 @@ def test_stage_key_follows_config_budget_and_upstream():
 
 # ----------------------------------------------------------------------------- fast: checks fail early
 def test_busy_port_fails_early_with_recovery_hint(tmp_path, monkeypatch):
-    from dspark import stack
+    from dspark.devstack import stack
 
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
@@ -119,7 +119,7 @@ def test_short_disk_fails_early(tmp_path):
 
 
 def test_unhealthy_stack_is_reported_as_bad_state(tmp_path, monkeypatch):
-    from dspark import stack
+    from dspark.devstack import stack
 
     cfg = stack.StackConfig(state_dir=tmp_path)
     fake = {s: {"pid": 1, "url": cfg.url(s), "running": True, "healthy": s != "mlflow", "stale_pid_file": False}
@@ -148,7 +148,8 @@ def stage_of(run) -> str:
 @pytest.mark.integration
 @pytest.mark.timeout(3600)
 def test_smoke_demo_end_to_end(monkeypatch):
-    from dspark import stack, storage
+    from dspark.devstack import stack
+    from dspark.io import storage
 
     cfg = stack.StackConfig.from_env()
     was_up = all(info["running"] for info in stack.status(cfg).values())

@@ -7,7 +7,7 @@ from dspark.anchors import block_mask, eligible_anchors, packed_mask, sample_anc
 from dspark.drafters import DrafterConfig, build_drafter
 from dspark.sampling import SamplingParams, to_probs
 from dspark.target import build_tiny_model
-from dspark.training import drafter_loss
+from dspark.training.loss import drafter_loss
 
 VARIANTS = [("dflash", "markov"), ("dspark", "markov"), ("dspark", "rnn"), ("eagle3", "markov")]
 

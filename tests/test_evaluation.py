@@ -254,7 +254,7 @@ def test_markdown_report_and_plots(tmp_path):
 
 # ---- drafter references ------------------------------------------------------------------------------
 def test_parse_ref_kinds():
-    from dspark.drafter_source import parse_ref
+    from dspark.io.drafter_source import parse_ref
 
     assert parse_ref("/tmp/x").kind == "local" and parse_ref("s3://b/k").kind == "s3"
     assert parse_ref("runs:/abc/drafter").kind == "run"
@@ -272,7 +272,7 @@ def test_drafter_references_resolve_through_mlflow(tiny, tmp_path, monkeypatch):
     for another target is refused with its reference in the message."""
     import mlflow
 
-    from dspark.drafter_source import load_drafter_ref, local_dir, resolve_ref
+    from dspark.io.drafter_source import load_drafter_ref, local_dir, resolve_ref
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
     monkeypatch.setenv("DSPARK_CACHE", str(tmp_path / "cache"))

@@ -11,7 +11,7 @@ from dspark.drafters.base import DraftTrainOut
 from dspark.losses import (acceptance_label, acceptance_metrics, ce_loss, conf_loss, position_weights, tv_l1,
                            tv_loss)
 from dspark.target import TargetOutput
-from dspark.training import drafter_loss, supervised_pairs
+from dspark.training.loss import drafter_loss, supervised_pairs
 
 # Hand example: one anchor block, γ = 2 positions, vocabulary of 4 tokens.
 P_DRAFT = torch.tensor([[0.25, 0.25, 0.25, 0.25], [0.5, 0.25, 0.125, 0.125]])

@@ -12,7 +12,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from dspark import storage
+from dspark.io import storage
 from dspark.config import load_config
 from pipelines import schema
 from pipelines.prompts import load_prompts, prompt_id_of, write_jsonl

@@ -293,10 +293,10 @@ def _tau(target, drafter, prompts, sp, max_new_tokens=40) -> float:
 
 @pytest.mark.parametrize("algo", ALGOS)
 def test_training_raises_tau(wide_target, algo):
-    """Overfitting a drafter on a few greedy target rollouts (dspark.training.drafter_loss + AdamW) must
+    """Overfitting a drafter on a few greedy target rollouts (dspark.training.loss.drafter_loss + AdamW) must
     raise the τ of real greedy speculative decoding on the same prompts well above the untrained τ
     (this also checks that training and inference agree on feature positions and labels)."""
-    from dspark.training import drafter_loss
+    from dspark.training.loss import drafter_loss
 
     target, greedy = wide_target, SamplingParams(temperature=0)
     prompts = [[3, 14, 15, 9], [2, 6, 53, 5], [8, 9, 7, 9], [32, 38, 4, 6]]

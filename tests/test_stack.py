@@ -1,4 +1,4 @@
-"""Local stack (dspark.stack, `dspark stack ...`) and the MLflow wrapper (dspark.tracking).
+"""Local stack (dspark.devstack.stack, `dspark stack ...`) and the MLflow wrapper (dspark.io.tracking).
 
 Unit tests here start no servers. Integration tests (marked) bring a real stack up through the
 CLI on their own ports; run them under `flock /tmp/dspark-heavy.lock`.
@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from dspark import stack, tracking
+from dspark.devstack import stack
+from dspark.io import tracking
 
 VENV_BIN = Path(sys.executable).parent
 # Ports for the CLI-driven stack of this module (distinct from conftest.LOCAL_STACK_PORTS).
@@ -311,7 +312,7 @@ def test_s3_object_round_trip_with_boto3(cli_stack):
 def test_mlflow_run_artifact_lands_in_mlflow_bucket(cli_stack):
     code = """
 import boto3, os, sys, tempfile
-from dspark import tracking
+from dspark.io import tracking
 tracking.check_reachable()
 run_id = tracking.start_run("stack-test", run_name="it")
 tracking.log_metrics({"loss": 0.25}, step=1)

@@ -1,4 +1,4 @@
-"""dspark.storage on local paths (unit) and on the local stack's S3 (integration, `local_stack`)."""
+"""dspark.io.storage on local paths (unit) and on the local stack's S3 (integration, `local_stack`)."""
 from __future__ import annotations
 
 import os
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from dspark import storage
+from dspark.io import storage
 
 
 # ============================================================================ local paths

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from dspark.config import ConfigError
-from dspark.lr_schedule import lr_factor, warmup_steps
+from dspark.training.lr_schedule import lr_factor, warmup_steps
 from jobs.train import (TrainJobConfig, check_resume_matches, check_rollouts, deepspeed_config, prepare_run,
                         training_steps)
 from jobs.train_worker import collate
@@ -159,8 +159,8 @@ def _closed_port() -> int:
 
 
 def test_unreachable_mlflow_and_storage_fail_before_training(tmp_path, monkeypatch):
-    from dspark.storage import StorageError
-    from dspark.tracking import TrackingError
+    from dspark.io.storage import StorageError
+    from dspark.io.tracking import TrackingError
 
     rollouts = tmp_path / "r.parquet"
     pq.write_table(pa.table({"split": ["train"] * 8, "input_ids": pa.array([[1, 2, 3]] * 8, pa.list_(pa.int32())),
@@ -237,7 +237,7 @@ def test_session_zero3_checkpoint_resumes_exactly_and_exports(tmp_path, gloo_wor
 @pytest.fixture(scope="module")
 def tiny_rollouts(local_stack, tmp_path_factory):
     """160 target-generated rollouts uploaded to the stack's bucket (as jobs.generate would write them)."""
-    from dspark import storage
+    from dspark.io import storage
 
     local = write_rollouts(tmp_path_factory.mktemp("rollouts") / "part-00000.parquet", rows=160, seed=1)
     uri = "s3://dspark/tests/train-rollouts/part-00000.parquet"
@@ -291,7 +291,7 @@ def test_ray_train_zero2_survives_a_killed_worker(local_stack, tiny_rollouts, tm
     finishes, lowers the loss, checkpoints to S3, logs one MLflow run and registers the drafter."""
     from mlflow import MlflowClient
 
-    from dspark import storage
+    from dspark.io import storage
 
     tmp_path = tmp_path_factory.mktemp("fault")
     summary = run_train_job(stack_job(tiny_rollouts, tmp_path), local_stack, tmp_path)
@@ -333,7 +333,7 @@ def test_relaunch_resumes_run_and_drafter_decodes_losslessly(local_stack, tiny_r
     the registered drafter loads with load_drafter and greedy speculative decoding equals the target's."""
     import mlflow
 
-    from dspark.drafter_source import load_drafter_ref
+    from dspark.io.drafter_source import load_drafter_ref
     from dspark.sampling import SamplingParams
     from dspark.specdec import speculative_generate, target_generate
     from dspark.target import load_target
@@ -366,6 +366,6 @@ def test_relaunch_resumes_run_and_drafter_decodes_losslessly(local_stack, tiny_r
 
 
 def open_checkpoint_state(checkpoint_uri: str) -> str:
-    from dspark import storage
+    from dspark.io import storage
 
     return storage.read_text(storage.join(checkpoint_uri, "train_state.json"))

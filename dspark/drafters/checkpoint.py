@@ -4,7 +4,7 @@ config.json = {"format": "dspark-drafter", "format_version": 1, "algo", "drafter
 DrafterConfig), "target_meta" (name, revision, hidden_size, vocab_size, num_layers, layer_ids),
 "calibration" (STS temperatures or null)}. model.safetensors holds the drafter's own state_dict only:
 the target's embedding and LM head are shared by reference and never written. Directories may be
-local or s3:// (through dspark.storage); a round trip reproduces the weights bit for bit.
+local or s3:// (through dspark.io.storage); a round trip reproduces the weights bit for bit.
 """
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ def save_drafter(drafter: Drafter, out_dir: str) -> str:
     """Write the checkpoint to a local dir or an s3:// prefix; returns out_dir."""
     drafter = getattr(drafter, "module", drafter)  # unwrap DDP / DeepSpeed engines
     if str(out_dir).startswith("s3://"):
-        from dspark import storage
+        from dspark.io import storage
 
         with tempfile.TemporaryDirectory(prefix="dspark-ckpt-") as tmp:
             write_local(drafter, tmp)
@@ -90,7 +90,7 @@ def load_drafter(path_or_uri: str, target=None, *, device: str | torch.device | 
     """Load a checkpoint dir (local or s3://). With `target`, verify it matches and attach it."""
     local = str(path_or_uri)
     if local.startswith("s3://"):
-        from dspark import storage
+        from dspark.io import storage
 
         local = storage.local_copy(local)
     data = read_checkpoint_config(local)

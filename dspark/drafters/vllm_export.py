@@ -176,7 +176,7 @@ def export_vllm(drafter: Drafter, out_dir: str, method: str | None = None, *,
     config = export_config(drafter, algo, vocab_size, mask_id)
     tensors = {k: (v.to(dtype) if dtype is not None else v).detach().contiguous().cpu() for k, v in weights.items()}
     if str(out_dir).startswith("s3://"):
-        from dspark import storage
+        from dspark.io import storage
 
         with tempfile.TemporaryDirectory(prefix="dspark-vllm-") as tmp:
             _write(tmp, tensors, config)

@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 from dspark.config import flatten
 
-logger = logging.getLogger("dspark.tracking")
+logger = logging.getLogger("dspark.io.tracking")
 
 ATTEMPTS = 3
 BACKOFF_S = 1.0
@@ -36,7 +36,7 @@ class TrackingError(RuntimeError):
 
 # ---------------------------------------------------------------------------- configuration
 def local_store_dir() -> Path:
-    from dspark.stack import default_state_dir
+    from dspark.devstack.stack import default_state_dir
 
     return default_state_dir() / "mlruns"
 

@@ -2,7 +2,7 @@
 
 Accepted references (the same everywhere a job or the server takes a drafter):
   /path/to/dir                     a local HF-style dir (config.json + model.safetensors)
-  s3://bucket/prefix               copied once into the storage cache (dspark.storage.local_copy)
+  s3://bucket/prefix               copied once into the storage cache (dspark.io.storage.local_copy)
   runs:/<run_id>/<artifact_path>   an MLflow run artifact directory
   models:/<name>/<version>         a registered model version
   models:/<name>@<alias>           a registered model alias (`@latest` without such an alias = newest)
@@ -80,7 +80,7 @@ def local_dir(ref: str | DrafterRef) -> str:
             raise FileNotFoundError(f"drafter directory not found: {ref.uri}")
         return _checkpoint_dir(ref.uri, ref.uri)
     if ref.kind == "s3":
-        from dspark import storage
+        from dspark.io import storage
 
         return _checkpoint_dir(storage.local_copy(ref.uri), ref.uri)
     cached = _cache_root() / hashlib.sha256(ref.uri.encode()).hexdigest()[:20]
@@ -108,7 +108,7 @@ def _cache_root() -> Path:
 def _mlflow_client():
     import mlflow
 
-    from dspark import tracking
+    from dspark.io import tracking
 
     mlflow.set_tracking_uri(tracking.tracking_uri())  # MLFLOW_TRACKING_URI or the local default store
     return mlflow.MlflowClient()

@@ -15,92 +15,23 @@
 Profiles: `smoke` (tiny target, a few minutes; CI), `default` (smollm2-135m, ~20 min on 2 cores),
 `full` (also trains DFlash and Eagle3 with the same budget and prints the comparison table).
 
-Rerunning reuses finished stages: each stage's key hashes its module, config file, overrides and
-the keys of the stages it consumes; a stage whose marker (s3://dspark/demo/<profile>/stages/<id>.json)
-holds the same key and whose output still exists is skipped. Outputs live under
-s3://dspark/demo/<profile>/ (rollouts/<key>, checkpoints/, eval/<key>, ...).
+Profiles live in configs/demo/<name>.yaml. The stage runner (markers, job submission) is
+jobs/demo_runner.py, the five stages jobs/demo_stages.py. Rerunning reuses finished stages.
+Outputs live under s3://dspark/demo/<profile>/ (rollouts/<key>, checkpoints/, eval/<key>, ...).
 """
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
-import shlex
 import shutil
-import signal
-import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
-from dataclasses import dataclass, field
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-RUNTIME_ENV = "infra/runtime_env.yaml"
-BUCKET_ROOT = "s3://dspark/demo"
-SERVE_HOST, SERVE_PORT = "127.0.0.1", 8000
-JOB_PREFIX = "demo-"
-
-
-# ----------------------------------------------------------------------------- profiles & stage table
-@dataclass(frozen=True)
-class Profile:
-    name: str
-    target: str
-    algos: tuple[str, ...]  # drafters trained (the first is the one calibrated and served)
-    min_free_gb: float  # free disk needed in the repo's state dir and in the model cache
-    budget: str
-    chat_max_tokens: int
-
-
-PROFILES = {
-    "smoke": Profile("smoke", "tiny", ("dspark",), 2.0, "a few minutes", 24),
-    "default": Profile("default", "smollm2-135m", ("dspark",), 5.0, "about 20 minutes on 2 CPU cores", 64),
-    "full": Profile("full", "smollm2-135m", ("dspark", "dflash", "eagle3"), 6.0,
-                    "about 45 minutes on 2 CPU cores", 64),
-}
-
-# Config file of each stage ({target}, {algo} filled in).
-STAGE_CONFIG = {
-    "generate": "configs/generate/{target}.yaml",
-    "train": "configs/train/{target}-{algo}.yaml",
-    "calibrate": "configs/calibrate/{target}.yaml",
-    "evaluate": "configs/eval/{target}.yaml",
-    "serve": "configs/serve/{target}.yaml",
-}
-
-# Budget overrides per stage and profile (part of each stage's key: changing them reruns the stage).
-# smoke: the tiny configs as they are. default/full: the smollm2-135m configs cut to fit ~20 minutes
-# on 2 CPU cores (full trains three drafters with the same budget each).
-_SMOL_TRAIN = ["optim.max_steps=60"]
-_SMOL_CALIBRATE = ["data.max_prompts=16", "decode.max_new_tokens=64"]
-_SMOL_EVAL = ["max_prompts_per_benchmark=3", "decode.max_new_tokens=64", "threshold_sweep.enabled=false"]
-_SMOL_SERVE = ["deployment.num_cpus=1", "deployment.torch_threads=2"]  # leave a CPU for later Ray jobs
-STAGE_BUDGET: dict[str, dict[str, list[str]]] = {
-    "generate": {"smoke": [], "default": [], "full": []},
-    "train": {"smoke": [], "default": _SMOL_TRAIN, "full": _SMOL_TRAIN},
-    "calibrate": {"smoke": [], "default": _SMOL_CALIBRATE, "full": _SMOL_CALIBRATE},
-    "evaluate": {"smoke": [], "default": _SMOL_EVAL, "full": _SMOL_EVAL},
-    "serve": {"smoke": [], "default": _SMOL_SERVE, "full": _SMOL_SERVE},
-}
-
-# Wiring overrides: where each stage reads and writes (placeholders filled at run time). They follow
-# from the keys, so they are not hashed themselves.
-STAGE_WIRING: dict[str, list[str]] = {
-    "generate": ["output={rollouts}", "tracking.experiment={experiment}", "tracking.run_name={run_name}"],
-    "train": ["run_name={run_name}", "data.rollouts={rollouts}", "checkpoint.storage_path={checkpoints}",
-              "tracking.experiment={experiment}", "tracking.alias={alias}"],
-    "calibrate": ["drafter={drafter}", "data.rollouts={rollouts}", "output={calibrated}",
-                  "tracking.experiment={experiment}", "tracking.run_name={run_name}"],
-    "evaluate": ["drafters={drafters}", "output={eval_dir}", "tracking.experiment={experiment}",
-                 "tracking.run_name={run_name}"],
-    "serve": ["model.drafter={drafter}", "http.host={serve_host}", "http.port={serve_port}"],
-}
-
-# Flags given to a stage's module besides --config/--set (the Serve job must exit and leave the app).
-STAGE_FLAGS: dict[str, list[str]] = {"serve": ["--detach"]}
+from dspark import report
+from jobs.demo_runner import PROFILES, REPO, RUNTIME_ENV, SERVE_PORT, JOB_PREFIX, Demo, DemoError, banner, endpoint_url, fmt_s
+from jobs.demo_stages import calibrate, evaluate, generate, serve, train
 
 CHAT_PROMPTS = [
     "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
@@ -108,74 +39,9 @@ CHAT_PROMPTS = [
     "Write a Python function is_prime(n) that returns True when n is a prime number.",
     "Give me three tips for staying focused while working from home.",
 ]
+STEPS = ("generate", "train", "calibrate", "evaluate", "serve", "chat")
 
 
-class DemoError(RuntimeError):
-    """A demo step failed; the message says what happened and how to recover."""
-
-
-# ----------------------------------------------------------------------------- small helpers
-def banner(text: str) -> None:
-    print(f"\n{'=' * 100}\n== {text}\n{'=' * 100}", flush=True)
-
-
-def sha(obj) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
-
-
-def fill(templates: list[str], values: dict[str, str]) -> list[str]:
-    return [t.format(**values) for t in templates]
-
-
-def last_json_object(text: str) -> dict | None:
-    """The last line of `text` that parses as a JSON object (jobs print their summary last)."""
-    for line in reversed(text.splitlines()):
-        line = line.strip()
-        if line.startswith("{") and line.endswith("}"):
-            try:
-                value = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(value, dict):
-                return value
-    return None
-
-
-def fmt_s(seconds: float) -> str:
-    minutes, secs = divmod(int(round(seconds)), 60)
-    return f"{minutes}m{secs:02d}s" if minutes else f"{seconds:.1f}s"
-
-
-# ----------------------------------------------------------------------------- the run context
-@dataclass
-class Demo:
-    profile: Profile
-    state_dir: Path
-    env: dict[str, str] = field(default_factory=dict)
-    stages: dict[str, dict] = field(default_factory=dict)  # stage id -> {status, wall_s, command, key, outputs}
-    started: float = field(default_factory=time.monotonic)
-
-    @property
-    def out(self) -> str:
-        return f"{BUCKET_ROOT}/{self.profile.name}"
-
-    @property
-    def local_dir(self) -> Path:
-        return self.state_dir / "demo" / self.profile.name
-
-    @property
-    def experiment(self) -> str:
-        return f"dspark-demo-{self.profile.name}"
-
-    def marker_uri(self, stage_id: str) -> str:
-        return f"{self.out}/stages/{stage_id}.json"
-
-    def record(self, stage_id: str, **info) -> dict:
-        self.stages.setdefault(stage_id, {}).update(info)
-        return self.stages[stage_id]
-
-
-# ----------------------------------------------------------------------------- 1. checks
 def check_disk(demo: Demo) -> None:
     from dspark.models_builtin import cache_root
 
@@ -211,7 +77,7 @@ def check_stack_state(cfg) -> dict:
 
 def preflight(demo: Demo, cfg) -> dict:
     banner(f"checks — profile {demo.profile.name!r}: target {demo.profile.target}, drafters "
-           f"{', '.join(demo.profile.algos)}, budget {demo.profile.budget}")
+           f"{', '.join(demo.profile.algos)}, budget {demo.profile.description}")
     if not (REPO / RUNTIME_ENV).exists():
         raise DemoError(f"{RUNTIME_ENV} is missing; run the demo from a complete checkout of the repository")
     if shutil.which("ray", path=str(Path(sys.executable).parent)) is None:
@@ -226,7 +92,6 @@ def preflight(demo: Demo, cfg) -> dict:
     return report
 
 
-# ----------------------------------------------------------------------------- 2. stack and target
 def stack_up(demo: Demo, cfg, was_healthy: bool) -> None:
     from dspark.devstack import stack
 
@@ -264,236 +129,6 @@ def stop_leftover_jobs(demo: Demo) -> None:
             client.stop_job(job.submission_id)
 
 
-# ----------------------------------------------------------------------------- 3. Ray job stages
-def job_command(demo: Demo, submission_id: str, module: str, config: str, overrides: list[str]) -> list[str]:
-    """The `ray job submit` command a user would type (python = the one first on the head's PATH)."""
-    sets = [arg for item in overrides for arg in ("--set", item)]
-    flags = STAGE_FLAGS.get(module.removeprefix("jobs."), [])
-    return ["ray", "job", "submit", "--address", demo.env["RAY_ADDRESS"], "--submission-id", submission_id,
-            "--runtime-env", RUNTIME_ENV, "--working-dir", ".", "--",
-            "python", "-m", module, "--config", config, *sets, *flags]
-
-
-def stream_job(cmd: list[str], submission_id: str, log_path: Path) -> tuple[int, str]:
-    """Run `ray job submit` (it streams the job's logs), echo and save the output; Ctrl-C stops the job."""
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    ray_cli = str(Path(sys.executable).parent / "ray")
-    chunks: list[bytes] = []
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen([ray_cli, *cmd[1:]], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        try:
-            while chunk := proc.stdout.read1(65536):
-                sys.stdout.buffer.write(chunk)
-                sys.stdout.flush()
-                log.write(chunk)
-                chunks.append(chunk)
-            rc = proc.wait()
-        except KeyboardInterrupt:
-            proc.send_signal(signal.SIGINT)
-            print(f"\n  stopping Ray job {submission_id} ...", file=sys.stderr, flush=True)
-            try:
-                subprocess.run([ray_cli, "job", "stop", submission_id], cwd=REPO, capture_output=True, timeout=60)
-            except subprocess.TimeoutExpired:
-                print(f"  could not confirm; check `ray job status {submission_id}`", file=sys.stderr)
-            raise
-    return rc, b"".join(chunks).decode(errors="replace")
-
-
-def free_endpoint_cpus(demo: Demo) -> None:
-    """An endpoint deployed by an earlier demo run holds CPUs the stage jobs need (the local head has
-    2): shut Serve down before the first job that runs; the serve stage redeploys it at the end."""
-    deployed_file = demo.state_dir / "demo" / "serving.json"
-    if not (deployed_file.exists() or endpoint_healthy()):
-        return
-    print("  stopping the Serve endpoint of an earlier demo run to free its CPUs (redeployed at the end)",
-          flush=True)
-    serve_cli = str(Path(sys.executable).parent / "serve")
-    subprocess.run([serve_cli, "shutdown", "-y", "-a", demo.env["RAY_ADDRESS"]], cwd=REPO, timeout=120,
-                   stdout=subprocess.DEVNULL)
-    deployed_file.unlink(missing_ok=True)
-
-
-def stage_key(module: str, config: str, budget: list[str], upstream: list[str]) -> str:
-    path = REPO / config
-    if not path.exists():
-        raise DemoError(f"stage config {config} does not exist; this checkout is incomplete (git pull) or the "
-                        f"profile table in jobs/demo.py names a config that was renamed")
-    return sha({"module": module, "config": path.read_text(), "budget": budget, "upstream": upstream})[:12]
-
-
-def read_marker(demo: Demo, stage_id: str) -> dict | None:
-    from dspark.io import storage
-
-    uri = demo.marker_uri(stage_id)
-    try:
-        return json.loads(storage.read_text(uri)) if storage.exists(uri) else None
-    except (json.JSONDecodeError, FileNotFoundError):
-        return None
-
-
-def run_job_stage(demo: Demo, stage_id: str, title: str, module: str, config: str, budget: list[str],
-                  wiring: list[str], key: str, done_check) -> dict:
-    """Submit one stage as a Ray job, unless a marker with the same key says it already finished."""
-    from dspark.io import storage
-
-    banner(f"{title}  [{stage_id}, key {key}]")
-    marker = read_marker(demo, stage_id)
-    if marker and marker.get("key") == key and done_check(marker):
-        print(f"  reusing the finished stage (marker {demo.marker_uri(stage_id)}, ran in "
-              f"{fmt_s(marker.get('wall_s', 0))}); delete the marker to force a rerun", flush=True)
-        return demo.record(stage_id, status="reused", wall_s=0.0, key=key, command=marker.get("command"),
-                           summary=marker.get("summary"), outputs=marker.get("outputs", {}))
-    if module != "jobs.serve":
-        free_endpoint_cpus(demo)
-    submission_id = f"{JOB_PREFIX}{demo.profile.name}-{stage_id}-{key[:8]}-{time.strftime('%Y%m%d-%H%M%S')}"
-    cmd = job_command(demo, submission_id, module, config, [*budget, *wiring])
-    printable = shlex.join(cmd)
-    print(f"$ {printable}\n", flush=True)
-    start = time.monotonic()
-    log_path = demo.local_dir / "logs" / f"{stage_id}.log"
-    rc, output = stream_job(cmd, submission_id, log_path)
-    wall_s = time.monotonic() - start
-    if rc != 0:
-        raise DemoError(f"stage {stage_id} failed (ray job {submission_id}, exit {rc}); its log is in {log_path} "
-                        f"and `ray job logs {submission_id}`. Fix the cause and rerun the demo: finished stages "
-                        f"are reused")
-    summary = last_json_object(output)
-    marker = {"key": key, "stage": stage_id, "command": printable, "submission_id": submission_id,
-              "wall_s": wall_s, "summary": summary, "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
-    storage.write_text(demo.marker_uri(stage_id), json.dumps(marker, indent=2, default=str))
-    print(f"\n  {stage_id} finished in {fmt_s(wall_s)}", flush=True)
-    return demo.record(stage_id, status="ran", wall_s=wall_s, key=key, command=printable, summary=summary,
-                       submission_id=submission_id)
-
-
-def stage_args(stage: str, demo: Demo, **names) -> tuple[str, list[str]]:
-    config = STAGE_CONFIG[stage].format(target=demo.profile.target, **names)
-    return config, STAGE_BUDGET[stage][demo.profile.name]
-
-
-def generate(demo: Demo) -> dict:
-    from dspark.io import storage
-
-    config, budget = stage_args("generate", demo)
-    key = stage_key("jobs.generate", config, budget, [demo.profile.target])
-    rollouts = f"{demo.out}/rollouts/{key}"
-    wiring = fill(STAGE_WIRING["generate"], {"rollouts": rollouts, "experiment": demo.experiment,
-                                             "run_name": f"generate-demo-{demo.profile.name}-{key[:8]}"})
-    done = run_job_stage(demo, "generate", "generate rollouts (Ray Data, target answers the prompts)",
-                         "jobs.generate", config, budget, wiring, key,
-                         lambda m: bool(storage.list_files(rollouts)))
-    done["outputs"] = {"rollouts": rollouts}
-    return done
-
-
-def train(demo: Demo, algo: str, rollouts_key: str, rollouts: str) -> dict:
-    config, budget = stage_args("train", demo, algo=algo)
-    key = stage_key("jobs.train", config, budget, [rollouts_key])
-    names = {"run_name": f"demo-{demo.profile.name}-{algo}-{key[:8]}", "rollouts": rollouts,
-             "checkpoints": f"{demo.out}/checkpoints", "experiment": demo.experiment,
-             "alias": f"demo-{demo.profile.name}"}
-    wiring = fill(STAGE_WIRING["train"], names)
-    done = run_job_stage(demo, f"train-{algo}", f"train {algo} (Ray Train + DeepSpeed ZeRO, online target features)",
-                         "jobs.train", config, budget, wiring, key, lambda m: registered_version(m) is not None)
-    model = registered_version(done)
-    if model is None:
-        raise DemoError(f"train-{algo} finished without registering a drafter (its last log line is not the "
-                        f"summary JSON); see {demo.local_dir / 'logs' / f'train-{algo}.log'}")
-    done["outputs"] = {"drafter": model, "checkpoints": f"{names['checkpoints']}/{names['run_name']}"}
-    return done
-
-
-def registered_version(stage: dict) -> str | None:
-    """`models:/<name>/<version>` of the drafter a train job registered (from its summary line), if
-    that version is still in the model registry."""
-    reg = (stage.get("summary") or {}).get("registered_model") or {}
-    if not reg.get("name") or not reg.get("version"):
-        return None
-    try:
-        from mlflow import MlflowClient
-
-        MlflowClient().get_model_version(reg["name"], str(reg["version"]))
-    except Exception:  # noqa: BLE001 — registry wiped or unreachable: the stage must run again
-        return None
-    return f"models:/{reg['name']}/{reg['version']}"
-
-
-def calibrate(demo: Demo, drafter: str, upstream_key: str, rollouts: str) -> dict:
-    from dspark.io import storage
-
-    config, budget = stage_args("calibrate", demo)
-    key = stage_key("jobs.calibrate", config, budget, [upstream_key])
-    output = f"{demo.out}/calibration/{key}"
-    calibrated = f"{output}/drafter"  # jobs.calibrate writes the new drafter there (source untouched)
-    wiring = fill(STAGE_WIRING["calibrate"], {"drafter": drafter, "rollouts": rollouts, "calibrated": output,
-                                              "experiment": demo.experiment,
-                                              "run_name": f"calibrate-demo-{demo.profile.name}-{key[:8]}"})
-    done = run_job_stage(demo, "calibrate", "calibrate confidences (sequential temperature scaling, held-out rollouts)",
-                         "jobs.calibrate", config, budget, wiring, key,
-                         lambda m: storage.exists(f"{calibrated}/config.json"))
-    done["outputs"] = {"drafter": calibrated, "report": f"{output}/report.md"}
-    return done
-
-
-def evaluate(demo: Demo, drafters: dict[str, str], upstream_keys: list[str]) -> dict:
-    from dspark.io import storage
-
-    config, budget = stage_args("evaluate", demo)
-    key = stage_key("jobs.evaluate", config, budget, upstream_keys)
-    eval_dir = f"{demo.out}/eval/{key}"
-    drafter_list = json.dumps([{"name": name, "ref": ref} for name, ref in drafters.items()], separators=(",", ":"))
-    wiring = fill(STAGE_WIRING["evaluate"], {"drafters": drafter_list, "eval_dir": eval_dir,
-                                             "experiment": demo.experiment,
-                                             "run_name": f"evaluate-demo-{demo.profile.name}-{key[:8]}"})
-    done = run_job_stage(demo, "evaluate", "evaluate: speculative vs target-only decoding on the benchmarks",
-                         "jobs.evaluate", config, budget, wiring, key,
-                         lambda m: storage.exists(f"{eval_dir}/results.json"))
-    done["outputs"] = {"results": f"{eval_dir}/results.json"}
-    done["results"] = json.loads(storage.read_text(f"{eval_dir}/results.json"))
-    return done
-
-
-def endpoint_url() -> str:
-    return f"http://{SERVE_HOST}:{SERVE_PORT}"
-
-
-def endpoint_healthy(timeout: float = 3.0) -> bool:
-    try:
-        with urllib.request.urlopen(endpoint_url() + "/healthz", timeout=timeout) as resp:
-            return resp.status == 200
-    except (urllib.error.URLError, OSError):
-        return False
-
-
-def serve(demo: Demo, drafter: str, upstream_key: str) -> dict:
-    config, budget = stage_args("serve", demo)
-    key = stage_key("jobs.serve", config, budget, [upstream_key])
-    deployed_file = demo.state_dir / "demo" / "serving.json"  # what the demo last deployed on this head
-    wiring = fill(STAGE_WIRING["serve"], {"drafter": drafter, "serve_host": SERVE_HOST, "serve_port": str(SERVE_PORT)})
-
-    def still_serving(_marker) -> bool:
-        deployed = json.loads(deployed_file.read_text()) if deployed_file.exists() else {}
-        return deployed.get("key") == key and endpoint_healthy()
-
-    done = run_job_stage(demo, "serve", "deploy the Ray Serve endpoint (draft-plus-verify engine, OpenAI API)",
-                         "jobs.serve", config, budget, wiring, key, still_serving)
-    wait_endpoint(timeout_s=300)
-    deployed_file.write_text(json.dumps({"key": key, "profile": demo.profile.name, "drafter": drafter}))
-    done["outputs"] = {"endpoint": endpoint_url() + "/v1"}
-    return done
-
-
-def wait_endpoint(timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not endpoint_healthy():
-        if time.monotonic() > deadline:
-            raise DemoError(f"the Serve endpoint at {endpoint_url()}/healthz did not become healthy within "
-                            f"{timeout_s:.0f} s; see `serve status` and the Ray dashboard "
-                            f"({os.environ.get('RAY_ADDRESS', '')}), then rerun the demo")
-        time.sleep(2)
-
-
-# ----------------------------------------------------------------------------- 4. chat and summary
 def chat(demo: Demo) -> list[dict]:
     from openai import OpenAI
 
@@ -517,47 +152,9 @@ def chat(demo: Demo) -> list[dict]:
     return answers
 
 
-def eval_table(results: dict) -> tuple[dict, dict]:
-    """(tau[drafter][benchmark], speedup[drafter][benchmark]) from jobs.evaluate's results.json, with
-    the macro average over benchmarks as column "mean"."""
-    taus: dict[str, dict] = {}
-    speedups: dict[str, dict] = {}
-    for name, block in (results.get("drafters") or {}).items():
-        for bench, metrics in (block.get("per_benchmark") or {}).items():
-            taus.setdefault(name, {})[bench] = metrics.get("tau")
-            speedups.setdefault(name, {})[bench] = metrics.get("speedup")
-        overall = block.get("overall") or {}
-        taus.setdefault(name, {})["mean"] = overall.get("tau")
-        speedups.setdefault(name, {})["mean"] = overall.get("speedup")
-    return taus, speedups
-
-
-def ratio_table(results: dict) -> dict[str, dict]:
-    """tau ratios between drafters (e.g. dspark/dflash) per benchmark, from results.json."""
-    table: dict[str, dict] = {}
-    for ratio, block in (results.get("ratios") or {}).items():
-        row = {bench: values.get("tau") for bench, values in (block.get("per_benchmark") or {}).items()}
-        row["mean"] = (block.get("overall") or {}).get("tau")
-        table[ratio] = row
-    return table
-
-
-def print_table(title: str, table: dict[str, dict]) -> None:
-    names = {b for row in table.values() for b in row}
-    benches = sorted(names - {"mean"}) + (["mean"] if "mean" in names else [])
-    if not benches:
-        return
-    print(f"\n{title}")
-    print(f"  {'drafter':14s}" + "".join(f"{b:>12s}" for b in benches))
-    for name, row in table.items():
-        cells = "".join(f"{row[b]:>12.2f}" if isinstance(row.get(b), (int, float)) else f"{'-':>12s}"
-                        for b in benches)
-        print(f"  {name:14s}{cells}")
-
-
 def build_summary(demo: Demo, trained: dict, evaluation: dict, chats: list[dict]) -> dict:
-    taus, speedups = eval_table(evaluation.get("results", {}))
-    ratios = ratio_table(evaluation.get("results", {}))
+    taus, speedups = report.eval_tables(evaluation.get("results", {}))
+    ratios = report.ratio_table(evaluation.get("results", {}))
     mlflow_uri = demo.env.get("MLFLOW_TRACKING_URI", "")
     return {
         "profile": demo.profile.name,
@@ -582,12 +179,17 @@ def build_summary(demo: Demo, trained: dict, evaluation: dict, chats: list[dict]
     }
 
 
+def print_section(text: str) -> None:
+    if text:
+        print(f"\n{text}")
+
+
 def print_summary(summary: dict, path: Path) -> None:
     banner(f"done — profile {summary['profile']} on target {summary['target']} in {fmt_s(summary['total_wall_s'])}")
-    print_table("tau (accepted drafts + 1 per verify round) per benchmark:", summary["tau"])
-    print_table("speedup over target-only decoding (same prompts, same machine):", summary["speedup"])
+    print_section(report.text_table("tau (accepted drafts + 1 per verify round) per benchmark:", summary["tau"]))
+    print_section(report.text_table("speedup over target-only decoding (same prompts, same machine):", summary["speedup"]))
     if len(summary["tau"]) > 1:
-        print_table("comparison: tau ratios between drafters (same data, same budget):", summary["tau_ratios"])
+        print_section(report.text_table("comparison: tau ratios between drafters (same data, same budget):", summary["tau_ratios"]))
     print(f"\nrollouts:        {summary['rollouts']}")
     for algo, uri in summary["checkpoints"].items():
         print(f"checkpoints:     {uri}   (drafter {summary['drafters'][algo]})")
@@ -612,15 +214,11 @@ def write_summary(demo: Demo, summary: dict) -> Path:
     return path
 
 
-# ----------------------------------------------------------------------------- driver
-STEPS = ("generate", "train", "calibrate", "evaluate", "serve", "chat")
-
-
 class StopHere(Exception):
     """Raised after the step named by --until."""
 
 
-def run(profile: Profile, until: str = "chat") -> dict:
+def run(profile, until: str = "chat") -> dict:
     from dspark.devstack import stack
 
     def done(step: str) -> None:

@@ -24,6 +24,7 @@ from typing import Literal, Sequence
 from pydantic import field_validator
 
 from dspark import evaluation as ev
+from dspark import report
 from dspark.config import StrictModel, config_to_dict
 from jobs.common import RayConfig, TrackingConfig, init_ray, load_job_config, tracked_run
 
@@ -214,19 +215,19 @@ def flat_metrics(results: dict) -> dict[str, float]:
     return {k: v for k, v in out.items() if isinstance(v, (int, float))}
 
 
-def write_outputs(results: dict, convs: list, report: str, out_dir: str) -> dict[str, str]:
+def write_outputs(results: dict, convs: list, report_md: str, out_dir: str) -> dict[str, str]:
     """results.json, report.md, samples.jsonl and the PNG plots in a local dir; returns {name: path}."""
-    files = {"results.json": json.dumps(results, indent=2, default=str), "report.md": report + "\n",
+    files = {"results.json": json.dumps(results, indent=2, default=str), "report.md": report_md + "\n",
              "samples.jsonl": "".join(json.dumps(r) + "\n" for r in ev.sample_records(convs))}
     paths = {}
     for name, text in files.items():
         paths[name] = os.path.join(out_dir, name)
         with open(paths[name], "w") as f:
             f.write(text)
-    plots = {"tau_by_benchmark.png": lambda path: ev.plot_tau_by_benchmark(results, path),
-             "cond_accept_by_position.png": lambda path: ev.plot_cond_accept(results, path)}
+    plots = {"tau_by_benchmark.png": lambda path: report.plot_tau_by_benchmark(results, path),
+             "cond_accept_by_position.png": lambda path: report.plot_cond_accept(results, path)}
     if results.get("threshold_sweep"):
-        plots["threshold_sweep.png"] = lambda path: ev.plot_threshold_sweep(results["threshold_sweep"], path)
+        plots["threshold_sweep.png"] = lambda path: report.plot_threshold_sweep(results["threshold_sweep"], path)
     for name, plot in plots.items():
         paths[name] = plot(os.path.join(out_dir, name))
     return paths
@@ -286,12 +287,12 @@ def run(cfg: EvalConfig) -> dict:
         results.update(target=cfg.target, drafters_info=infos, config=config_to_dict(cfg),
                        wall_s=time.perf_counter() - start, mlflow_run_id=run_id)
         sp = cfg.decode.sampling()
-        report = ev.markdown_report(results, title=(
+        report_md = report.markdown_report(results, title=(
             f"{cfg.target}: {', '.join(infos)} — temperature {sp.temperature:g}, "
             f"γ {cfg.decode.gamma or 'block size'}, ≤{cfg.decode.max_new_tokens} new tokens per turn, "
             f"seed {cfg.seed}"))
         with tempfile.TemporaryDirectory(prefix="dspark-eval-") as tmp:
-            publish(write_outputs(results, convs, report, tmp), cfg.output, run_id)
+            publish(write_outputs(results, convs, report_md, tmp), cfg.output, run_id)
         if run_id:
             from dspark.io import tracking
 
@@ -300,7 +301,7 @@ def run(cfg: EvalConfig) -> dict:
                                "target": cfg.target})
     for warning in results["warnings"]:
         log.warning(warning)
-    print(report)
+    print(report_md)
     return results
 
 

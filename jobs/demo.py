@@ -30,7 +30,9 @@ import time
 from pathlib import Path
 
 from dspark import report
-from jobs.demo_runner import PROFILES, REPO, RUNTIME_ENV, SERVE_PORT, JOB_PREFIX, Demo, DemoError, banner, endpoint_url, fmt_s
+from dspark.settings import settings
+from jobs.demo_runner import (JOB_PREFIX, PROFILES, REPO, RUNTIME_ENV, SERVE_PORT, Demo, DemoError, banner,
+                              endpoint_url, fmt_s)
 from jobs.demo_stages import calibrate, evaluate, generate, serve, train
 
 CHAT_PROMPTS = [
@@ -134,7 +136,7 @@ def chat(demo: Demo) -> list[dict]:
 
     banner(f"chat through the endpoint with the openai client ({endpoint_url()}/v1)")
     start = time.monotonic()
-    client = OpenAI(base_url=endpoint_url() + "/v1", api_key=os.environ.get("DSPARK_API_KEY", "not-needed"),
+    client = OpenAI(base_url=endpoint_url() + "/v1", api_key=settings().api_key or "not-needed",
                     max_retries=2, timeout=600)
     model = client.models.list().data[0].id
     answers = []

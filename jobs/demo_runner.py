@@ -14,14 +14,13 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from pydantic import Field
 
 from dspark.config import StrictModel, load_config
+from dspark.io.http import http_ok
 
 REPO = Path(__file__).resolve().parent.parent
 PROFILE_DIR = REPO / "configs" / "demo"
@@ -189,11 +188,7 @@ def endpoint_url() -> str:
 
 
 def endpoint_healthy(timeout: float = 3.0) -> bool:
-    try:
-        with urllib.request.urlopen(endpoint_url() + "/healthz", timeout=timeout) as resp:
-            return resp.status == 200
-    except (urllib.error.URLError, OSError):
-        return False
+    return http_ok(endpoint_url() + "/healthz", timeout=timeout)
 
 
 def free_endpoint_cpus(demo: Demo) -> None:

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import json
 import os
-import time
+
+from dspark.io.http import wait_healthy
 
 from jobs.demo_runner import (SERVE_HOST, SERVE_PORT, STAGE_CONFIG, STAGE_WIRING, Demo, DemoError, endpoint_healthy,
                               endpoint_url, fill, run_job_stage, stage_key)
@@ -119,10 +120,8 @@ def serve(demo: Demo, drafter: str, upstream_key: str) -> dict:
 
 
 def wait_endpoint(timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not endpoint_healthy():
-        if time.monotonic() > deadline:
-            raise DemoError(f"the Serve endpoint at {endpoint_url()}/healthz did not become healthy within "
-                            f"{timeout_s:.0f} s; see `serve status` and the Ray dashboard "
-                            f"({os.environ.get('RAY_ADDRESS', '')}), then rerun the demo")
-        time.sleep(2)
+    try:
+        wait_healthy(endpoint_url() + "/healthz", timeout_s, interval_s=2.0)
+    except TimeoutError as err:
+        raise DemoError(f"the Serve endpoint did not become healthy: {err}; see `serve status` and the Ray "
+                        f"dashboard ({os.environ.get('RAY_ADDRESS', '')}), then rerun the demo") from None

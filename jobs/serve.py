@@ -19,7 +19,6 @@ import json
 import signal
 import sys
 import threading
-import time
 
 from dspark.config import ConfigError, load_config
 from dspark.serve_app import ServeConfig, deployment_for, served_name
@@ -42,20 +41,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def wait_ready(url: str, timeout_s: float, headers: dict | None = None) -> dict:
     """Poll GET /healthz until it answers 200; return its JSON."""
-    import httpx
+    from dspark.io.http import wait_healthy
 
-    deadline, last = time.time() + timeout_s, "no answer"
-    while time.time() < deadline:
-        try:
-            resp = httpx.get(f"{url}/healthz", timeout=10, headers=headers)
-            if resp.status_code == 200:
-                return resp.json()
-            last = f"HTTP {resp.status_code}: {resp.text[:200]}"
-        except httpx.HTTPError as err:
-            last = str(err)
-        time.sleep(1.0)
-    raise TimeoutError(f"the server at {url} was not healthy within {timeout_s:.0f} s ({last}); check the "
-                       f"replica logs (Ray dashboard or /tmp/ray/session_latest/logs/serve)")
+    return wait_healthy(f"{url}/healthz", timeout_s, headers=headers, hint=(
+        "check the replica logs (Ray dashboard or /tmp/ray/session_latest/logs/serve)")).json()
 
 
 def deploy(cfg: ServeJobConfig) -> tuple[str, dict]:

@@ -18,315 +18,25 @@ start time, so a recycled PID is never signalled.
 from __future__ import annotations
 
 import fcntl
-import hashlib
 import json
 import os
-import re
-import secrets
-import shlex
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 
-HOST = "127.0.0.1"
-BUCKETS = ("dspark", "mlflow")
-DATA_BUCKET = "dspark"
-DEFAULT_PORTS = {"s3": 8333, "mlflow": 5000, "ray": 6379, "dashboard": 8265}
-PORT_ENV = {"s3": "DSPARK_S3_PORT", "mlflow": "DSPARK_MLFLOW_PORT", "ray": "DSPARK_RAY_PORT",
-            "dashboard": "DSPARK_DASHBOARD_PORT"}
-# Highest allowed primary port: derived ports (S3 + 25313, Ray GCS + 45986) must stay below 65536.
-MAX_PORT = {"s3": 40000, "mlflow": 65535, "ray": 19000, "dashboard": 65535}
-SERVICES = ("s3", "mlflow", "ray")  # start order; stopped in reverse
-GRPC_OFFSET = 10000  # SeaweedFS serves gRPC on every HTTP port + 10000
+from dspark.devstack.config import (BUCKETS, HOST, SERVICES, StackConfig, StackError, client_env,  # noqa: F401
+                                    default_state_dir, load_credentials, load_env, write_env_file)
+from dspark.devstack.processes import (ServiceRecord, _last_log_line, _spawn, _wait_ports_free,  # noqa: F401
+                                       port_is_free, port_owner, proc_start_time, process_name,
+                                       session_processes, terminate)
+from dspark.io.http import http_ok
+from dspark.settings import settings
 
 
-class StackError(RuntimeError):
-    """A stack operation failed; the message names the cause and the fix in one line."""
-
-
-# ---------------------------------------------------------------------------- configuration
-def repo_root() -> Path:
-    """The checkout holding this package (falls back to the working directory when installed)."""
-    package_parent = Path(__file__).resolve().parents[1]
-    return package_parent if (package_parent / "pyproject.toml").exists() else Path.cwd()
-
-
-def default_state_dir() -> Path:
-    return Path(os.environ.get("DSPARK_STATE_DIR") or repo_root() / ".dspark").absolute()
-
-
-def _port_from_env(name: str) -> int:
-    raw = os.environ.get(PORT_ENV[name], "").strip()
-    if not raw:
-        return DEFAULT_PORTS[name]
-    if not raw.isdigit() or not 1024 <= int(raw) <= MAX_PORT[name]:
-        raise StackError(f"{PORT_ENV[name]}={raw!r} is not a usable port; set it to an integer in "
-                         f"1024..{MAX_PORT[name]}")
-    return int(raw)
-
-
-@dataclass(frozen=True)
-class StackConfig:
-    """Where the stack keeps its state and which loopback ports it uses.
-
-    Secondary ports move with their primary one, so a stack on shifted ports never collides
-    with one on the defaults: SeaweedFS master/volume/filer/admin ports keep their default
-    distance from the S3 port (and each has a gRPC port +10000); the Ray client server and
-    dashboard agent keep their default distance from the GCS port.
-    """
-
-    state_dir: Path
-    s3_port: int = DEFAULT_PORTS["s3"]
-    mlflow_port: int = DEFAULT_PORTS["mlflow"]
-    ray_port: int = DEFAULT_PORTS["ray"]
-    dashboard_port: int = DEFAULT_PORTS["dashboard"]
-    num_cpus: int = field(default_factory=lambda: os.cpu_count() or 1)
-
-    @classmethod
-    def from_env(cls, state_dir: str | Path | None = None) -> "StackConfig":
-        num_cpus = os.environ.get("DSPARK_RAY_NUM_CPUS", "").strip()
-        return cls(state_dir=Path(state_dir).absolute() if state_dir else default_state_dir(),
-                   s3_port=_port_from_env("s3"), mlflow_port=_port_from_env("mlflow"),
-                   ray_port=_port_from_env("ray"), dashboard_port=_port_from_env("dashboard"),
-                   num_cpus=int(num_cpus) if num_cpus.isdigit() else (os.cpu_count() or 1))
-
-    # -- derived ports
-    def weed_ports(self) -> dict[str, int]:
-        shift = self.s3_port - DEFAULT_PORTS["s3"]
-        http = {"s3": self.s3_port, "master": 9333 + shift, "volume": 9340 + shift,
-                "filer": 8888 + shift, "admin": 23646 + shift}
-        return http | {f"{name} gRPC": port + GRPC_OFFSET for name, port in http.items()}
-
-    def ray_side_ports(self) -> dict[str, int]:
-        shift = self.ray_port - DEFAULT_PORTS["ray"]
-        return {"client server": 10001 + shift, "dashboard agent": 52365 + shift}
-
-    def service_ports(self, service: str) -> dict[str, int]:
-        """Every fixed port a service binds, by role."""
-        if service == "s3":
-            return self.weed_ports()
-        if service == "mlflow":
-            return {"server": self.mlflow_port}
-        return {"GCS": self.ray_port, "dashboard": self.dashboard_port} | self.ray_side_ports()
-
-    def primary_port_env(self, service: str) -> str:
-        return {"s3": PORT_ENV["s3"], "mlflow": PORT_ENV["mlflow"]}.get(service, "DSPARK_RAY_PORT/DSPARK_DASHBOARD_PORT")
-
-    # -- URLs
-    @property
-    def s3_url(self) -> str:
-        return f"http://{HOST}:{self.s3_port}"
-
-    @property
-    def mlflow_url(self) -> str:
-        return f"http://{HOST}:{self.mlflow_port}"
-
-    @property
-    def dashboard_url(self) -> str:
-        return f"http://{HOST}:{self.dashboard_port}"
-
-    @property
-    def gcs_address(self) -> str:
-        return f"{HOST}:{self.ray_port}"
-
-    def url(self, service: str) -> str:
-        return {"s3": self.s3_url, "mlflow": self.mlflow_url, "ray": self.dashboard_url}[service]
-
-    # -- paths
-    def path(self, *parts: str) -> Path:
-        return self.state_dir.joinpath(*parts)
-
-    def ray_temp_dir(self) -> Path:
-        """Ray's session root. Unix socket paths must stay under 108 bytes, so a long state dir
-        gets a short stand-in under /tmp (named after the state dir's hash)."""
-        wanted = self.path("ray")
-        if len(str(wanted)) <= 40:
-            return wanted
-        digest = hashlib.sha1(str(self.state_dir).encode()).hexdigest()[:10]
-        return Path("/tmp") / f"dspark-ray-{digest}"
-
-
-# ---------------------------------------------------------------------------- credentials
-def load_credentials(cfg: StackConfig) -> dict:
-    """S3 keys and Ray token for this state dir, generated once (random) and kept 0600."""
-    cred_path = cfg.path("credentials.json")
-    if cred_path.exists():
-        try:
-            creds = json.loads(cred_path.read_text())
-        except json.JSONDecodeError as err:
-            raise StackError(f"{cred_path} is not valid JSON ({err}); fix or delete it "
-                             f"(deleting it also requires deleting {cfg.path('s3')})") from None
-    else:
-        creds = {}
-    fresh = {"access_key_id": "dspark" + secrets.token_hex(6),
-             "secret_access_key": secrets.token_urlsafe(30),
-             "ray_auth_token": secrets.token_hex(32)}
-    if any(key not in creds for key in fresh):
-        creds = fresh | creds
-        cfg.state_dir.mkdir(parents=True, exist_ok=True)
-        _write_private(cred_path, json.dumps(creds, indent=2))
-    token_path = cfg.path("ray_auth_token")
-    if not token_path.exists() or token_path.read_text() != creds["ray_auth_token"]:
-        _write_private(token_path, creds["ray_auth_token"])
-    return creds
-
-
-def _write_private(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
-
-
-# ---------------------------------------------------------------------------- client env
-def client_env(cfg: StackConfig, creds: dict) -> dict[str, str]:
-    """Variables a client needs to use the stack (what env.sh exports)."""
-    return {
-        "MLFLOW_TRACKING_URI": cfg.mlflow_url,
-        "AWS_ENDPOINT_URL": cfg.s3_url,
-        "MLFLOW_S3_ENDPOINT_URL": cfg.s3_url,
-        "AWS_ACCESS_KEY_ID": creds["access_key_id"],
-        "AWS_SECRET_ACCESS_KEY": creds["secret_access_key"],
-        "AWS_REGION": "us-east-1",
-        # HTTP address of the Ray dashboard: what `ray job submit` / JobSubmissionClient need.
-        # ray.init() rejects HTTP addresses: in-process drivers use DSPARK_RAY_GCS_ADDRESS.
-        "RAY_ADDRESS": cfg.dashboard_url,
-        "RAY_API_SERVER_ADDRESS": cfg.dashboard_url,
-        "DSPARK_RAY_GCS_ADDRESS": cfg.gcs_address,
-        "RAY_AUTH_MODE": "token",
-        "RAY_AUTH_TOKEN_PATH": str(cfg.path("ray_auth_token")),
-        "RAY_USAGE_STATS_ENABLED": "0",
-        "DSPARK_S3_BUCKET": DATA_BUCKET,
-    }
-
-
-def write_env_file(cfg: StackConfig, env: dict[str, str]) -> Path:
-    lines = ["# Written by `dspark stack up`: source it to use the local stack.\n"]
-    lines += [f"export {key}={shlex.quote(value)}\n" for key, value in env.items()]
-    env_path = cfg.path("env.sh")
-    _write_private(env_path, "".join(lines))
-    return env_path
-
-
-def load_env(state_dir: str | Path | None = None) -> dict[str, str]:
-    """The variables of `<state>/env.sh` as a dict (apply with `os.environ.update(...)`).
-
-    Note: RAY_ADDRESS is the dashboard's HTTP address (for job submission); to connect
-    `ray.init()` use `ray.init(address=env["DSPARK_RAY_GCS_ADDRESS"])` with RAY_ADDRESS unset.
-    """
-    env_path = Path(state_dir or default_state_dir()) / "env.sh"
-    if not env_path.exists():
-        raise StackError(f"no stack environment at {env_path}; run `dspark stack up` first")
-    env: dict[str, str] = {}
-    for line in env_path.read_text().splitlines():
-        match = re.match(r"export ([A-Za-z_][A-Za-z0-9_]*)=(.*)$", line.strip())
-        if match:
-            env[match.group(1)] = shlex.split(match.group(2))[0] if match.group(2) else ""
-    return env
-
-
-# ---------------------------------------------------------------------------- processes
-def proc_start_time(pid: int) -> int | None:
-    """Kernel start time (clock ticks since boot) of a live, non-zombie process, else None."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError, PermissionError):
-        return None
-    fields = stat[stat.rindex(")") + 2:].split()  # fields after "pid (comm)", starting at state
-    if fields[0] in ("Z", "X"):
-        return None
-    return int(fields[19])
-
-
-def _proc_table() -> dict[int, tuple[int, int]]:
-    """pid -> (ppid, sid) for every live process."""
-    table = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2:].split()
-        if fields[0] not in ("Z", "X"):
-            table[int(entry)] = (int(fields[1]), int(fields[3]))
-    return table
-
-
-def session_processes(sid: int) -> set[int]:
-    """Live processes in session `sid` plus all their descendants (which may have left it)."""
-    table = _proc_table()
-    found = {pid for pid, (_, s) in table.items() if s == sid}
-    children: dict[int, list[int]] = {}
-    for pid, (ppid, _) in table.items():
-        children.setdefault(ppid, []).append(pid)
-    stack = list(found)
-    while stack:
-        for child in children.get(stack.pop(), []):
-            if child not in found:
-                found.add(child)
-                stack.append(child)
-    found.discard(os.getpid())
-    return found
-
-
-def terminate(pids: set[int], grace_s: float = 10.0) -> None:
-    """SIGTERM, wait up to `grace_s`, then SIGKILL whatever is left; returns when all are gone."""
-    identities = {pid: proc_start_time(pid) for pid in pids}
-    alive = {pid for pid, started in identities.items() if started is not None}
-
-    def still_alive() -> set[int]:
-        return {pid for pid in alive if proc_start_time(pid) == identities[pid]}
-
-    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
-        for pid in still_alive():
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
-        deadline = time.monotonic() + wait_s
-        while still_alive() and time.monotonic() < deadline:
-            time.sleep(0.2)
-        if not still_alive():
-            return
-
-
-@dataclass
-class ServiceRecord:
-    """What `up` remembers about a service it started (`pids/<service>.json`)."""
-
-    service: str
-    pid: int
-    start_time: int
-    sid: int
-    sid_start_time: int  # start time of the session leader (to detect a recycled session id)
-    ports: dict[str, int]
-    url: str
-    log: str
-
-    def alive(self) -> bool:
-        return proc_start_time(self.pid) == self.start_time
-
-    def leftover_processes(self) -> set[int]:
-        """Processes of the recorded session still running (safe: a session id stays reserved
-        while any member lives, and the leader is checked against its start time)."""
-        leader_started = proc_start_time(self.sid)
-        if leader_started is not None and leader_started != self.sid_start_time:
-            return set()  # session id recycled by an unrelated process
-        return session_processes(self.sid)
-
-
+# ---------------------------------------------------------------------------- service records
 def _pid_file(cfg: StackConfig, service: str) -> Path:
     return cfg.path("pids", f"{service}.json")
 
@@ -364,53 +74,6 @@ def stop_record(cfg: StackConfig, record: ServiceRecord) -> None:
     _pid_file(cfg, record.service).unlink(missing_ok=True)
 
 
-def _spawn(cmd: list[str], env: dict[str, str], log_path: Path, cwd: Path) -> subprocess.Popen:
-    """Start `cmd` in a new session with output appended to `log_path`."""
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "ab") as log:
-        log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {shlex.join(cmd)}\n".encode())
-        log.flush()
-        return subprocess.Popen(cmd, env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True, close_fds=True)
-
-
-def _last_log_line(log_path: Path) -> str:
-    try:
-        lines = [line.strip() for line in log_path.read_text(errors="replace").splitlines() if line.strip()]
-    except FileNotFoundError:
-        return "(no log)"
-    return lines[-1][:300] if lines else "(empty log)"
-
-
-# ---------------------------------------------------------------------------- ports
-def port_is_free(port: int) -> bool:
-    """True when nothing listens on 127.0.0.1:port (or on the wildcard address)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((HOST, port))
-        except OSError:
-            return False
-    return True
-
-
-def port_owner(port: int) -> str:
-    """'pid 123 (name)' of the listener on `port` when `ss` can tell, else 'another process'."""
-    try:
-        out = subprocess.run(["ss", "-ltnpH", f"sport = :{port}"], capture_output=True, text=True,
-                             timeout=5).stdout
-    except (OSError, subprocess.TimeoutExpired):
-        return "another process"
-    match = re.search(r'\(\("([^"]+)",pid=(\d+)', out)
-    return f"pid {match.group(2)} ({match.group(1)})" if match else "another process"
-
-
-def _wait_ports_free(ports, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and not all(port_is_free(p) for p in ports):
-        time.sleep(0.2)
-
-
 def check_ports_free(cfg: StackConfig, service: str) -> None:
     for role, port in cfg.service_ports(service).items():
         if not port_is_free(port):
@@ -418,15 +81,9 @@ def check_ports_free(cfg: StackConfig, service: str) -> None:
                              f"stop that process or choose other ports with {cfg.primary_port_env(service)}")
 
 
+
+
 # ---------------------------------------------------------------------------- health checks
-def _http_ok(url: str, headers: dict | None = None, timeout: float = 3.0) -> bool:
-    try:
-        with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=timeout) as resp:
-            return resp.status == 200
-    except (urllib.error.URLError, OSError, ValueError):
-        return False
-
-
 def s3_client(cfg: StackConfig, creds: dict, timeout: float = 5.0):
     import boto3
     from botocore.config import Config
@@ -457,11 +114,11 @@ def s3_healthy(cfg: StackConfig, creds: dict) -> bool:
 
 
 def mlflow_healthy(cfg: StackConfig, creds: dict) -> bool:
-    return _http_ok(cfg.mlflow_url + "/health")
+    return http_ok(cfg.mlflow_url + "/health")
 
 
 def ray_healthy(cfg: StackConfig, creds: dict) -> bool:
-    return _http_ok(cfg.dashboard_url + "/api/version",
+    return http_ok(cfg.dashboard_url + "/api/version",
                     headers={"Authorization": f"Bearer {creds['ray_auth_token']}"})
 
 
@@ -499,7 +156,8 @@ def venv_bin() -> Path:
 
 
 def find_weed() -> str:
-    candidates = [os.environ.get("DSPARK_WEED_BIN"), str(venv_bin() / "weed"), shutil.which("weed")]
+    configured = settings().weed_bin
+    candidates = [str(configured) if configured else None, str(venv_bin() / "weed"), shutil.which("weed")]
     for candidate in candidates:
         if candidate and os.access(candidate, os.X_OK) and Path(candidate).is_file():
             return candidate
@@ -593,18 +251,11 @@ def start_ray(cfg: StackConfig, creds: dict) -> ServiceRecord:
     if returncode != 0:
         terminate(session_processes(proc.pid))
         raise StackError(f"`ray start` failed (exit {returncode}): {_last_log_line(log_path)} (full log: {log_path})")
-    gcs = [pid for pid in session_processes(proc.pid) if _cmd_name(pid) == "gcs_server"]
+    gcs = [pid for pid in session_processes(proc.pid) if process_name(pid) == "gcs_server"]
     if not gcs:
         terminate(session_processes(proc.pid))
         raise StackError(f"`ray start` returned but no gcs_server is running; see {log_path}")
     return _record_for(cfg, "ray", gcs[0], proc.pid, leader_started)
-
-
-def _cmd_name(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/comm").read_text().strip()
-    except OSError:
-        return ""
 
 
 STARTERS = {"s3": start_s3, "mlflow": start_mlflow, "ray": start_ray}

@@ -24,6 +24,8 @@ from urllib.parse import urlparse
 
 from tqdm.auto import tqdm
 
+from dspark.settings import settings
+
 S3_SCHEME = "s3://"
 
 
@@ -63,10 +65,9 @@ def _dir_prefix(key: str) -> str:
 # ---------------------------------------------------------------------------- S3 client
 def s3_settings() -> dict:
     """Endpoint and credentials from the environment (endpoint None = AWS itself)."""
-    return {"endpoint": os.environ.get("AWS_ENDPOINT_URL") or os.environ.get("DSPARK_S3_ENDPOINT") or None,
-            "key": os.environ.get("AWS_ACCESS_KEY_ID"),
-            "secret": os.environ.get("AWS_SECRET_ACCESS_KEY"),
-            "region": os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"}
+    env = settings()
+    return {"endpoint": env.s3_endpoint_url, "key": env.aws_access_key_id, "secret": env.aws_secret_access_key,
+            "region": env.aws_region}
 
 
 def s3_client():
@@ -298,7 +299,7 @@ def _relative(file_uri: str, dir_uri: str) -> str:
 
 # ---------------------------------------------------------------------------- local cache
 def cache_dir() -> Path:
-    root = Path(os.environ.get("DSPARK_CACHE") or Path.home() / ".cache" / "dspark")
+    root = settings().cache
     return root / "s3"
 
 

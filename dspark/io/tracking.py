@@ -36,9 +36,9 @@ class TrackingError(RuntimeError):
 
 # ---------------------------------------------------------------------------- configuration
 def local_store_dir() -> Path:
-    from dspark.devstack.stack import default_state_dir
+    from dspark.settings import settings
 
-    return default_state_dir() / "mlruns"
+    return settings().absolute_state_dir / "mlruns"
 
 
 def tracking_uri() -> str:

@@ -42,8 +42,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--algo", action="append", default=[], choices=["dspark", "dflash", "eagle3"],
                     help="untrained drafter to build (repeatable; default all three when no --drafter)")
     ap.add_argument("--drafter-layers", type=int, default=None, help="layers of untrained drafters")
-    ap.add_argument("--data-dir", default=None, help="eval JSONL dir (default data/eval in the repo, "
-                                                     "else /work/shared/eval_datasets)")
+    ap.add_argument("--data-dir", default=str(REPO_ROOT / "data" / "eval"), help="eval JSONL dir (default: the repo's data/eval)")
     ap.add_argument("--datasets", default="gsm8k,humaneval,mt-bench", help="comma-separated JSONL stems")
     ap.add_argument("--prompts", type=int, default=2, help="prompts per dataset")
     ap.add_argument("--max-new-tokens", type=int, default=64)
@@ -62,11 +61,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def load_prompts(target, data_dir: str | None, datasets: str, per_dataset: int) -> list[tuple[str, list[int]]]:
-    candidates = [data_dir] if data_dir else [str(REPO_ROOT / "data" / "eval"), "/work/shared/eval_datasets"]
-    base = next((d for d in candidates if d and os.path.isdir(d)), None)
-    if base is None:
-        raise SystemExit(f"no eval data directory found (tried {candidates}); pass --data-dir")
+def load_prompts(target, data_dir: str, datasets: str, per_dataset: int) -> list[tuple[str, list[int]]]:
+    base = data_dir
+    if not os.path.isdir(base):
+        raise SystemExit(f"eval data directory {base} not found; pass --data-dir")
     prompts = []
     for name in [s.strip() for s in datasets.split(",") if s.strip()]:
         path = Path(base) / f"{name}.jsonl"

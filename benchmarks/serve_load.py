@@ -53,7 +53,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--threshold", type=float, default=0.5, help="threshold mode: prefix-survival threshold")
     ap.add_argument("--gamma", type=int, default=None, help="drafts per round (default: drafter block size)")
-    ap.add_argument("--data-dir", default=None, help="eval JSONL dir (default data/eval, else /work/shared/eval_datasets)")
+    ap.add_argument("--data-dir", default=str(REPO_ROOT / "data" / "eval"), help="eval JSONL dir (default: the repo's data/eval)")
     ap.add_argument("--num-cpus", type=int, default=os.cpu_count(), help="CPUs of the local Ray (all go to the replica)")
     ap.add_argument("--port", type=int, default=None, help="Serve HTTP port (default: a free one)")
     ap.add_argument("--out", default="results/serve_load", help="directory for the PNG and the JSON")
@@ -69,14 +69,14 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 # ---- prompts and the drafter ------------------------------------------------------------------------------
-def load_prompts(data_dir: str | None) -> list[str]:
-    candidates = [data_dir] if data_dir else [str(REPO_ROOT / "data" / "eval"), "/work/shared/eval_datasets"]
-    for d in candidates:
-        files = sorted(Path(d).glob("*.jsonl")) if d and Path(d).is_dir() else []
-        prompts = [json.loads(line)["turns"][0] for f in files for line in f.read_text().splitlines() if line.strip()]
-        if prompts:
-            return prompts
-    raise SystemExit(f"error: no eval prompts found in {candidates}; pass --data-dir")
+def load_prompts(data_dir: str) -> list[str]:
+    from dspark.evaluation import parse_benchmark
+
+    files = sorted(Path(data_dir).glob("*.jsonl")) if Path(data_dir).is_dir() else []
+    prompts = [turns[0] for f in files for turns in parse_benchmark(f.read_text(), str(f))]
+    if not prompts:
+        raise SystemExit(f"error: no eval prompts found in {data_dir}; pass --data-dir")
+    return prompts
 
 
 def resolve_drafter(args) -> tuple[str, str]:

@@ -46,7 +46,8 @@ Weight mapping (ours -> checkpoint name; layer-internal names are already the en
 Reduced draft vocabulary (drafter config draft_vocab_size < V with `d2t`/`t2d` buffers): d2t is
 written as speculators' offsets (target id = draft id + d2t[draft id]), t2d as a bool mask over the
 target vocabulary, and lm_head.weight = the target LM head's rows of the draft tokens (both engines
-need it; they cannot slice the target head). Otherwise the target LM head is shared and not written.
+need it; they cannot slice the target head). Otherwise the target LM head is shared and not written,
+except for speculators-flavor Eagle3, whose loader reads lm_head from the checkpoint (the full head).
 Any drafter weight without a rule is an error naming it.
 """
 from __future__ import annotations
@@ -270,6 +271,9 @@ def export_vllm(drafter: Drafter, out_dir: str, method: str | None = None, *, dt
     check_exportable(drafter, algo, flavor)
     weights = map_weights(drafter, algo)
     draft_size = draft_vocab(drafter, weights)
+    if flavor == "speculators" and algo == "eagle3" and "lm_head.weight" not in weights:
+        # speculators' Eagle3 loads lm_head from the checkpoint (only DFlash/DSpark re-derive it)
+        weights["lm_head.weight"] = drafter.target.lm_head.weight.detach()
     vocab_size, mask = drafter.vocab_size, None
     if algo != "eagle3":
         vocab_size, mask_id, how = place_mask(drafter, weights)

@@ -71,6 +71,17 @@ def attach_exports(drafter: Drafter | str, run_id: str | None, model_name: str |
     Returns {format: artifact URI or "skipped: <reason>"}; does nothing without a run."""
     if not run_id:
         return {}
+    try:  # the drafter is already logged and registered: a failed export warns, never fails the job
+        results = log_exports(drafter, run_id, target, formats)
+        if model_name and version:
+            tag_version(model_name, str(version), results)
+    except Exception as err:  # noqa: BLE001 - target loading, storage and MLflow raise many types
+        log.warning("engine exports were not attached to run %s: %s", run_id, err, exc_info=True)
+        return {"error": f"{type(err).__name__}: {err}"}
+    return results
+
+
+def log_exports(drafter: Drafter | str, run_id: str, target: str | None, formats: tuple[str, ...]) -> dict[str, str]:
     from dspark import tracking
 
     drafter = load_for_export(drafter, target) if isinstance(drafter, str) else drafter
@@ -85,15 +96,15 @@ def attach_exports(drafter: Drafter | str, run_id: str | None, model_name: str |
                 continue
             tracking.log_artifact(os.path.join(tmp, fmt), f"{EXPORTS_ARTIFACT}/{fmt}")
             results[fmt] = f"runs:/{run_id}/{EXPORTS_ARTIFACT}/{fmt}"
-    if model_name and version:
-        tag_version(model_name, str(version), results)
     return results
 
 
 def tag_version(name: str, version: str, results: dict[str, str]) -> None:
     from mlflow import MlflowClient
 
-    client = MlflowClient()
+    from dspark import tracking
+
+    client = MlflowClient(tracking.tracking_uri())
     for fmt, value in results.items():
         key = f"dspark.export.{fmt}" + (".skipped" if value.startswith("skipped") else "")
         client.set_model_version_tag(name, version, key, value[:5000])  # MLflow caps tag values

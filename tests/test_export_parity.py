@@ -239,3 +239,46 @@ def test_learned_mask_is_refused_for_speculators_naming_the_field(tmp_path, targ
     with pytest.raises(ValueError, match="mask_token_id"):
         export_drafter(drafter, str(tmp_path / "x"), "speculators")
     assert not (tmp_path / "x").exists()
+
+
+def load_like_vllm(path, target):
+    """A vllm-flavor export in speculators' modules, loaded by vLLM's rules: the checkpoint's
+    embed_tokens when it has one (its expanded input vocabulary included), else the target's; the
+    target's LM head. Every exported tensor must land on a parameter of the same shape."""
+    import json
+
+    from safetensors.torch import load_file
+    from speculators import SpeculatorModelConfig
+    from speculators.model import SpeculatorModel
+
+    config = SpeculatorModelConfig.from_dict(json.loads((path / "config.json").read_text()))
+    config.transformer_layer_config._attn_implementation = "eager"
+    config.speculators_config.verifier.name_or_path = None  # vLLM shares the target's weights itself
+    model = SpeculatorModel.registered_model_class_from_config(config)(config)
+    weights = load_file(str(path / "model.safetensors"))
+    own = model.state_dict()
+    assert all(own[k].shape == v.shape for k, v in weights.items()), {k: v.shape for k, v in weights.items()}
+    model.load_state_dict(weights, strict=False)
+    with torch.no_grad():
+        if "embed_tokens.weight" not in weights:
+            model.embed_tokens.weight.copy_(target.embed_tokens.weight)
+        model.lm_head.weight.copy_(target.lm_head.weight)
+    return model.float().eval()
+
+
+@pytest.mark.parametrize("algo", ["dflash", "dspark"])
+def test_learned_mask_vllm_export_matches_speculators_modules(tmp_path, monkeypatch, speculators, target, batch,
+                                                              algo):
+    """The tiny tokenizer reserves no id, so the learned MASK becomes an added embedding row V."""
+    drafter = make(target, algo, mask_token_id=None)
+    export_drafter(drafter, str(tmp_path / "export"), "vllm")
+    model = load_like_vllm(tmp_path / "export", target)
+    V = target.vocab_size
+    assert model.config.mask_token_id == V and model.embed_tokens.weight.shape[0] == V + 1
+    feats = target.forward(batch, layer_ids=drafter.layer_ids, logits_at=None).features
+    ours_logits, ours_conf, _ = ours_block(drafter, feats, batch)
+    theirs_logits, theirs_conf, _ = theirs_block(model, monkeypatch, feats, batch, algo)
+    first, gamma = drafter.first_pred_slot, drafter.config.block_size
+    assert_close(ours_logits, theirs_logits[:, first:first + gamma], f"{algo} learned-MASK draft logits")
+    if algo == "dspark":
+        assert_close(ours_conf, theirs_conf, "dspark learned-MASK confidence logits")

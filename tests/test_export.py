@@ -218,6 +218,11 @@ def with_draft_vocab(drafter, ids: list[int], offsets: bool):
     t2d = torch.zeros(drafter.vocab_size, dtype=torch.bool)
     t2d[ids_t] = True
     drafter.register_buffer("t2d", t2d)
+    head = getattr(drafter, "markov_head", None)
+    if head is not None:  # the Markov bias lives in the draft vocabulary
+        w2 = torch.nn.Linear(head.rank, len(ids), bias=False)
+        w2.weight.data.copy_(head.markov_w2.weight.data[ids_t])
+        head.markov_w2 = w2
     return drafter
 
 
@@ -234,6 +239,7 @@ def test_reduced_vocabulary_writes_speculators_d2t_t2d_and_lm_head(tmp_path, mic
     assert torch.equal(weights["lm_head.weight"], micro.lm_head.weight[ids])
     if fmt == "vllm":
         assert torch.equal(weights["t2d"].nonzero().flatten(), torch.tensor(ids))
+        assert weights["markov_head.markov_w2.weight"].shape == (len(ids), 8)
 
 
 def test_inconsistent_draft_vocabulary_is_refused_naming_d2t(tmp_path, micro):
@@ -241,3 +247,7 @@ def test_inconsistent_draft_vocabulary_is_refused_naming_d2t(tmp_path, micro):
     drafter.d2t.copy_(torch.tensor([2, 0, 3]))  # not ascending: no speculators layout for it
     with pytest.raises(ExportError, match="^d2t:"):
         export_drafter(drafter, str(tmp_path / "x"), "vllm")
+    full_bias = with_draft_vocab(make(micro, "dspark", mask_token_id=1), [0, 2, 3], offsets=False)
+    full_bias.markov_head.markov_w2 = torch.nn.Linear(8, 16, bias=False)
+    with pytest.raises(ExportError, match="^markov_head.markov_w2 has 16 rows but draft_vocab_size=3"):
+        export_drafter(full_bias, str(tmp_path / "y"), "vllm")

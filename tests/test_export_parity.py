@@ -70,8 +70,8 @@ def speculators(tmp_path_factory):
         except subprocess.TimeoutExpired:
             pytest.skip("speculators 0.9.0 is not cached and PyPI timed out; it is needed for the parity test")
         if got.returncode != 0:
-            pytest.skip(f"speculators 0.9.0 is not cached under {wheels} and PyPI is unreachable: "
-                        f"{got.stderr.strip()[-300:]}")
+            errors = [line for line in got.stderr.splitlines() if line.startswith("ERROR")] or [got.stderr[-300:]]
+            pytest.skip(f"speculators 0.9.0 is not cached under {wheels} and PyPI is unreachable: {errors[-1]}")
         done = pip(*install)
         assert done.returncode == 0, done.stderr
     sys.path.insert(0, str(site))

@@ -186,6 +186,10 @@ def draft_vocab(drafter: Drafter, weights: dict[str, torch.Tensor]) -> int:
     ids = draft_token_ids(drafter)
     if ids is None:
         return drafter.vocab_size
+    w2 = weights.get("markov_head.markov_w2.weight")
+    if w2 is not None and w2.shape[0] != ids.numel():
+        raise ExportError(f"markov_head.markov_w2 has {w2.shape[0]} rows but draft_vocab_size={ids.numel()}: the "
+                          "engines add the Markov bias in the draft vocabulary")
     weights["d2t"] = ids - torch.arange(ids.numel())
     t2d = torch.zeros(drafter.vocab_size, dtype=torch.bool)
     t2d[ids] = True

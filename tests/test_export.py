@@ -53,6 +53,26 @@ def test_cli_exports_a_saved_drafter_in_every_format_it_fits(tmp_path, tiny, cap
     assert sglang["architectures"] == ["DFlashDraftModel"]
 
 
+def test_cli_resolves_a_registered_model_reference(tmp_path, tiny, monkeypatch, capsys):
+    import mlflow
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    monkeypatch.setenv("DSPARK_CACHE", str(tmp_path / "cache"))
+    drafter = make(tiny, "dspark")
+    src = save_drafter(drafter, str(tmp_path / "ckpt"))
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    mlflow.create_experiment("exp", artifact_location=(tmp_path / "artifacts").as_uri())
+    with mlflow.start_run(experiment_id=mlflow.get_experiment_by_name("exp").experiment_id) as run:
+        mlflow.log_artifacts(src, "drafter")
+    client = mlflow.MlflowClient()
+    client.create_registered_model("export-test")
+    client.create_model_version("export-test", f"runs:/{run.info.run_id}/drafter", run.info.run_id)
+    assert main(["export", "--format", "vllm", "models:/export-test/1", str(tmp_path / "out")]) == 0
+    cfg, weights = read(tmp_path / "out")
+    assert cfg["speculators_model_type"] == "dspark" and cfg["mask_token_id"] == tiny.vocab_size  # added row
+    assert torch.equal(weights["embed_tokens.weight"][-1], drafter.mask_embedding.detach())
+
+
 def test_cli_refusal_names_the_field_and_exits_1(tmp_path, tiny, capsys):
     src = save_drafter(make(tiny, "dspark"), str(tmp_path / "ckpt"))  # learned MASK vector
     assert main(["export", "--format", "speculators", src, str(tmp_path / "out")]) == 1

@@ -82,7 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--target", default=None, help="target spec to load (default: the one the checkpoint names)")
     export.add_argument("--verifier", default=None,
                         help="verifier name_or_path written into the config (default: the target's hub id or dir)")
-    export.add_argument("ref", help="drafter: a local dir, s3://..., runs:/<run>/<path> or models:/<name>/<version|@alias>")
+    export.add_argument("ref", help="drafter: a local dir, s3://..., runs:/<run>/<path> or "
+                                    "models:/<name>/<version|@alias>")
     export.add_argument("out", help="output directory (local or s3://)")
     export.set_defaults(func=_export)
     return parser

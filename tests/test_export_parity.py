@@ -6,14 +6,15 @@ norm from the target directory, as its training does), and run on the same targe
 logits, hidden states, DSpark's Markov bias and confidence logits must agree to 1e-4 in fp32.
 
 speculators pins transformers<=5.19 and datasets<=5.1, so it never enters the project environment:
-its wheel (and the three pure-Python modules it imports that the project does not ship: loguru,
-hs-connectors, pydantic-settings + python-dotenv) is downloaded once into $DSPARK_CACHE/wheels and
+its wheel (and the pure-Python modules it imports that the project does not ship: loguru,
+hs-connectors, pydantic-settings with python-dotenv) is downloaded once into $DSPARK_CACHE/wheels and
 installed with `pip install --no-deps --target <tmp>`; the test skips, saying why, when PyPI cannot
 be reached and the wheels are not cached. Its model modules import under the project's transformers
 5.24; one shim (in load_speculators): 5.24 leaves weights missing from a checkpoint uninitialised
 where <=5.19 kept speculators' NaN sentinel, so Eagle3's reload-if-NaN of embed_tokens is forced
-with speculators' own `_load_verifier_weights(overwrite_embed_tokens=True)`. Its forwards end in a loss (`compute_metrics`); the test replaces that one
-function with a recorder of the logits it is given, so everything before it is speculators' code.
+with speculators' own `_load_verifier_weights(overwrite_embed_tokens=True)`. Its forwards end in a
+loss (`compute_metrics`); the test replaces that one function with a recorder of the logits it is
+given, so everything before it is speculators' code.
 
 Semantic differences, and what the export or the test does about them:
 - layer ids: speculators counts hidden_states index 0 as the embeddings -> aux = our id + 1 (export).

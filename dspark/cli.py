@@ -1,4 +1,5 @@
-"""`dspark` command line: `dspark stack up|down|status`, `dspark target prepare NAME`.
+"""`dspark` command line: `dspark stack up|down|status`, `dspark target prepare NAME`,
+`dspark export --format speculators|vllm|sglang REF OUT`.
 
 Each command group is a subparser whose handler returns an exit code; errors the user can fix
 are printed as one line (`error: cause; fix`) instead of a traceback.
@@ -47,6 +48,13 @@ def _target_prepare(args) -> int:
     return 0
 
 
+def _export(args) -> int:
+    from dspark.export import export_ref
+
+    print(export_ref(args.ref, args.out, args.format, target=args.target, verifier=args.verifier))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dspark", description="DSpark speculative-decoding toolkit")
     groups = parser.add_subparsers(dest="group", required=True)
@@ -66,6 +74,18 @@ def build_parser() -> argparse.ArgumentParser:
     prepare = target_cmds.add_parser("prepare", help="build/download a target into the cache and print its path")
     prepare.add_argument("name", help='"tiny", "smollm2-135m", a local dir, an s3:// dir or a hub name')
     prepare.set_defaults(func=_target_prepare)
+
+    export = groups.add_parser("export", help="write a drafter in a serving engine's checkpoint layout")
+    export.add_argument("--format", required=True, choices=("speculators", "vllm", "sglang"),
+                        help="vllm: vLLM's speculators loaders; speculators: the speculators library; "
+                             "sglang: SGLang's Eagle3/DFlash loaders")
+    export.add_argument("--target", default=None, help="target spec to load (default: the one the checkpoint names)")
+    export.add_argument("--verifier", default=None,
+                        help="verifier name_or_path written into the config (default: the target's hub id or dir)")
+    export.add_argument("ref", help="drafter: a local dir, s3://..., runs:/<run>/<path> or "
+                                    "models:/<name>/<version|@alias>")
+    export.add_argument("out", help="output directory (local or s3://)")
+    export.set_defaults(func=_export)
     return parser
 
 

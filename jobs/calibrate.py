@@ -191,9 +191,11 @@ def log_report(paths: dict[str, str], result: cal.STSResult, n_rounds: int) -> N
 
 def publish_drafter(drafter, new_uri: str, tmp: str, run_id: str | None, model_name: str | None,
                     aliases: list[str], source: str) -> dict | None:
-    """Save the calibrated drafter to `new_uri`, log it to the run and register it; returns the registration."""
+    """Save the calibrated drafter to `new_uri`, log it to the run and register it (with its engine
+    exports attached); returns the registration."""
     import shutil
 
+    from dspark import export
     from dspark.io import storage
     from dspark.drafters import save_drafter
 
@@ -209,9 +211,9 @@ def publish_drafter(drafter, new_uri: str, tmp: str, run_id: str | None, model_n
     from dspark.io import tracking
 
     tracking.log_artifact(saved, DRAFTER_NAME)
-    if not model_name:
-        return None
-    return {"name": model_name, "aliases": aliases, "version": register_version(run_id, model_name, aliases, source)}
+    version = register_version(run_id, model_name, aliases, source) if model_name else None
+    export.attach_exports(drafter, run_id, model_name, version)  # engine layouts, tagged on the version
+    return {"name": model_name, "aliases": aliases, "version": version} if model_name else None
 
 
 def run(cfg: CalibrateConfig) -> dict:

@@ -448,7 +448,9 @@ def prepare_run(cfg: TrainJobConfig) -> dict:
 
 
 def finish_run(cfg: TrainJobConfig, plan: dict, result) -> dict:
-    """Log the final drafter and the config, register the drafter, close the MLflow run."""
+    """Log the final drafter and the config, register the drafter with its engine exports attached
+    (dspark.export.attach_exports), close the MLflow run."""
+    from dspark import export
     from dspark.io import tracking
 
     summary = {"run_name": cfg.run_name, "checkpoint": checkpoint_uri(cfg, result.checkpoint),
@@ -465,7 +467,8 @@ def finish_run(cfg: TrainJobConfig, plan: dict, result) -> dict:
         ds_path = os.path.join(tmp, "ds_config.json")
         Path(ds_path).write_text(json.dumps(plan["ds_config"], indent=2))
         tracking.log_artifact(ds_path)
-    version = register_drafter(plan["mlflow_run_id"], cfg.registered_model_name, cfg.tracking.alias)
+        version = register_drafter(plan["mlflow_run_id"], cfg.registered_model_name, cfg.tracking.alias)
+        export.attach_exports(drafter_dir, plan["mlflow_run_id"], cfg.registered_model_name, version, target=cfg.target)
     summary["registered_model"] = {"name": cfg.registered_model_name, "version": version, "alias": cfg.tracking.alias}
     tracking.set_tags({"dspark.registered_model": cfg.registered_model_name, "dspark.registered_version": version})
     tracking.end_run("FINISHED")

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -121,5 +122,14 @@ def test_calibration_job_writes_a_new_registered_version(tiny, tmp_path, monkeyp
     assert {"report.json", "report.md", "drafter", "config.yaml"} <= artifacts
     assert {"reliability/reliability_k1.png", "reliability/reliability_k3.png"} <= {
         a.path for a in client.list_artifacts(run_id, "reliability")}
+    # engine exports ride along: vLLM layout logged and tagged on version 2, the others skipped with the field
+    assert {a.path for a in client.list_artifacts(run_id, "exports")} == {"exports/vllm"}
+    tags = client.get_model_version("tiny-d", "2").tags
+    assert tags["dspark.export.vllm"] == f"runs:/{run_id}/exports/vllm"
+    assert "mask_token_id" in tags["dspark.export.speculators.skipped"]
+    assert "dspark" in tags["dspark.export.sglang.skipped"]
+    exported = json.loads(Path(mlflow.artifacts.download_artifacts(f"runs:/{run_id}/exports/vllm/config.json",
+                                                                   dst_path=str(tmp_path / "dl"))).read_text())
+    assert exported["dspark_calibration"] == pytest.approx(report["temperatures"])
     metrics = client.get_run(run_id).data.metrics
     assert {"ece_before.k1", "ece_after.k1", "temperature.k3", "mean.ece_after"} <= set(metrics)

@@ -323,6 +323,7 @@ def test_ray_train_zero2_survives_a_killed_worker(local_stack, tiny_rollouts, tm
 
     version = client.get_model_version_by_alias("test-tiny-dspark", "trained")
     assert version.run_id == run_id and version.version == summary["registered_model"]["version"]
+    assert version.tags["dspark.export.vllm"] == f"runs:/{run_id}/exports/vllm", "the vLLM export is attached"
 
 
 @pytest.mark.slow

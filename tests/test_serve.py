@@ -267,7 +267,8 @@ def test_build_engine_puts_target_drafter_and_engine_on_the_resolved_device(draf
 
     engine = build_engine(_serve_config(drafter_dir))  # model.device=auto, no GPUs asked -> cpu here
     assert engine.target.device.type == engine.drafter.device.type == engine.kv.device.type == "cpu"
-    assert engine.generator.device.type == "cpu" and engine.stats()["device"] == "cpu"
+    req = engine.submit([1, 2, 3], max_new_tokens=2, seed=7)
+    assert req.generator.device.type == "cpu" and engine.stats()["device"] == "cpu"
 
 
 def test_deployment_for_reserves_the_gpus_asked_for():

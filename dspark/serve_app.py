@@ -43,6 +43,7 @@ from openai.types.chat.chat_completion import Choice as ChatChoice
 from openai.types.chat.chat_completion_chunk import Choice as ChunkChoice
 from openai.types.chat.chat_completion_chunk import ChoiceDelta
 from pydantic import BaseModel, Field
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dspark.config import StrictModel, config_to_dict
@@ -537,12 +538,60 @@ def _sse(obj: BaseModel) -> str:
 ROUTES = "POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /v1/stats, GET /healthz"
 
 
+class BodyLimit:
+    """ASGI middleware: a request body over `max_bytes` gets 413 in OpenAI's shape, by its Content-Length
+    before a byte is read, or (chunked uploads) as soon as the bytes received pass the limit; it is
+    never parsed. (Starlette's RequestBodyLimitMiddleware answers the Content-Length case in plain text.)
+    Before that 413 the upload is read and dropped (never stored) for up to `linger_s`, as nginx's
+    lingering close does, so a client still sending gets the answer instead of a connection reset."""
+
+    def __init__(self, app, max_bytes: int, linger_s: float = 2.0):
+        self.app, self.max_bytes, self.linger_s = app, max_bytes, linger_s
+
+    def too_large(self) -> ApiError:
+        return ApiError(413, f"request body exceeds this server's limit of {self.max_bytes} bytes "
+                             f"(api.max_body_bytes)", None, "request_too_large", {"Connection": "close"})
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = Headers(scope=scope).get("content-length", "")
+        if length.isdigit() and int(length) > self.max_bytes:
+            await self._drain(receive)
+            return await self.too_large().response()(scope, receive, send)
+        received = 0
+
+        async def limited_receive():
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:  # FastAPI re-raises an HTTPException met while reading the body
+                    if message.get("more_body", False):
+                        await self._drain(receive)
+                    raise StarletteHTTPException(413)
+            return message
+
+        await self.app(scope, limited_receive, send)
+
+    async def _drain(self, receive) -> None:
+        async def drop() -> None:
+            while (await receive()).get("more_body", False):
+                pass
+
+        try:
+            await asyncio.wait_for(drop(), self.linger_s)
+        except asyncio.TimeoutError:
+            pass
+
+
 def make_app(service: OpenAIService):
     """FastAPI app exposing `service`; used as the Serve ingress and directly in tests. Bodies above
-    api.max_body_bytes are refused with 413 (FastAPI's own limit: by Content-Length before anything is
-    read, else while reading); every error, FastAPI's own included, answers in OpenAI's shape."""
+    api.max_body_bytes are refused with 413 (`BodyLimit`); every error, FastAPI's own included,
+    answers in OpenAI's shape."""
     limit = service.cfg.api.max_body_bytes
-    app = FastAPI(title="dspark", description="OpenAI-compatible speculative decoding server", max_body_size=limit)
+    app = FastAPI(title="dspark", description="OpenAI-compatible speculative decoding server")
+    app.add_middleware(BodyLimit, max_bytes=limit)
 
     @app.exception_handler(ApiError)
     async def _api_error(_, err: ApiError):
@@ -617,8 +666,7 @@ def _http_api_error(request: HttpRequest, err: StarletteHTTPException, body_limi
         return ApiError(405, f"method not allowed: {where}; this server answers {ROUTES}", None,
                         "method_not_allowed", err.headers)
     if err.status_code == 413:
-        return ApiError(413, f"request body exceeds this server's limit of {body_limit} bytes (api.max_body_bytes)",
-                        None, "request_too_large", {"Connection": "close"})
+        return BodyLimit(None, body_limit).too_large()
     return ApiError(err.status_code, str(err.detail), None, None, err.headers)
 
 

@@ -60,7 +60,14 @@ class ApiError(Exception):
 
 # union members and wrappers that pydantic adds to an error's loc ("list[constrained-str]", "TextPart")
 _NOT_A_FIELD = re.compile(r"[\[\]\-]|^(str|int|float|bool|dict|list|none)$|^[A-Z]")
-_TYPE_MISMATCH = re.compile(r"_type$|^(int|float|bool)_parsing$|^literal_error$")
+_TYPE_MISMATCH = re.compile(r"_type$|^(int|float|bool)_parsing$")
+
+
+def _specificity(err: dict) -> int:
+    """A union alternative's error: a violated constraint says most, a wrong literal (e.g. a content
+    part's type) more than a missing key, a type mismatch (just the wrong alternative) least."""
+    kind = err.get("type", "")
+    return 0 if _TYPE_MISMATCH.search(kind) else 1 if kind == "missing" else 2 if kind == "literal_error" else 3
 
 
 def validation_error(errors: list[dict]) -> ApiError:
@@ -72,7 +79,7 @@ def validation_error(errors: list[dict]) -> ApiError:
         err = next(e for e in errors if e.get("type") == "json_invalid")
         return ApiError(400, f"request body is not valid JSON: {err.get('ctx', {}).get('error', err['msg'])}",
                         code="invalid_json")
-    err = max(errors, key=lambda e: (len(_field_path(e)), not _TYPE_MISMATCH.search(e.get("type", ""))))
+    err = max(errors, key=lambda e: (len(_field_path(e)), _specificity(e)))
     path = _field_path(err)
     if not path:
         return ApiError(400, f"request body must be a JSON object (Content-Type: application/json): "

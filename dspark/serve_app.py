@@ -29,9 +29,8 @@ import logging
 import os
 import time
 import uuid
-from typing import Any, Literal
-
 from dataclasses import dataclass
+from typing import Any, Literal
 
 from fastapi import Depends, FastAPI
 from fastapi import Request as HttpRequest
@@ -49,8 +48,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from dspark.config import StrictModel, config_to_dict
 from dspark.engine import Engine, EngineConfig, EngineUnavailableError, QueueFullError, Request, StepReport
 from dspark.serve_protocol import (ApiError, ChatBody, CompletionBody, DSparkChatCompletion, DSparkChatCompletionChunk,
-                                   DSparkCompletion, DSparkCompletionChoice, ModelList, ServedModel, SpecDecode, _Body,
-                                   dump, usage, validation_error)
+                                   DSparkCompletion, DSparkCompletionChoice, ModelList, RequestBody, ServedModel,
+                                   SpecDecode, dump, usage, validation_error)
 
 log = logging.getLogger("dspark.serve")
 
@@ -320,7 +319,7 @@ class OpenAIService:
         return os.environ.get(self.cfg.api.api_key_env) or None
 
     # ---- validation --------------------------------------------------------------------------------
-    def check_request(self, body: _Body, param: str) -> None:
+    def check_request(self, body: RequestBody, param: str) -> None:
         """What can be checked before tokenizing: the model, stream_options, the prompt's length in
         characters (bounds the tokenizer's work)."""
         if body.model is not None and body.model != self.model_name:
@@ -357,7 +356,7 @@ class OpenAIService:
         """Tokenize off the event loop, so a long prompt never delays the other requests' I/O."""
         return await asyncio.to_thread(lambda: [self.prompt_ids(p, param) for p in prompts])
 
-    def max_tokens(self, body: _Body, prompt_len: int, param: str) -> int:
+    def max_tokens(self, body: RequestBody, prompt_len: int, param: str) -> int:
         """The request's max_tokens (or the default, capped by the room left); 400 naming the field."""
         asked = getattr(body, "max_completion_tokens", None) or body.max_tokens
         name = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) else "max_tokens"
@@ -378,7 +377,7 @@ class OpenAIService:
         return asked
 
     # ---- running requests ------------------------------------------------------------------------------
-    def submit(self, ids: list[int], body: _Body, max_tokens: int, queue: asyncio.Queue) -> Request:
+    def submit(self, ids: list[int], body: RequestBody, max_tokens: int, queue: asyncio.Queue) -> Request:
         loop = asyncio.get_running_loop()
 
         def listener(req: Request, new: list[int], final: bool) -> None:
@@ -396,7 +395,7 @@ class OpenAIService:
         except ValueError as err:
             raise ApiError(400, str(err), "prompt") from None
 
-    async def run_to_end(self, ids: list[int], body: _Body, max_tokens: int) -> Outcome:
+    async def run_to_end(self, ids: list[int], body: RequestBody, max_tokens: int) -> Outcome:
         """Non-streaming: generate until the engine finishes the request or a stop string appears."""
         queue: asyncio.Queue = asyncio.Queue()
         req = self.submit(ids, body, max_tokens, queue)
@@ -414,8 +413,8 @@ class OpenAIService:
             self.engine.cancel(req)
             raise
         self._done(req)
-        if req.finish_reason == "error":
-            raise ApiError(500, f"generation failed: {req.error}", None, "generation_failed")
+        if not assembler.stopped and req.finish_reason not in ("stop", "length"):
+            raise _not_generated(req)
         reason = "stop" if assembler.stopped else req.finish_reason
         return Outcome(req, assembler.text, reason, assembler.n_tokens)
 
@@ -424,14 +423,14 @@ class OpenAIService:
             self.metrics.request_done(req)
         return req
 
-    def stream(self, ids: list[int], body: _Body, max_tokens: int, fmt: ChatStream | CompletionStream):
+    def stream(self, ids: list[int], body: RequestBody, max_tokens: int, fmt: ChatStream | CompletionStream):
         """Submit now (so queue-full / bad input still become HTTP errors), then return the SSE event
         generator."""
         queue: asyncio.Queue = asyncio.Queue()
         req = self.submit(ids, body, max_tokens, queue)
         return self._events(req, queue, body, fmt)
 
-    async def _events(self, req: Request, queue: asyncio.Queue, body: _Body, fmt: ChatStream | CompletionStream):
+    async def _events(self, req: Request, queue: asyncio.Queue, body: RequestBody, fmt: ChatStream | CompletionStream):
         assembler = TextAssembler(self.target.tokenizer, body.stops)
         finished = False
         try:
@@ -441,10 +440,10 @@ class OpenAIService:
                 _, final = await queue.get()
                 while not final and not queue.empty():  # coalesce updates that arrived meanwhile
                     _, final = queue.get_nowait()
-                if req.finish_reason == "error":
+                if req.finish_reason in ("error", "cancelled"):
                     finished = True
                     self._done(req)
-                    yield _sse(ApiError(500, f"generation failed: {req.error}", None, "generation_failed").body())
+                    yield _sse(_not_generated(req).body())
                     break
                 delta, stopped = assembler.update(list(req.tokens), final)
                 if delta:
@@ -528,6 +527,12 @@ class OpenAIService:
         stats = self.engine.stats()
         ok = stats["healthy"] and stats["loop_alive"]
         return (200 if ok else 503), {"status": "ok" if ok else "unhealthy", "model": self.model_name, **stats}
+
+
+def _not_generated(req: Request) -> ApiError:
+    if req.finish_reason == "cancelled":  # the engine stopped under it
+        return ApiError(503, "the request was cancelled: the engine is stopping", None, "service_unavailable")
+    return ApiError(500, f"generation failed: {req.error}", None, "generation_failed")
 
 
 def _sse(obj: BaseModel) -> str:

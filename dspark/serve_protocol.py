@@ -114,11 +114,10 @@ class StreamOptions(BaseModel):
     include_usage: bool = Field(False, description="send a last chunk with `usage` (and empty choices)")
 
 
-class _Body(BaseModel):
+class RequestBody(BaseModel):
     """Fields shared by /v1/chat/completions and /v1/completions."""
 
     model_config = ConfigDict(extra="ignore")
-    _UNSUPPORTED = ("n", "frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias", "logprobs")
 
     model: str | None = Field(None, description="the served model name (GET /v1/models); None: the served one")
     max_tokens: int | None = Field(None, ge=1, description="tokens to generate at most (capped by the server)")
@@ -126,8 +125,8 @@ class _Body(BaseModel):
     top_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False, description="nucleus mass; None = 1")
     top_k: int | None = Field(None, ge=0, description="top-k cut (extension, as in vLLM); 0 or None = off")
     seed: int | None = Field(None, ge=-2**63, le=2**64 - 1,
-                             description="the request's own RNG seed: same seed and settings, same output "
-                                         "(under the same load with the dynamic scheduler)")
+                             description="the request's own RNG seed (each of its prompts uses it): same seed "
+                                         "and settings, same output (under the same load with the dynamic scheduler)")
     stream: bool = Field(False, description="answer with server-sent events")
     stream_options: StreamOptions | None = Field(None, description="only with stream=true")
     stop: (Annotated[str, Field(min_length=1)]
@@ -149,7 +148,8 @@ class _Body(BaseModel):
     @classmethod
     def _unsupported(cls, value: Any, info: ValidationInfo) -> Any:
         if _asks_for(info.field_name, value):
-            raise ValueError(f"'{info.field_name}' is not supported by this server (got {value!r}); leave it out")
+            note = cls.model_fields[info.field_name].description
+            raise ValueError(f"'{info.field_name}' is not supported by this server ({note}); got {value!r}")
         return value
 
     def check_stream_options(self) -> None:
@@ -194,7 +194,7 @@ class ChatMessage(BaseModel):
         return self.content or ""
 
 
-class ChatBody(_Body):
+class ChatBody(RequestBody):
     messages: list[ChatMessage] = Field(min_length=1, description="the conversation, rendered with the chat template")
     max_completion_tokens: int | None = Field(None, ge=1, description="preferred over max_tokens when given")
     logprobs: bool | None = Field(None, description="not supported (only false)")
@@ -213,7 +213,7 @@ class ChatBody(_Body):
         return sum(len(m.text()) for m in self.messages)
 
 
-class CompletionBody(_Body):
+class CompletionBody(RequestBody):
     prompt: (Annotated[str, Field(min_length=1)]
              | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)]
              | Annotated[list[int], Field(min_length=1)]

@@ -407,6 +407,25 @@ def test_openai_client_sync_and_streaming(client):
     assert e.value.param in ("logprobs", "top_logprobs")
 
 
+def test_async_openai_client_over_asgi(client):
+    """The async client on httpx's ASGI transport (the app in this event loop, no server)."""
+    from openai import AsyncOpenAI
+
+    async def run():
+        transport = httpx.ASGITransport(app=client.app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://asgi") as http:
+            api = AsyncOpenAI(base_url="http://asgi/v1", api_key="unused", http_client=http, max_retries=0)
+            seeded = {"model": "dspark-tiny", "messages": CHAT["messages"], "max_tokens": 8, "seed": 11}
+            whole = await api.chat.completions.create(**seeded)
+            stream = await api.chat.completions.create(**seeded, stream=True)
+            pieces = [c async for c in stream]
+            return whole, pieces
+
+    whole, pieces = asyncio.run(run())
+    assert "".join(c.choices[0].delta.content or "" for c in pieces) == whole.choices[0].message.content
+    assert pieces[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+
+
 def test_seed_reproduces_the_sample(client):
     """Same seed and settings: the same tokens (temperature 1); another seed: another sample."""
     api = _openai(client)

@@ -18,6 +18,14 @@ Losslessness: every row is exactly batch-1 speculative decoding (dspark.specdec)
 that is non-anticipating (the scheduler's modes guarantee it; Appendix A), and the ragged forward
 computes the same logits as a per-request forward with a KV cache.
 
+Randomness: every request draws from its own torch.Generator (on the target's device), seeded with
+the request's `seed` or, without one, from the engine's seed stream (EngineConfig.seed). Its prefill
+sample, its drafts and its acceptance draws come from that generator only, so a request's random
+draws never depend on the other requests in the batch. A seeded request is therefore reproducible
+whenever its verify lengths are: always for scheduler modes off/fixed/threshold (each ℓ_r depends
+on request r alone); under dynamic/async_topk, ℓ_r is chosen over the whole batch, so the same seed
+gives the same output under the same load, and the same distribution under any load.
+
 Invariant between steps, for each active request r in slot r: KV length == drafter context length ==
 len(prompt) + len(tokens) - 1 (everything but the anchor, which is tokens[-1]).
 """
@@ -25,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import math
+import random
 import threading
 import time
 import uuid
@@ -55,7 +64,7 @@ class EngineConfig(StrictModel):
     sps_context: int = 128  # cached context per row while profiling
     sps_repeats: int = 3
     sps_table: dict[int, float] | None = None  # given table: skip profiling (tests, or a saved profile)
-    seed: int | None = 0  # engine RNG seed (None = nondeterministic)
+    seed: int | None = 0  # seeds the generators of requests without a seed of their own (None = nondeterministic)
     max_consecutive_failures: int = 3  # failed steps in a row before the engine reports unhealthy
 
 
@@ -94,6 +103,7 @@ class Request:
     stop_ids: frozenset[int]
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     listener: Listener | None = None
+    seed: int | None = None  # None: drawn from the engine's seed stream
     tokens: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # "stop" | "length" | "error" | "cancelled"
     error: str | None = None
@@ -105,6 +115,7 @@ class Request:
     cancelled: bool = False
     # engine-private
     slot: int = -1
+    generator: torch.Generator | None = None  # this request's own RNG (see the module docstring)
     draft_state: object = None
     proposal: object = None
     verify_len: int = 0
@@ -156,14 +167,11 @@ class Engine:
         self.layer_ids = drafter_layer_ids(drafter) if self.drafting else None
         self.max_model_len = min(self.cfg.max_model_len, getattr(target, "max_positions", self.cfg.max_model_len))
         enable_ragged(target.model)
-        # Device invariant: KV slots, the RNG and every tensor a step creates live on target.device (the
-        # drafter sits there too); sampling moves probabilities to the generator's device, never back.
+        # Device invariant: KV slots, the request RNGs and every tensor a step creates live on
+        # target.device (the drafter sits there too); sampling moves probabilities to the generator's
+        # device, never back.
         self.kv = KVSlots(target.device, target.dtype)
-        self.generator = torch.Generator(device=target.device)
-        if self.cfg.seed is None:
-            self.generator.seed()
-        else:
-            self.generator.manual_seed(self.cfg.seed)
+        self._seeds = random.Random(self.cfg.seed)  # seeds of requests that bring none (None: OS entropy)
         self.sps: SPSTable | None = None
         if self.mode in ("dynamic", "async_topk"):
             self.sps = self._sps_table()
@@ -235,16 +243,19 @@ class Engine:
     # ---- public API --------------------------------------------------------------------------
     def submit(self, prompt_ids: Sequence[int], sampling: SamplingParams | None = None, max_new_tokens: int = 64,
                stop_ids: Sequence[int] | None = None, listener: Listener | None = None,
-               request_id: str | None = None) -> Request:
+               request_id: str | None = None, seed: int | None = None) -> Request:
         """Queue a request (thread-safe). Raises ValueError for bad input, QueueFullError when the queue
-        is full, EngineUnavailableError when the engine cannot serve. stop_ids None = the target's EOS."""
+        is full, EngineUnavailableError when the engine cannot serve. stop_ids None = the target's EOS.
+        seed: the request's own generator seed (None: one from the engine's seed stream)."""
         self.check_request(len(prompt_ids), max_new_tokens)
+        if seed is not None and not -2**63 <= seed < 2**64:
+            raise ValueError(f"seed must be in [-2**63, 2**64), got {seed}")
         ids = [int(t) for t in prompt_ids]
         if min(ids) < 0 or max(ids) >= self.target.vocab_size:
             raise ValueError(f"prompt token ids must be in [0, {self.target.vocab_size}), got min {min(ids)} "
                              f"max {max(ids)}")
         stops = frozenset(self.target.eos_token_ids if stop_ids is None else stop_ids)
-        req = Request(ids, sampling or SamplingParams(), int(max_new_tokens), stops, listener=listener,
+        req = Request(ids, sampling or SamplingParams(), int(max_new_tokens), stops, listener=listener, seed=seed,
                       **({"id": request_id} if request_id else {}))
         with self._lock:
             if not self.healthy or self._stop:
@@ -252,6 +263,8 @@ class Engine:
             if len(self.waiting) >= self.cfg.max_waiting:
                 self.totals["rejected"] += 1
                 raise QueueFullError(f"engine queue is full ({self.cfg.max_waiting} waiting); retry later")
+            req.generator = torch.Generator(device=self.target.device).manual_seed(
+                seed if seed is not None else self._seeds.getrandbits(63))
             self.waiting.append(req)
             self.totals["submitted"] += 1
         self._wakeup.set()
@@ -281,12 +294,15 @@ class Engine:
         return bool(self.active or self.waiting)
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams | None = None,
-                 max_new_tokens: int = 64, stop_ids: Sequence[int] | None = None) -> list[Request]:
-        """Offline helper: run all prompts through the engine in this thread (no background loop)."""
-        pending, out = deque(prompts), []
+                 max_new_tokens: int = 64, stop_ids: Sequence[int] | None = None,
+                 seeds: Sequence[int | None] | None = None) -> list[Request]:
+        """Offline helper: run all prompts through the engine in this thread (no background loop).
+        seeds: one per prompt (None entries: from the engine's seed stream)."""
+        pending, out = deque(zip(prompts, seeds if seeds is not None else [None] * len(prompts))), []
         while pending or self.has_work():
             while pending and len(self.waiting) < self.cfg.max_waiting:
-                out.append(self.submit(pending.popleft(), sampling, max_new_tokens, stop_ids))
+                prompt, seed = pending.popleft()
+                out.append(self.submit(prompt, sampling, max_new_tokens, stop_ids, seed=seed))
             self.step()
         return out
 
@@ -384,7 +400,7 @@ class Engine:
                     req.draft_state = self.drafter.new_state()
                     self.drafter.extend_context(req.draft_state, features, ids)
                 self.kv.set_length(req.slot, len(req.prompt_ids))
-                token = int(sample(to_probs(logits[-1], req.sampling), self.generator))
+                token = int(sample(to_probs(logits[-1], req.sampling), req.generator))
                 self._emit(req, [token], report)
             except Exception as err:
                 self._fail(req, f"prefill failed: {err}", report)
@@ -395,14 +411,14 @@ class Engine:
         reqs = self.active
         args = ([r.draft_state for r in reqs], [r.anchor for r in reqs], self.gamma, [r.sampling for r in reqs])
         try:
-            proposals = self.drafter.propose_batch(*args, self.generator)
+            proposals = self.drafter.propose_batch(*args, [r.generator for r in reqs])
         except Exception:
             log.warning("propose_batch failed; drafting request by request to isolate the failure", exc_info=True)
             proposals = []
             for r in reqs:
                 try:
                     proposals.append(self.drafter.propose(r.draft_state, r.anchor, self.gamma, r.sampling,
-                                                          self.generator))
+                                                          r.generator))
                 except Exception as err:
                     proposals.append(None)
                     self._fail(r, f"drafting failed: {err}", report)
@@ -443,7 +459,7 @@ class Engine:
         n = req.verify_len
         target_probs = to_probs(logits, req.sampling)  # row k scores draft k+1; row n is the bonus
         draft_probs = req.proposal.probs[:n] if n else target_probs[:0]
-        n_acc, next_token = accept_drafts(ids[1:], draft_probs.to(target_probs.device), target_probs, self.generator)
+        n_acc, next_token = accept_drafts(ids[1:], draft_probs.to(target_probs.device), target_probs, req.generator)
         self.kv.set_length(req.slot, self.kv.lengths[req.slot] + 1 + n_acc)  # anchor + accepted drafts
         if self.drafting:
             self.drafter.extend_context(req.draft_state, features[: 1 + n_acc], ids[: 1 + n_acc])
@@ -539,7 +555,7 @@ class Engine:
             if moved is not None:
                 last.slot = slot
                 self.active[slot] = last
-            req.slot, req.draft_state, req.proposal = -1, None, None
+            req.slot, req.draft_state, req.proposal, req.generator = -1, None, None, None
             self._finish(req, req.finish_reason)
 
     def _fail_all(self, message: str, reason: str = "error") -> None:

@@ -13,9 +13,11 @@ Pieces, top to bottom:
 - `deployment_for(cfg)` / `build_app(args)`: the bound application, for `jobs/serve.py` and for
   `serve deploy infra/serve/serve_config.yaml`.
 
-Errors follow OpenAI's shape {"error": {"message", "type", "param", "code"}}: invalid JSON and bad
-fields -> 400 naming the field, missing/wrong API key -> 401, full queue -> 429, engine unhealthy
--> 503 (Ray Serve itself answers 503 when its own request queue is full).
+Errors follow OpenAI's shape {"error": {"message", "type", "param", "code"}}: invalid JSON, bad
+fields and unimplemented OpenAI fields -> 400 naming the field, missing/wrong API key -> 401,
+unknown model or path -> 404, wrong method -> 405, body over api.max_body_bytes -> 413, full queue
+-> 429, engine unhealthy -> 503 (Ray Serve itself answers 503 when its own request queue is full).
+Request and response models live in dspark/serve_protocol.py.
 """
 from __future__ import annotations
 
@@ -27,17 +29,27 @@ import logging
 import os
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from fastapi import Depends, FastAPI
 from fastapi import Request as HttpRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from openai.types import CompletionUsage
+from openai.types.chat import ChatCompletionMessage
+from openai.types.chat.chat_completion import Choice as ChatChoice
+from openai.types.chat.chat_completion_chunk import Choice as ChunkChoice
+from openai.types.chat.chat_completion_chunk import ChoiceDelta
+from pydantic import BaseModel, Field
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dspark.config import StrictModel, config_to_dict
 from dspark.engine import Engine, EngineConfig, EngineUnavailableError, QueueFullError, Request, StepReport
-from dspark.sampling import SamplingParams
+from dspark.serve_protocol import (ApiError, ChatBody, CompletionBody, DSparkChatCompletion, DSparkChatCompletionChunk,
+                                   DSparkCompletion, DSparkCompletionChoice, ModelList, RequestBody, ServedModel,
+                                   SpecDecode, dump, usage, validation_error)
 
 log = logging.getLogger("dspark.serve")
 
@@ -53,11 +65,20 @@ class ModelSection(StrictModel):
     device: Literal["auto", "cpu", "cuda"] = "auto"
 
 
+PROMPT_CHARS_PER_TOKEN = 32  # default api.max_prompt_chars = this × engine.max_model_len
+
+
 class ApiSection(StrictModel):
     api_key_env: str = "DSPARK_API_KEY"  # when this env var is set on the replica, Bearer auth is required
     max_tokens_limit: int = 1024  # largest max_tokens a request may ask for
     default_max_tokens: int = 256  # when a request gives none (capped by the room left in the context)
     max_prompts: int = 16  # prompts per /v1/completions request
+    max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024, description=(
+        "largest request body in bytes; larger ones get 413 before they are read (by Content-Length) or "
+        "as soon as they pass the limit, and are never parsed"))
+    max_prompt_chars: int | None = Field(None, ge=1, description=(
+        f"largest prompt (all messages' text, or all prompts) in characters, checked before tokenizing; "
+        f"None: {PROMPT_CHARS_PER_TOKEN} × engine.max_model_len"))
 
 
 class DeploymentSection(StrictModel):
@@ -139,147 +160,147 @@ def build_engine(cfg: ServeConfig, device: str | None = None) -> Engine:
     return Engine(target, drafter, cfg.engine)  # the engine puts its KV slots and RNG on target.device
 
 
-# ---- request bodies -----------------------------------------------------------------------------------
-class _Body(BaseModel):
-    """Common OpenAI sampling fields; unknown fields are ignored (clients send many)."""
-
-    model_config = ConfigDict(extra="ignore")
-    model: str | None = None
-    max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    n: int = 1
-    stream: bool = False
-    stop: str | list[str] | None = None
-    stream_options: dict | None = None
-    ignore_eos: bool = False  # extension (as in vLLM): do not stop at the target's EOS (benchmarks)
-
-    @field_validator("max_tokens")
-    @classmethod
-    def _max_tokens(cls, v):
-        if v is not None and v < 1:
-            raise ValueError("max_tokens must be >= 1")
-        return v
-
-    @field_validator("temperature")
-    @classmethod
-    def _temperature(cls, v):
-        if not v >= 0:
-            raise ValueError("temperature must be >= 0 (0 = greedy)")
-        return v
-
-    @field_validator("top_p")
-    @classmethod
-    def _top_p(cls, v):
-        if not 0 < v <= 1:
-            raise ValueError("top_p must be in (0, 1]")
-        return v
-
-    @field_validator("top_k")
-    @classmethod
-    def _top_k(cls, v):
-        if v < 0:
-            raise ValueError("top_k must be >= 0 (0 = off)")
-        return v
-
-    @field_validator("n")
-    @classmethod
-    def _n(cls, v):
-        if v != 1:
-            raise ValueError("only n=1 is supported")
-        return v
-
-    @field_validator("stop")
-    @classmethod
-    def _stop(cls, v):
-        stops = [v] if isinstance(v, str) else (v or [])
-        if len(stops) > 4 or any(not s for s in stops):
-            raise ValueError("stop takes up to 4 non-empty strings")
-        return stops or None
-
-    def sampling(self) -> SamplingParams:
-        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k)
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[dict] | None = ""
-
-    def text(self) -> str:
-        if isinstance(self.content, list):
-            if any(part.get("type") != "text" for part in self.content):
-                raise ValueError("only text content parts are supported")
-            return "".join(str(part.get("text", "")) for part in self.content)
-        return self.content or ""
-
-
-class ChatBody(_Body):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
-
-    @field_validator("max_completion_tokens")
-    @classmethod
-    def _max_completion_tokens(cls, v):
-        if v is not None and v < 1:
-            raise ValueError("max_completion_tokens must be >= 1")
-        return v
-
-
-class CompletionBody(_Body):
-    prompt: str | list[str] | list[int] | list[list[int]]
-
-    @field_validator("prompt")
-    @classmethod
-    def _prompt(cls, v):
-        prompts = [v] if isinstance(v, str) or (v and isinstance(v[0], int)) else v
-        if not prompts or any(len(p) == 0 for p in prompts):
-            raise ValueError("prompt must be a non-empty string or token list")
-        return v
-
-    def prompts(self) -> list[str | list[int]]:
-        v = self.prompt
-        return [v] if isinstance(v, str) or isinstance(v[0], int) else list(v)
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
-                 headers: dict | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.kind, self.headers = status, message, param, kind, headers
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.status}}
-
-
 # ---- text assembly (incremental detokenization + stop strings) -----------------------------------------
 class TextAssembler:
-    """Turns the growing token list into text deltas; holds back an incomplete UTF-8 tail and any text
-    that could still become a stop string. `update` returns (delta, stopped)."""
+    """Token stream -> text deltas. Each new token is detokenized once, incrementally, with `tokenizers`'
+    DecodeStream (which holds back an incomplete UTF-8 sequence until it completes); stop strings are
+    searched only in the text the new token could have completed, and any tail that could still grow
+    into a stop string is held back. `update(tokens, final)` -> (delta, stopped); after it, `text` is
+    the answer so far (cut before a stop string) and `n_tokens` the tokens it took, i.e. up to the one
+    that completed the stop string (what `usage.completion_tokens` counts)."""
 
     def __init__(self, tokenizer, stops: list[str] | None):
-        self.tokenizer, self.stops = tokenizer, stops or []
-        self.hold = max((len(s) for s in self.stops), default=1) - 1
-        self.sent = ""
-        self.text = ""
+        from tokenizers.decoders import DecodeStream
+
+        self.backend = getattr(tokenizer, "backend_tokenizer", None) if tokenizer is not None else None
+        if tokenizer is not None and self.backend is None:
+            raise ValueError(f"tokenizer {type(tokenizer).__name__} has no `tokenizers` backend (a fast tokenizer "
+                             "is needed for incremental detokenization)")
+        self.decoder = DecodeStream(skip_special_tokens=True)
+        self.stops = list(stops or [])
+        self.full = ""  # detokenized text of every token fed
+        self.ids: list[int] = []  # tokens fed
+        self.pending = 0  # tokens fed since the decoder last produced text (an incomplete UTF-8 tail)
+        self.n_tokens = 0
+        self.cut: int | None = None  # where a stop string starts (the answer ends there)
+        self.sent = 0  # characters already returned as deltas
+
+    @property
+    def stopped(self) -> bool:
+        return self.cut is not None
+
+    @property
+    def text(self) -> str:
+        return self.full if self.cut is None else self.full[: self.cut]
+
+    @property
+    def fed(self) -> int:
+        return len(self.ids)
 
     def update(self, tokens: list[int], final: bool) -> tuple[str, bool]:
-        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
-        stopped = False
+        for token in tokens[self.fed:]:
+            if self.stopped:
+                break
+            self._feed(int(token))
+        if final and self.pending and not self.stopped:  # an incomplete tail decodes as U+FFFD, as in decode()
+            self._flush()
+        visible = len(self.text) if (final or self.stopped) else len(self.full) - self._held_back()
+        delta = self.full[self.sent: visible] if visible > self.sent else ""
+        self.sent = max(self.sent, visible)
+        return delta, self.stopped
+
+    def _feed(self, token: int) -> None:
+        self.ids.append(token)
+        self.n_tokens = self.fed
+        piece = self.decoder.step(self.backend, token) if self.backend is not None else None
+        if not piece:
+            self.pending += 1
+            return
+        self.pending = 0
+        self._extend(piece)
+
+    def _flush(self) -> None:
+        whole = self.backend.decode(self.ids, skip_special_tokens=True)
+        if whole.startswith(self.full) and len(whole) > len(self.full):
+            self._extend(whole[len(self.full):])
+        self.pending = 0
+
+    def _extend(self, piece: str) -> None:
+        before = len(self.full)
+        self.full += piece
+        # a stop string completed by this piece ends somewhere in it: search from len(stop)-1 before it
+        hits = [at for stop in self.stops if (at := self.full.find(stop, max(0, before - len(stop) + 1))) >= 0]
+        if hits:
+            self.cut = min(hits)
+
+    def _held_back(self) -> int:
+        """Length of the longest tail of the text that is a proper prefix of a stop string."""
+        longest = 0
         for stop in self.stops:
-            at = text.find(stop)
-            if at >= 0:
-                text, stopped = text[:at], True
-        self.text = text
-        if not (final or stopped):
-            if text.endswith("\ufffd"):
-                return "", False
-            text = text[: len(text) - self.hold] if self.hold else text
-        if not text.startswith(self.sent) or len(text) <= len(self.sent):
-            return "", stopped
-        delta, self.sent = text[len(self.sent):], text
-        return delta, stopped
+            for k in range(min(len(stop) - 1, len(self.full)), longest, -1):
+                if self.full.endswith(stop[:k]):
+                    longest = k
+                    break
+        return longest
+
+
+@dataclass
+class Outcome:
+    """A finished (or stopped) request as the API reports it."""
+
+    req: Request
+    text: str
+    finish_reason: str
+    completion_tokens: int
+
+
+class ChatStream:
+    """SSE chunks of /v1/chat/completions (a first chunk with the role, content deltas, a finish chunk)."""
+
+    def __init__(self, rid: str, created: int, model: str, include_usage: bool):
+        self.base = {"id": rid, "created": created, "model": model, "object": "chat.completion.chunk",
+                     **({"usage": None} if include_usage else {})}
+
+    def first(self) -> BaseModel | None:
+        return self._chunk(ChoiceDelta(role="assistant", content=""), None)
+
+    def delta(self, text: str) -> BaseModel:
+        return self._chunk(ChoiceDelta(content=text), None)
+
+    def finish(self, reason: str, spec: SpecDecode) -> BaseModel:
+        return self._chunk(ChoiceDelta(), reason, spec_decode=spec)
+
+    def usage(self, u: CompletionUsage) -> BaseModel:
+        return DSparkChatCompletionChunk(**{**self.base, "usage": u}, choices=[])
+
+    def _chunk(self, delta: ChoiceDelta, reason: str | None, **extra) -> BaseModel:
+        choice = ChunkChoice(index=0, delta=delta, finish_reason=reason, logprobs=None)
+        return DSparkChatCompletionChunk(**self.base, choices=[choice], **extra)
+
+
+class CompletionStream:
+    """SSE chunks of /v1/completions (text deltas, a finish chunk)."""
+
+    def __init__(self, rid: str, created: int, model: str, include_usage: bool):
+        self.base = {"id": rid, "created": created, "model": model, "object": "text_completion",
+                     **({"usage": None} if include_usage else {})}
+
+    def first(self) -> BaseModel | None:
+        return None
+
+    def delta(self, text: str) -> BaseModel:
+        return self._chunk(text, None)
+
+    def finish(self, reason: str, spec: SpecDecode) -> BaseModel:
+        return self._chunk("", reason, spec_decode=spec)
+
+    def usage(self, u: CompletionUsage) -> BaseModel:
+        return DSparkCompletion.model_construct(**{**self.base, "usage": u}, choices=[])
+
+    def _chunk(self, text: str, reason: str | None, **extra) -> BaseModel:
+        # a streamed completion chunk has finish_reason null until the last one: build without validation
+        choice = DSparkCompletionChoice.model_construct(index=0, text=text, finish_reason=reason, logprobs=None)
+        return DSparkCompletion.model_construct(**self.base, choices=[choice], **extra)
 
 
 # ---- the service -----------------------------------------------------------------------------------------
@@ -291,18 +312,28 @@ class OpenAIService:
         self.target = engine.target
         self.model_name = served_name(cfg)
         self.created = int(time.time())
+        self.max_prompt_chars = cfg.api.max_prompt_chars or PROMPT_CHARS_PER_TOKEN * engine.max_model_len
 
     @property
     def api_key(self) -> str | None:
         return os.environ.get(self.cfg.api.api_key_env) or None
 
     # ---- validation --------------------------------------------------------------------------------
-    def check_model(self, body: _Body) -> None:
+    def check_request(self, body: RequestBody, param: str) -> None:
+        """What can be checked before tokenizing: the model, stream_options, the prompt's length in
+        characters (bounds the tokenizer's work)."""
         if body.model is not None and body.model != self.model_name:
-            raise ApiError(400, f"unknown model {body.model!r}; this server serves {self.model_name!r} "
+            raise ApiError(404, f"the model {body.model!r} does not exist; this server serves {self.model_name!r} "
                                 f"(see GET /v1/models)", "model", "model_not_found")
+        body.check_stream_options()
+        chars = body.prompt_chars()
+        if chars > self.max_prompt_chars:
+            raise ApiError(400, f"'{param}' has {chars} characters; this server accepts at most "
+                                f"{self.max_prompt_chars} (the context holds {self.engine.max_model_len} tokens); "
+                                f"shorten the prompt", param, "context_length_exceeded")
 
     def prompt_ids(self, prompt: str | list[int] | list[dict], param: str) -> list[int]:
+        """Tokenize one prompt (blocking: call through `tokenize`)."""
         tok = self.target.tokenizer
         if isinstance(prompt, str):
             if tok is None:
@@ -311,13 +342,21 @@ class OpenAIService:
         if prompt and isinstance(prompt[0], dict):
             if tok is None or tok.chat_template is None:
                 raise ApiError(400, f"target {self.target.name} has no chat template; use /v1/completions", param)
-            return self.target.chat_ids(prompt)
+            try:
+                return self.target.chat_ids(prompt)
+            except Exception as err:  # the template raised on these messages (e.g. a role order it forbids)
+                raise ApiError(400, f"the chat template of {self.target.name} rejects these messages: {err}",
+                               param) from None
         ids = list(prompt)
         if min(ids) < 0 or max(ids) >= self.target.vocab_size:
             raise ApiError(400, f"prompt token ids must be in [0, {self.target.vocab_size})", param)
         return ids
 
-    def max_tokens(self, body: _Body, prompt_len: int, param: str) -> int:
+    async def tokenize(self, prompts: list, param: str) -> list[list[int]]:
+        """Tokenize off the event loop, so a long prompt never delays the other requests' I/O."""
+        return await asyncio.to_thread(lambda: [self.prompt_ids(p, param) for p in prompts])
+
+    def max_tokens(self, body: RequestBody, prompt_len: int, param: str) -> int:
         """The request's max_tokens (or the default, capped by the room left); 400 naming the field."""
         asked = getattr(body, "max_completion_tokens", None) or body.max_tokens
         name = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) else "max_tokens"
@@ -338,7 +377,7 @@ class OpenAIService:
         return asked
 
     # ---- running requests ------------------------------------------------------------------------------
-    def submit(self, ids: list[int], body: _Body, max_tokens: int, queue: asyncio.Queue) -> Request:
+    def submit(self, ids: list[int], body: RequestBody, max_tokens: int, queue: asyncio.Queue) -> Request:
         loop = asyncio.get_running_loop()
 
         def listener(req: Request, new: list[int], final: bool) -> None:
@@ -346,7 +385,7 @@ class OpenAIService:
 
         try:
             return self.engine.submit(ids, body.sampling(), max_tokens, stop_ids=[] if body.ignore_eos else None,
-                                      listener=listener)
+                                      listener=listener, seed=body.seed)
         except QueueFullError as err:
             if self.metrics:
                 self.metrics.rejected()
@@ -356,68 +395,67 @@ class OpenAIService:
         except ValueError as err:
             raise ApiError(400, str(err), "prompt") from None
 
-    async def run_to_end(self, ids: list[int], body: _Body, max_tokens: int) -> tuple[Request, str, str]:
-        """Non-streaming: (request, text, finish_reason)."""
+    async def run_to_end(self, ids: list[int], body: RequestBody, max_tokens: int) -> Outcome:
+        """Non-streaming: generate until the engine finishes the request or a stop string appears."""
         queue: asyncio.Queue = asyncio.Queue()
         req = self.submit(ids, body, max_tokens, queue)
-        assembler = TextAssembler(self.target.tokenizer, body.stop) if self.target.tokenizer else None
+        assembler = TextAssembler(self.target.tokenizer, body.stops)
         try:
             while True:
                 _, final = await queue.get()
-                if assembler and body.stop:
-                    _, stopped = assembler.update(list(req.tokens), final)
-                    if stopped and not final:
-                        self.engine.cancel(req)
-                        return self._done(req), assembler.text, "stop"
-                if final:
+                if body.stops or final:
+                    assembler.update(list(req.tokens), final)
+                if assembler.stopped and not final:
+                    self.engine.cancel(req)
+                if assembler.stopped or final:
                     break
         except asyncio.CancelledError:  # the client went away
             self.engine.cancel(req)
             raise
         self._done(req)
-        if req.finish_reason == "error":
-            raise ApiError(500, f"generation failed: {req.error}", None, "server_error")
-        text = ""
-        if assembler:
-            assembler.update(list(req.tokens), True)
-            text = assembler.text
-        return req, text, req.finish_reason
+        if not assembler.stopped and req.finish_reason not in ("stop", "length"):
+            raise _not_generated(req)
+        reason = "stop" if assembler.stopped else req.finish_reason
+        return Outcome(req, assembler.text, reason, assembler.n_tokens)
 
     def _done(self, req: Request) -> Request:
         if self.metrics:
             self.metrics.request_done(req)
         return req
 
-    def stream(self, ids: list[int], body: _Body, max_tokens: int, chunk):
+    def stream(self, ids: list[int], body: RequestBody, max_tokens: int, fmt: ChatStream | CompletionStream):
         """Submit now (so queue-full / bad input still become HTTP errors), then return the SSE event
-        generator: chunk(delta, finish_reason, req, first=, last=) builds each JSON object."""
+        generator."""
         queue: asyncio.Queue = asyncio.Queue()
         req = self.submit(ids, body, max_tokens, queue)
-        return self._events(req, queue, body, chunk)
+        return self._events(req, queue, body, fmt)
 
-    async def _events(self, req: Request, queue: asyncio.Queue, body: _Body, chunk):
-        assembler = TextAssembler(self.target.tokenizer, body.stop)
+    async def _events(self, req: Request, queue: asyncio.Queue, body: RequestBody, fmt: ChatStream | CompletionStream):
+        assembler = TextAssembler(self.target.tokenizer, body.stops)
         finished = False
         try:
-            yield _sse(chunk("", None, req, first=True))
+            if (first := fmt.first()) is not None:
+                yield _sse(first)
             while not finished:
                 _, final = await queue.get()
                 while not final and not queue.empty():  # coalesce updates that arrived meanwhile
                     _, final = queue.get_nowait()
-                if req.finish_reason == "error":
+                if req.finish_reason in ("error", "cancelled"):
                     finished = True
                     self._done(req)
-                    yield _sse(ApiError(500, f"generation failed: {req.error}", None, "server_error").body())
+                    yield _sse(_not_generated(req).body())
                     break
                 delta, stopped = assembler.update(list(req.tokens), final)
                 if delta:
-                    yield _sse(chunk(delta, None, req))
+                    yield _sse(fmt.delta(delta))
                 if stopped or final:
                     finished = True
                     if stopped and not final:
                         self.engine.cancel(req)
                     self._done(req)
-                    yield _sse(chunk("", "stop" if stopped else req.finish_reason, req, last=True))
+                    yield _sse(fmt.finish("stop" if stopped else req.finish_reason, self.spec_decode([req])))
+                    if body.include_usage:
+                        yield _sse(fmt.usage(usage(len(req.prompt_ids), assembler.n_tokens)))
             yield "data: [DONE]\n\n"
         finally:
             if not finished:  # the client disconnected mid-stream
@@ -425,80 +463,65 @@ class OpenAIService:
 
     # ---- responses ---------------------------------------------------------------------------------------
     @staticmethod
-    def usage(reqs: list[Request]) -> dict:
-        prompt = sum(len(r.prompt_ids) for r in reqs)
-        completion = sum(len(r.tokens) for r in reqs)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    def usage(outcomes: list[Outcome]) -> CompletionUsage:
+        return usage(sum(len(o.req.prompt_ids) for o in outcomes), sum(o.completion_tokens for o in outcomes))
 
     @staticmethod
-    def spec_decode(reqs: list[Request]) -> dict:
-        total = {"rounds": 0, "draft_tokens_proposed": 0, "draft_tokens_verified": 0, "draft_tokens_accepted": 0}
+    def spec_decode(reqs: list[Request]) -> SpecDecode:
+        total = SpecDecode()
         for r in reqs:
-            for key, value in r.stats.spec_decode().items():
-                if key in total:
-                    total[key] += value
-        rounds = total["rounds"]
-        total["mean_accepted_length"] = (total["draft_tokens_accepted"] + rounds) / rounds if rounds else None
+            s = r.stats
+            total.rounds += s.rounds
+            total.draft_tokens_proposed += s.proposed
+            total.draft_tokens_verified += s.verified
+            total.draft_tokens_accepted += s.accepted
+        rounds = total.rounds
+        total.mean_accepted_length = (total.draft_tokens_accepted + rounds) / rounds if rounds else None
         return total
 
     async def chat(self, body: ChatBody):
-        self.check_model(body)
-        try:
-            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        except ValueError as err:
-            raise ApiError(400, str(err), "messages") from None
-        ids = self.prompt_ids(messages, "messages")
+        self.check_request(body, "messages")
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        (ids,) = await self.tokenize([messages], "messages")
         max_tokens = self.max_tokens(body, len(ids), "messages")
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if body.stream:
-            def chunk(delta, reason, req, first=False, last=False):
-                out = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.model_name,
-                       "choices": [{"index": 0, "delta": ({"role": "assistant", "content": ""} if first else
-                                                         ({"content": delta} if delta else {})),
-                                    "finish_reason": reason, "logprobs": None}]}
-                if last:
-                    out.update(usage=self.usage([req]), spec_decode=self.spec_decode([req]))
-                return out
-
-            return self.stream(ids, body, max_tokens, chunk)
-        req, text, reason = await self.run_to_end(ids, body, max_tokens)
-        return {"id": rid, "object": "chat.completion", "created": created, "model": self.model_name,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                             "finish_reason": reason, "logprobs": None}],
-                "usage": self.usage([req]), "spec_decode": self.spec_decode([req])}
+            return self.stream(ids, body, max_tokens, ChatStream(rid, created, self.model_name, body.include_usage))
+        out = await self.run_to_end(ids, body, max_tokens)
+        choice = ChatChoice(index=0, message=ChatCompletionMessage(role="assistant", content=out.text),
+                            finish_reason=out.finish_reason, logprobs=None)
+        return DSparkChatCompletion(id=rid, object="chat.completion", created=created, model=self.model_name,
+                                    choices=[choice], usage=self.usage([out]), spec_decode=self.spec_decode([out.req]))
 
     async def completions(self, body: CompletionBody):
-        self.check_model(body)
+        self.check_request(body, "prompt")
         prompts = body.prompts()
         if len(prompts) > self.cfg.api.max_prompts:
             raise ApiError(400, f"{len(prompts)} prompts in one request; at most {self.cfg.api.max_prompts}", "prompt")
         if body.stream and len(prompts) > 1:
             raise ApiError(400, "streaming takes a single prompt", "prompt")
-        ids_list = [self.prompt_ids(p, "prompt") for p in prompts]
+        ids_list = await self.tokenize(prompts, "prompt")
         limits = [self.max_tokens(body, len(ids), "prompt") for ids in ids_list]
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         if body.stream:
-            def chunk(delta, reason, req, first=False, last=False):
-                out = {"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
-                       "choices": [{"index": 0, "text": delta, "finish_reason": reason, "logprobs": None}]}
-                if last:
-                    out.update(usage=self.usage([req]), spec_decode=self.spec_decode([req]))
-                return out
+            fmt = CompletionStream(rid, created, self.model_name, body.include_usage)
+            return self.stream(ids_list[0], body, limits[0], fmt)
+        outs = await asyncio.gather(*(self.run_to_end(ids, body, n) for ids, n in zip(ids_list, limits)))
+        choices = [DSparkCompletionChoice(index=i, text=o.text, finish_reason=o.finish_reason, logprobs=None,
+                                          token_ids=list(o.req.tokens[: o.completion_tokens]))
+                   for i, o in enumerate(outs)]
+        return DSparkCompletion(id=rid, object="text_completion", created=created, model=self.model_name,
+                                choices=choices, usage=self.usage(outs),
+                                spec_decode=self.spec_decode([o.req for o in outs]))
 
-            return self.stream(ids_list[0], body, limits[0], chunk)
-        results = await asyncio.gather(*(self.run_to_end(ids, body, n) for ids, n in zip(ids_list, limits)))
-        reqs = [r for r, _, _ in results]
-        return {"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
-                "choices": [{"index": i, "text": text, "finish_reason": reason, "logprobs": None,
-                             "token_ids": list(req.tokens)}  # extension: the generated token ids
-                            for i, (req, text, reason) in enumerate(results)],
-                "usage": self.usage(reqs), "spec_decode": self.spec_decode(reqs)}
-
-    def models(self) -> dict:
+    def model_card(self) -> ServedModel:
         drafter = self.cfg.model.drafter if self.engine.drafting else None
-        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,
-                                            "owned_by": "dspark", "root": self.target.name, "drafter": drafter,
-                                            "scheduler": self.engine.mode, "max_model_len": self.engine.max_model_len}]}
+        return ServedModel(id=self.model_name, object="model", created=self.created, owned_by="dspark",
+                           root=self.target.name, drafter=drafter, scheduler=self.engine.mode,
+                           max_model_len=self.engine.max_model_len)
+
+    def models(self) -> ModelList:
+        return ModelList(data=[self.model_card()])
 
     def health(self) -> tuple[int, dict]:
         stats = self.engine.stats()
@@ -506,22 +529,91 @@ class OpenAIService:
         return (200 if ok else 503), {"status": "ok" if ok else "unhealthy", "model": self.model_name, **stats}
 
 
-def _sse(obj: dict) -> str:
-    return f"data: {json.dumps(obj)}\n\n"
+def _not_generated(req: Request) -> ApiError:
+    if req.finish_reason == "cancelled":  # the engine stopped under it
+        return ApiError(503, "the request was cancelled: the engine is stopping", None, "service_unavailable")
+    return ApiError(500, f"generation failed: {req.error}", None, "generation_failed")
+
+
+def _sse(obj: BaseModel) -> str:
+    return f"data: {json.dumps(dump(obj))}\n\n"
 
 
 # ---- the FastAPI app --------------------------------------------------------------------------------------
+ROUTES = "POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /v1/stats, GET /healthz"
+
+
+class BodyLimit:
+    """ASGI middleware: a request body over `max_bytes` gets 413 in OpenAI's shape, by its Content-Length
+    before a byte is read, or (chunked uploads) as soon as the bytes received pass the limit; it is
+    never parsed. (Starlette's RequestBodyLimitMiddleware answers the Content-Length case in plain text.)
+    Before that 413 the upload is read and dropped (never stored) for up to `linger_s`, as nginx's
+    lingering close does, so a client still sending gets the answer instead of a connection reset."""
+
+    def __init__(self, app, max_bytes: int, linger_s: float = 2.0):
+        self.app, self.max_bytes, self.linger_s = app, max_bytes, linger_s
+
+    def too_large(self) -> ApiError:
+        return ApiError(413, f"request body exceeds this server's limit of {self.max_bytes} bytes "
+                             f"(api.max_body_bytes)", None, "request_too_large", {"Connection": "close"})
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = Headers(scope=scope).get("content-length", "")
+        if length.isdigit() and int(length) > self.max_bytes:
+            await self._drain(receive)
+            return await self.too_large().response()(scope, receive, send)
+        received = 0
+
+        async def limited_receive():
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:  # FastAPI re-raises an HTTPException met while reading the body
+                    if message.get("more_body", False):
+                        await self._drain(receive)
+                    raise StarletteHTTPException(413)
+            return message
+
+        await self.app(scope, limited_receive, send)
+
+    async def _drain(self, receive) -> None:
+        async def drop() -> None:
+            while (await receive()).get("more_body", False):
+                pass
+
+        try:
+            await asyncio.wait_for(drop(), self.linger_s)
+        except asyncio.TimeoutError:
+            pass
+
+
 def make_app(service: OpenAIService):
-    """FastAPI app exposing `service`; used as the Serve ingress and directly in tests."""
+    """FastAPI app exposing `service`; used as the Serve ingress and directly in tests. Bodies above
+    api.max_body_bytes are refused with 413 (`BodyLimit`); every error, FastAPI's own included,
+    answers in OpenAI's shape."""
+    limit = service.cfg.api.max_body_bytes
     app = FastAPI(title="dspark", description="OpenAI-compatible speculative decoding server")
+    app.add_middleware(BodyLimit, max_bytes=limit)
 
     @app.exception_handler(ApiError)
     async def _api_error(_, err: ApiError):
-        return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+        return err.response()
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_, err: RequestValidationError):
-        return JSONResponse(_validation_body(err.errors()).body(), status_code=400)
+        return validation_error(list(err.errors())).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: HttpRequest, err: StarletteHTTPException):
+        return _http_api_error(request, err, limit).response()
+
+    @app.exception_handler(Exception)
+    async def _internal_error(_, err: Exception):
+        log.exception("unhandled error")
+        return ApiError(500, f"internal server error: {type(err).__name__}", None, "internal_error").response()
 
     def authorize(request: HttpRequest) -> None:
         key = service.api_key
@@ -531,11 +623,11 @@ def make_app(service: OpenAIService):
         given = header[7:] if header.lower().startswith("bearer ") else ""
         if not hmac.compare_digest(given.encode(), key.encode()):
             raise ApiError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'", None,
-                           "authentication_error")
+                           "invalid_api_key")
 
     def respond(result):
-        if isinstance(result, dict):
-            return result
+        if isinstance(result, BaseModel):
+            return JSONResponse(dump(result))
         return StreamingResponse(result, media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
@@ -549,7 +641,14 @@ def make_app(service: OpenAIService):
 
     @app.get("/v1/models", dependencies=[Depends(authorize)])
     async def models():
-        return service.models()
+        return respond(service.models())
+
+    @app.get("/v1/models/{model:path}", dependencies=[Depends(authorize)])
+    async def model(model: str):
+        if model != service.model_name:
+            raise ApiError(404, f"the model {model!r} does not exist; this server serves {service.model_name!r}",
+                           "model", "model_not_found")
+        return respond(service.model_card())
 
     @app.get("/v1/stats", dependencies=[Depends(authorize)])
     async def stats():
@@ -563,18 +662,17 @@ def make_app(service: OpenAIService):
     return app
 
 
-def _validation_body(errors: list[dict]) -> ApiError:
-    """First pydantic error -> ApiError naming the field (or the bad JSON)."""
-    err = errors[0] if errors else {"loc": (), "msg": "invalid request"}
-    loc = [str(p) for p in err.get("loc", ()) if p not in ("body",)]
-    if err.get("type") == "json_invalid":
-        return ApiError(400, f"request body is not valid JSON: {err.get('ctx', {}).get('error', err['msg'])}")
-    if err.get("type") == "model_attributes_type" or not loc:
-        return ApiError(400, f"request body must be a JSON object (Content-Type: application/json): {err.get('msg')}")
-    # union members add their type name to loc (e.g. prompt.str); keep the field path only
-    field = ".".join(p for p in loc if not p.startswith(("str", "list[", "int", "dict", "function-")))
-    msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
-    return ApiError(400, f"invalid '{field}': {msg}", field or None)
+def _http_api_error(request: HttpRequest, err: StarletteHTTPException, body_limit: int) -> ApiError:
+    """Starlette/FastAPI's own HTTP errors (unknown path, wrong method, body too large) in OpenAI's shape."""
+    where = f"{request.method} {request.url.path}"
+    if err.status_code == 404:
+        return ApiError(404, f"no route {where}; this server answers {ROUTES}", None, "not_found")
+    if err.status_code == 405:
+        return ApiError(405, f"method not allowed: {where}; this server answers {ROUTES}", None,
+                        "method_not_allowed", err.headers)
+    if err.status_code == 413:
+        return BodyLimit(None, body_limit).too_large()
+    return ApiError(err.status_code, str(err.detail), None, None, err.headers)
 
 
 # ---- Ray Serve --------------------------------------------------------------------------------------------

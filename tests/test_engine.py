@@ -102,8 +102,8 @@ def test_greedy_with_a_drafter_that_agrees_accepts_everything(wide_target):
         proposal.probs = torch.nn.functional.one_hot(proposal.tokens, wide_target.vocab_size).float()
         return proposal
 
-    drafter.propose_batch = lambda states, anchors, gamma, sampling, generator=None: [  # the engine's path
-        oracle(s, a, gamma, sp, generator) for s, a, sp in zip(states, anchors, sampling)]
+    drafter.propose_batch = lambda states, anchors, gamma, sampling, generators: [  # the engine's path
+        oracle(s, a, gamma, sp, g) for s, a, sp, g in zip(states, anchors, sampling, generators)]
     engine = _engine(wide_target, drafter, "fixed")
     (req,) = engine.generate([prompt], GREEDY, max_new_tokens=36, stop_ids=[])
     assert req.tokens == ref[:36]
@@ -293,3 +293,25 @@ def test_greedy_output_with_the_real_draft_gate_equals_target_only(wide_target):
     reqs = engine.generate(prompts, GREEDY, max_new_tokens=16, stop_ids=[])
     for prompt, req in zip(prompts, reqs):
         assert req.tokens == target_generate(wide_target, prompt, GREEDY, 16, stop_ids=[]).token_ids
+
+
+@pytest.mark.parametrize("mode,algo", [("fixed", "dspark"), ("threshold", "dspark"), ("fixed", "dflash"),
+                                       ("fixed", "eagle3"), ("off", None)])
+def test_seeded_request_is_reproducible_alone_and_in_any_batch(wide_target, mode, algo):
+    """Per-request generators: a seeded request's tokens at temperature 1 are the same alone, in a batch
+    of other (unseeded) requests, and next to a copy of itself with another seed; where ℓ_r depends on
+    request r alone (off / fixed / threshold), nothing else in the batch can change them."""
+    drafter = None if algo is None else _drafter(wide_target, algo=algo, gamma=3)
+    sp, prompt = SamplingParams(temperature=1.0), [3, 1, 4, 1, 5]
+    extra = {"threshold": 0.5, "threshold_on": "confidence"} if mode == "threshold" else {}
+
+    def run(prompts, seeds):
+        return [r.tokens for r in _engine(wide_target, drafter, mode, seed=None, **extra).generate(
+            prompts, sp, max_new_tokens=24, stop_ids=[], seeds=seeds)]
+
+    (alone,) = run([prompt], [1234])
+    others = [[7, 8], [9] * 11, [2, 3, 4]]
+    batched = run(others[:2] + [prompt] + others[2:], [None, None, 1234, None])
+    assert batched[2] == alone
+    pair = run([prompt, prompt], [1234, 99])
+    assert pair[0] == alone and pair[1] != alone  # another seed: another sample (24 tokens from 64)

@@ -132,6 +132,22 @@ def test_dflash_batch_draws_like_the_request_loop(target):
 
 
 @pytest.mark.parametrize("algo", ["dspark", "dflash", "eagle3"])
+def test_per_request_generators_make_each_proposal_independent_of_the_batch(target, algo):
+    """One generator per request: each request's proposal (mixed γ, one context empty) is exactly
+    `propose` on its own with a generator of the same seed, whatever the other rows drew."""
+    drafter = make(target, algo)
+    states, anchors = requests(target, drafter)
+    sps = [SamplingParams(temperature=1.0)] * len(states)
+    batch = drafter.propose_batch(states, anchors, GAMMAS, sps, [torch.Generator().manual_seed(10 + r)
+                                                                 for r in range(len(states))])
+    for r, (s, a, gamma, sp, got) in enumerate(zip(states, anchors, GAMMAS, sps, batch)):
+        alone = drafter.propose(s, a, gamma, sp, torch.Generator().manual_seed(10 + r))
+        assert torch.equal(got.tokens, alone.tokens)
+    with pytest.raises(ValueError, match="one generator per state"):
+        drafter.propose_batch(states, anchors, GAMMAS, sps, [torch.Generator()])
+
+
+@pytest.mark.parametrize("algo", ["dspark", "dflash", "eagle3"])
 def test_batched_draws_follow_each_rows_distribution(target, algo):
     """Two different requests interleaved 32 times each: the first drafted token of each request
     follows that request's own distribution (χ² over 640 draws per request)."""

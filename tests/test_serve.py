@@ -35,7 +35,6 @@ BAD_INPUTS = [  # (route, body, param named in the error)
     ("chat", {"messages": []}, "messages"),
     ("chat", {"messages": "hi"}, "messages"),
     ("chat", {"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
-    ("chat", {**CHAT, "model": "gpt-4"}, "model"),
     ("chat", {**CHAT, "max_tokens": 0}, "max_tokens"),
     ("chat", {**CHAT, "max_tokens": -3}, "max_tokens"),
     ("chat", {**CHAT, "max_tokens": 10_000}, "max_tokens"),
@@ -48,7 +47,30 @@ BAD_INPUTS = [  # (route, body, param named in the error)
     ("completions", {"prompt": []}, "prompt"),
     ("completions", {"prompt": [1, 2, 99999]}, "prompt"),
     ("completions", {"prompt": "the a of " * 200}, "prompt"),
+    ("completions", {"prompt": "x" * 9000}, "prompt"),  # over api.max_prompt_chars: refused before tokenizing
+    ("chat", {"messages": [{"role": "user", "content": "y" * 9000}]}, "messages"),
+    ("chat", {**CHAT, "seed": 2**64}, "seed"),
+    ("chat", {**CHAT, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ("chat", {**CHAT, "stop": ""}, "stop"),
+    ("chat", {**CHAT, "stream_options": {"include_usage": True}}, "stream_options"),  # without stream
+    ("chat", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages.0.content.0.type"),
+    ("chat", {"messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}]},
+     "messages.0.tool_calls"),
+    ("completions", {"prompt": [[1, 2], []]}, "prompt.1"),
 ]
+# OpenAI fields this server does not implement: each answers 400 naming the field when a request asks for it
+UNSUPPORTED = [
+    ("chat", "logprobs", True), ("chat", "top_logprobs", 3), ("chat", "n", 2),
+    ("chat", "tools", [{"type": "function", "function": {"name": "f"}}]), ("chat", "tool_choice", "auto"),
+    ("chat", "response_format", {"type": "json_object"}), ("chat", "frequency_penalty", 0.5),
+    ("chat", "presence_penalty", -1.0), ("chat", "logit_bias", {"5": 10}), ("chat", "functions", [{"name": "f"}]),
+    ("chat", "modalities", ["text", "audio"]), ("chat", "prediction", {"type": "content", "content": "x"}),
+    ("completions", "logprobs", 2), ("completions", "best_of", 3), ("completions", "echo", True),
+    ("completions", "suffix", "end"), ("completions", "n", 4), ("completions", "repetition_penalty", 1.2),
+]
+NEUTRAL = {"logprobs": False, "n": 1, "frequency_penalty": 0, "presence_penalty": 0.0, "tool_choice": "none",
+           "response_format": {"type": "text"}, "logit_bias": {}, "tools": [], "user": "u1", "metadata": {"a": "b"}}
 ROUTES = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 
 
@@ -67,9 +89,17 @@ def _post(client, route, body, **kw):
     return client.post(ROUTES[route], json=body, headers=kw)
 
 
+def _check_error_shape(resp, status):
+    """OpenAI's error shape, exactly: {"error": {"message", "type", "param", "code"}}."""
+    assert resp.status_code == status, resp.text
+    body = resp.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
+    assert body["error"]["message"] and body["error"]["type"]
+    return body["error"]
+
+
 def _check_bad_input(resp, param):
-    assert resp.status_code == 400, resp.text
-    err = resp.json()["error"]
+    err = _check_error_shape(resp, 400)
     assert err["param"] == param and err["message"]
     if param:
         assert param.split(".")[0] in err["message"]
@@ -145,16 +175,16 @@ def test_chat_and_completions_carry_usage_and_spec_decode(client, tiny):
 
 
 def test_streaming_is_well_formed_sse(client):
-    body = {**CHAT, "max_tokens": 12, "stream": True}
+    body = {**CHAT, "max_tokens": 12, "stream": True, "stream_options": {"include_usage": True}}
     with client.stream("POST", ROUTES["chat"], json=body) as resp:
         assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/event-stream")
         chunks = _sse_events(resp.iter_lines())
     assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
     assert all(c["object"] == "chat.completion.chunk" and c["id"] == chunks[0]["id"] for c in chunks)
-    assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
-    last = chunks[-1]
-    assert last["choices"][0]["finish_reason"] in ("stop", "length")
-    assert last["usage"]["completion_tokens"] >= 1 and last["spec_decode"]["rounds"] >= 1
+    assert all(c["choices"][0]["finish_reason"] is None and c["usage"] is None for c in chunks[:-2])
+    finish, last = chunks[-2:]  # include_usage: a last chunk with empty choices carries the usage
+    assert finish["choices"][0]["finish_reason"] in ("stop", "length") and finish["spec_decode"]["rounds"] >= 1
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] >= 1
     with client.stream("POST", ROUTES["completions"], json={"prompt": "the a of", "max_tokens": 6,
                                                              "stream": True}) as resp:
         chunks = _sse_events(resp.iter_lines())
@@ -267,7 +297,8 @@ def test_build_engine_puts_target_drafter_and_engine_on_the_resolved_device(draf
 
     engine = build_engine(_serve_config(drafter_dir))  # model.device=auto, no GPUs asked -> cpu here
     assert engine.target.device.type == engine.drafter.device.type == engine.kv.device.type == "cpu"
-    assert engine.generator.device.type == "cpu" and engine.stats()["device"] == "cpu"
+    req = engine.submit([1, 2, 3], max_new_tokens=2, seed=7)
+    assert req.generator.device.type == "cpu" and engine.stats()["device"] == "cpu"
 
 
 def test_deployment_for_reserves_the_gpus_asked_for():
@@ -277,6 +308,231 @@ def test_deployment_for_reserves_the_gpus_asked_for():
     assert "num_gpus" not in deployment_for(ServeConfig())._bound_deployment.ray_actor_options
     cfg = ServeConfig.model_validate({"deployment": {"num_gpus": 1, "num_cpus": 2}})
     assert deployment_for(cfg)._bound_deployment.ray_actor_options == {"num_cpus": 2.0, "num_gpus": 1.0}
+
+
+@pytest.mark.parametrize("route,field,value", UNSUPPORTED, ids=[f"{r}-{f}" for r, f, _ in UNSUPPORTED])
+def test_unimplemented_openai_fields_get_400_naming_the_field(client, route, field, value):
+    body = {**CHAT} if route == "chat" else {"prompt": "the a of", "max_tokens": 4}
+    err = _check_error_shape(_post(client, route, {**body, field: value}), 400)
+    assert err["param"] == field and f"'{field}' is not supported" in err["message"]
+
+
+def test_neutral_values_of_unimplemented_fields_are_accepted(client):
+    """Generic clients send logprobs=false, n=1, zero penalties...: those ask for nothing and are served."""
+    resp = _post(client, "chat", {**CHAT, **NEUTRAL})
+    assert resp.status_code == 200, resp.text
+    assert _post(client, "completions", {"prompt": "the a", "max_tokens": 2, "logprobs": None, "echo": False,
+                                         "best_of": 1, "n": 1}).status_code == 200
+
+
+def test_unknown_model_is_404(client):
+    err = _check_error_shape(_post(client, "chat", {**CHAT, "model": "gpt-4"}), 404)
+    assert err["param"] == "model" and err["code"] == "model_not_found" and "gpt-4" in err["message"]
+    err = _check_error_shape(_post(client, "completions", {"prompt": "a", "model": "nope"}), 404)
+    assert err["code"] == "model_not_found"
+    assert client.get("/v1/models/dspark-tiny").json()["id"] == "dspark-tiny"
+    assert _check_error_shape(client.get("/v1/models/gpt-4"), 404)["code"] == "model_not_found"
+
+
+def test_every_error_has_openais_shape(client):
+    err = _check_error_shape(_post(client, "chat", b'{"messages": [}'), 400)
+    assert "not valid JSON" in err["message"]
+    assert "JSON object" in _check_error_shape(_post(client, "chat", b'"a string"'), 400)["message"]
+    err = _check_error_shape(client.post(ROUTES["chat"], content=json.dumps(CHAT),
+                                         headers={"content-type": "text/plain"}), 400)
+    assert "application/json" in err["message"]
+    assert _check_error_shape(client.get("/v1/nope"), 404)["code"] == "not_found"
+    assert _check_error_shape(client.post("/v1/embeddings", json={}), 404)["code"] == "not_found"
+    resp = client.get(ROUTES["chat"])
+    assert _check_error_shape(resp, 405)["code"] == "method_not_allowed" and resp.headers["allow"] == "POST"
+    _check_error_shape(client.delete("/v1/models"), 405)
+    big = b'{"prompt": "' + b"a" * (4 * 1024 * 1024) + b'"}'  # the default api.max_body_bytes is 4 MiB
+    assert _check_error_shape(_post(client, "completions", big), 413)["code"] == "request_too_large"
+    assert _check_error_shape(_post(client, "chat", b'{"messages": [], "temperature": NaN}'), 400)["param"]
+
+
+MALFORMED = [b"", b"null", b"[]", b"123", b"{", b"\xff\xfe", b'{"messages": null}', b'{"messages": [null]}',
+             b'{"messages": [{"role": "user", "content": {"a": 1}}]}', b'{"messages": [{"content": "x"}]}',
+             b'{"messages": [{"role": "user", "content": [{"type": "text"}]}]}', b'{"prompt": [[1], "a"]}',
+             b'{"prompt": {"a": 1}}', b'{"prompt": [1e400]}', b'{"prompt": [10000000000000000000000000]}',
+             b'{"prompt": "a", "max_tokens": 1e30}', b'{"prompt": "a", "max_tokens": "many"}',
+             b'{"prompt": "a", "stop": [1, 2]}', b'{"prompt": "a", "seed": -1e100}', b'{"prompt": "a", "top_k": -1}',
+             b'{"prompt": "a", "stream": "yes"}', b'{"prompt": "a", "stream": true, "stream_options": 5}',
+             b'{"prompt": [-1]}', b'{"prompt": "a", "temperature": "hot"}', b'{"prompt": "a", "top_p": Infinity}',
+             b'{"messages": [{"role": "tool", "content": "x"}], "max_tokens": 2}']
+
+
+@pytest.mark.parametrize("body", MALFORMED, ids=range(len(MALFORMED)))
+@pytest.mark.parametrize("route", ["chat", "completions"])
+def test_malformed_input_never_gets_a_5xx(client, route, body):
+    resp = _post(client, route, body)
+    assert resp.status_code < 500, resp.text
+    if resp.status_code >= 400:
+        _check_error_shape(resp, resp.status_code)
+
+
+def _openai(client):
+    from openai import OpenAI
+
+    return OpenAI(base_url=f"{client.base_url}/v1", api_key="unused", http_client=client, max_retries=0)
+
+
+def test_openai_client_sync_and_streaming(client):
+    import openai
+
+    api = _openai(client)
+    assert [m.id for m in api.models.list().data] == ["dspark-tiny"]
+    assert api.models.retrieve("dspark-tiny").model_extra["scheduler"] == "dynamic"
+    chat = api.chat.completions.create(model="dspark-tiny", messages=CHAT["messages"], max_tokens=8)
+    assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens >= 1
+    assert chat.model_extra["spec_decode"]["rounds"] >= 1
+    text = api.completions.create(model="dspark-tiny", prompt="the a of", max_tokens=6, temperature=0)
+    assert text.choices[0].finish_reason in ("stop", "length") and text.usage.prompt_tokens >= 1
+    seeded = {"model": "dspark-tiny", "messages": CHAT["messages"], "max_tokens": 8, "seed": 3, "temperature": 1.0}
+    whole = api.chat.completions.create(**seeded).choices[0].message.content
+    chunks = list(api.chat.completions.create(**seeded, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[-2].choices[0].finish_reason in ("stop", "length")
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens >= 1
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    plain = list(api.completions.create(model="dspark-tiny", prompt="the a of", max_tokens=6, temperature=0,
+                                        stream=True))
+    assert "".join(c.choices[0].text for c in plain) == text.choices[0].text
+    assert all(c.usage is None for c in plain)  # no include_usage: no usage anywhere
+    assert streamed == whole  # the same seed streamed: the same text, in pieces
+    with pytest.raises(openai.NotFoundError) as e:
+        api.chat.completions.create(model="gpt-4", messages=CHAT["messages"])
+    assert e.value.code == "model_not_found" and e.value.param == "model"
+    with pytest.raises(openai.BadRequestError) as e:
+        api.chat.completions.create(model="dspark-tiny", messages=CHAT["messages"], logprobs=True, top_logprobs=2)
+    assert e.value.param in ("logprobs", "top_logprobs")
+
+
+def test_async_openai_client_over_asgi(client):
+    """The async client on httpx's ASGI transport (the app in this event loop, no server)."""
+    from openai import AsyncOpenAI
+
+    async def run():
+        transport = httpx.ASGITransport(app=client.app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://asgi") as http:
+            api = AsyncOpenAI(base_url="http://asgi/v1", api_key="unused", http_client=http, max_retries=0)
+            seeded = {"model": "dspark-tiny", "messages": CHAT["messages"], "max_tokens": 8, "seed": 11}
+            whole = await api.chat.completions.create(**seeded)
+            stream = await api.chat.completions.create(**seeded, stream=True)
+            pieces = [c async for c in stream]
+            return whole, pieces
+
+    whole, pieces = asyncio.run(run())
+    assert "".join(c.choices[0].delta.content or "" for c in pieces) == whole.choices[0].message.content
+    assert pieces[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+
+
+def test_seed_reproduces_the_sample(client):
+    """Same seed and settings: the same tokens (temperature 1); another seed: another sample."""
+    api = _openai(client)
+
+    def run(seed):
+        out = api.completions.create(model="dspark-tiny", prompt=[5, 6, 7, 8], max_tokens=24, temperature=1.0,
+                                     seed=seed, extra_body={"ignore_eos": True})
+        return out.choices[0].model_extra["token_ids"]
+
+    first = run(1234)
+    assert len(first) == 24 and run(1234) == first and run(4321) != first
+    chat = [api.chat.completions.create(model="dspark-tiny", messages=CHAT["messages"], max_tokens=16, seed=7,
+                                        temperature=1.0).choices[0].message.content for _ in range(2)]
+    assert chat[0] == chat[1]
+
+
+def test_stop_string_ends_text_and_usage_at_the_stop(client, tiny):
+    """The text ends before the stop string; usage and token_ids count the tokens up to the one that
+    completed it, not what the engine generated after it in the same step."""
+    tok = tiny[0].tokenizer
+    base = {"prompt": [5, 6, 7, 8], "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    full = _post(client, "completions", base).json()["choices"][0]
+    ids, text = full["token_ids"], full["text"]
+    stop = next(text[i: i + 2] for i in range(len(text) // 3, len(text) - 2)
+                if text[i: i + 2].isascii() and text[i: i + 2].strip() == text[i: i + 2])
+    needed = next(k for k in range(1, len(ids) + 1) if stop in tok.decode(ids[:k], skip_special_tokens=True))
+    out = _post(client, "completions", {**base, "stop": stop}).json()
+    choice = out["choices"][0]
+    assert choice["finish_reason"] == "stop" and choice["text"] == text[: text.find(stop)]
+    assert choice["token_ids"] == ids[:needed] and out["usage"]["completion_tokens"] == needed
+    with client.stream("POST", ROUTES["completions"], json={**base, "stop": stop, "stream": True,
+                                                            "stream_options": {"include_usage": True}}) as resp:
+        chunks = _sse_events(resp.iter_lines())
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == text[: text.find(stop)]
+    assert chunks[-1]["usage"]["completion_tokens"] == needed
+
+
+def test_text_assembler_equals_a_full_decode(tiny):
+    """Incremental detokenization (DecodeStream) gives exactly decode() of the whole answer, multi-byte
+    characters split over tokens and random (invalid UTF-8) byte tokens included."""
+    tok = tiny[0].tokenizer
+    gen = torch.Generator().manual_seed(0)
+    cases = [tok("héllo 漢字 🙂 the a of")["input_ids"]] + [
+        torch.randint(0, tiny[0].vocab_size, (40,), generator=gen).tolist() for _ in range(5)]
+    for ids in cases:
+        assembler, streamed = TextAssembler(tok, None), ""
+        for n in range(1, len(ids) + 1):
+            streamed += assembler.update(ids[:n], n == len(ids))[0]
+        assert streamed == assembler.text == tok.decode(ids, skip_special_tokens=True)
+        assert assembler.n_tokens == len(ids)
+
+
+@pytest.fixture
+def live_server(tiny, drafter_dir):
+    """The app served by uvicorn on a free port, in a thread (real sockets, no Ray)."""
+    import threading
+
+    import uvicorn
+
+    cfg = _serve_config(drafter_dir)
+    engine = Engine(*tiny, cfg.engine).start()
+    server = uvicorn.Server(uvicorn.Config(make_app(OpenAIService(engine, cfg)), host="127.0.0.1", port=0,
+                                           log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not server.started and time.time() < deadline:
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        engine.stop()
+
+
+def test_a_20mb_body_is_refused_fast_while_others_keep_their_latency(live_server):
+    small = {"prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0}
+    big = b'{"prompt": "' + b"the a of " * 2_300_000 + b'"}'  # ~20 MB
+    assert len(big) > 20_000_000
+
+    async def timed(coro):
+        t0 = time.perf_counter()
+        resp = await coro
+        return resp, time.perf_counter() - t0
+
+    async def run():
+        async with httpx.AsyncClient(base_url=live_server, timeout=30) as c:
+            alone = [(await timed(c.post(ROUTES["completions"], json=small)))[1] for _ in range(3)]
+            async def upload():  # no Content-Length: a chunked upload, refused once past the limit
+                for i in range(0, len(big), 2**20):
+                    yield big[i: i + 2**20]
+
+            chunked = await timed(c.post(ROUTES["completions"], content=upload(),
+                                         headers={"content-type": "application/json"}))
+            mixed = await asyncio.gather(
+                timed(c.post(ROUTES["completions"], content=big, headers={"content-type": "application/json"})),
+                *(timed(c.post(ROUTES["completions"], json=small)) for _ in range(3)))
+            return sorted(alone)[1], chunked, mixed
+
+    alone, chunked, ((big_resp, big_s), *others) = asyncio.run(run())
+    for resp, seconds in (chunked, (big_resp, big_s)):  # by Content-Length, and a chunked upload
+        assert _check_error_shape(resp, 413)["code"] == "request_too_large" and seconds < 1.0
+    assert all(r.status_code == 200 for r, _ in others)
+    assert max(s for _, s in others) < alone + 0.5, (alone, [s for _, s in others])
+    print(f"\n[serve] 20 MB body refused in {big_s * 1000:.0f} ms; small requests {alone * 1000:.0f} ms alone, "
+          f"{max(s for _, s in others) * 1000:.0f} ms next to it")
 
 
 # ---- integration: a real Ray Serve deployment ----------------------------------------------------------------

@@ -19,7 +19,7 @@ from torch import Tensor, nn
 
 from dspark.drafters.config import DrafterConfig
 from dspark.drafters.layers import KVBuffer, Rotary
-from dspark.sampling import SamplingParams, to_probs
+from dspark.sampling import Generators, SamplingParams, to_probs
 
 
 @dataclass
@@ -114,23 +114,28 @@ class Drafter(nn.Module):
     @torch.no_grad()
     def propose_batch(self, states: list[DraftState], anchors: list[int], gamma: int | list[int],
                       sampling: SamplingParams | list[SamplingParams],
-                      generator: torch.Generator | None = None) -> list[DraftProposal]:
+                      generator: Generators = None) -> list[DraftProposal]:
         """One proposal per request from ONE batched drafter pass over all R requests (contexts of any
-        lengths, padded and masked). gamma / sampling: one for all, or a list with one per request;
-        max(gamma) positions are drafted and each proposal is cut to its own gamma.
+        lengths, padded and masked). gamma / sampling / generator: one for all, or a list with one per
+        request; max(gamma) positions are drafted and each proposal is cut to its own gamma.
 
         Each request's proposal has the same distribution as `propose` on its own. Random draws: one
         `sample` call per drafted position (rows of requests still drafting, in request order; DFlash
-        draws all positions in one call, request-major), so R = 1 reproduces `propose` exactly.
+        draws all positions in one call, request-major), so R = 1 reproduces `propose` exactly. With
+        one generator per request, request r's draws come from its own generator only, so its
+        proposal is exactly `propose` on its own with that generator, whatever else is in the batch.
         """
         gammas, sps = self._batch_args(states, anchors, gamma, sampling)
+        if generator is not None and not isinstance(generator, torch.Generator) and len(generator) != len(states):
+            raise ValueError(f"propose_batch got {len(states)} states but {len(generator)} generators; pass one "
+                             "generator per state (or a single one)")
         if not states:
             return []
         anchor_ids = torch.tensor([int(a) for a in anchors], dtype=torch.long, device=self.device)
         return self.draft_batch(states, anchor_ids, gammas, RowSampling(sps), generator)
 
     def draft_batch(self, states: list[DraftState], anchors: Tensor, gammas: list[int], rows: "RowSampling",
-                    generator: torch.Generator | None) -> list[DraftProposal]:
+                    generator: Generators) -> list[DraftProposal]:
         """The batched drafting pass (subclasses): anchors LongTensor [R], validated gammas -> proposals."""
         raise NotImplementedError
 

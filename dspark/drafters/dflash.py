@@ -19,7 +19,7 @@ from dspark.drafters.base import (DraftProposal, DraftState, DraftTrainOut, Draf
                                   split_proposals)
 from dspark.drafters.config import DrafterConfig
 from dspark.drafters.layers import InjectedLayer, RMSNorm, batch_kv, init_weights, padding_mask
-from dspark.sampling import sample
+from dspark.sampling import Generators, rows_generators, sample
 
 
 class DFlashDrafter(Drafter):
@@ -130,17 +130,17 @@ class DFlashDrafter(Drafter):
         return self.run_blocks(x, positions, ctx, padding_mask(lengths, L, self.device))
 
     def draft_batch(self, states: list[DraftState], anchors: Tensor, gammas: list[int], rows: RowSampling,
-                    generator: torch.Generator | None) -> list[DraftProposal]:
+                    generator: Generators) -> list[DraftProposal]:
         first = self.first_pred_slot
         h = self.blocks_hidden(states, anchors)[:, first:first + max(gammas)]  # [R, G, d]
         return self.sample_blocks(h, anchors, gammas, rows, generator)
 
     def sample_blocks(self, h: Tensor, anchors: Tensor, gammas: list[int], rows: RowSampling,
-                      generator: torch.Generator | None) -> list[DraftProposal]:
+                      generator: Generators) -> list[DraftProposal]:
         """Parallel drafting: every slot is sampled independently from its own processed distribution;
         one LM-head call and one `sample` call (request-major) for all R×γ rows."""
         probs = rows.probs(self.lm_logits(h))  # [R, G, V]
         drafted = drafting_mask(gammas, self.device)
         tokens = torch.zeros(drafted.shape, dtype=torch.long, device=self.device)
-        tokens[drafted] = sample(probs[drafted], generator).to(self.device)
+        tokens[drafted] = sample(probs[drafted], rows_generators(generator, drafted)).to(self.device)
         return split_proposals(tokens, probs, None, gammas)

@@ -19,7 +19,7 @@ from dspark.drafters.config import DrafterConfig
 from dspark.drafters.dflash import DFlashDrafter
 from dspark.drafters.heads import ConfidenceHead, build_sequential_head
 from dspark.drafters.layers import init_weights
-from dspark.sampling import sample
+from dspark.sampling import Generators, rows_generators, sample
 
 
 class DSparkDrafter(DFlashDrafter):
@@ -70,7 +70,7 @@ class DSparkDrafter(DFlashDrafter):
 
     # ---- inference ------------------------------------------------------------------------
     def sample_blocks(self, h: Tensor, anchors: Tensor, gammas: list[int], rows: RowSampling,
-                      generator: torch.Generator | None) -> list[DraftProposal]:
+                      generator: Generators) -> list[DraftProposal]:
         """Left to right, each step batched over the R requests: p_k = to_probs(U_k + B_k(x_{k-1}, state))
         per row with its request's params; x_k ~ p_k; c_k from [h_k; W1[x_{k-1}]].
         h [R, G, d]; rows past their own γ_r are computed but neither sampled nor returned."""
@@ -89,7 +89,7 @@ class DSparkDrafter(DFlashDrafter):
                 logits = logits + bias.float()
             probs[:, k] = rows.probs(logits)
             live = drafted[:, k]
-            tokens[live, k] = sample(probs[live, k], generator).to(self.device)
+            tokens[live, k] = sample(probs[live, k], rows_generators(generator, live)).to(self.device)
             if conf_head is not None:
                 conf_logits.append(conf_head(h[:, k], prev_emb))
             prev = tokens[:, k]

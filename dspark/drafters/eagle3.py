@@ -23,7 +23,7 @@ from dspark.drafters.base import (DraftProposal, DraftState, DraftTrainOut, Draf
                                   split_proposals)
 from dspark.drafters.config import DrafterConfig
 from dspark.drafters.layers import MLP, Attention, RMSNorm, batch_kv, init_weights, padding_mask
-from dspark.sampling import sample
+from dspark.sampling import Generators, rows_generators, sample
 
 
 class Eagle3Layer(nn.Module):
@@ -106,7 +106,7 @@ class Eagle3Drafter(Drafter):
         state.length += n
 
     def draft_batch(self, states: list[DraftState], anchors: Tensor, gammas: list[int], rows: RowSampling,
-                    generator: torch.Generator | None) -> list[DraftProposal]:
+                    generator: Generators) -> list[DraftProposal]:
         """Autoregressive, each step one layer pass for all R requests: step k of request r sits at
         position len_r + k and attends to r's own cached context (padding masked) and its earlier steps."""
         c, layer, d = self.config, self.midlayer, self.hidden_size
@@ -130,6 +130,6 @@ class Eagle3Drafter(Drafter):
             g = layer(x, res, cos, sin, torch.cat(keys, -2), torch.cat(values, -2), mask)
             probs[:, k] = rows.probs(self.lm_logits(self.norm(g))[:, 0])
             live = drafted[:, k]
-            tokens[live, k] = sample(probs[live, k], generator).to(self.device)
+            tokens[live, k] = sample(probs[live, k], rows_generators(generator, live)).to(self.device)
             tok, hidden = tokens[:, k], g
         return split_proposals(tokens, probs, None, gammas)

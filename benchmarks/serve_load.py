@@ -107,7 +107,7 @@ def resolve_drafter(args) -> tuple[str, str]:
 
 # ---- deployment ------------------------------------------------------------------------------------------
 def serve_config(args, drafter_dir: str, mode: str, max_users: int):
-    from dspark.serve_app import ServeConfig
+    from dspark.serve.config import ServeConfig
 
     return ServeConfig.model_validate({
         "model": {"target": args.target, "drafter": drafter_dir, "served_name": "bench"},
@@ -127,7 +127,7 @@ def deploy(cfg, url: str) -> dict:
 
     from dspark.io.http import wait_healthy
 
-    from dspark.serve_app import deployment_for
+    from dspark.serve.deployment import deployment_for
 
     if cfg.deployment.name in serve.status().applications:  # free the CPUs before the next replica starts
         serve.delete(cfg.deployment.name)

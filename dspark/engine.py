@@ -1,4 +1,4 @@
-"""Continuous-batching draft-plus-verify engine (no Ray; dspark/serve_app.py puts it behind HTTP).
+"""Continuous-batching draft-plus-verify engine (no Ray; dspark/serve/ puts it behind HTTP).
 
 One engine holds the frozen target, one drafter (its STS calibration travels with it) and the active
 requests. Each `step()`:

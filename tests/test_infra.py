@@ -260,14 +260,15 @@ def test_kuberay_rayservice_points_at_the_serve_app():
     check_ray_cluster_spec(doc["spec"]["rayClusterConfig"], "rayservice")
     for app in serve_applications():
         module, _, attr = app["import_path"].partition(":")
-        assert module == "dspark.serve_app", f"import_path {app['import_path']} must point into dspark.serve_app"
-        source = ROOT / "dspark" / "serve_app.py"
-        assert source.exists(), "dspark/serve_app.py does not exist"
+        assert module == "dspark.serve.deployment", \
+            f"import_path {app['import_path']} must point into dspark.serve.deployment"
+        source = ROOT / "dspark" / "serve" / "deployment.py"
+        assert source.exists(), "dspark/serve/deployment.py does not exist"
         top_level = {n.name for n in ast.parse(source.read_text()).body
                      if isinstance(n, (ast.FunctionDef, ast.ClassDef))} | {
             t.id for n in ast.parse(source.read_text()).body if isinstance(n, ast.Assign)
             for t in n.targets if isinstance(t, ast.Name)}
-        assert attr in top_level, f"dspark.serve_app has no top-level {attr!r} (import_path {app['import_path']})"
+        assert attr in top_level, f"dspark.serve.deployment has no top-level {attr!r} (import_path {app['import_path']})"
         assert app["route_prefix"] == "/"
         for dep in app.get("deployments", []):
             assert dep["ray_actor_options"].get("num_gpus", 0) >= 1, "serve replicas should run on GPUs"
@@ -276,7 +277,7 @@ def test_kuberay_rayservice_points_at_the_serve_app():
 def test_kuberay_rayservice_args_build_the_serve_app():
     """The RayService's app args are accepted by the application builder (a valid ServeConfig), and
     it deploys the same app as infra/serve/serve_config.yaml."""
-    from dspark import serve_app
+    from dspark.serve import deployment
 
     theirs = load_yaml("infra/serve/serve_config.yaml")["applications"][0]
     for app in serve_applications():
@@ -286,7 +287,7 @@ def test_kuberay_rayservice_args_build_the_serve_app():
         if isinstance(config, str):
             assert repo_path(config).exists(), f"RayService app config {config} does not exist"
             app_args = {**app_args, "config": str(repo_path(config))}
-        bound = serve_app.build_app(app_args)  # raises ConfigError for an unknown key or a bad value
+        bound = deployment.build_app(app_args)  # raises ConfigError for an unknown key or a bad value
         assert bound is not None
         names = {d["name"] for d in app.get("deployments", [])}
         assert names <= {"DSparkServer"}, f"deployments {names} are not in the app"

@@ -23,7 +23,11 @@ import torch
 from dspark.drafters import DrafterConfig, build_drafter, save_drafter
 from dspark.engine import Engine
 from dspark.sampling import SamplingParams
-from dspark.serve_app import OpenAIService, ServeConfig, TextAssembler, build_app, make_app
+from dspark.serve.service import OpenAIService
+from dspark.serve.config import ServeConfig
+from dspark.serve.text import TextAssembler
+from dspark.serve.deployment import build_app
+from dspark.serve.app import make_app
 from dspark.specdec import target_generate
 from dspark.target import load_target
 
@@ -264,7 +268,7 @@ def test_model_device_rejects_others(device):
 
 
 def test_explicit_cuda_without_cuda_fails_naming_the_setting(monkeypatch, drafter_dir):
-    from dspark.serve_app import build_engine, resolve_device
+    from dspark.serve.config import build_engine, resolve_device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     for has_gpus in (False, True):
@@ -277,7 +281,7 @@ def test_explicit_cuda_without_cuda_fails_naming_the_setting(monkeypatch, drafte
 
 
 def test_auto_device_is_cuda_only_with_gpus_and_cuda(monkeypatch):
-    from dspark.serve_app import replica_has_gpus, resolve_device
+    from dspark.serve.config import replica_has_gpus, resolve_device
 
     cfg = ServeConfig()
     assert not replica_has_gpus(cfg)  # no GPUs asked, not in a Ray actor
@@ -293,7 +297,7 @@ def test_auto_device_is_cuda_only_with_gpus_and_cuda(monkeypatch):
 
 
 def test_build_engine_puts_target_drafter_and_engine_on_the_resolved_device(drafter_dir):
-    from dspark.serve_app import build_engine
+    from dspark.serve.config import build_engine
 
     engine = build_engine(_serve_config(drafter_dir))  # model.device=auto, no GPUs asked -> cpu here
     assert engine.target.device.type == engine.drafter.device.type == engine.kv.device.type == "cpu"
@@ -303,7 +307,7 @@ def test_build_engine_puts_target_drafter_and_engine_on_the_resolved_device(draf
 
 def test_deployment_for_reserves_the_gpus_asked_for():
     pytest.importorskip("ray.serve")
-    from dspark.serve_app import deployment_for
+    from dspark.serve.deployment import deployment_for
 
     assert "num_gpus" not in deployment_for(ServeConfig())._bound_deployment.ray_actor_options
     cfg = ServeConfig.model_validate({"deployment": {"num_gpus": 1, "num_cpus": 2}})
@@ -549,7 +553,7 @@ def served(drafter_dir):
     from jobs.common import RayConfig, init_ray
     from ray import serve
 
-    from dspark.serve_app import deployment_for
+    from dspark.serve.deployment import deployment_for
 
     os.environ[KEY_ENV] = "test-key"
     cfg = _serve_config(drafter_dir, sps_table=None, sps_batch_sizes=[1, 8, 32], sps_repeats=1, sps_context=32)

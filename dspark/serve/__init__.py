@@ -1,0 +1,1 @@
+"""OpenAI-compatible serving: config, protocol (typed models), service + app (FastAPI, no Ray), deployment (Ray Serve)."""

@@ -1,0 +1,121 @@
+"""What to serve and how: the Serve config (model, engine + scheduler, HTTP API limits and auth, Ray Serve
+deployment shape), device choice and building the engine it describes."""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Literal
+
+from pydantic import Field
+
+from dspark.config import StrictModel
+from dspark.engine import Engine, EngineConfig
+
+
+log = logging.getLogger("dspark.serve")
+
+
+# ---- configuration ----------------------------------------------------------------------------------
+class ModelSection(StrictModel):
+    target: str = "tiny"  # "tiny" | "smollm2-135m" | local dir | s3:// dir | hub name
+    drafter: str | None = None  # local dir | s3://... | runs:/<id>/<path> | models:/<name>@<alias> (None: mode off)
+    served_name: str | None = None  # the `model` clients send; None -> "dspark-<target>"
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    # "auto": cuda when this replica has a GPU assigned and CUDA works, else cpu; "cuda" fails the
+    # replica start (naming this key) where CUDA is unavailable, instead of silently serving on CPU
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+
+
+PROMPT_CHARS_PER_TOKEN = 32  # default api.max_prompt_chars = this × engine.max_model_len
+
+
+class ApiSection(StrictModel):
+    api_key_env: str = "DSPARK_API_KEY"  # when this env var is set on the replica, Bearer auth is required
+    max_tokens_limit: int = 1024  # largest max_tokens a request may ask for
+    default_max_tokens: int = 256  # when a request gives none (capped by the room left in the context)
+    max_prompts: int = 16  # prompts per /v1/completions request
+    max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024, description=(
+        "largest request body in bytes; larger ones get 413 before they are read (by Content-Length) or "
+        "as soon as they pass the limit, and are never parsed"))
+    max_prompt_chars: int | None = Field(None, ge=1, description=(
+        f"largest prompt (all messages' text, or all prompts) in characters, checked before tokenizing; "
+        f"None: {PROMPT_CHARS_PER_TOKEN} × engine.max_model_len"))
+
+
+class DeploymentSection(StrictModel):
+    name: str = "dspark"  # Serve application name
+    num_replicas: int = 1
+    max_ongoing_requests: int = 128  # per replica; keep >= engine.max_batch so the engine can batch
+    max_queued_requests: int = 256  # Serve-side queue; beyond it Serve answers 503
+    num_cpus: float = 1.0  # CPUs reserved per replica (fractional is fine)
+    num_gpus: float = Field(0.0, ge=0)  # GPUs reserved per replica (ray_actor_options.num_gpus)
+    torch_threads: int | None = None  # None -> max(1, round(num_cpus))
+    health_check_period_s: float = 10.0
+    health_check_timeout_s: float = 30.0
+
+
+class HttpSection(StrictModel):
+    host: str = "127.0.0.1"
+    port: int = 8000
+    route_prefix: str = "/"
+
+
+class ServeConfig(StrictModel):
+    model: ModelSection = Field(default_factory=ModelSection)
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    api: ApiSection = Field(default_factory=ApiSection)
+    deployment: DeploymentSection = Field(default_factory=DeploymentSection)
+    http: HttpSection = Field(default_factory=HttpSection)
+
+
+def served_name(cfg: ServeConfig) -> str:
+    return cfg.model.served_name or f"dspark-{os.path.basename(cfg.model.target.rstrip('/'))}"
+
+
+def replica_has_gpus(cfg: ServeConfig) -> bool:
+    """Whether this process was given GPUs. Inside a Ray actor (a Serve replica) Ray's own assignment
+    decides: it also sees num_gpus set outside the ServeConfig (a Serve YAML / RayService
+    `deployments:` entry overrides ray_actor_options). Elsewhere: deployment.num_gpus > 0."""
+    try:
+        import ray
+    except ImportError:
+        return cfg.deployment.num_gpus > 0
+    if ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None:
+        return bool(ray.get_runtime_context().get_accelerator_ids().get("GPU"))
+    return cfg.deployment.num_gpus > 0
+
+
+def resolve_device(setting: str, has_gpus: bool) -> str:
+    """model.device -> the torch device target, drafter and engine tensors live on ("cpu" | "cuda")."""
+    import torch
+
+    cuda = torch.cuda.is_available()
+    if setting == "cuda" and not cuda:
+        raise ValueError("model.device='cuda' but CUDA is not available on this replica "
+                         "(torch.cuda.is_available() is False); give the deployment a GPU "
+                         "(deployment.num_gpus / ray_actor_options.num_gpus) with a CUDA build of torch, "
+                         "or set model.device to 'auto' or 'cpu'")
+    if setting == "auto":
+        if has_gpus and not cuda:
+            log.warning("model.device=auto: GPUs are assigned but CUDA is unavailable; serving on cpu")
+        return "cuda" if has_gpus and cuda else "cpu"
+    return setting
+
+
+def build_engine(cfg: ServeConfig, device: str | None = None) -> Engine:
+    """Load the target and drafter named in the config and start nothing (call engine.start()).
+    device None: resolved from model.device (see `resolve_device`)."""
+    import torch
+
+    from dspark.io.drafter_source import load_drafter_ref
+    from dspark.target import load_target
+
+    device = device or resolve_device(cfg.model.device, replica_has_gpus(cfg))
+    target = load_target(cfg.model.target, dtype=getattr(torch, cfg.model.dtype), device=device)
+    drafter = None
+    if cfg.engine.scheduler.mode != "off":
+        if not cfg.model.drafter:
+            raise ValueError(f"engine.scheduler.mode={cfg.engine.scheduler.mode!r} needs model.drafter "
+                             "(a local dir, s3://, runs:/ or models:/ reference); or set engine.scheduler.mode=off")
+        drafter = load_drafter_ref(cfg.model.drafter, target, device=device).eval()
+    return Engine(target, drafter, cfg.engine)  # the engine puts its KV slots and RNG on target.device

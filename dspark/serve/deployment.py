@@ -1,0 +1,140 @@
+"""The Ray Serve deployment (FastAPI ingress) hosting one engine per replica, with per-replica metrics
+exported through `ray.serve.metrics`; `deployment_for(cfg)` / `build_app(args)` give the bound
+application for `jobs/serve.py` and for `serve deploy infra/serve/serve_config.yaml`."""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from typing import Any
+
+
+from dspark.config import config_to_dict
+from dspark.engine import Engine, Request, StepReport
+
+from dspark.serve.app import make_app
+from dspark.serve.config import ServeConfig, build_engine
+from dspark.serve.service import OpenAIService
+
+log = logging.getLogger("dspark.serve")
+
+
+# ---- metrics ------------------------------------------------------------------------------------------
+class ServeMetrics:
+    """Per-replica counters/gauges (Ray Serve adds deployment/replica/application tags; scraped by
+    Ray's Prometheus endpoint)."""
+
+    def __init__(self, engine: Engine):
+        from ray.serve import metrics
+
+        gamma = max(engine.gamma, 1)
+        self.requests = metrics.Counter("dspark_requests", "Finished requests by outcome", tag_keys=("outcome",))
+        self.tokens = metrics.Counter("dspark_generated_tokens", "Tokens generated")
+        self.prompt_tokens = metrics.Counter("dspark_prompt_tokens", "Prompt tokens prefilled")
+        self.rounds = metrics.Counter("dspark_verify_rounds", "Request-rounds verified (one per request per step)")
+        self.verified = metrics.Counter("dspark_draft_tokens_verified", "Draft tokens sent to the target")
+        self.accepted = metrics.Counter("dspark_draft_tokens_accepted", "Draft tokens accepted")
+        self.budget = metrics.Histogram("dspark_verify_budget", "Drafts verified per request per round",
+                                        boundaries=[i + 0.5 for i in range(gamma)])
+        self.queue = metrics.Gauge("dspark_queue_length", "Requests waiting for a slot")
+        self.active = metrics.Gauge("dspark_active_requests", "Requests in the running batch")
+        self.batch_tokens = metrics.Gauge("dspark_batch_tokens", "Tokens in the last verify forward (B)")
+        self.engine = engine
+        engine.step_listeners.append(self.on_step)
+
+    def on_step(self, report: StepReport) -> None:
+        if report.emitted:
+            self.tokens.inc(report.emitted)
+        if report.prefill_tokens:
+            self.prompt_tokens.inc(report.prefill_tokens)
+        if report.rows:
+            self.rounds.inc(report.rows)
+            self.batch_tokens.set(report.batch_tokens)
+        if report.verified:
+            self.verified.inc(report.verified)
+        if report.accepted:
+            self.accepted.inc(report.accepted)
+        for n in report.verify_lens:
+            self.budget.observe(n)
+        self.queue.set(len(self.engine.waiting))
+        self.active.set(len(self.engine.active))
+
+    def request_done(self, req: Request) -> None:
+        self.requests.inc(tags={"outcome": req.finish_reason or "unknown"})
+
+    def rejected(self) -> None:
+        self.requests.inc(tags={"outcome": "rejected"})
+
+
+# ---- Ray Serve ----------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=1)
+def _deployment_class():
+    from ray import serve
+
+    @serve.deployment
+    @serve.ingress()
+    class DSparkServer:
+        """One engine per replica, its loop in a background thread; FastAPI routes from make_app."""
+
+        def __init__(self, config: dict):
+            import torch
+
+            logging.basicConfig(level=logging.INFO)
+            self.cfg = ServeConfig.model_validate(config)
+            threads = self.cfg.deployment.torch_threads or max(1, round(self.cfg.deployment.num_cpus))
+            torch.set_num_threads(threads)
+            self.engine = build_engine(self.cfg)
+            self.service = OpenAIService(self.engine, self.cfg, ServeMetrics(self.engine))
+            self.engine.start()
+            log.info("dspark replica ready: model %s on %s, mode %s, %d torch threads", self.service.model_name,
+                     self.engine.target.device, self.engine.mode, threads)
+
+        def __serve_build_asgi_app__(self):
+            return make_app(self.service)
+
+        def check_health(self) -> None:
+            status, body = self.service.health()
+            if status != 200:
+                raise RuntimeError(f"engine unhealthy: {body.get('health_error') or 'loop stopped'}")
+
+        def __del__(self):
+            engine = getattr(self, "engine", None)
+            if engine is not None:
+                engine.stop(timeout=2.0)
+
+    return DSparkServer
+
+
+def deployment_for(cfg: ServeConfig):
+    """The bound Serve application for `cfg` (pass to serve.run). The API key env var, when set in
+    the deploying process, is forwarded to the replicas through runtime_env."""
+    d = cfg.deployment
+    actor_options: dict[str, Any] = {"num_cpus": d.num_cpus}
+    if d.num_gpus > 0:
+        actor_options["num_gpus"] = d.num_gpus
+    key = os.environ.get(cfg.api.api_key_env)
+    if key:
+        actor_options["runtime_env"] = {"env_vars": {cfg.api.api_key_env: key}}
+    return _deployment_class().options(
+        name="DSparkServer", num_replicas=d.num_replicas, max_ongoing_requests=d.max_ongoing_requests,
+        max_queued_requests=d.max_queued_requests, ray_actor_options=actor_options,
+        health_check_period_s=d.health_check_period_s, health_check_timeout_s=d.health_check_timeout_s,
+    ).bind({k: v for k, v in config_to_dict(cfg).items() if k in ServeConfig.model_fields})
+
+
+def build_app(args: dict):
+    """Application builder for `serve deploy infra/serve/serve_config.yaml` (import_path
+    dspark.serve.deployment:build_app). args: {"config": a configs/serve/*.yaml path or an inline mapping,
+    "set": ["engine.max_batch=16", ...]}. A `ray:` section (used by jobs/serve.py) is ignored here:
+    `serve deploy` targets a running cluster."""
+    from dspark.config import apply_overrides, read_yaml, validate_config
+
+    args = dict(args or {})
+    overrides = args.pop("set", None) or []
+    source = args.pop("config", None)
+    if args:
+        raise ValueError(f"unknown application args {sorted(args)}; use 'config' (path or mapping) and 'set'")
+    data = dict(source) if isinstance(source, dict) else (read_yaml(source) if source else {})
+    data.pop("ray", None)
+    data = apply_overrides(data, [overrides] if isinstance(overrides, str) else list(overrides))
+    return deployment_for(validate_config(ServeConfig, data, source=str(source or "<args>")))

@@ -71,11 +71,14 @@ def drafter_loss(drafter, target, input_ids: Tensor, loss_mask: Tensor, attentio
     labels = input_ids.gather(1, label_pos.flatten(1)).view_as(label_pos)[select]
 
     draft = drafter(out.features, input_ids, attention_mask.bool(), anchors, select)
-    p_draft = torch.softmax(draft.logits.float(), dim=-1)
+    # With a draft vocabulary the logits cover its N tokens: p_d is extended by zeros to V, so TV and the
+    # acceptance label c* compare against the full target distribution (target mass outside the subset
+    # counts as lost), and CE ignores labels outside the subset (they cannot be drafted).
+    p_draft = model.full_vocab_probs(torch.softmax(draft.logits.float(), dim=-1))
     weights = position_weights(K, cfg.position_weight, device).expand_as(select)[select]
     n_blocks = int(select.any(-1).sum())
 
-    l_ce = ce_loss(draft.logits, labels, weights, n_blocks)
+    l_ce = ce_loss(draft.logits, model.draft_labels(labels), weights, n_blocks)
     l_tv = tv_loss(p_draft, p_target, weights, n_blocks)
     c_star = acceptance_label(p_draft, p_target)
     loss = cfg.loss_ce * l_ce + cfg.loss_tv * l_tv
@@ -90,5 +93,5 @@ def drafter_loss(drafter, target, input_ids: Tensor, loss_mask: Tensor, attentio
     c_full[select] = c_star
     metrics.update(acceptance_metrics(c_full[valid], select[valid]))
     metrics.update(loss=loss.item(), n_anchors=float(valid.sum()), n_supervised=float(select.sum()),
-                   token_acc=float((draft.logits.argmax(-1) == labels).float().mean()))
+                   token_acc=float((model.to_target_ids(draft.logits.argmax(-1)) == labels).float().mean()))
     return LossOutput(loss, metrics)

@@ -50,6 +50,11 @@ Weight mapping (ours -> vLLM checkpoint name; layer-internal names are already v
     norm.weight                                 -> norm.weight
 The target LM head is not exported (vLLM shares the target's when the checkpoint has none and
 draft_vocab_size equals the target vocabulary). Any drafter weight without a rule is an error.
+Draft vocabulary (DrafterConfig.draft_vocab_size = N, all algorithms), in the speculators layout:
+    d2t [N] int64 (target_id = draft_id + d2t[draft_id]; vLLM's draft_id_to_target_id) -> d2t
+    t2d [V] bool (one False appended for an expanded MASK id)                          -> t2d
+    target LM head rows of the N draft tokens (ascending target id)                    -> lm_head.weight [N, d]
+    draft_vocab_size = N; markov_w2 is already [N, r] and markov_w1 stays over the target ids.
 """
 from __future__ import annotations
 
@@ -74,6 +79,7 @@ RULES: dict[str, list[str]] = {
                r"midlayer\.mlp\.(gate_proj|up_proj|down_proj)\.weight"],
 }
 RULES["dspark"] = RULES["dflash"] + [r"markov_head\.markov_w[12]\.weight", r"confidence_head\.proj\.(weight|bias)"]
+VOCAB_MAPS = [r"d2t", r"t2d"]  # draft vocabulary maps, every algorithm (present only with draft_vocab_size)
 SPECIAL = {"mask_embedding"}  # handled by expand_vocab()
 ARCHITECTURES = {"dflash": "DFlashDraftModel", "dspark": "DSparkDraftModel", "eagle3": "Eagle3LlamaForCausalLM"}
 
@@ -84,7 +90,7 @@ def map_weights(drafter: Drafter, algo: str) -> dict[str, torch.Tensor]:
     for name, tensor in drafter.state_dict().items():
         if name in SPECIAL:
             continue
-        if any(re.fullmatch(rule, name) for rule in RULES[algo]):
+        if any(re.fullmatch(rule, name) for rule in RULES[algo] + VOCAB_MAPS):
             out[name] = tensor
         else:
             unmapped.append(name)
@@ -103,6 +109,8 @@ def expand_vocab(drafter: Drafter, weights: dict[str, torch.Tensor]) -> tuple[in
     embedding = drafter.target.embed_tokens.weight.detach().to(drafter.mask_embedding.device)
     mask = drafter.mask_embedding.detach().to(embedding.dtype)
     weights["embed_tokens.weight"] = torch.cat([embedding, mask.unsqueeze(0)], dim=0)
+    if "t2d" in weights:  # the MASK id is never drafted
+        weights["t2d"] = torch.cat([weights["t2d"], weights["t2d"].new_zeros(1)])
     w1 = weights.get("markov_head.markov_w1.weight")
     if w1 is not None:  # the MASK id is never a previous token; its row is never read
         weights["markov_head.markov_w1.weight"] = torch.cat([w1, w1.new_zeros(1, w1.shape[1])], dim=0)
@@ -139,7 +147,7 @@ def export_config(drafter: Drafter, algo: str, vocab_size: int, mask_token_id: i
                                   "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": c.block_size}],
                                   "verifier": _verifier(drafter)},
            "transformer_layer_config": layer_config(drafter, algo, vocab_size),
-           "draft_vocab_size": drafter.vocab_size, "target_hidden_size": drafter.hidden_size,
+           "draft_vocab_size": drafter.draft_vocab_size, "target_hidden_size": drafter.hidden_size,
            "dspark_calibration": drafter.calibration}
     if algo == "eagle3":
         cfg.update(eagle_aux_hidden_state_layer_ids=aux, norm_before_residual=True)
@@ -172,9 +180,12 @@ def export_vllm(drafter: Drafter, out_dir: str, method: str | None = None, *,
         raise ValueError(f"unknown vLLM method {algo!r}; choose dspark, dflash or eagle3")
     check_exportable(drafter, algo)
     weights = map_weights(drafter, algo)
+    if drafter.draft_ids is not None:  # vLLM shares the target head only for a full draft vocabulary
+        weights["lm_head.weight"] = drafter._draft_head()[0].detach()
     vocab_size, mask_id = (drafter.vocab_size, None) if algo == "eagle3" else expand_vocab(drafter, weights)
     config = export_config(drafter, algo, vocab_size, mask_id)
-    tensors = {k: (v.to(dtype) if dtype is not None else v).detach().contiguous().cpu() for k, v in weights.items()}
+    tensors = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).detach().contiguous().cpu()
+               for k, v in weights.items()}  # d2t / t2d keep int64 / bool
     if str(out_dir).startswith("s3://"):
         from dspark import storage
 

@@ -142,12 +142,6 @@ class Drafter(nn.Module):
             return probs
         return draft_vocab.extend_to_vocab(probs, self.draft_ids, self.vocab_size)
 
-    def draft_labels(self, labels: Tensor) -> Tensor:
-        """Target-id labels -> draft-vocabulary columns; draft_vocab.IGNORE_LABEL outside it."""
-        if self.draft_ids is None:
-            return labels
-        return draft_vocab.draft_labels(labels, self.t2d)
-
     @property
     def device(self) -> torch.device:
         return next(self.parameters()).device

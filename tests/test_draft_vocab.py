@@ -247,3 +247,17 @@ def test_training_job_builds_the_vocab_from_the_rollouts(tmp_path):
     plan = build_draft_vocab(cfg, [str(tmp_path / "r.parquet")])
     assert plan["draft_ids"] == [2, 3, 9]  # 3 and 9 thrice, then 2 (1 is unsupervised, 5 is eval)
     assert plan["draft_vocab_coverage"] == 1.0
+
+
+# ---------------------------------------------------------------- benchmark smoke run
+def test_draft_cost_benchmark_quick_run(tmp_path):
+    from benchmarks.draft_cost import main
+
+    out = main(["--quick", "--reps", "2", "--warmup", "0", "--out", str(tmp_path / "cost.json")])
+    assert json.loads((tmp_path / "cost.json").read_text()) == json.loads(json.dumps(out))
+    rows = {r["draft_vocab_size"]: r for r in out["variants"]}
+    assert set(rows) == {"full", 256, 64} and out["target_step_ms"] > 0
+    for row in rows.values():
+        assert row["ratio"] == pytest.approx(row["propose_ms"] / out["target_step_ms"], rel=1e-2)
+        assert set(row["breakdown_ms"]) == {"backbone", "lm_head", "sequential"}
+    assert rows["full"]["coverage"] == 1.0 and rows[64]["coverage"] <= rows[256]["coverage"] <= 1.0

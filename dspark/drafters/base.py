@@ -72,7 +72,7 @@ class Drafter(nn.Module):
             self.register_buffer("t2d", torch.zeros(self.vocab_size, dtype=torch.bool))
             self.register_buffer("draft_ids", torch.zeros(config.draft_vocab_size, dtype=torch.long),
                                  persistent=False)
-            self.register_load_state_dict_post_hook(lambda module, _keys: module._refresh_draft_vocab())
+            self.register_load_state_dict_post_hook(_refresh_after_load)  # a function: the module stays picklable
 
     # ---- target sharing -----------------------------------------------------------------
     @property
@@ -231,6 +231,10 @@ class Drafter(nn.Module):
                              "positions were drafted; recalibrate with the drafter's block_size")
         temps = torch.tensor(self.calibration[:n], device=logits.device)
         return torch.sigmoid(logits.float() / temps)
+
+
+def _refresh_after_load(module: Drafter, _incompatible_keys) -> None:
+    module._refresh_draft_vocab()
 
 
 class RowSampling:

@@ -55,7 +55,8 @@ class DrafterConfig(StrictModel):
             raise ValueError(f"target_layer_ids has {len(ids)} ids but num_context_layers="
                              f"{self.num_context_layers}; make them agree (or leave target_layer_ids unset)")
         if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
-            raise ValueError(f"draft_vocab_size={self.draft_vocab_size} must be >= 1 (or unset for the full vocabulary)")
+            raise ValueError(f"draft_vocab_size={self.draft_vocab_size} must be >= 1 "
+                             "(or unset for the full vocabulary)")
         if self.num_heads and self.num_kv_heads and self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
         return self

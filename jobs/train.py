@@ -399,6 +399,27 @@ def read_rollouts(cfg: TrainJobConfig, files: list[str]):
     return ds.filter(expr=col("split") == cfg.data.split).select_columns(["input_ids", "loss_mask"])
 
 
+def build_draft_vocab(cfg: TrainJobConfig, files: list[str]) -> dict:
+    """With drafter.draft_vocab_size = N: the N most frequent supervised (loss_mask = 1) tokens of the
+    training rollouts, as ascending target ids for the workers' build_drafter (Eagle3's d2t/t2d)."""
+    from dspark import draft_vocab
+
+    size = cfg.drafter.draft_vocab_size
+    if size is None:
+        return {}
+    fs, paths = parquet_paths(files)
+    try:
+        counts = draft_vocab.count_parquet_frequencies(paths, None, cfg.data.split, filesystem=fs)
+        ids = draft_vocab.top_token_ids(counts, size, vocab_size=max(size, counts.numel()))
+    except ValueError as err:
+        raise ConfigError(f"cannot build the draft vocabulary (drafter.draft_vocab_size={size}) from rollouts "
+                          f"{cfg.data.rollouts!r}: {err}") from None
+    cover = draft_vocab.coverage(counts, ids)
+    print(f"[train] draft vocabulary: {size} tokens cover {cover:.1%} of the {int(counts.sum())} supervised "
+          f"rollout tokens", file=sys.stderr)
+    return {"draft_ids": ids.tolist(), "draft_vocab_coverage": cover}
+
+
 def check_cluster_fits(cfg: TrainJobConfig) -> None:
     """Ray Data reads the rollouts beside the training workers: if the workers take every CPU of the
     cluster the read never starts and training waits forever, so refuse that up front."""
@@ -427,6 +448,7 @@ def prepare_run(cfg: TrainJobConfig) -> dict:
     check_target_spec(cfg.target)
     files, num_rows = check_rollouts(cfg.data.rollouts, cfg.data.split)
     total_steps, steps_per_epoch = training_steps(cfg, num_rows)
+    vocab = build_draft_vocab(cfg, files)
     record = read_run_record(cfg)
     if record:
         check_resume_matches(record, cfg)
@@ -444,7 +466,7 @@ def prepare_run(cfg: TrainJobConfig) -> dict:
     storage.write_text(storage.join(run_dir(cfg), "ds_config.json"), json.dumps(ds_config, indent=2))
     return {"total_steps": total_steps, "steps_per_epoch": steps_per_epoch, "train_rows": num_rows,
             "grad_accum": cfg.grad_accum, "precision": cfg.resolved_precision(), "ds_config": ds_config,
-            "mlflow_run_id": run_id, "launch": record["launches"], "files": files}
+            "mlflow_run_id": run_id, "launch": record["launches"], "files": files, **vocab}
 
 
 def finish_run(cfg: TrainJobConfig, plan: dict, result) -> dict:

@@ -104,7 +104,8 @@ def init_engine(cfg, plan: dict, target):
         # DeepSpeed's CPU shared-memory allreduce is JIT-compiled on first use (minutes): use gloo's.
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     torch.manual_seed(cfg.optim.seed)
-    drafter = build_drafter(cfg.drafter, target)
+    draft_ids = plan.get("draft_ids")  # the driver's draft vocabulary (jobs.train.build_draft_vocab)
+    drafter = build_drafter(cfg.drafter, target, draft_ids=None if draft_ids is None else torch.tensor(draft_ids))
     drafter.train()
     params = [p for p in drafter.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), eps=cfg.optim.eps,

@@ -35,10 +35,11 @@ def wide_target():
     return build_tiny_model(vocab_size=64, seed=1, num_layers=3, hidden_size=32, init_std=0.8)
 
 
-def _drafter(target, algo="dspark", gamma=GAMMA, seed=0):
+def _drafter(target, algo="dspark", gamma=GAMMA, seed=0, draft_ids=None):
     torch.manual_seed(seed)
-    cfg = DrafterConfig(algo=algo, block_size=gamma, num_layers=1, num_context_layers=2, rank=8, init_std=0.2)
-    return build_drafter(cfg, target)
+    cfg = DrafterConfig(algo=algo, block_size=gamma, num_layers=1, num_context_layers=2, rank=8, init_std=0.2,
+                        draft_vocab_size=None if draft_ids is None else len(draft_ids))
+    return build_drafter(cfg, target, draft_ids=None if draft_ids is None else torch.tensor(draft_ids))
 
 
 def _engine(target, drafter, mode, **kw):
@@ -48,13 +49,18 @@ def _engine(target, drafter, mode, **kw):
     return Engine(target, drafter, EngineConfig(scheduler=scfg, **kw))
 
 
-@pytest.mark.parametrize("mode,extra", [("dynamic", {"sps_table": {1: 100.0, 128: 60.0, 512: 25.0}}),
-                                        ("threshold", {"threshold": 0.5, "threshold_on": "confidence"})])
-def test_engine_is_lossless_at_temperature_one(micro_target, mode, extra):
+@pytest.mark.parametrize("mode,extra,draft_ids", [
+    ("dynamic", {"sps_table": {1: 100.0, 128: 60.0, 512: 25.0}}, None),
+    ("threshold", {"threshold": 0.5, "threshold_on": "confidence"}, None),
+    ("threshold", {"threshold": 0.3, "threshold_on": "confidence"}, [0, 1, 3, 4, 6])])
+def test_engine_is_lossless_at_temperature_one(micro_target, mode, extra, draft_ids):
     """Many concurrent requests (joining and leaving between steps) of the same prompt: the joint of the
-    first two tokens, and of tokens 2-3 (drafted positions 1 and 2), match target-only sampling."""
+    first two tokens, and of tokens 2-3 (drafted positions 1 and 2), match target-only sampling; also
+    with a draft vocabulary (5 of 8 tokens: q is zero on tokens 2, 5 and 7, which only the residual
+    and bonus draws can emit)."""
     runs, sp = 3000, SamplingParams(temperature=1.0)
-    engine = _engine(micro_target, _drafter(micro_target), mode, max_batch=96, max_waiting=runs, **extra)
+    drafter = _drafter(micro_target, draft_ids=draft_ids)
+    engine = _engine(micro_target, drafter, mode, max_batch=96, max_waiting=runs, **extra)
     lens = collections.Counter()
     engine.step_listeners.append(lambda report: lens.update(report.verify_lens))
     reqs = engine.generate([PROMPT] * runs, sp, max_new_tokens=3, stop_ids=[])

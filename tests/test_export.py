@@ -26,12 +26,12 @@ def tiny():
     return load_target("tiny")
 
 
-def make(target, algo, **kw):
+def make(target, algo, draft_ids=None, **kw):
     torch.manual_seed(0)
     base = dict(algo=algo, block_size=4, rank=8, ttt_steps=3)
     if algo != "eagle3":
         base["num_layers"] = 2
-    return build_drafter(DrafterConfig(**{**base, **kw}), target)
+    return build_drafter(DrafterConfig(**{**base, **kw}), target, draft_ids=draft_ids)
 
 
 def read(path):
@@ -225,24 +225,12 @@ def test_learned_mask_takes_a_reserved_id_when_the_tokenizer_has_one(tmp_path, t
 
 
 # ---------------------------------------------------------------- reduced draft vocabulary
-class VocabConfig(DrafterConfig):
-    """DrafterConfig plus the optional draft vocabulary field the exporter reads."""
-
-    draft_vocab_size: int | None = None
-
-
-def with_draft_vocab(drafter, ids: list[int], offsets: bool):
-    drafter.config = VocabConfig(**drafter.config.model_dump(), draft_vocab_size=len(ids))
-    ids_t = torch.tensor(ids)
-    drafter.register_buffer("d2t", ids_t - torch.arange(len(ids)) if offsets else ids_t)
-    t2d = torch.zeros(drafter.vocab_size, dtype=torch.bool)
-    t2d[ids_t] = True
-    drafter.register_buffer("t2d", t2d)
-    head = getattr(drafter, "markov_head", None)
-    if head is not None:  # the Markov bias lives in the draft vocabulary
-        w2 = torch.nn.Linear(head.rank, len(ids), bias=False)
-        w2.weight.data.copy_(head.markov_w2.weight.data[ids_t])
-        head.markov_w2 = w2
+def with_draft_vocab(target, algo: str, ids: list[int], offsets: bool):
+    """A drafter built with a draft vocabulary (`ids`); its d2t holds offsets, or (offsets=False) the
+    absolute target ids, a form the exporter also accepts."""
+    drafter = make(target, algo, mask_token_id=1, draft_vocab_size=len(ids), draft_ids=torch.tensor(ids))
+    if not offsets:
+        drafter.d2t.copy_(torch.tensor(ids))
     return drafter
 
 
@@ -251,7 +239,7 @@ def with_draft_vocab(drafter, ids: list[int], offsets: bool):
 def test_reduced_vocabulary_writes_speculators_d2t_t2d_and_lm_head(tmp_path, micro, offsets, fmt):
     ids = [0, 2, 3, 7, 11, 15]
     algo = "eagle3" if fmt == "sglang" else "dspark"
-    drafter = with_draft_vocab(make(micro, algo, mask_token_id=1), ids, offsets)
+    drafter = with_draft_vocab(micro, algo, ids, offsets)
     export_drafter(drafter, str(tmp_path / "x"), fmt)
     cfg, weights = read(tmp_path / "x")
     assert cfg["draft_vocab_size"] == len(ids)
@@ -263,11 +251,11 @@ def test_reduced_vocabulary_writes_speculators_d2t_t2d_and_lm_head(tmp_path, mic
 
 
 def test_inconsistent_draft_vocabulary_is_refused_naming_d2t(tmp_path, micro):
-    drafter = with_draft_vocab(make(micro, "dspark", mask_token_id=1), [0, 2, 3], offsets=False)
+    drafter = with_draft_vocab(micro, "dspark", [0, 2, 3], offsets=False)
     drafter.d2t.copy_(torch.tensor([2, 0, 3]))  # not ascending: no speculators layout for it
     with pytest.raises(ExportError, match="^d2t:"):
         export_drafter(drafter, str(tmp_path / "x"), "vllm")
-    full_bias = with_draft_vocab(make(micro, "dspark", mask_token_id=1), [0, 2, 3], offsets=False)
+    full_bias = with_draft_vocab(micro, "dspark", [0, 2, 3], offsets=False)
     full_bias.markov_head.markov_w2 = torch.nn.Linear(8, 16, bias=False)
     with pytest.raises(ExportError, match="^markov_head.markov_w2 has 16 rows but draft_vocab_size=3"):
         export_drafter(full_bias, str(tmp_path / "y"), "vllm")

@@ -15,8 +15,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
+from dspark import draft_vocab
 from dspark.drafters.config import DrafterConfig
 from dspark.drafters.layers import KVBuffer, Rotary
 from dspark.sampling import Generators, SamplingParams, to_probs
@@ -24,8 +26,9 @@ from dspark.sampling import Generators, SamplingParams, to_probs
 
 @dataclass
 class DraftProposal:
-    tokens: Tensor  # LongTensor [n]
+    tokens: Tensor  # LongTensor [n] target ids
     probs: Tensor  # float32 [n, V]: the exact processed distribution each token was sampled from
+    # (with a draft vocabulary: the distribution on the subset, zero elsewhere)
     confidences: Tensor | None = None  # [n] c_k (STS-calibrated when drafter.calibration is set)
 
 
@@ -39,7 +42,8 @@ class DraftState:
 
 @dataclass
 class DraftTrainOut:
-    logits: Tensor  # [M, V] draft logits at the selected (supervised) positions, order (b, anchor, k)
+    logits: Tensor  # [M, N] draft logits at the selected (supervised) positions, order (b, anchor, k);
+    # N = the draft vocabulary (V without one): column i is target id drafter.draft_ids[i]
     conf_logits: Tensor | None  # [M] confidence logits at the same positions (dspark only)
 
 
@@ -60,6 +64,15 @@ class Drafter(nn.Module):
         self.vocab_size: int = int(target_meta["vocab_size"])
         self.rotary = Rotary(config.head_dim, config.rope_theta)
         object.__setattr__(self, "_target", None)  # plain attribute: never a submodule, never in state_dict
+        object.__setattr__(self, "_head_rows", None)  # target LM-head rows of the draft vocabulary (cache)
+        if config.draft_vocab_size is None:
+            self.draft_ids: Tensor | None = None
+        else:  # d2t/t2d: saved with the checkpoint (speculators names)
+            self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
+            self.register_buffer("t2d", torch.zeros(self.vocab_size, dtype=torch.bool))
+            self.register_buffer("draft_ids", torch.zeros(config.draft_vocab_size, dtype=torch.long),
+                                 persistent=False)
+            self.register_load_state_dict_post_hook(_refresh_after_load)  # a function: the module stays picklable
 
     # ---- target sharing -----------------------------------------------------------------
     @property
@@ -80,6 +93,54 @@ class Drafter(nn.Module):
         if got != want:
             raise ValueError(f"target {target.name!r} has hidden/vocab {got} but this drafter was built for {want}")
         object.__setattr__(self, "_target", target)
+        object.__setattr__(self, "_head_rows", None)
+
+    # ---- draft vocabulary -----------------------------------------------------------------
+    @property
+    def draft_vocab_size(self) -> int:
+        """N: the size of the vocabulary the drafter predicts over (V without a draft vocabulary)."""
+        return self.config.draft_vocab_size or self.vocab_size
+
+    def set_draft_vocab(self, draft_ids: Tensor) -> None:
+        """Fix the draft vocabulary: ascending target ids (dspark.draft_vocab.top_token_ids)."""
+        if self.draft_ids is None:
+            raise ValueError("this drafter was built without draft_vocab_size; set DrafterConfig.draft_vocab_size")
+        ids = draft_vocab.check_draft_ids(draft_ids, self.vocab_size, self.config.draft_vocab_size)
+        self.d2t.copy_(draft_vocab.d2t_from_ids(ids))
+        self.t2d.copy_(draft_vocab.t2d_from_ids(ids, self.vocab_size))
+        self._refresh_draft_vocab()
+
+    def _refresh_draft_vocab(self) -> None:
+        """Recompute draft_ids from the (possibly just loaded) d2t/t2d, checking they agree."""
+        if self.d2t.any() or self.t2d.any():  # all zeros = not set yet (a fresh module before loading)
+            self.draft_ids.copy_(draft_vocab.check_maps(self.d2t, self.t2d))
+        object.__setattr__(self, "_head_rows", None)
+
+    def _draft_head(self):
+        """(weight [N, d], bias) of the target LM head restricted to the draft vocabulary, cached on
+        the target's device/dtype (a copy of N rows; rebuilt when the target or the maps change)."""
+        head, rows = self.target.lm_head, self._head_rows
+        if rows is None or rows[0].device != head.weight.device or rows[0].dtype != head.weight.dtype:
+            if not self.t2d.any():
+                raise RuntimeError("draft_vocab_size is set but the draft vocabulary is not: call "
+                                   "drafter.set_draft_vocab(ids) or build_drafter(cfg, target, draft_ids=ids)")
+            ids = self.draft_ids.to(head.weight.device)
+            bias = None if head.bias is None else head.bias.detach()[ids]
+            rows = (head.weight.detach()[ids].contiguous(), bias)
+            object.__setattr__(self, "_head_rows", rows)
+        return rows
+
+    def to_target_ids(self, draft_tokens: Tensor) -> Tensor:
+        """Draft ids (indices into the draft vocabulary) -> target token ids."""
+        if self.draft_ids is None:
+            return draft_tokens
+        return self.draft_ids.to(draft_tokens.device)[draft_tokens]
+
+    def full_vocab_probs(self, probs: Tensor) -> Tensor:
+        """Probabilities [..., N] -> [..., V], zero outside the draft vocabulary (identity without one)."""
+        if self.draft_ids is None:
+            return probs
+        return draft_vocab.extend_to_vocab(probs, self.draft_ids, self.vocab_size)
 
     @property
     def device(self) -> torch.device:
@@ -95,9 +156,14 @@ class Drafter(nn.Module):
             return t.embed(ids.to(t.device)).to(self.device, self.dtype)
 
     def lm_logits(self, h: Tensor) -> Tensor:
-        """Frozen target LM head on (normed) drafter hidden states -> float32 logits (grad flows to h)."""
+        """Frozen target LM head on (normed) drafter hidden states -> float32 logits [..., N] over the
+        draft vocabulary (grad flows to h). Without a draft vocabulary N = V."""
         t = self.target
-        return t.lm_logits(h.to(t.device, t.dtype)).float().to(h.device)
+        x = h.to(t.device, t.dtype)
+        if self.draft_ids is None:
+            return t.lm_logits(x).float().to(h.device)
+        weight, bias = self._draft_head()
+        return F.linear(x, weight, bias).float().to(h.device)
 
     # ---- inference ----------------------------------------------------------------------
     def new_state(self) -> DraftState:
@@ -170,6 +236,10 @@ class Drafter(nn.Module):
                              "positions were drafted; recalibrate with the drafter's block_size")
         temps = torch.tensor(self.calibration[:n], device=logits.device)
         return torch.sigmoid(logits.float() / temps)
+
+
+def _refresh_after_load(module: Drafter, _incompatible_keys) -> None:
+    module._refresh_draft_vocab()
 
 
 class RowSampling:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import warnings
 from typing import Literal
 
-from pydantic import field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from dspark.config import StrictModel
 
@@ -36,6 +36,10 @@ class DrafterConfig(StrictModel):
     loss_tv: float = 0.9
     loss_conf: float = 1.0
     anchors_per_seq: int = 16
+    draft_vocab_size: int | None = Field(
+        None, description="Eagle3-style draft vocabulary: the drafter's LM head (and DSpark's Markov W2) "
+        "predict over this many of the target's most frequent rollout tokens (d2t/t2d maps, built by the "
+        "training job from the rollouts). None = the full target vocabulary.")
 
     @field_validator("block_size", "num_layers", "num_context_layers", "rank", "ttt_steps", "anchors_per_seq")
     @classmethod
@@ -50,6 +54,9 @@ class DrafterConfig(StrictModel):
         if ids is not None and len(ids) != self.num_context_layers:
             raise ValueError(f"target_layer_ids has {len(ids)} ids but num_context_layers="
                              f"{self.num_context_layers}; make them agree (or leave target_layer_ids unset)")
+        if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
+            raise ValueError(f"draft_vocab_size={self.draft_vocab_size} must be >= 1 "
+                             "(or unset for the full vocabulary)")
         if self.num_heads and self.num_kv_heads and self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
         return self
@@ -98,6 +105,9 @@ def resolve_config(cfg: DrafterConfig, target) -> DrafterConfig:
     if cfg.mask_token_id is not None and not 0 <= cfg.mask_token_id < target.vocab_size:
         raise ValueError(f"mask_token_id={cfg.mask_token_id} is outside the target vocabulary "
                          f"(size {target.vocab_size})")
+    if cfg.draft_vocab_size is not None and cfg.draft_vocab_size > target.vocab_size:
+        raise ValueError(f"draft_vocab_size={cfg.draft_vocab_size} exceeds the target vocabulary "
+                         f"({target.vocab_size}); lower it or leave it unset")
     data = cfg.model_dump()
     data.update(update)
     return DrafterConfig.model_validate(data)

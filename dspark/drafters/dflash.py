@@ -139,8 +139,8 @@ class DFlashDrafter(Drafter):
                       generator: Generators) -> list[DraftProposal]:
         """Parallel drafting: every slot is sampled independently from its own processed distribution;
         one LM-head call and one `sample` call (request-major) for all R×γ rows."""
-        probs = rows.probs(self.lm_logits(h))  # [R, G, V]
+        probs = rows.probs(self.lm_logits(h))  # [R, G, N] (N = the draft vocabulary, else V)
         drafted = drafting_mask(gammas, self.device)
         tokens = torch.zeros(drafted.shape, dtype=torch.long, device=self.device)
-        tokens[drafted] = sample(probs[drafted], rows_generators(generator, drafted)).to(self.device)
-        return split_proposals(tokens, probs, None, gammas)
+        tokens[drafted] = self.to_target_ids(sample(probs[drafted], rows_generators(generator, drafted)).to(self.device))
+        return split_proposals(tokens, self.full_vocab_probs(probs), None, gammas)

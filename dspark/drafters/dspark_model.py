@@ -28,7 +28,7 @@ class DSparkDrafter(DFlashDrafter):
     def __init__(self, config: DrafterConfig, target_meta: dict):
         super().__init__(config, target_meta)
         d, r = self.hidden_size, config.rank
-        self.markov_head = build_sequential_head(config.head, self.vocab_size, r, d)
+        self.markov_head = build_sequential_head(config.head, self.vocab_size, r, d, self.draft_vocab_size)
         conf_dim = d + (r if self.markov_head is not None else 0)
         self.confidence_head = ConfidenceHead(conf_dim) if config.confidence_head else None
         for head in (self.markov_head, self.confidence_head):
@@ -73,8 +73,10 @@ class DSparkDrafter(DFlashDrafter):
                       generator: Generators) -> list[DraftProposal]:
         """Left to right, each step batched over the R requests: p_k = to_probs(U_k + B_k(x_{k-1}, state))
         per row with its request's params; x_k ~ p_k; c_k from [h_k; W1[x_{k-1}]].
-        h [R, G, d]; rows past their own γ_r are computed but neither sampled nor returned."""
-        u = self.lm_logits(h)  # [R, G, V]: all base logits in one LM-head call
+        h [R, G, d]; rows past their own γ_r are computed but neither sampled nor returned.
+        With a draft vocabulary everything runs on its N columns; x_k is mapped to its target id (what
+        W1 reads next) and the returned rows are extended by zeros to V."""
+        u = self.lm_logits(h)  # [R, G, N]: all base logits in one LM-head call
         head, conf_head = self.markov_head, self.confidence_head
         drafted = drafting_mask(gammas, self.device)  # [R, G]
         tokens = torch.zeros(drafted.shape, dtype=torch.long, device=self.device)
@@ -89,9 +91,9 @@ class DSparkDrafter(DFlashDrafter):
                 logits = logits + bias.float()
             probs[:, k] = rows.probs(logits)
             live = drafted[:, k]
-            tokens[live, k] = sample(probs[live, k], rows_generators(generator, live)).to(self.device)
+            tokens[live, k] = self.to_target_ids(sample(probs[live, k], rows_generators(generator, live)).to(self.device))
             if conf_head is not None:
                 conf_logits.append(conf_head(h[:, k], prev_emb))
             prev = tokens[:, k]
         conf = self.confidences(torch.stack(conf_logits, dim=-1)) if conf_logits else None
-        return split_proposals(tokens, probs, conf, gammas)
+        return split_proposals(tokens, self.full_vocab_probs(probs), conf, gammas)

@@ -118,7 +118,7 @@ class Eagle3Drafter(Drafter):
         keys, values = [ctx_k], [ctx_v]
         drafted = drafting_mask(gammas, self.device)  # [R, G]
         tokens = torch.zeros(drafted.shape, dtype=torch.long, device=self.device)
-        probs = torch.empty(*drafted.shape, self.vocab_size, dtype=torch.float32, device=self.device)
+        probs = torch.empty(*drafted.shape, self.draft_vocab_size, dtype=torch.float32, device=self.device)
         tok = anchors
         for k in range(drafted.shape[1]):  # autoregressive: one layer pass per drafted position
             x, res = layer.inputs(self.embed(tok.unsqueeze(-1)), hidden)  # [R, 1, 2d], [R, 1, d]
@@ -130,6 +130,6 @@ class Eagle3Drafter(Drafter):
             g = layer(x, res, cos, sin, torch.cat(keys, -2), torch.cat(values, -2), mask)
             probs[:, k] = rows.probs(self.lm_logits(self.norm(g))[:, 0])
             live = drafted[:, k]
-            tokens[live, k] = sample(probs[live, k], rows_generators(generator, live)).to(self.device)
+            tokens[live, k] = self.to_target_ids(sample(probs[live, k], rows_generators(generator, live)).to(self.device))
             tok, hidden = tokens[:, k], g
-        return split_proposals(tokens, probs, None, gammas)
+        return split_proposals(tokens, self.full_vocab_probs(probs), None, gammas)

@@ -1,7 +1,8 @@
 """DSpark sequential heads (paper §3.1 eq. 4-6) and the confidence head (eq. 7).
 
 Sequential stage: p_k(v | x0, x<k) = softmax_v(U_k(v) + B_k(v)), sampled left to right, x_0 = anchor.
-- Markov: B_k = W1[x_{k-1}] · W2 (W1 ∈ R^{V×r}, W2 ∈ R^{r×V}).
+- Markov: B_k = W1[x_{k-1}] · W2 (W1 ∈ R^{V×r}, W2 ∈ R^{r×N}; N = the draft vocabulary, V without one:
+  W1 reads target ids, W2 writes the draft-vocabulary columns of the logits, as in speculators).
 - RNN: z_k = [s_{k-1}; W1[x_{k-1}]; h_k]; [g, c, o] = W z_k + b (one linear split in three);
   s_k = σ(g) ⊙ s_{k-1} + (1 − σ(g)) ⊙ tanh(c);  B_k = tanh(o) · W2;  s_0 = 0.
 Confidence: c_k = σ(wᵀ[h_k ; W1[x_{k-1}]] + b)  (just wᵀh_k + b without a sequential head).
@@ -13,11 +14,11 @@ from torch import Tensor, nn
 
 
 class MarkovHead(nn.Module):
-    def __init__(self, vocab_size: int, rank: int, hidden: int):
+    def __init__(self, vocab_size: int, rank: int, hidden: int, out_size: int | None = None):
         super().__init__()
         self.rank = rank
         self.markov_w1 = nn.Embedding(vocab_size, rank)
-        self.markov_w2 = nn.Linear(rank, vocab_size, bias=False)
+        self.markov_w2 = nn.Linear(rank, out_size or vocab_size, bias=False)
 
     def prev_embed(self, tokens: Tensor) -> Tensor:
         return self.markov_w1(tokens)
@@ -36,8 +37,8 @@ class MarkovHead(nn.Module):
 
 
 class RNNHead(MarkovHead):
-    def __init__(self, vocab_size: int, rank: int, hidden: int):
-        super().__init__(vocab_size, rank, hidden)
+    def __init__(self, vocab_size: int, rank: int, hidden: int, out_size: int | None = None):
+        super().__init__(vocab_size, rank, hidden, out_size)
         self.joint_proj = nn.Linear(2 * rank + hidden, 3 * rank)
 
     def initial_state(self, like: Tensor) -> Tensor:
@@ -73,7 +74,9 @@ class ConfidenceHead(nn.Module):
         return self.proj(x).squeeze(-1)
 
 
-def build_sequential_head(kind: str, vocab_size: int, rank: int, hidden: int) -> MarkovHead | None:
+def build_sequential_head(kind: str, vocab_size: int, rank: int, hidden: int,
+                          out_size: int | None = None) -> MarkovHead | None:
+    """out_size: width of the bias B_k (the draft vocabulary); None = vocab_size."""
     if kind == "none":
         return None
-    return {"markov": MarkovHead, "rnn": RNNHead}[kind](vocab_size, rank, hidden)
+    return {"markov": MarkovHead, "rnn": RNNHead}[kind](vocab_size, rank, hidden, out_size)

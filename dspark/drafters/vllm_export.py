@@ -282,6 +282,9 @@ def export_vllm(drafter: Drafter, out_dir: str, method: str | None = None, *, dt
     if algo != "eagle3":
         vocab_size, mask_id, how = place_mask(drafter, weights)
         mask = (mask_id, how)
+    if "t2d" in weights and weights["t2d"].numel() < vocab_size:  # an added MASK row is never a draft token
+        pad = torch.zeros(vocab_size - weights["t2d"].numel(), dtype=torch.bool)
+        weights["t2d"] = torch.cat([weights["t2d"], pad])
     config = export_config(drafter, algo, vocab_size, mask, draft_size, flavor, verifier_name)
     write_checkpoint(out_dir, weights, config, dtype)
     return str(out_dir)

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from dspark.anchors import sample_anchors
+from dspark.draft_vocab import draft_labels, extend_to_vocab
 from dspark.losses import acceptance_label, acceptance_metrics, ce_loss, conf_loss, position_weights, tv_loss
 
 
@@ -71,11 +72,19 @@ def drafter_loss(drafter, target, input_ids: Tensor, loss_mask: Tensor, attentio
     labels = input_ids.gather(1, label_pos.flatten(1)).view_as(label_pos)[select]
 
     draft = drafter(out.features, input_ids, attention_mask.bool(), anchors, select)
+    # With a draft vocabulary the logits cover its N tokens: p_d is extended by zeros to V, so TV and the
+    # acceptance label c* compare against the full target distribution (target mass outside the subset
+    # counts as lost), and CE ignores labels outside the subset (they cannot be drafted).
+    draft_ids = getattr(model, "draft_ids", None)  # columns of draft.logits; None = the full vocabulary
     p_draft = torch.softmax(draft.logits.float(), dim=-1)
+    ce_labels, predicted = labels, draft.logits.argmax(-1)
+    if draft_ids is not None:
+        p_draft = extend_to_vocab(p_draft, draft_ids, p_target.shape[-1])
+        ce_labels, predicted = draft_labels(labels, model.t2d), draft_ids[predicted]
     weights = position_weights(K, cfg.position_weight, device).expand_as(select)[select]
     n_blocks = int(select.any(-1).sum())
 
-    l_ce = ce_loss(draft.logits, labels, weights, n_blocks)
+    l_ce = ce_loss(draft.logits, ce_labels, weights, n_blocks)
     l_tv = tv_loss(p_draft, p_target, weights, n_blocks)
     c_star = acceptance_label(p_draft, p_target)
     loss = cfg.loss_ce * l_ce + cfg.loss_tv * l_tv
@@ -90,5 +99,5 @@ def drafter_loss(drafter, target, input_ids: Tensor, loss_mask: Tensor, attentio
     c_full[select] = c_star
     metrics.update(acceptance_metrics(c_full[valid], select[valid]))
     metrics.update(loss=loss.item(), n_anchors=float(valid.sum()), n_supervised=float(select.sum()),
-                   token_acc=float((draft.logits.argmax(-1) == labels).float().mean()))
+                   token_acc=float((predicted == labels).float().mean()))
     return LossOutput(loss, metrics)

@@ -84,7 +84,7 @@ def load_drafters(args, target) -> dict:
         drafter = load_drafter_ref(ref, target).eval()
         drafters[f"{drafter.config.algo}:{Path(ref.rstrip('/')).name}"] = drafter
     for algo in args.algo:
-        extra = {"num_layers": args.drafter_layers} if args.drafter_layers and algo != "eagle3" else {}
+        extra = {"num_layers": args.drafter_layers} if args.drafter_layers else {}  # eagle3 keeps its one layer
         torch.manual_seed(args.seed)
         drafters[f"{algo}:untrained"] = build_drafter(DrafterConfig(algo=algo, **extra), target).eval()
     return drafters
@@ -130,7 +130,7 @@ def main(argv=None) -> dict:
 
     modes = {"target": lambda ids, gen: target_generate(target, ids, sp, args.max_new_tokens, stops, gen)}
     for name, drafter in drafters.items():
-        hook = verify_len if (verify_len and drafter.config.algo == "dspark" and drafter.config.confidence_head) else None
+        hook = verify_len if (verify_len and drafter.has_confidences) else None
         modes[name] = (lambda d, h: lambda ids, gen: speculative_generate(
             target, d, ids, sp, args.max_new_tokens, stops, verify_len=h, generator=gen, gamma=args.gamma))(drafter, hook)
 

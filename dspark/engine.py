@@ -199,7 +199,7 @@ class Engine:
         d = self.drafter
         if d is None:
             raise ValueError(f"scheduler mode {self.mode!r} needs a drafter; pass one or use mode 'off'")
-        if self.mode in ("dynamic", "threshold", "async_topk") and not _has_confidences(d):
+        if self.mode in ("dynamic", "threshold", "async_topk") and not d.has_confidences:
             raise ValueError(f"scheduler mode {self.mode!r} needs draft confidences, but this "
                              f"{d.config.algo} drafter has no confidence head; use mode fixed/off or a DSpark drafter")
         gamma = self.cfg.gamma or d.config.block_size
@@ -604,11 +604,6 @@ class Engine:
             "sps_table": self.sps.to_dict() if self.sps else None,
             "kv_bytes": self.kv.memory_bytes(), "device": str(self.target.device),
         }
-
-
-def _has_confidences(drafter) -> bool:
-    cfg = drafter.config
-    return cfg.algo == "dspark" and bool(getattr(cfg, "confidence_head", False))
 
 
 def _fmt_table(table: SPSTable) -> str:

@@ -227,7 +227,7 @@ def run(cfg: CalibrateConfig) -> dict:
     if not storage.is_s3(new_uri) and os.path.realpath(new_uri) == os.path.realpath(local_dir(pinned)):
         raise ValueError(f"output {cfg.output} would overwrite the source drafter; choose another output")
     drafter = load_drafter_ref(pinned.uri, load_target(cfg.target))
-    if drafter.config.algo != "dspark" or not drafter.config.confidence_head:
+    if not drafter.has_confidences:
         raise ValueError(f"drafter {cfg.drafter} ({drafter.config.algo}) has no confidence head; STS calibrates "
                          f"DSpark drafters built with confidence_head=true")
     prompts = load_prompts(cfg.data)

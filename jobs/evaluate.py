@@ -108,7 +108,7 @@ def load_drafter_infos(entries: Sequence[DrafterEntry], target) -> dict[str, dic
         infos[name] = {"ref": pinned, "source": entry.ref, "algo": drafter.config.algo,
                        "block_size": drafter.config.block_size, "num_layers": drafter.config.depth,
                        "calibrated": drafter.calibration is not None,
-                       "confidence_head": drafter.config.algo == "dspark" and drafter.config.confidence_head}
+                       "confidence_head": drafter.has_confidences}
     if problems:
         raise ValueError("cannot evaluate: " + " | ".join(problems))
     return infos

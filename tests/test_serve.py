@@ -281,7 +281,8 @@ def test_explicit_cuda_without_cuda_fails_naming_the_setting(monkeypatch, drafte
 
 
 def test_auto_device_is_cuda_only_with_gpus_and_cuda(monkeypatch):
-    from dspark.serve.config import replica_has_gpus, resolve_device
+    from dspark.serve.config import resolve_device
+    from dspark.serve.deployment import replica_has_gpus
 
     cfg = ServeConfig()
     assert not replica_has_gpus(cfg)  # no GPUs asked, not in a Ray actor

@@ -226,6 +226,12 @@ class Drafter(nn.Module):
             raise ValueError(f"extend_context needs features [n, {width}] and token_ids [n], got "
                              f"{tuple(features.shape)} and {tuple(token_ids.shape)}")
 
+    @property
+    def has_confidences(self) -> bool:
+        """True when proposals carry confidences c_1..c_γ (what the dynamic/threshold schedulers, the
+        threshold sweep and STS calibration need). Only DSpark with its confidence head has them."""
+        return False
+
     def confidences(self, logits: Tensor) -> Tensor:
         """c_k = σ(logit_k / T_k) with the STS temperatures when calibrated, else σ(logit_k)."""
         if self.calibration is None:

@@ -18,7 +18,8 @@ import tempfile
 import torch
 from safetensors.torch import load_file, save_file
 
-from dspark.drafters import Drafter, drafter_from_config
+from dspark.drafters.base import Drafter
+from dspark.drafters.registry import drafter_from_config
 from dspark.drafters.config import DrafterConfig
 
 FORMAT = "dspark-drafter"

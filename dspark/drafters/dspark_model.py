@@ -36,6 +36,10 @@ class DSparkDrafter(DFlashDrafter):
                 init_weights(head, config.init_std)
 
     @property
+    def has_confidences(self) -> bool:
+        return self.confidence_head is not None
+
+    @property
     def block_len(self) -> int:
         return self.config.block_size  # anchor + γ-1 masks
 

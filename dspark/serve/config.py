@@ -72,19 +72,6 @@ def served_name(cfg: ServeConfig) -> str:
     return cfg.model.served_name or f"dspark-{os.path.basename(cfg.model.target.rstrip('/'))}"
 
 
-def replica_has_gpus(cfg: ServeConfig) -> bool:
-    """Whether this process was given GPUs. Inside a Ray actor (a Serve replica) Ray's own assignment
-    decides: it also sees num_gpus set outside the ServeConfig (a Serve YAML / RayService
-    `deployments:` entry overrides ray_actor_options). Elsewhere: deployment.num_gpus > 0."""
-    try:
-        import ray
-    except ImportError:
-        return cfg.deployment.num_gpus > 0
-    if ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None:
-        return bool(ray.get_runtime_context().get_accelerator_ids().get("GPU"))
-    return cfg.deployment.num_gpus > 0
-
-
 def resolve_device(setting: str, has_gpus: bool) -> str:
     """model.device -> the torch device target, drafter and engine tensors live on ("cpu" | "cuda")."""
     import torch
@@ -102,15 +89,17 @@ def resolve_device(setting: str, has_gpus: bool) -> str:
     return setting
 
 
-def build_engine(cfg: ServeConfig, device: str | None = None) -> Engine:
+def build_engine(cfg: ServeConfig, device: str | None = None, has_gpus: bool | None = None) -> Engine:
     """Load the target and drafter named in the config and start nothing (call engine.start()).
-    device None: resolved from model.device (see `resolve_device`)."""
+    device None: resolved from model.device (see `resolve_device`) and `has_gpus` (whether this process
+    was given GPUs; default deployment.num_gpus > 0 — a Serve replica passes Ray's assignment)."""
     import torch
 
     from dspark.io.drafter_source import load_drafter_ref
     from dspark.target import load_target
 
-    device = device or resolve_device(cfg.model.device, replica_has_gpus(cfg))
+    has_gpus = cfg.deployment.num_gpus > 0 if has_gpus is None else has_gpus
+    device = device or resolve_device(cfg.model.device, has_gpus)
     target = load_target(cfg.model.target, dtype=getattr(torch, cfg.model.dtype), device=device)
     drafter = None
     if cfg.engine.scheduler.mode != "off":

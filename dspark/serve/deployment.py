@@ -19,6 +19,17 @@ from dspark.serve.service import OpenAIService
 log = logging.getLogger("dspark.serve")
 
 
+def replica_has_gpus(cfg: ServeConfig) -> bool:
+    """Whether this process was given GPUs. Inside a Ray actor (a Serve replica) Ray's own assignment
+    decides: it also sees num_gpus set outside the ServeConfig (a Serve YAML / RayService
+    `deployments:` entry overrides ray_actor_options). Elsewhere: deployment.num_gpus > 0."""
+    import ray
+
+    if ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None:
+        return bool(ray.get_runtime_context().get_accelerator_ids().get("GPU"))
+    return cfg.deployment.num_gpus > 0
+
+
 # ---- metrics ------------------------------------------------------------------------------------------
 class ServeMetrics:
     """Per-replica counters/gauges (Ray Serve adds deployment/replica/application tags; scraped by
@@ -83,7 +94,7 @@ def _deployment_class():
             self.cfg = ServeConfig.model_validate(config)
             threads = self.cfg.deployment.torch_threads or max(1, round(self.cfg.deployment.num_cpus))
             torch.set_num_threads(threads)
-            self.engine = build_engine(self.cfg)
+            self.engine = build_engine(self.cfg, has_gpus=replica_has_gpus(self.cfg))
             self.service = OpenAIService(self.engine, self.cfg, ServeMetrics(self.engine))
             self.engine.start()
             log.info("dspark replica ready: model %s on %s, mode %s, %d torch threads", self.service.model_name,

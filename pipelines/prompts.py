@@ -227,8 +227,8 @@ def _source_files(src: PromptSource) -> tuple[str, list[str]]:
     uri = src.uri
     if src.file_format == "hf_disk":
         return "hf_disk", [uri]
-    if storage.is_s3(uri):
-        is_file = not uri.endswith("/") and storage.exists(uri)
+    if storage.is_s3(uri):  # an object lists itself; a prefix (with or without "/") lists what is below it
+        is_file = storage.list_files(uri) == [uri]
     else:
         if not os.path.exists(uri):
             raise FileNotFoundError(f"prompt source not found: {uri} (check `sources[].uri` in the config)")

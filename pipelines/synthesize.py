@@ -98,13 +98,19 @@ DEFAULT_DOMAINS = {
 }
 
 
+class MagpieSampling(SamplingConfig):
+    """Sampling of the user turns; Magpie samples the model's own distribution (temperature 1, no top-p)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 128
+
+
 class MagpieConfig(StrictModel):
     num_prompts: int = Field(ge=1, description="user turns to generate (candidates, before filtering)")
     domains: dict[str, DomainSpec] = Field(default_factory=lambda: dict(DEFAULT_DOMAINS),
                                            description="domain -> weight, steering system prompt and seed topics")
-    sampling: SamplingConfig = Field(
-        default_factory=lambda: SamplingConfig(temperature=1.0, top_p=1.0, max_new_tokens=128),
-        description="sampling of the user turns (Magpie uses temperature 1)")
+    sampling: MagpieSampling = Field(default_factory=MagpieSampling, description="sampling of the user turns")
 
     @field_validator("domains")
     @classmethod

@@ -4,10 +4,16 @@ A prompt is a list of user turns; every filter looks at the turns joined by "\\n
 a fixed order and the first one that rejects a prompt names the reason (see FILTER_ORDER):
 
 - `length`:      too few/many characters or words (`min_chars`, `max_chars`, `min_words`);
-- `degenerate`:  repetitive text (share of repeated word n-grams), text that is mostly not letters,
-                 chat-template tokens leaking into the text (`<|im_start|>` ...);
+- `degenerate`:  chat-template tokens leaking into the text (`<|im_start|>` ...), repetitive text (share
+                 of repeated word n-grams), non-text (control characters, U+FFFD from broken byte
+                 sequences, private-use or unassigned code points), or text that is mostly not letters;
 - `contaminated`: shares a word n-gram (n = 13 by default) with any evaluation prompt, or equals a
-                 short evaluation prompt (fewer than n words) after normalisation;
+                 short evaluation prompt (fewer than n words) after normalisation. Benchmark boilerplate
+                 ("... please reason step by step, and put your final answer within \\boxed{}") is no
+                 evidence: word k-grams (k = ceil(n/2)) found in more than `decontam_max_ngram_prompts`
+                 evaluation prompts are boilerplate, and a shared n-gram counts only if at least k of its
+                 words lie outside boilerplate (so a few content words next to a shared instruction do
+                 not match, while a copied problem statement does);
 - `duplicate`:   the normalised text (lower case, whitespace collapsed, punctuation dropped) hashes like an
                  earlier kept prompt;
 - `near_duplicate`: MinHash (datasketch) of word shingles; LSH finds an earlier kept prompt whose
@@ -41,11 +47,17 @@ class FilterConfig(StrictModel):
     min_words: int = Field(3, ge=0, description="drop prompts with fewer words than this")
     repetition_ngram: int = Field(3, ge=1, description="word n-gram size of the repetition check")
     max_repeated_ngram_share: float = Field(
-        0.3, ge=0, le=1, description="drop when more than this share of the word n-grams are repeats of earlier ones")
+        0.35, ge=0, le=1, description="drop when more than this share of the word n-grams are repeats of earlier ones")
+    max_nontext_share: float = Field(
+        0.01, ge=0, le=1, description="drop when more than this share of the characters are control characters, "
+                                      "U+FFFD or private-use/unassigned code points")
     min_alpha_share: float = Field(
-        0.5, ge=0, le=1, description="drop when fewer than this share of the non-space characters are letters")
+        0.4, ge=0, le=1, description="drop when fewer than this share of the non-space characters are letters "
+                                     "(LaTeX-heavy math and code-heavy prompts sit near 0.5)")
     drop_template_markers: bool = Field(True, description="drop prompts containing chat-template tokens")
     decontam_ngram: int = Field(13, ge=1, description="word n-gram size of the decontamination check")
+    decontam_max_ngram_prompts: int = Field(
+        3, ge=1, description="word k-grams (k = ceil(n/2)) in more evaluation prompts than this are boilerplate")
     exact_dedup: bool = Field(True, description="drop prompts whose normalised text was already kept")
     near_dedup: bool = Field(True, description="drop near duplicates (MinHash/LSH)")
     near_dup_threshold: float = Field(0.8, gt=0, le=1, description="estimated Jaccard similarity that counts as "
@@ -89,6 +101,18 @@ def alpha_share(text: str) -> float:
     return sum(c.isalpha() for c in chars) / len(chars) if chars else 1.0
 
 
+NONTEXT_CATEGORIES = {"Cc", "Co", "Cn", "Cs"}
+
+
+def nontext_share(text: str) -> float:
+    """Share of characters that are not text: controls other than tab/newline, U+FFFD (a decoder's
+    replacement for broken bytes), private-use, unassigned and surrogate code points."""
+    if not text:
+        return 0.0
+    bad = sum(c == "\ufffd" or (c not in "\t\n\r" and unicodedata.category(c) in NONTEXT_CATEGORIES) for c in text)
+    return bad / len(text)
+
+
 def prompt_text(turns: Sequence[str]) -> str:
     return "\n".join(turns)
 
@@ -113,6 +137,9 @@ def degenerate_reason(text: str, cfg: FilterConfig) -> str | None:
     share = repeated_ngram_share(words(text), cfg.repetition_ngram)
     if share > cfg.max_repeated_ngram_share:
         return f"{share:.2f} of the word {cfg.repetition_ngram}-grams repeat (> {cfg.max_repeated_ngram_share})"
+    odd = nontext_share(text)
+    if odd > cfg.max_nontext_share:
+        return f"{odd:.2f} of the characters are not text (controls, U+FFFD, unassigned; > {cfg.max_nontext_share})"
     letters = alpha_share(text)
     if letters < cfg.min_alpha_share:
         return f"only {letters:.2f} of the characters are letters (< {cfg.min_alpha_share})"
@@ -125,7 +152,9 @@ class EvalIndex:
     """Word n-grams of every evaluation prompt, and the whole word sequence of prompts shorter than n."""
 
     n: int
+    max_prompts_per_gram: int = 3
     grams: dict[tuple[str, ...], str] = field(default_factory=dict)  # n-gram -> "file:line" of its first use
+    half_prompts: Counter = field(default_factory=Counter)  # k-gram -> evaluation prompts containing it
     short: dict[str, str] = field(default_factory=dict)  # normalised_key -> "file:line"
     prompts: int = 0
 
@@ -134,16 +163,32 @@ class EvalIndex:
         self.prompts += 1
         if len(tokens) < self.n:
             self.short.setdefault(normalised_key(text), where)
-        for gram in ngrams(tokens, self.n):
+        for gram in set(ngrams(tokens, self.n)):
             self.grams.setdefault(gram, where)
+        self.half_prompts.update(set(ngrams(tokens, self.k)))
+
+    @property
+    def k(self) -> int:
+        return -(-self.n // 2)
+
+    def _boilerplate_mask(self, tokens: list[str]) -> list[bool]:
+        """mask[i] is True when word i lies inside a k-gram shared by many evaluation prompts."""
+        mask = [False] * len(tokens)
+        for i, gram in enumerate(ngrams(tokens, self.k)):
+            if self.half_prompts[gram] > self.max_prompts_per_gram:
+                mask[i:i + self.k] = [True] * self.k
+        return mask
 
     def match(self, text: str) -> str | None:
         """-> a description of the first overlap with an evaluation prompt, or None."""
         hit = self.short.get(normalised_key(text))
         if hit:
             return f"equals the evaluation prompt at {hit}"
-        for gram in ngrams(words(text), self.n):
-            if gram in self.grams:
+        tokens = words(text)
+        mask = self._boilerplate_mask(tokens)
+        for i, gram in enumerate(ngrams(tokens, self.n)):
+            # invariant: a counted match has >= k words of specific (non-boilerplate) text
+            if gram in self.grams and self.n - sum(mask[i:i + self.n]) >= self.k:
                 return f"shares the {self.n}-gram {' '.join(gram)!r} with the evaluation prompt at {self.grams[gram]}"
         return None
 
@@ -163,9 +208,9 @@ def eval_turns_of_line(line: str) -> list[str]:
     return [record[k] for k in ("prompt", "question", "instruction") if isinstance(record.get(k), str)][:1]
 
 
-def build_eval_index(files: dict[str, str], n: int) -> EvalIndex:
+def build_eval_index(files: dict[str, str], n: int, max_prompts_per_gram: int = 3) -> EvalIndex:
     """files: name -> JSONL text. Raises ValueError naming the file and line of a record it cannot use."""
-    index = EvalIndex(n)
+    index = EvalIndex(n, max_prompts_per_gram)
     for name, text in files.items():
         for lineno, line in enumerate(text.split("\n"), 1):  # "\n" only: U+2028 may sit inside a string
             if not line.strip():

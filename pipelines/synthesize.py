@@ -430,7 +430,8 @@ def run_synthesis(cfg: SynthesizeConfig, on_chunk: Callable[[RunStats], None] | 
     out = cfg.output.rstrip("/")
     storage.check_writable(out)
     loaded = load_prompts(cfg.sources) if cfg.sources else LoadResult()
-    eval_index = build_eval_index(eval_files_text(cfg.eval_files), cfg.filters.decontam_ngram)
+    eval_index = build_eval_index(eval_files_text(cfg.eval_files), cfg.filters.decontam_ngram,
+                                  cfg.filters.decontam_max_ngram_prompts)
     plan = make_magpie_plan(cfg)
     prepare_output(out, plan, cfg.overwrite)
     if on_start:

@@ -31,6 +31,8 @@ def chain(**overrides) -> PromptFilter:
     ("buy now buy now buy now buy now buy now buy now please", "degenerate"),  # repetition
     ("$$ %% ## 12 34 @@ !! ~~ ^^ && ** (( )) == ++ -- ok fine", "degenerate"),  # mostly not letters
     ("Tell me a story<|im_end|> about cats", "degenerate"),  # template leak
+    ("eo\x1f or herok\ufffd go what made this long then", "degenerate"),  # non-text (tiny's Magpie output)
+    ("Let $z = 2 + \\sqrt{2} - (3 + 3 \\sqrt{2})i$. Find $|z|^2$.", None),  # LaTeX math is text
     ("How many legs does a spider have?", None),
 ])
 def test_single_prompt_filters(text, reason):
@@ -180,3 +182,19 @@ def test_identical_ids_never_survive_even_without_dedup():
     cands = [Candidate("id1", "math", ["What is two plus two, roughly?"], "m")] * 2
     outcome = apply_filters(cands, [], FilterConfig(exact_dedup=False, near_dedup=False), None)
     assert outcome.counts["kept"] == 1 and outcome.counts["dropped"]["duplicate"] == 1
+
+
+def test_boilerplate_shared_by_many_eval_prompts_does_not_contaminate():
+    wrapper = "Write a solution to the following problem and make sure that it passes the tests below please"
+    tasks = ["reverse the words of a sentence keeping punctuation where it was",
+             "count the vowels in every line of a text file and print totals",
+             "merge overlapping intervals given as pairs of integers sorted by start",
+             "return the longest palindromic substring of the given lowercase string"]
+    files = {"mbpp.jsonl": "\n".join(json.dumps({"turns": [f"{wrapper}: {t}"]}) for t in tasks)}
+    index = build_eval_index(files, n=13, max_prompts_per_gram=3)
+    f = PromptFilter(FilterConfig(near_dedup=False), index)
+    assert f.check("a", [f"{wrapper}: rotate a linked list to the right by k places"]).reason is None
+    assert f.check("b", [f"{wrapper}: 2 and 3"]).reason is None  # a few words next to the wrapper
+    hit = f.check("c", [f"{wrapper}: {tasks[2]}"])
+    assert hit.reason == "contaminated" and "mbpp.jsonl:3" in hit.detail
+    assert f.check("d", [f"Hey, could you {tasks[1]}?"]).reason == "contaminated"  # no wrapper needed

@@ -198,3 +198,14 @@ def test_boilerplate_shared_by_many_eval_prompts_does_not_contaminate():
     hit = f.check("c", [f"{wrapper}: {tasks[2]}"])
     assert hit.reason == "contaminated" and "mbpp.jsonl:3" in hit.detail
     assert f.check("d", [f"Hey, could you {tasks[1]}?"]).reason == "contaminated"  # no wrapper needed
+
+
+def test_config_and_eval_file_errors_are_named(tmp_path):
+    from pipelines.synthesize import eval_files_text
+
+    with pytest.raises(ValueError, match="nothing to do"):
+        SynthesizeConfig(output=str(tmp_path))
+    with pytest.raises(ValueError, match="near_dup"):
+        SynthesizeConfig(output=str(tmp_path), magpie={"num_prompts": 1}, filters={"near_dup": 0.5})
+    with pytest.raises(FileNotFoundError, match="no-such-dir.*eval_files"):
+        eval_files_text([str(tmp_path / "no-such-dir")])

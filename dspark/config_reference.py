@@ -13,6 +13,7 @@ import typing
 from pydantic import BaseModel
 
 JOB_CONFIGS = [
+    ("jobs.synthesize", "SynthesizeJobConfig", "python -m jobs.synthesize"),
     ("jobs.generate", "GenerateConfig", "python -m jobs.generate"),
     ("jobs.train", "TrainJobConfig", "python -m jobs.train"),
     ("jobs.calibrate", "CalibrateConfig", "python -m jobs.calibrate"),

@@ -4,11 +4,18 @@ A source is a local path or `s3://` URI holding one of:
 - a JSONL file (`.jsonl`/`.json`/`.ndjson`, one record per line), a Parquet file, a directory / prefix
   of such files, or a `datasets` directory written with `save_to_disk`.
 Each record is one of (detected per record when `record_format: auto`):
-- `{"turns": ["user turn 1", "user turn 2", ...]}`                   (the eval format)
+- `{"turns": ["user turn 1", "user turn 2", ...], "system": "..."?}`  (the eval format; jobs.synthesize output)
 - `{"messages": [{"role": "system"|"user"|"assistant", "content": ...}, ...]}`   (OpenAI style)
 - `{"conversations": [{"from": "system"|"human"|"gpt", "value": ...}, ...]}`     (ShareGPT style)
 - `{"prompt": "..."}`                                                 (a single user turn)
-Assistant turns in the input are dropped: the target regenerates them.
+- `{"instruction": "...", "input": "..."?}`                           (Alpaca style; a non-empty `input`
+                                                                      is appended after a blank line)
+Assistant turns in the input are dropped: the target regenerates them. `field` renames the column that
+holds the conversation / prompt (e.g. `field: dialog` with `record_format: messages`); `user_turns: first`
+keeps only the first user turn. With an explicit record_format, a record without the field is a
+`missing_field` error row naming the field.
+A directory written by jobs.synthesize (its manifest.json says "dspark-prompts/1") is read through the
+shards its manifest lists. JSONL lines are split on "\n" only (U+2028/U+2029 may sit inside strings).
 
 Normalisation: NFC unicode, `\\r\\n` → `\\n`, surrounding whitespace stripped. The prompt id is the
 sha256 of the normalised system prompt + user turns, so identical prompts from any source collapse
@@ -26,13 +33,16 @@ from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 from typing import Iterator, Literal
 
-from pydantic import field_validator
+from pydantic import Field, field_validator, model_validator
 
 from dspark.io import storage
 from dspark.config import StrictModel
 from pipelines.schema import RAW_LIMIT
 
-RecordFormat = Literal["auto", "turns", "messages", "sharegpt", "prompt"]
+RecordFormat = Literal["auto", "turns", "messages", "sharegpt", "prompt", "instruction"]
+DEFAULT_FIELDS = {"turns": "turns", "messages": "messages", "sharegpt": "conversations", "prompt": "prompt",
+                  "instruction": "instruction"}
+PROMPTS_FORMAT = "dspark-prompts/1"  # manifest format of a jobs.synthesize output
 FileFormat = Literal["auto", "jsonl", "parquet", "hf_disk"]
 SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant",
                   "assistant": "assistant", "chatgpt": "assistant", "bard": "assistant", "bing": "assistant"}
@@ -47,6 +57,15 @@ class PromptSource(StrictModel):
     record_format: RecordFormat = "auto"
     hf_split: str = "train"  # which split of a save_to_disk DatasetDict to read
     limit: int | None = None  # read at most this many records
+    field: str | None = Field(None, description="the column holding the conversation / prompt; default: turns, "
+                              "messages, conversations, prompt or instruction after record_format")
+    user_turns: Literal["all", "first"] = Field("all", description="keep every user turn or only the first")
+
+    @model_validator(mode="after")
+    def _field_needs_format(self) -> "PromptSource":
+        if self.field is not None and self.record_format == "auto":
+            raise ValueError("`field` needs an explicit record_format (turns, messages, sharegpt, prompt, instruction)")
+        return self
 
     @field_validator("limit")
     @classmethod
@@ -137,40 +156,52 @@ def _from_roles(items: list, role_key: str, text_key: str, role_map: dict | None
     return system, turns
 
 
-def parse_record(record, record_format: RecordFormat = "auto") -> tuple[str, list[str]]:
+def _auto_format(record: dict) -> str:
+    fmt = next((fmt for fmt, key in DEFAULT_FIELDS.items() if record.get(key) is not None), "")
+    if not fmt:
+        raise BadRecord("bad_record", "record has none of the fields turns / messages / conversations / prompt / "
+                                      "instruction")
+    return fmt
+
+
+def _user_turns_of(record: dict, fmt: str, key: str) -> tuple[str, list[str]]:
+    value = record.get(key)
+    if fmt == "turns":
+        if not isinstance(value, list) or not all(isinstance(t, str) for t in value):
+            raise BadRecord("bad_record", f"'{key}' must be a list of strings")
+        system = record.get("system") or ""
+        if not isinstance(system, str):
+            raise BadRecord("bad_record", "'system' must be a string")
+        return system, list(value)
+    if fmt in ("messages", "sharegpt"):
+        role_key, text_key, role_map = ("role", "content", None) if fmt == "messages" else ("from", "value",
+                                                                                            SHAREGPT_ROLES)
+        if not isinstance(value, list):
+            raise BadRecord("bad_record", f"'{key}' must be a list")
+        return _from_roles(value, role_key, text_key, role_map)
+    if not isinstance(value, str):
+        raise BadRecord("bad_record", f"'{key}' must be a string")
+    extra = record.get("input") if fmt == "instruction" else None
+    return "", [f"{value}\n\n{extra}" if isinstance(extra, str) and extra.strip() else value]
+
+
+def parse_record(record, record_format: RecordFormat = "auto", field: str | None = None,
+                 user_turns: str = "all") -> tuple[str, list[str]]:
     """One input record -> (system prompt, user turns), normalised. Raises BadRecord."""
     if not isinstance(record, dict):
         raise BadRecord("bad_record", f"record is a {type(record).__name__}, expected a JSON object")
-    fmt = record_format
-    if fmt == "auto":
-        fmt = next((k for k, key in (("turns", "turns"), ("messages", "messages"), ("sharegpt", "conversations"),
-                                     ("prompt", "prompt")) if record.get(key) is not None), "")
-        if not fmt:
-            raise BadRecord("bad_record", "record has none of the fields turns / messages / conversations / prompt")
-    if fmt == "turns":
-        turns = record.get("turns")
-        if not isinstance(turns, list) or not all(isinstance(t, str) for t in turns):
-            raise BadRecord("bad_record", "'turns' must be a list of strings")
-        system, user_turns = "", list(turns)
-    elif fmt in ("messages", "sharegpt"):
-        key, role_key, text_key, role_map = (("messages", "role", "content", None) if fmt == "messages"
-                                             else ("conversations", "from", "value", SHAREGPT_ROLES))
-        items = record.get(key)
-        if not isinstance(items, list):
-            raise BadRecord("bad_record", f"'{key}' must be a list")
-        system, user_turns = _from_roles(items, role_key, text_key, role_map)
-    else:
-        prompt = record.get("prompt")
-        if not isinstance(prompt, str):
-            raise BadRecord("bad_record", "'prompt' must be a string")
-        system, user_turns = "", [prompt]
-    if not user_turns:
-        raise BadRecord("no_user_turn", "record has no user turn")
-    user_turns = [normalise_text(t) for t in user_turns]
-    empty = [i for i, t in enumerate(user_turns) if not t]
+    fmt = _auto_format(record) if record_format == "auto" else record_format
+    key = field or DEFAULT_FIELDS[fmt]
+    if record_format != "auto" and record.get(key) is None:
+        raise BadRecord("missing_field", f"field {key!r} is missing or null (record_format {fmt})")
+    system, turns = _user_turns_of(record, fmt, key)
+    if not turns:
+        raise BadRecord("no_user_turn", f"field {key!r} has no user turn")
+    turns = [normalise_text(t) for t in (turns[:1] if user_turns == "first" else turns)]
+    empty = [i for i, t in enumerate(turns) if not t]
     if empty:
-        raise BadRecord("empty_prompt", f"user turn {empty[0]} is empty")
-    return normalise_text(system), user_turns
+        raise BadRecord("empty_prompt", f"field {key!r}: user turn {empty[0]} is empty")
+    return normalise_text(system), turns
 
 
 # ---------------------------------------------------------------- reading sources
@@ -196,8 +227,8 @@ def _source_files(src: PromptSource) -> tuple[str, list[str]]:
     uri = src.uri
     if src.file_format == "hf_disk":
         return "hf_disk", [uri]
-    if storage.is_s3(uri):
-        is_file = not uri.endswith("/") and storage.exists(uri)
+    if storage.is_s3(uri):  # an object lists itself; a prefix (with or without "/") lists what is below it
+        is_file = storage.list_files(uri) == [uri]
     else:
         if not os.path.exists(uri):
             raise FileNotFoundError(f"prompt source not found: {uri} (check `sources[].uri` in the config)")
@@ -209,6 +240,9 @@ def _source_files(src: PromptSource) -> tuple[str, list[str]]:
         raise FileNotFoundError(f"prompt source {uri} is empty or missing (check `sources[].uri`)")
     if _is_hf_disk(files, uri.rstrip("/")):
         return "hf_disk", [uri]
+    shards = _synthesized_shards(uri, files)
+    if shards is not None:
+        return "parquet", shards
     data = [f for f in files if f.lower().endswith((".jsonl", ".json", ".ndjson", ".parquet"))]
     if not data:
         raise ValueError(f"prompt source {uri} holds no .jsonl/.json/.parquet files")
@@ -218,10 +252,30 @@ def _source_files(src: PromptSource) -> tuple[str, list[str]]:
     return formats.pop(), data
 
 
+def _synthesized_shards(root: str, files: list[str]) -> list[str] | None:
+    """The data shards of a jobs.synthesize output directory, or None if `root` is not one."""
+    manifest_uri = storage.join(root.rstrip("/"), "manifest.json")
+    if not any(f.rstrip("/") == manifest_uri for f in files):
+        return None
+    try:
+        manifest = json.loads(storage.read_text(manifest_uri))
+    except ValueError:
+        return None
+    if not isinstance(manifest, dict) or manifest.get("format") != PROMPTS_FORMAT:
+        return None
+    return [storage.join(root.rstrip("/"), shard) for shard in manifest["shards"]]
+
+
 def _jsonl_records(uri: str) -> Iterator[tuple[str, object, str]]:
     """-> (location, parsed record or BadRecord, raw line) per non-blank line."""
-    text = storage.read_bytes(uri).decode("utf-8", errors="replace")
-    for number, line in enumerate(text.splitlines(), start=1):
+    data = _read_file(uri)
+    # split on "\n" only: str.splitlines() would also cut at U+2028/U+2029 inside JSON strings
+    for number, raw in enumerate(data.split(b"\n"), start=1):
+        try:
+            line = raw.decode("utf-8").rstrip("\r")
+        except UnicodeDecodeError as err:
+            yield f"{uri}:{number}", BadRecord("bad_encoding", f"not UTF-8 at byte {err.start}"), repr(raw[:200])
+            continue
         if not line.strip():
             continue
         try:
@@ -230,13 +284,24 @@ def _jsonl_records(uri: str) -> Iterator[tuple[str, object, str]]:
             yield f"{uri}:{number}", BadRecord("malformed_json", f"invalid JSON: {err.msg} at column {err.colno}"), line
 
 
+def _read_file(uri: str) -> bytes:
+    try:
+        return storage.read_bytes(uri)
+    except (OSError, storage.StorageError) as err:
+        raise ValueError(f"cannot read prompt source file {uri}: {err}") from None
+
+
 def _parquet_records(uri: str) -> Iterator[tuple[str, object, str]]:
     import pyarrow.parquet as pq
 
     fs, path = storage.pyarrow_fs(uri)
-    parquet = pq.ParquetFile(path, filesystem=fs)
+    try:
+        parquet = pq.ParquetFile(path, filesystem=fs)
+        batches = list(parquet.iter_batches(batch_size=1024))
+    except (OSError, ValueError) as err:  # pyarrow raises ArrowInvalid (a ValueError) on a corrupt file
+        raise ValueError(f"cannot read prompt source file {uri} as Parquet: {err}") from None
     row = 0
-    for batch in parquet.iter_batches(batch_size=1024):
+    for batch in batches:
         for record in batch.to_pylist():
             yield f"{uri}#{row}", record, ""
             row += 1
@@ -246,7 +311,10 @@ def _hf_disk_records(uri: str, hf_split: str) -> Iterator[tuple[str, object, str
     import datasets
 
     local = storage.local_copy(uri) if storage.is_s3(uri) else uri
-    loaded = datasets.load_from_disk(local)
+    try:
+        loaded = datasets.load_from_disk(local)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"cannot read prompt source {uri} as a `datasets` save_to_disk directory: {err}") from None
     if isinstance(loaded, datasets.DatasetDict):
         if hf_split not in loaded:
             raise ValueError(f"{uri} has splits {list(loaded)}; set `hf_split` on the source to one of them")
@@ -294,7 +362,7 @@ def load_prompts(sources: list[PromptSource], holdout_fraction: float = 0.0) -> 
             try:
                 if isinstance(record, BadRecord):
                     raise record
-                system, turns = parse_record(record, src.record_format)
+                system, turns = parse_record(record, src.record_format, src.field, src.user_turns)
             except BadRecord as bad:
                 result.errors.append(error_row(label, location, bad.reason, bad.detail, _raw_text(record, raw)))
                 continue

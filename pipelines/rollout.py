@@ -447,8 +447,13 @@ def _fail_after() -> int | None:
 
 
 def generate_chunks(cfg: RolloutConfig, plan: Plan, pending: list[int], out: str, stats: RunStats,
-                    on_chunk: Callable[[RunStats], None] | None = None, progress: bool = True) -> None:
-    """Stream the pending chunks through the actor pool; commit each chunk when it is complete."""
+                    on_chunk: Callable[[RunStats], None] | None = None, progress: bool = True, *,
+                    actor: type = RolloutActor, spec: dict | None = None,
+                    commit: Callable[[str, int, list[dict]], dict] = commit_chunk, desc: str = "rollouts") -> None:
+    """Stream the pending chunks through the actor pool; commit each chunk when it is complete.
+    `actor(spec)` maps a pyarrow batch of plan rows to result rows carrying their `chunk`;
+    `commit(out, chunk, results)` writes a chunk and returns its marker (with rows, errors,
+    generated_tokens). jobs.synthesize reuses this loop with its own actor and commit."""
     import ray.data
     from tqdm import tqdm
 
@@ -464,16 +469,16 @@ def generate_chunks(cfg: RolloutConfig, plan: Plan, pending: list[int], out: str
     try:
         blocks = max(1, min(1000, -(-len(rows) // cfg.compute.batch_size)))
         ds = ray.data.from_items(rows, override_num_blocks=blocks).map_batches(
-            RolloutActor, fn_constructor_kwargs={"spec": actor_spec(cfg)}, batch_size=cfg.compute.batch_size,
+            actor, fn_constructor_kwargs={"spec": spec or actor_spec(cfg)}, batch_size=cfg.compute.batch_size,
             batch_format="pyarrow", compute=ray.data.ActorPoolStrategy(size=cfg.compute.replicas),
             num_cpus=cfg.compute.num_cpus, num_gpus=cfg.compute.num_gpus or None)
-        with tqdm(total=len(rows), desc="rollouts", unit="prompt", disable=not progress) as bar:
+        with tqdm(total=len(rows), desc=desc, unit="prompt", disable=not progress) as bar:
             for batch in ds.iter_batches(batch_format="pyarrow", batch_size=None):
                 for result in batch.to_pylist():
                     buffers[result["chunk"]].append(result)
                 bar.update(batch.num_rows)
                 for chunk in [c for c, got in buffers.items() if len(got) == expected[c]]:
-                    marker = commit_chunk(out, chunk, buffers.pop(chunk))
+                    marker = commit(out, chunk, buffers.pop(chunk))
                     stats.chunks_done += 1
                     stats.rows_done += marker["rows"]
                     stats.errors += marker["errors"]

@@ -64,8 +64,8 @@ ERROR_SCHEMA = pa.schema([
 ])
 
 # Stable reason codes, counted in the manifest and in MLflow as errors.<reason>.
-ERROR_REASONS = ("malformed_json", "bad_record", "no_user_turn", "empty_prompt", "prompt_too_long",
-                 "template_error")
+ERROR_REASONS = ("malformed_json", "bad_encoding", "bad_record", "missing_field", "no_user_turn", "empty_prompt",
+                 "prompt_too_long", "template_error")
 RAW_LIMIT = 2000
 
 # What the generation actor returns: a rollout row plus the error columns (null when the row is ok).

@@ -110,3 +110,74 @@ def test_repo_eval_prompts_load_cleanly():
     assert len(result.prompts) == len(lines) and not result.errors
     assert all(len(p.turns) == 2 for p in result.prompts)
     json.dumps([p.as_row() for p in result.prompts])  # rows are plain JSON-able data for Ray
+
+
+# ---------------------------------------------------------------- real corpora fixtures (tests/fixtures/corpora)
+CORPORA = Path(__file__).parent / "fixtures" / "corpora"
+
+
+def _load_one(**src):
+    return load_prompts([PromptSource(**src)])
+
+
+def test_sharegpt_jsonl_fixture_all_and_first_user_turns():
+    uri = str(CORPORA / "sharegpt.jsonl")
+    result = _load_one(uri=uri, record_format="sharegpt")
+    assert [(p.system, p.turns) for p in result.prompts] == [
+        ("You are terse.", ["How do I boil an egg?", "And a soft one?"]),
+        ("", ["Name three primary colours.\u2028Keep it short."])]  # U+2028 stays inside its line
+    errors = {e["location"]: (e["reason"], e["detail"]) for e in result.errors}
+    assert errors == {f"{uri}:3": ("missing_field", "field 'conversations' is missing or null (record_format sharegpt)"),
+                      f"{uri}:4": ("empty_prompt", "field 'conversations': user turn 0 is empty")}
+    first = _load_one(uri=uri, record_format="sharegpt", user_turns="first")
+    assert first.prompts[0].turns == ["How do I boil an egg?"]
+    renamed = _load_one(uri=uri, record_format="sharegpt", field="dialog")  # the other rows now miss `dialog`
+    assert [p.turns for p in renamed.prompts] == [["wrong field name"]] and len(renamed.errors) == 3
+
+
+def test_openai_messages_parquet_fixture():
+    uri = str(CORPORA / "openai_messages.parquet")
+    result = _load_one(uri=uri, record_format="messages", domain="code")
+    assert [(p.system, p.turns, p.domain) for p in result.prompts] == [
+        ("", ["Write a Python function that reverses a string.", "Now without slicing."], "code"),
+        ("Answer in French.", ["What is the capital of Italy?"], "code")]
+    assert [(e["location"], e["reason"]) for e in result.errors] == [(f"{uri}#2", "missing_field")]
+    assert "'messages'" in result.errors[0]["detail"]
+
+
+def test_plain_prompt_jsonl_fixture():
+    uri = str(CORPORA / "prompt.jsonl")
+    result = _load_one(uri=uri, record_format="prompt")
+    assert [p.turns for p in result.prompts] == [["A train travels 60 km in 45 minutes. What is its average speed "
+                                                  "in km/h?"]]
+    assert [(e["location"], e["reason"]) for e in result.errors] == [(f"{uri}:2", "empty_prompt"),
+                                                                      (f"{uri}:3", "missing_field")]
+    auto = _load_one(uri=uri)  # auto: the last record has none of the known fields
+    assert [e["reason"] for e in auto.errors] == ["empty_prompt", "bad_record"]
+
+
+def test_instruction_save_to_disk_fixture():
+    uri = str(CORPORA / "instruction_hf")
+    result = _load_one(uri=uri, record_format="instruction")
+    assert [p.turns for p in result.prompts] == [
+        ["Summarise the following paragraph in one sentence.\n\nBees pollinate many crops."],
+        ["List four prime numbers greater than 10."]]
+    assert [(e["location"], e["reason"]) for e in result.errors] == [(f"{uri}#2", "missing_field")]
+    assert [p.turns for p in _load_one(uri=uri).prompts] == [p.turns for p in result.prompts]  # auto finds it
+
+
+def test_field_mapping_needs_an_explicit_format():
+    with pytest.raises(ValueError, match="record_format"):
+        PromptSource(uri="x.jsonl", field="dialog")
+
+
+def test_unreadable_files_name_the_file(tmp_path):
+    bad = tmp_path / "broken.parquet"
+    bad.write_bytes(b"PAR1 not really parquet")
+    with pytest.raises(ValueError, match="broken.parquet"):
+        load_prompts([PromptSource(uri=str(bad))])
+    latin = tmp_path / "latin.jsonl"
+    latin.write_bytes(b'{"prompt": "ok"}\n{"prompt": "caf\xe9"}\n')
+    result = load_prompts([PromptSource(uri=str(latin))])
+    assert [p.turns for p in result.prompts] == [["ok"]]
+    assert [(e["location"], e["reason"]) for e in result.errors] == [(f"{latin}:2", "bad_encoding")]

@@ -282,3 +282,82 @@ def test_unreachable_bucket_fails_fast_before_generation(local_stack, tmp_path, 
                  "--set", "tracking.enabled=false"])
     err = capsys.readouterr().err
     assert code == 2 and "no-such-bucket-dspark" in err and len(err.strip().splitlines()) == 1
+
+
+# ---------------------------------------------------------------- jobs.synthesize on the same stack session
+def ray_job(stack, module: str, config: str, *overrides: str, timeout: int = 400) -> dict:
+    """`ray job submit ... -- python -m <module>` as a user types it; returns the job's last JSON line."""
+    sets = [arg for item in overrides for arg in ("--set", item)]
+    cmd = [str(Path(sys.executable).parent / "ray"), "job", "submit", "--address", stack.env["RAY_ADDRESS"],
+           "--runtime-env", "infra/runtime_env.yaml", "--working-dir", ".", "--",
+           "python", "-m", module, "--config", config, *sets]
+    proc = subprocess.run(cmd, cwd=REPO, env=dict(os.environ, RAY_ADDRESS=stack.env["RAY_ADDRESS"]),
+                          capture_output=True, text=True, timeout=timeout)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert proc.returncode == 0 and lines, f"{module} failed ({proc.returncode}):\n{proc.stdout[-4000:]}"
+    return json.loads(lines[-1])
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.timeout(900)
+def test_synthesize_then_generate_then_train_as_ray_jobs(stack_ray):
+    import mlflow
+
+    from pipelines.synthesize import read_dropped, read_prompts
+
+    prefix = s3_prefix("synth")
+    synth = ray_job(stack_ray, "jobs.synthesize", "configs/synthesize/tiny.yaml", f"output={prefix}/prompts",
+                    "magpie.num_prompts=8", "magpie.sampling.max_new_tokens=24", "tracking.experiment=test-synthesize",
+                    "sources=[{uri: data/train/math.jsonl, domain: math, limit: 6}, "
+                    "{uri: data/train/chat.jsonl, domain: chat, limit: 4}]")
+    # `tiny` writes gibberish: every Magpie turn is dropped (truncated or by a filter), never silently
+    assert synth["candidates"] == 18 and synth["kept"] + sum(synth["dropped"].values()) == 18
+    assert synth["kept"] > 0 and set(synth["kept_by_domain"]) <= {"math", "chat", "code", "instruction_following"}
+    prompts = read_prompts(f"{prefix}/prompts").to_pylist()
+    dropped = read_dropped(f"{prefix}/prompts").to_pylist()
+    assert len(prompts) == synth["kept"] and len(dropped) == 18 - synth["kept"]
+    assert len({p["prompt_id"] for p in prompts}) == len(prompts)
+    manifest = json.loads(storage.read_text(f"{prefix}/prompts/manifest.json"))
+    assert manifest["format"] == "dspark-prompts/1" and manifest["complete"] and manifest["eval_prompts"] > 0
+    run_id = json.loads(storage.read_text(f"{prefix}/prompts/_state/mlflow_run.json"))["run_id"]
+    logged = mlflow.get_run(run_id)
+    assert logged.info.status == "FINISHED" and logged.data.metrics["kept"] == synth["kept"]
+    contexts = {tag.value for d in logged.inputs.dataset_inputs for tag in d.tags if tag.key == "mlflow.data.context"}
+    assert {"prompt_source", "decontamination", "synthesized_prompts"} <= contexts
+    plots = {a.path for a in mlflow.MlflowClient().list_artifacts(run_id, "plots")}
+    assert plots == {"plots/kept_lengths_by_domain.png", "plots/lengths_kept_vs_dropped.png"}
+
+    gen = ray_job(stack_ray, "jobs.generate", "configs/generate/tiny.yaml", f"output={prefix}/rollouts",
+                  f"sources=[{{uri: {prefix}/prompts}}]", "sampling.max_new_tokens=16", "tracking.enabled=false")
+    assert gen["rows_out"] == synth["kept"] and gen["errors"] == 0 and gen["complete"]
+    assert {r["prompt_id"] for r in read_rollouts(f"{prefix}/rollouts").to_pylist()} == {
+        p["prompt_id"] for p in prompts}
+
+    train = ray_job(stack_ray, "jobs.train", "configs/train/tiny-dspark.yaml", f"data.rollouts={prefix}/rollouts",
+                    "optim.max_steps=2", "optim.global_batch_size=8", f"checkpoint.storage_path={prefix}/ckpt",
+                    "tracking.experiment=test-synthesize-train", "tracking.registered_model=test-synthesize-drafter")
+    assert train, "jobs.train printed no summary"
+
+
+@pytest.mark.integration
+def test_synthesis_resumes_exactly_once_after_an_injected_failure(stack_ray, monkeypatch):
+    from jobs.synthesize import SynthesizeJobConfig, run
+    from pipelines.synthesize import read_raw
+
+    prefix = s3_prefix("synth-resume")
+    cfg = load_config(SynthesizeJobConfig, str(REPO / "configs" / "synthesize" / "tiny.yaml"),
+                      [f"output={prefix}/prompts", "magpie.num_prompts=12", "chunk_size=4", "sources=[]",
+                       "magpie.sampling.max_new_tokens=8", "compute.batch_size=2", "tracking.enabled=false"])
+    monkeypatch.setenv("DSPARK_FAIL_AFTER_CHUNKS", "1")
+    with pytest.raises(RuntimeError, match="injected failure"):
+        run(cfg)
+    monkeypatch.delenv("DSPARK_FAIL_AFTER_CHUNKS")
+    first = read_commits(cfg.output)
+    assert len(first) == 1 and not storage.exists(f"{prefix}/prompts/manifest.json")
+    result = run(cfg)
+    assert result.stats.chunks_skipped == 1 and result.stats.chunks_done == 2
+    assert [r["slot"] for r in read_raw(cfg.output)] == list(range(12))  # every slot exactly once
+    assert result.manifest["counts"]["candidates"] == 12 and result.manifest["complete"]
+    again = run(cfg)
+    assert again.stats.chunks_done == 0 and again.manifest["digest"] == result.manifest["digest"]

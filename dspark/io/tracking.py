@@ -209,3 +209,22 @@ def log_text(text: str, artifact_file: str) -> None:
 def set_tags(tags: dict) -> None:
     mlflow = _configure()
     _retry("set_tags", lambda: mlflow.set_tags({k: str(v) for k, v in tags.items()}))
+
+
+def log_dataset_input(name: str, source_uri: str, digest: str, context: str = "training") -> None:
+    """Record a dataset (local path or s3:// URI, with a content digest) as an input of the active run,
+    so MLflow shows the lineage (`mlflow.log_input`)."""
+    mlflow = _configure()
+
+    def log():
+        import warnings
+
+        from mlflow.data.dataset_source_registry import resolve_dataset_source
+        from mlflow.data.meta_dataset import MetaDataset
+
+        with warnings.catch_warnings():  # a local path matches two equivalent local source types
+            warnings.simplefilter("ignore", UserWarning)
+            source = resolve_dataset_source(source_uri)
+        mlflow.log_input(MetaDataset(source, name=name, digest=digest[:36]), context=context)
+
+    _retry(f"log_input({name})", log)

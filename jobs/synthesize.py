@@ -1,0 +1,153 @@
+"""Build a prompt corpus: user turns written by the target (Magpie) and/or real datasets, filtered
+(length, degenerate text, decontamination, exact and near duplicates), as a resumable Ray Data job.
+
+    python -m jobs.synthesize --config configs/synthesize/tiny.yaml [--set magpie.num_prompts=100 ...]
+    ray job submit --working-dir . -- python -m jobs.synthesize --config configs/synthesize/smollm2-135m.yaml
+
+The output directory is a prompt source for jobs.generate: `sources: [{uri: <output>}]`.
+Rerunning the same command resumes an interrupted run (and continues its MLflow run).
+Layout and row schema: pipelines/synthesize.py.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+from dspark import storage
+from dspark.storage import StorageError
+from dspark.tracking import TrackingError
+from jobs.common import RayConfig, TrackingConfig, init_ray, load_job_config, save_config, tracked_run
+from pipelines.rollout import RunStats
+from pipelines.synthesize import (DROP_REASONS, SynthesisResult, SynthesizeConfig, eval_files_text, read_prompts,
+                                  run_synthesis)
+
+RUN_ID_FILE = "_state/mlflow_run.json"
+
+
+class SynthesizeJobConfig(SynthesizeConfig):
+    ray: RayConfig = RayConfig()
+    tracking: TrackingConfig = TrackingConfig(experiment="dspark-synthesize")
+    sample_rows: int = 16  # rows in the MLflow sample table
+
+
+def _previous_run_id(out: str) -> str | None:
+    try:
+        return json.loads(storage.read_text(storage.join(out, RUN_ID_FILE))).get("run_id")
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def final_metrics(result: SynthesisResult) -> dict:
+    counts = result.manifest["counts"]
+    metrics = {"candidates": counts["candidates"], "kept": counts["kept"], "load_errors": counts["load_errors"],
+               "records_read": counts["records_read"], "magpie_generated": counts["magpie_generated"],
+               "generated_tokens_this_run": result.stats.generated_tokens, "tokens_per_s": result.stats.tokens_per_s}
+    metrics.update({f"dropped.{reason}": n for reason, n in counts["dropped"].items()})
+    metrics.update({f"kept_by_domain.{d}": n for d, n in counts["kept_by_domain"].items()})
+    return metrics
+
+
+def length_plots(result: SynthesisResult, directory: Path) -> list[Path]:
+    """Histograms of prompt length (characters): kept prompts per domain; kept vs dropped per reason."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    kept = {}
+    for c in result.outcome.kept:
+        kept.setdefault(c.domain or "(none)", []).append(sum(len(t) for t in c.turns))
+    dropped = {}
+    for d in result.outcome.dropped:
+        dropped.setdefault(d["reason"], []).append(sum(len(t) for t in d["turns"]))
+    paths = []
+    for name, series, title in (("kept_lengths_by_domain.png", kept, "kept prompts by domain"),
+                                ("lengths_kept_vs_dropped.png",
+                                 {"kept": [n for v in kept.values() for n in v], **dropped},
+                                 "kept and dropped prompts (by reason)")):
+        fig, ax = plt.subplots(figsize=(7, 4))
+        if series:
+            ax.hist(list(series.values()), bins=30, label=list(series), stacked=True)
+            ax.legend(fontsize=8)
+        ax.set_xlabel("characters per prompt")
+        ax.set_ylabel("prompts")
+        ax.set_title(title)
+        fig.tight_layout()
+        paths.append(directory / name)
+        fig.savefig(paths[-1], dpi=100)
+        plt.close(fig)
+    return paths
+
+
+def sample_table(output_uri: str, n: int) -> dict:
+    rows = read_prompts(output_uri).slice(0, n).to_pylist()
+    return {"columns": ["prompt_id", "domain", "source", "prompt"],
+            "data": [[r["prompt_id"], r["domain"], r["source"], r["turns"][0][:500]] for r in rows]}
+
+
+def log_lineage(cfg: SynthesizeConfig, result: SynthesisResult) -> None:
+    """mlflow.log_input for every prompt source, every evaluation file and the output itself."""
+    from dspark import tracking
+
+    for label, info in result.source_digests.items():
+        tracking.log_dataset_input(label, info["uri"], info["digest"], context="prompt_source")
+    for uri, text in eval_files_text(cfg.eval_files).items():
+        tracking.log_dataset_input(Path(uri).name, uri, hashlib.sha256(text.encode()).hexdigest(),
+                                   context="decontamination")
+    tracking.log_dataset_input(f"prompts-{Path(cfg.output.rstrip('/')).name}", cfg.output,
+                               result.manifest["digest"], context="synthesized_prompts")
+
+
+def run(cfg: SynthesizeJobConfig) -> SynthesisResult:
+    out = cfg.output.rstrip("/")
+    storage.check_writable(out)  # fail fast: before Ray, MLflow or any generation
+    init_ray(cfg.ray)
+    from dspark import tracking
+
+    run_name = f"synthesize-{cfg.target.rstrip('/').split('/')[-1]}"
+    with tracked_run(cfg.tracking, cfg, run_name, run_id=_previous_run_id(out)) as run_id:
+        def on_start(uri: str) -> None:
+            save_config(cfg, storage.join(uri, "config.yaml"))
+            if run_id:
+                storage.write_text(storage.join(uri, RUN_ID_FILE), json.dumps({"run_id": run_id}))
+
+        def on_chunk(stats: RunStats) -> None:
+            if run_id:
+                tracking.log_metrics(stats.metrics(), step=stats.chunks_done + stats.chunks_skipped)
+
+        result = run_synthesis(cfg, on_chunk=on_chunk, on_start=on_start)
+        if run_id:
+            tracking.log_metrics(final_metrics(result), step=result.stats.chunks_total)
+            tracking.log_dict(result.manifest, "manifest.json")
+            tracking.log_dict(sample_table(out, cfg.sample_rows), "samples.json")
+            with tempfile.TemporaryDirectory() as tmp:
+                for path in length_plots(result, Path(tmp)):
+                    tracking.log_artifact(path, "plots")
+            log_lineage(cfg, result)
+    return result
+
+
+def report(result: SynthesisResult, output: str) -> dict:
+    counts = result.manifest["counts"]
+    return {"output": output, "candidates": counts["candidates"], "kept": counts["kept"],
+            "dropped": {r: counts["dropped"][r] for r in DROP_REASONS}, "kept_by_domain": counts["kept_by_domain"],
+            "load_errors": counts["load_errors"], "errors_by_reason": result.manifest["errors_by_reason"],
+            "chunks_skipped": result.stats.chunks_skipped, "complete": result.manifest["complete"]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = load_job_config(SynthesizeJobConfig, argv, "Build a filtered prompt corpus (Magpie and/or datasets).")
+    try:
+        result = run(cfg)
+    except (ValueError, FileNotFoundError, StorageError, TrackingError) as err:  # one line, no traceback
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(json.dumps(report(result, cfg.output)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -16,9 +16,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from dspark import storage
-from dspark.storage import StorageError
-from dspark.tracking import TrackingError
+from dspark.io import storage
+from dspark.io.storage import StorageError
+from dspark.io.tracking import TrackingError
 from jobs.common import RayConfig, TrackingConfig, init_ray, load_job_config, save_config, tracked_run
 from pipelines.rollout import RunStats
 from pipelines.synthesize import (DROP_REASONS, SynthesisResult, SynthesizeConfig, eval_files_text, read_prompts,
@@ -90,7 +90,7 @@ def sample_table(output_uri: str, n: int) -> dict:
 
 def log_lineage(cfg: SynthesizeConfig, result: SynthesisResult) -> None:
     """mlflow.log_input for every prompt source, every evaluation file and the output itself."""
-    from dspark import tracking
+    from dspark.io import tracking
 
     for label, info in result.source_digests.items():
         tracking.log_dataset_input(label, info["uri"], info["digest"], context="prompt_source")
@@ -105,7 +105,7 @@ def run(cfg: SynthesizeJobConfig) -> SynthesisResult:
     out = cfg.output.rstrip("/")
     storage.check_writable(out)  # fail fast: before Ray, MLflow or any generation
     init_ray(cfg.ray)
-    from dspark import tracking
+    from dspark.io import tracking
 
     run_name = f"synthesize-{cfg.target.rstrip('/').split('/')[-1]}"
     with tracked_run(cfg.tracking, cfg, run_name, run_id=_previous_run_id(out)) as run_id:

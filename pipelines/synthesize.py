@@ -37,7 +37,7 @@ import pyarrow.parquet as pq
 import torch
 from pydantic import Field, field_validator, model_validator
 
-from dspark import storage
+from dspark.io import storage
 from dspark.config import StrictModel, config_to_dict
 from dspark.prompt_filters import FILTER_ORDER, EvalIndex, FilterConfig, PromptFilter, build_eval_index
 from pipelines import schema

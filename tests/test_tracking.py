@@ -196,3 +196,22 @@ def test_logging_returns_at_once_when_the_server_hangs_or_is_down(server, hangin
     assert tracking._background.dropped > 0 and "not keeping up" in caplog.text
     assert "still pending after 0.5 s" in caplog.text
     monkeypatch.setattr(tracking, "_current", None)
+
+
+# ---------------------------------------------------------------------------- launchers
+def test_cli_runtime_env_carries_the_commit_and_stays_valid(tmp_path, monkeypatch, capsys):
+    from ray.runtime_env import RuntimeEnv
+
+    from dspark import cli
+
+    monkeypatch.setenv(tracking.GIT_COMMIT_ENV, "cafe" * 10)
+    out = tmp_path / "re.yaml"
+    assert cli.main(["runtime-env", "--base", str(ROOT / "infra" / "runtime_env.yaml"), "--out", str(out)]) == 0
+    assert capsys.readouterr().out.strip() == str(out)
+    import yaml
+
+    data = yaml.safe_load(out.read_text())
+    RuntimeEnv(**data)  # still a valid runtime env
+    assert data["env_vars"][tracking.GIT_COMMIT_ENV] == "cafe" * 10
+    base = yaml.safe_load((ROOT / "infra" / "runtime_env.yaml").read_text())
+    assert {k: v for k, v in data["env_vars"].items() if k != tracking.GIT_COMMIT_ENV} == base["env_vars"]

@@ -191,10 +191,12 @@ def test_logging_returns_at_once_when_the_server_hangs_or_is_down(server, hangin
     logged_s = time.monotonic() - started
     assert logged_s < 1.0, f"200 log calls took {logged_s:.2f} s against an unresponsive server"
     started = time.monotonic()
-    assert tracking.flush(timeout_s=0.5) is False
+    drained = tracking.flush(timeout_s=0.5)
     assert time.monotonic() - started < 1.5, "flush must honour its bound"
-    assert tracking._background.dropped > 0 and "not keeping up" in caplog.text
-    assert "still pending after 0.5 s" in caplog.text
+    # (down: refused connections are retried on the logging thread and warned about, never raised)
+    if server == "hanging":  # nothing can complete: the queue fills, calls are dropped, flush gives up
+        assert drained is False and "still pending after 0.5 s" in caplog.text
+        assert tracking._background.dropped == 200 + 2 - 50 and "not keeping up" in caplog.text
     monkeypatch.setattr(tracking, "_current", None)
 
 

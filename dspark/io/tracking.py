@@ -37,7 +37,7 @@ import time
 import urllib.error
 import urllib.request
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -265,6 +265,7 @@ class _Run:
     run_id: str
     owned: bool
     monitor: Any = None  # mlflow SystemMetricsMonitor, when system metrics are on
+    pid: int = field(default_factory=os.getpid)  # a forked child inherits _current but must not end the run
 
 
 _current: _Run | None = None
@@ -395,11 +396,13 @@ def _install_exit_hooks() -> None:
 
 def _at_exit() -> None:
     # A job ends its run explicitly when it succeeds; one still open here did not get that far.
+    if _current is None or _current.pid != os.getpid():
+        return
     _close("FAILED", flush_timeout_s=min(FLUSH_TIMEOUT_S, 5.0), end_timeout_s=SIGNAL_END_S)
 
 
 def _on_signal(signum: int, frame, previous) -> None:
-    if _current is not None:
+    if _current is not None and _current.pid == os.getpid():
         logger.warning("received %s: ending MLflow run %s as KILLED", signal.Signals(signum).name, _current.run_id)
         _close("KILLED", SIGNAL_FLUSH_S, SIGNAL_END_S)
     if callable(previous):

@@ -354,7 +354,8 @@ def worker_env() -> dict[str, str]:
     """Environment the workers need (tracking URI, object-store endpoint and credentials, caches)."""
     keys = ("MLFLOW_TRACKING_URI", "MLFLOW_S3_ENDPOINT_URL", "AWS_ENDPOINT_URL", "DSPARK_S3_ENDPOINT",
             "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_REGION", "DSPARK_CACHE", "HF_ENDPOINT", "HF_HOME",
-            "TOKENIZERS_PARALLELISM", "MLFLOW_HTTP_REQUEST_MAX_RETRIES")
+            "TOKENIZERS_PARALLELISM", "MLFLOW_HTTP_REQUEST_MAX_RETRIES",
+            "MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "MLFLOW_SYSTEM_METRICS_SAMPLES_BEFORE_LOGGING")
     return {k: os.environ[k] for k in keys if k in os.environ}
 
 

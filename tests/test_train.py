@@ -265,7 +265,8 @@ def run_train_job(cfg: TrainJobConfig, local_stack, tmp_path) -> dict:
 
     path = tmp_path / "train.yaml"
     path.write_text(dump_config(cfg))
-    env = {**os.environ, "RAY_AUTH_MODE": "token", "DS_ACCELERATOR": "cpu", "TOKENIZERS_PARALLELISM": "false"}
+    env = {**os.environ, "RAY_AUTH_MODE": "token", "DS_ACCELERATOR": "cpu", "TOKENIZERS_PARALLELISM": "false",
+           "MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL": "1"}  # (default 10 s) a sample within this short run
     cmd = [sys.executable, "-m", "jobs.train", "--config", str(path),
            "--set", f"ray.address={local_stack.ray_gcs_address}"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=540,

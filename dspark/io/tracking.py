@@ -239,7 +239,7 @@ def git_commit() -> str | None:
     commit = os.environ.get(GIT_COMMIT_ENV, "").strip()
     if commit:
         return commit
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]  # the checkout (dspark/io/tracking.py)
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
         if sha.returncode != 0:

@@ -217,3 +217,17 @@ def test_cli_runtime_env_carries_the_commit_and_stays_valid(tmp_path, monkeypatc
     assert data["env_vars"][tracking.GIT_COMMIT_ENV] == "cafe" * 10
     base = yaml.safe_load((ROOT / "infra" / "runtime_env.yaml").read_text())
     assert {k: v for k, v in data["env_vars"].items() if k != tracking.GIT_COMMIT_ENV} == base["env_vars"]
+
+
+def test_flush_gives_up_instead_of_deadlocking_when_its_thread_holds_the_queue():
+    """A SIGTERM handler runs on the main thread, possibly while it is inside queue.put: flush must
+    give up after its bound rather than wait on a lock its own thread holds."""
+    background = tracking.BackgroundLogger(maxsize=10)
+    background._queue.mutex.acquire()  # as if interrupted inside put()
+    try:
+        started = time.monotonic()
+        assert background.flush(timeout_s=0.3) is False
+        assert time.monotonic() - started < 1.0
+    finally:
+        background._queue.mutex.release()
+    assert background.flush(timeout_s=0.3) is True  # nothing queued

@@ -203,7 +203,12 @@ class BackgroundLogger:
     def flush(self, timeout_s: float) -> bool:
         """Wait until every queued call ran, at most timeout_s; False (with a warning) if some did not."""
         deadline = time.monotonic() + timeout_s
-        with self._queue.all_tasks_done:
+        # The queue's mutex with a timeout, not `with all_tasks_done`: a signal handler may run while
+        # this very thread is inside queue.put holding it (a plain acquire would deadlock).
+        if not self._queue.mutex.acquire(timeout=max(timeout_s, 0.0)):
+            logger.warning("MLflow: logging queue busy; not waiting for its %d pending calls", self.pending())
+            return False
+        try:
             while self._queue.unfinished_tasks:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
@@ -211,7 +216,9 @@ class BackgroundLogger:
                                    "or down); not waiting longer", self._queue.unfinished_tasks, timeout_s,
                                    tracking_uri())
                     return False
-                self._queue.all_tasks_done.wait(remaining)
+                self._queue.all_tasks_done.wait(remaining)  # all_tasks_done's lock is the queue's mutex
+        finally:
+            self._queue.mutex.release()
         return True
 
 

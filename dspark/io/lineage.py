@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import os
 from pathlib import Path
 from typing import Iterable
@@ -18,7 +17,6 @@ import yaml
 
 from dspark.io import storage, tracking
 
-log = logging.getLogger("dspark.io.lineage")
 
 # Contexts used by the jobs (MLflow's `mlflow.data.context` input tag).
 PROMPTS, GENERATED, TRAINING, EVALUATION, CALIBRATION = "prompts", "generated", "training", "evaluation", "calibration"

@@ -1,5 +1,6 @@
 """`dspark` command line: `dspark stack up|down|status`, `dspark target prepare NAME`,
-`dspark export --format speculators|vllm|sglang REF OUT`.
+`dspark export --format speculators|vllm|sglang REF OUT`,
+`dspark runtime-env` (a Ray runtime env that records the submitting commit).
 
 Each command group is a subparser whose handler returns an exit code; errors the user can fix
 are printed as one line (`error: cause; fix`) instead of a traceback.
@@ -55,6 +56,13 @@ def _export(args) -> int:
     return 0
 
 
+def _runtime_env(args) -> int:
+    from dspark.io.lineage import write_runtime_env
+
+    print(write_runtime_env(args.base, args.out))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dspark", description="DSpark speculative-decoding toolkit")
     groups = parser.add_subparsers(dest="group", required=True)
@@ -86,6 +94,14 @@ def build_parser() -> argparse.ArgumentParser:
                                     "models:/<name>/<version|@alias>")
     export.add_argument("out", help="output directory (local or s3://)")
     export.set_defaults(func=_export)
+
+    env_parser = groups.add_parser(
+        "runtime-env", help="write a Ray runtime env with DSPARK_GIT_COMMIT set to this checkout's commit",
+        description="Jobs record the commit in MLflow; a submitted working_dir has no .git, so submit with "
+                    "`ray job submit --runtime-env $(dspark runtime-env) --working-dir . -- python -m jobs.<stage> ...`")
+    env_parser.add_argument("--base", default="infra/runtime_env.yaml", help="runtime env YAML to extend")
+    env_parser.add_argument("--out", default=".dspark/runtime_env.yaml", help="where to write it (printed)")
+    env_parser.set_defaults(func=_runtime_env)
     return parser
 
 

@@ -216,6 +216,17 @@ def publish_drafter(drafter, new_uri: str, tmp: str, run_id: str | None, model_n
     return {"name": model_name, "aliases": aliases, "version": version} if model_name else None
 
 
+def log_calibration_data(data: CalibrationData) -> None:
+    """The calibration set as an MLflow dataset input of the run (lineage)."""
+    from dspark.io import lineage, tracking
+
+    if data.rollouts:
+        lineage.log_rollouts(data.rollouts, lineage.CALIBRATION, name=f"rollouts[{data.split}]")
+    else:
+        name = data.prompts.rstrip("/").rsplit("/", 1)[-1]
+        tracking.log_dataset_input(name, data.prompts, None, lineage.CALIBRATION)
+
+
 def run(cfg: CalibrateConfig) -> dict:
     from dspark.io import storage
     from dspark.io.drafter_source import load_drafter_ref, local_dir, resolve_ref
@@ -236,6 +247,8 @@ def run(cfg: CalibrateConfig) -> dict:
     spec = worker_spec(cfg.target, {DRAFTER_NAME: pinned.uri}, cfg.decode, cfg.seed, cfg.workers, raw_confidences=True)
     model_name = cfg.registered_model or (pinned.model_name if pinned.kind == "model" else None)
     with tracked_run(cfg.tracking, cfg, f"calibrate-{cfg.target}") as run_id:
+        if run_id:
+            log_calibration_data(cfg.data)
         convs = decode_items(items, spec, cfg.workers, cfg.ray, desc="calibration prompts")
         rounds = [r for c in convs if c.error is None for t in c.turns for r in t.rounds]
         if len(rounds) < cfg.min_rounds:

@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 from dspark import report
+from dspark.io.lineage import write_runtime_env
 from dspark.settings import settings
 from jobs.demo_runner import (JOB_PREFIX, PROFILES, REPO, RUNTIME_ENV, SERVE_PORT, Demo, DemoError, banner,
                               endpoint_url, fmt_s)
@@ -86,6 +87,7 @@ def preflight(demo: Demo, cfg) -> dict:
         raise DemoError(f"the `ray` CLI is not next to {sys.executable}; install the project "
                         f"(`make venv`, or `pip install -e .` in your venv) and rerun")
     check_disk(demo)
+    write_runtime_env(REPO / RUNTIME_ENV, demo.runtime_env_file)
     report = check_stack_state(cfg)
     for service, info in report.items():
         state = "healthy" if info["healthy"] else ("stale pid file" if info["stale_pid_file"] else "not running")

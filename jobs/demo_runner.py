@@ -138,6 +138,11 @@ class Demo:
         return self.state_dir / "demo" / self.profile.name
 
     @property
+    def runtime_env_file(self) -> Path:
+        """infra/runtime_env.yaml plus DSPARK_GIT_COMMIT (the upload has no .git), written by preflight."""
+        return self.local_dir / "runtime_env.yaml"
+
+    @property
     def experiment(self) -> str:
         return f"dspark-demo-{self.profile.name}"
 
@@ -154,7 +159,7 @@ def job_command(demo: Demo, submission_id: str, module: str, config: str, overri
     sets = [arg for item in overrides for arg in ("--set", item)]
     flags = STAGE_FLAGS.get(module.removeprefix("jobs."), [])
     return ["ray", "job", "submit", "--address", demo.env["RAY_ADDRESS"], "--submission-id", submission_id,
-            "--runtime-env", RUNTIME_ENV, "--working-dir", ".", "--",
+            "--runtime-env", str(demo.runtime_env_file), "--working-dir", ".", "--",
             "python", "-m", module, "--config", config, *sets, *flags]
 
 

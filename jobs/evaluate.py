@@ -215,6 +215,20 @@ def flat_metrics(results: dict) -> dict[str, float]:
     return {k: v for k, v in out.items() if isinstance(v, (int, float))}
 
 
+def position_series(results: dict) -> dict[str, dict[int, float]]:
+    """Acceptance by draft position as MLflow step series (x = position k, so the UI plots a curve):
+    `<drafter>.<benchmark|domain|pooled>.{cond_accept,prefix_survival}_by_position`."""
+    out = {}
+    for name, block in results["drafters"].items():
+        groups = {**block["per_benchmark"], **block["per_domain"], "pooled": block.get("pooled_positions", {})}
+        for key, summary in groups.items():
+            for curve in ("cond_accept", "prefix_survival"):
+                points = {int(k): v for k, v in (summary.get(curve) or {}).items() if isinstance(v, (int, float))}
+                if points:
+                    out[f"{name}.{key}.{curve}_by_position"] = points
+    return out
+
+
 def write_outputs(results: dict, convs: list, report_md: str, out_dir: str) -> dict[str, str]:
     """results.json, report.md, samples.jsonl and the PNG plots in a local dir; returns {name: path}."""
     files = {"results.json": json.dumps(results, indent=2, default=str), "report.md": report_md + "\n",
@@ -294,9 +308,12 @@ def run(cfg: EvalConfig) -> dict:
         with tempfile.TemporaryDirectory(prefix="dspark-eval-") as tmp:
             publish(write_outputs(results, convs, report_md, tmp), cfg.output, run_id)
         if run_id:
-            from dspark.io import tracking
+            from dspark.io import lineage, tracking
 
             tracking.log_metrics(flat_metrics(results))
+            for key, series in position_series(results).items():
+                tracking.log_series(key, series)
+            lineage.log_benchmarks(benchmarks, lineage.EVALUATION)
             tracking.set_tags({"drafters": ",".join(f"{n}={i['source']}" for n, i in infos.items()),
                                "target": cfg.target})
     for warning in results["warnings"]:

@@ -59,7 +59,7 @@ def run(cfg: GenerateConfig) -> RolloutResult:
     out = cfg.output.rstrip("/")
     storage.check_writable(out)  # fail fast: before Ray, MLflow or any generation
     init_ray(cfg.ray)
-    from dspark.io import tracking
+    from dspark.io import lineage, tracking
 
     run_name = f"generate-{cfg.target.rstrip('/').split('/')[-1]}"
     with tracked_run(cfg.tracking, cfg, run_name, run_id=_previous_run_id(out)) as run_id:
@@ -72,8 +72,11 @@ def run(cfg: GenerateConfig) -> RolloutResult:
             if run_id:
                 tracking.log_metrics(stats.metrics(), step=stats.chunks_done + stats.chunks_skipped)
 
+        if run_id:
+            lineage.log_prompt_sources(cfg.sources, lineage.PROMPTS)
         result = run_rollouts(cfg, on_chunk=on_chunk, on_start=on_start)
         if run_id:
+            lineage.log_rollouts(out, lineage.GENERATED)
             tracking.log_metrics(final_metrics(result), step=result.stats.chunks_total)
             tracking.log_dict(result.manifest, "manifest.json")
             tracking.log_dict(sample_table(out, cfg.sample_rows), "samples.json")

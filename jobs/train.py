@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -307,15 +306,10 @@ def write_run_record(cfg: TrainJobConfig, record: dict) -> None:
 
 
 def git_sha() -> str:
-    root = Path(__file__).resolve().parent.parent
-    try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
-        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=root, capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.TimeoutExpired):
-        return "unknown"
-    if sha.returncode != 0:
-        return "unknown"
-    return sha.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+    """The source commit (DSPARK_GIT_COMMIT from the launcher, else git), or "unknown"."""
+    from dspark.io import tracking
+
+    return tracking.git_commit() or "unknown"
 
 
 def package_versions() -> dict[str, str]:
@@ -339,8 +333,9 @@ def run_params(cfg: TrainJobConfig, num_rows: int, total_steps: int) -> dict:
 
 
 def open_mlflow_run(cfg: TrainJobConfig, record: dict | None, params: dict) -> str | None:
-    """The MLflow run of this training run: the recorded one on resume, else a new one (params logged once)."""
-    from dspark.io import tracking
+    """The MLflow run of this training run: the recorded one on resume, else a new one (params and the
+    rollouts it trains on logged once). System metrics are sampled on the workers (RankZeroLogger)."""
+    from dspark.io import lineage, tracking
 
     if not cfg.tracking.enabled:
         return None
@@ -350,6 +345,7 @@ def open_mlflow_run(cfg: TrainJobConfig, record: dict | None, params: dict) -> s
                                       "dspark.target": cfg.target})
     if record is None or not record.get("mlflow_run_id"):
         tracking.log_params(params)
+        lineage.log_rollouts(cfg.data.rollouts, lineage.TRAINING)
     return run_id
 
 
@@ -358,7 +354,8 @@ def worker_env() -> dict[str, str]:
     """Environment the workers need (tracking URI, object-store endpoint and credentials, caches)."""
     keys = ("MLFLOW_TRACKING_URI", "MLFLOW_S3_ENDPOINT_URL", "AWS_ENDPOINT_URL", "DSPARK_S3_ENDPOINT",
             "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_REGION", "DSPARK_CACHE", "HF_ENDPOINT", "HF_HOME",
-            "TOKENIZERS_PARALLELISM", "MLFLOW_HTTP_REQUEST_MAX_RETRIES")
+            "TOKENIZERS_PARALLELISM", "MLFLOW_HTTP_REQUEST_MAX_RETRIES",
+            "MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "MLFLOW_SYSTEM_METRICS_SAMPLES_BEFORE_LOGGING")
     return {k: os.environ[k] for k in keys if k in os.environ}
 
 

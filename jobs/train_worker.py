@@ -305,7 +305,9 @@ def check_same_target(meta: dict | None, target, source: str) -> None:
 
 # ----------------------------------------------------------------------------- Ray glue
 class RankZeroLogger:
-    """Continues the driver's MLflow run on rank 0 (also after a restart: same run id, no new run)."""
+    """Logs into the driver's MLflow run from rank 0 (also after a restart: same run id, no new run),
+    with system metrics (CPU, memory, GPU, ...) sampled on this node. The driver owns and ends the run;
+    `close` flushes the queued metrics (bounded wait) before the worker returns."""
 
     def __init__(self, cfg, run_id: str | None):
         self.every = cfg.tracking.log_every_steps
@@ -313,7 +315,13 @@ class RankZeroLogger:
         if run_id:
             from dspark.io import tracking
 
-            tracking.start_run(cfg.tracking.experiment, cfg.run_name, run_id=run_id)
+            tracking.attach_run(run_id, system_metrics=True)
+
+    def close(self) -> None:
+        if self.run_id:
+            from dspark.io import tracking
+
+            tracking.end_run()  # attached: flush and stop the system metrics; the run stays RUNNING
 
     def log(self, step: int, metrics: dict[str, float], force: bool = False) -> None:
         if self.run_id and (force or step % self.every == 0):
@@ -389,7 +397,11 @@ def train_loop_per_worker(loop_config: dict) -> None:
             report_checkpoint(session, {"step": result.step, **result.metrics})
         maybe_inject_fault(cfg, session.rank, result.step)
 
-    session.run(epoch_batches, on_step)
+    try:
+        session.run(epoch_batches, on_step)
+    finally:
+        if logger:
+            logger.close()
 
 
 def report_checkpoint(session: TrainSession, metrics: dict) -> None:

@@ -133,3 +133,7 @@ def test_calibration_job_writes_a_new_registered_version(tiny, tmp_path, monkeyp
     assert exported["dspark_calibration"] == pytest.approx(report["temperatures"])
     metrics = client.get_run(run_id).data.metrics
     assert {"ece_before.k1", "ece_after.k1", "temperature.k3", "mean.ece_after"} <= set(metrics)
+    inputs = client.get_run(run_id).inputs.dataset_inputs  # lineage: the calibration set
+    assert [(d.dataset.name, {t.key: t.value for t in d.tags}["mlflow.data.context"]) for d in inputs] == [
+        ("holdout.jsonl", "calibration")]
+    assert str(prompts) in inputs[0].dataset.source

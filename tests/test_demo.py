@@ -72,7 +72,7 @@ def test_job_command_is_the_cluster_command():
     assert cmd[sep + 1:sep + 6] == ["python", "-m", "jobs.train", "--config", "configs/train/tiny-dspark.yaml"]
     assert cmd[sep + 6:] == ["--set", "optim.max_steps=3", "--set", "run_name=x"]
     head = cmd[:sep]
-    assert head[head.index("--runtime-env") + 1] == runner.RUNTIME_ENV and (ROOT / runner.RUNTIME_ENV).exists()
+    assert head[head.index("--runtime-env") + 1] == str(d.runtime_env_file)
     assert head[head.index("--working-dir") + 1] == "."
     assert head[head.index("--address") + 1] == "http://127.0.0.1:8265"
 

@@ -378,3 +378,9 @@ def test_evaluate_job_on_two_drafters_writes_results_and_logs_plots(tmp_path, tw
     plots = {a.path for a in client.list_artifacts(run_info.info.run_id, "plots")}
     assert {"results.json", "report.md", "config.yaml"} <= artifacts
     assert {"plots/tau_by_benchmark.png", "plots/cond_accept_by_position.png", "plots/threshold_sweep.png"} <= plots
+    series = client.get_metric_history(run_info.info.run_id, "dspark.pooled.cond_accept_by_position")
+    pooled = on_ray["drafters"]["dspark"]["pooled_positions"]["cond_accept"]
+    by_step = {m.step: m.value for m in series}  # x = draft position; positions never reached are skipped
+    assert by_step and by_step == pytest.approx({int(k): v for k, v in pooled.items() if v is not None})
+    inputs = {d.dataset.name: {t.key: t.value for t in d.tags} for d in run_info.inputs.dataset_inputs}
+    assert set(inputs) == {"gsm8k", "mt-bench"} and inputs["gsm8k"]["mlflow.data.context"] == "evaluation"

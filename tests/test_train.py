@@ -269,7 +269,8 @@ def run_train_job(cfg: TrainJobConfig, local_stack, tmp_path) -> dict:
 
     path = tmp_path / "train.yaml"
     path.write_text(dump_config(cfg))
-    env = {**os.environ, "RAY_AUTH_MODE": "token", "DS_ACCELERATOR": "cpu", "TOKENIZERS_PARALLELISM": "false"}
+    env = {**os.environ, "RAY_AUTH_MODE": "token", "DS_ACCELERATOR": "cpu", "TOKENIZERS_PARALLELISM": "false",
+           "MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL": "1"}  # (default 10 s) a sample within this short run
     cmd = [sys.executable, "-m", "jobs.train", "--config", str(path),
            "--set", f"ray.address={local_stack.ray_gcs_address}"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=540,
@@ -324,6 +325,11 @@ def test_ray_train_zero2_survives_a_killed_worker(local_stack, tiny_rollouts, tm
     assert [m.value for m in resumed] == [4.0]
     params = runs[0].data.params
     assert params["world_size"] == "2" and params["deepspeed.zero_stage"] == "2" and "version.deepspeed" in params
+    logged = client.get_run(run_id)
+    assert any(k.startswith("system/cpu_utilization") for k in logged.data.metrics), "rank 0 samples system metrics"
+    inputs = {d.dataset.name: {t.key: t.value for t in d.tags} for d in logged.inputs.dataset_inputs}
+    assert inputs["rollouts"]["mlflow.data.context"] == "training", inputs
+    assert logged.data.tags["mlflow.source.git.commit"] == params["git_sha"]
 
     version = client.get_model_version_by_alias("test-tiny-dspark", "trained")
     assert version.run_id == run_id and version.version == summary["registered_model"]["version"]

@@ -1,20 +1,43 @@
-"""Thin MLflow wrapper that never kills a training run.
+"""Thin MLflow wrapper that never kills — and never stalls — a training run.
 
 The tracking server comes from MLFLOW_TRACKING_URI; when unset, runs go to a local SQLite store
 under `<repo>/.dspark/mlruns/` (mlflow.db + artifacts/; MLflow 3 refuses plain file stores).
+This is the one module that talks to MLflow's tracking API.
 
-Logging calls retry a transient failure a few times and then log a warning instead of raising,
-so an MLflow hiccup mid-training costs a metric, not the run. `start_run` and `check_reachable`
-do raise (TrackingError, one line with the fix): they run before any work is done.
+- Metrics, params, tags and dataset inputs go through a bounded background queue drained by one
+  thread (retrying a transient failure a few times, then logging a warning): a call never waits on
+  the server, and when the server is slow or down the queue fills and further calls are dropped
+  with a warning. `end_run`/`flush` wait for the queue, but only up to FLUSH_TIMEOUT_S.
+- Runs are addressed by id (MlflowClient), not through MLflow's thread-local "active run", so a
+  Ray Train worker can log into the driver's run (`attach_run`) without owning it.
+- A run this process started (`start_run`) never stays RUNNING: SIGTERM (`ray job stop`) and
+  SIGINT end it KILLED within RAY_STOP_GRACE_S, and an interpreter exit with the run still open
+  (an uncaught exception, `sys.exit` before `end_run`) ends it FAILED.
+- Every new run is tagged with the source commit (`git_commit`): $DSPARK_GIT_COMMIT, which the
+  launchers set at submission (the uploaded working_dir has no .git), else `git rev-parse HEAD`.
+- `log_dataset_input` records lineage (name, source URI, digest, context) in MLflow's Inputs;
+  `start_run(..., system_metrics=True)` / `attach_run(..., system_metrics=True)` sample CPU,
+  memory, disk, network (psutil) and GPU (pynvml, when installed) into `system/...` metrics.
+
+`start_run` and `check_reachable` raise TrackingError (one line with the fix): they run before any
+work is done.
 """
 from __future__ import annotations
 
+import atexit
+import hashlib
 import logging
 import math
 import os
+import queue
+import signal
+import subprocess
+import threading
 import time
 import urllib.error
 import urllib.request
+import warnings
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -28,6 +51,13 @@ BACKOFF_S = 1.0
 # (RESOURCE_ALREADY_EXISTS is not among them: a retry finds an experiment created concurrently.)
 PERMANENT_CODES = {"INVALID_PARAMETER_VALUE", "RESOURCE_DOES_NOT_EXIST",
                    "PERMISSION_DENIED", "INVALID_STATE", "BAD_REQUEST"}
+QUEUE_SIZE = 10_000  # pending logging calls; beyond this, calls are dropped (with a warning)
+FLUSH_TIMEOUT_S = float(os.environ.get("DSPARK_MLFLOW_FLUSH_TIMEOUT_S", "30"))  # end_run's wait for the queue
+RAY_STOP_GRACE_S = 3.0  # `ray job stop` sends SIGKILL this long after SIGTERM (RAY_JOB_STOP_WAIT_TIME_S)
+SIGNAL_FLUSH_S, SIGNAL_END_S = 0.5, 2.0  # the signal handler's budget: both fit in RAY_STOP_GRACE_S
+GIT_COMMIT_ENV = "DSPARK_GIT_COMMIT"
+GIT_COMMIT_TAG = "mlflow.source.git.commit"  # the tag MLflow's UI shows as the run's source version
+DIGEST_MAX = 36  # MLflow stores a dataset digest in a 36-character column
 
 
 class TrackingError(RuntimeError):
@@ -111,65 +141,331 @@ def _retry(what: str, fn: Callable[[], Any], raise_on_failure: bool = False) -> 
             return None
 
 
-# ---------------------------------------------------------------------------- runs
-def start_run(experiment: str, run_name: str | None = None, run_id: str | None = None,
-              tags: dict | None = None) -> str:
-    """Start (or, given run_id, resume) a run in `experiment` (created if missing); returns its id.
-    Ends any run still active in this process first."""
+_clients: dict[str, Any] = {}
+
+
+def _client():
+    """The MlflowClient of the current tracking URI (also made mlflow's default for other callers).
+    Queued calls capture it when submitted, so they reach the store that was current then."""
     mlflow = _configure()
-
-    def begin():
-        if mlflow.active_run() is not None:
-            if run_id and mlflow.active_run().info.run_id == run_id:
-                return run_id
-            mlflow.end_run()
-        _ensure_experiment(mlflow, experiment)
-        run = mlflow.start_run(run_id=run_id, run_name=None if run_id else run_name,
-                               tags={k: str(v) for k, v in (tags or {}).items()} or None)
-        return run.info.run_id
-
-    return _retry(f"start_run({experiment!r})", begin, raise_on_failure=True)
+    uri = tracking_uri()
+    if uri not in _clients:
+        _clients[uri] = mlflow.MlflowClient(uri)
+    return _clients[uri]
 
 
-def _ensure_experiment(mlflow, name: str) -> None:
-    """Select `name`; in the local store, keep its artifacts under .dspark/mlruns/artifacts."""
-    if _is_local_store(mlflow.get_tracking_uri()) and mlflow.get_experiment_by_name(name) is None:
-        location = (local_store_dir() / "artifacts" / name).as_uri()
+# ---------------------------------------------------------------------------- background queue
+class BackgroundLogger:
+    """A bounded FIFO of logging calls drained by one daemon thread.
+
+    Invariant: `submit` never blocks — it enqueues, or drops the call when QUEUE_SIZE calls are
+    already pending (the server is slow or down) and warns. Calls run in submission order, each
+    through `_retry`, so a failure costs that call only. `flush` waits at most `timeout_s`."""
+
+    def __init__(self, maxsize: int = QUEUE_SIZE):
+        self.maxsize = maxsize
+        self.dropped = 0
+        self._queue: queue.Queue = queue.Queue()  # bounded by `maxsize` in submit (end_run may exceed it)
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def submit(self, what: str, fn: Callable[[], Any], force: bool = False) -> bool:
+        """Queue fn; False (and a warning) if it was dropped. `force` ignores the bound."""
+        if not force and self._queue.unfinished_tasks >= self.maxsize:
+            self.dropped += 1
+            if self.dropped == 1 or self.dropped % 1000 == 0:
+                logger.warning("MLflow is not keeping up (%d logging calls pending): dropped %s (%d dropped so "
+                               "far); training continues", self.maxsize, what, self.dropped)
+            return False
+        self._ensure_thread()
+        self._queue.put((what, fn))
+        return True
+
+    def _ensure_thread(self) -> None:
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._drain, name="dspark-mlflow-logger", daemon=True)
+                self._thread.start()
+
+    def _drain(self) -> None:
+        while True:
+            what, fn = self._queue.get()
+            try:
+                _retry(what, fn)
+            except BaseException as err:  # noqa: BLE001 - the drain thread must survive anything
+                logger.warning("MLflow %s failed: %s", what, err)
+            finally:
+                self._queue.task_done()
+
+    def pending(self) -> int:
+        return self._queue.unfinished_tasks
+
+    def flush(self, timeout_s: float) -> bool:
+        """Wait until every queued call ran, at most timeout_s; False (with a warning) if some did not."""
+        deadline = time.monotonic() + timeout_s
+        # The queue's mutex with a timeout, not `with all_tasks_done`: a signal handler may run while
+        # this very thread is inside queue.put holding it (a plain acquire would deadlock).
+        if not self._queue.mutex.acquire(timeout=max(timeout_s, 0.0)):
+            logger.warning("MLflow: logging queue busy; not waiting for its %d pending calls", self.pending())
+            return False
         try:
-            mlflow.create_experiment(name, artifact_location=location)
-        except Exception as err:  # noqa: BLE001 - created concurrently by another process
-            if getattr(err, "error_code", None) != "RESOURCE_ALREADY_EXISTS":
-                raise
-    mlflow.set_experiment(name)
+            while self._queue.unfinished_tasks:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    logger.warning("MLflow: %d logging calls still pending after %.1f s (tracking server %s slow "
+                                   "or down); not waiting longer", self._queue.unfinished_tasks, timeout_s,
+                                   tracking_uri())
+                    return False
+                self._queue.all_tasks_done.wait(remaining)  # all_tasks_done's lock is the queue's mutex
+        finally:
+            self._queue.mutex.release()
+        return True
+
+
+_background = BackgroundLogger()
+
+
+def flush(timeout_s: float = FLUSH_TIMEOUT_S) -> bool:
+    """Wait (bounded) for queued logging calls; True when none is left."""
+    return _background.flush(timeout_s)
+
+
+def _submit(what: str, fn: Callable[[], Any], force: bool = False) -> None:
+    _background.submit(what, fn, force=force)
+
+
+def _batches(items: list, size: int) -> list[list]:
+    return [items[i:i + size] for i in range(0, len(items), size)]
+
+
+# ---------------------------------------------------------------------------- provenance
+def git_commit() -> str | None:
+    """The source commit: $DSPARK_GIT_COMMIT (set by launchers at submission: a Ray job's uploaded
+    working_dir and the image have no .git), else `git rev-parse HEAD` of this checkout (+ "-dirty"
+    when it has uncommitted changes), else None."""
+    commit = os.environ.get(GIT_COMMIT_ENV, "").strip()
+    if commit:
+        return commit
+    root = Path(__file__).resolve().parents[2]  # the checkout (dspark/io/tracking.py)
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
+        if sha.returncode != 0:
+            return None
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return sha.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+
+
+def submission_env() -> dict[str, str]:
+    """Env vars a launcher adds to a job's runtime env so the job can record its provenance."""
+    commit = git_commit()
+    return {GIT_COMMIT_ENV: commit} if commit else {}
+
+
+# ---------------------------------------------------------------------------- runs
+@dataclass
+class _Run:
+    """The run this process logs to. owned: started here (we end it, also on signals and at exit);
+    otherwise attached to a run another process owns (a Ray Train worker logging into the driver's)."""
+    run_id: str
+    owned: bool
+    monitor: Any = None  # mlflow SystemMetricsMonitor, when system metrics are on
+    pid: int = field(default_factory=os.getpid)  # a forked child inherits _current but must not end the run
+
+
+_current: _Run | None = None
+_exit_hooks_installed = False
+
+
+def start_run(experiment: str, run_name: str | None = None, run_id: str | None = None,
+              tags: dict | None = None, system_metrics: bool = False) -> str:
+    """Start (or, given run_id, resume) a run in `experiment` (created if missing); returns its id.
+    Ends any other run this process owns first. The run is tagged with `git_commit()`; with
+    `system_metrics`, CPU/GPU/memory/disk/network are sampled into it until it ends."""
+    global _current
+    client = _client()
+    if _current is not None:
+        if _current.run_id == run_id:
+            return run_id
+        end_run()
+    str_tags = {k: str(v) for k, v in (tags or {}).items()}
+
+    def begin() -> str:
+        if run_id:
+            client.update_run(run_id, status="RUNNING")
+            return run_id
+        return client.create_run(_ensure_experiment(client, experiment), run_name=run_name,
+                                 tags=_default_tags() | str_tags).info.run_id
+
+    started = _retry(f"start_run({experiment!r})", begin, raise_on_failure=True)
+    _current = _Run(started, owned=True)
+    if run_id and str_tags:
+        set_tags(str_tags)
+    _install_exit_hooks()
+    if system_metrics:
+        _current.monitor = _start_system_metrics(started, node_id=None)
+    return started
+
+
+def attach_run(run_id: str, system_metrics: bool = False, node_id: str | None = None) -> None:
+    """Log into an existing run owned by another process (it stays RUNNING; that process ends it).
+    `node_id` prefixes this process's system metrics (system/<node_id>/...) on multi-node runs."""
+    global _current
+    if _current is not None:
+        end_run()
+    _configure()
+    _current = _Run(run_id, owned=False)
+    _install_exit_hooks()
+    if system_metrics:
+        _current.monitor = _start_system_metrics(run_id, node_id)
+
+
+def _default_tags() -> dict[str, str]:
+    """MLflow's usual source/user tags, with our commit as the source version."""
+    try:
+        from mlflow.tracking.context.registry import resolve_tags
+
+        tags = dict(resolve_tags({}))
+    except Exception:  # noqa: BLE001 - context providers are best-effort
+        tags = {}
+    commit = git_commit()
+    if commit:
+        tags[GIT_COMMIT_TAG] = commit
+    else:
+        tags.pop(GIT_COMMIT_TAG, None)
+    return tags
+
+
+def _ensure_experiment(client, name: str) -> str:
+    """The id of experiment `name` (created if missing; in the local store, with its artifacts under
+    .dspark/mlruns/artifacts)."""
+    found = client.get_experiment_by_name(name)
+    if found is not None:
+        return found.experiment_id
+    location = (local_store_dir() / "artifacts" / name).as_uri() if _is_local_store(tracking_uri()) else None
+    try:
+        return client.create_experiment(name, artifact_location=location)
+    except Exception as err:  # noqa: BLE001 - created concurrently by another process
+        if getattr(err, "error_code", None) != "RESOURCE_ALREADY_EXISTS":
+            raise
+        return client.get_experiment_by_name(name).experiment_id
 
 
 def active_run_id() -> str | None:
-    import mlflow
-
-    run = mlflow.active_run()
-    return run.info.run_id if run else None
+    return _current.run_id if _current else None
 
 
-def end_run(status: str = "FINISHED") -> None:
-    """status: FINISHED, FAILED or KILLED."""
-    import mlflow
+def end_run(status: str = "FINISHED", flush_timeout_s: float | None = None) -> None:
+    """status: FINISHED, FAILED or KILLED. Waits (bounded) for queued logging calls first. An
+    attached run is only detached: its owner ends it."""
+    _close(status, FLUSH_TIMEOUT_S if flush_timeout_s is None else flush_timeout_s, end_timeout_s=None)
 
-    if mlflow.active_run() is not None:
-        _retry("end_run", lambda: mlflow.end_run(status=status))
+
+def _close(status: str, flush_timeout_s: float, end_timeout_s: float | None) -> None:
+    global _current
+    run, _current = _current, None  # first: a signal arriving now finds nothing left to end
+    if run is None:
+        return
+    _stop_system_metrics(run.monitor, timeout_s=min(flush_timeout_s, 5.0))
+    _background.flush(flush_timeout_s)
+    if not run.owned:
+        return
+    client = _client()
+    terminate = lambda: _retry("end_run", lambda: client.set_terminated(run.run_id, status))  # noqa: E731
+    if end_timeout_s is None:
+        terminate()
+        return
+    worker = threading.Thread(target=terminate, name="dspark-mlflow-end", daemon=True)
+    worker.start()
+    worker.join(end_timeout_s)
+    if worker.is_alive():
+        logger.warning("MLflow: could not mark run %s %s within %.1f s", run.run_id, status, end_timeout_s)
+
+
+# ---------------------------------------------------------------------------- exit, signals
+def _install_exit_hooks() -> None:
+    """atexit: an owned run still open at exit ends FAILED; SIGTERM/SIGINT: it ends KILLED, then the
+    signal does what it did before (chained handler, or the default action)."""
+    global _exit_hooks_installed
+    if _exit_hooks_installed:
+        return
+    _exit_hooks_installed = True
+    atexit.register(_at_exit)
+    if threading.current_thread() is not threading.main_thread():
+        logger.debug("not in the main thread: no SIGTERM/SIGINT handler for the MLflow run")
+        return
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        previous = signal.getsignal(signum)
+        signal.signal(signum, lambda num, frame, prev=previous: _on_signal(num, frame, prev))
+
+
+def _at_exit() -> None:
+    # A job ends its run explicitly when it succeeds; one still open here did not get that far.
+    if _current is None or _current.pid != os.getpid():
+        return
+    _close("FAILED", flush_timeout_s=min(FLUSH_TIMEOUT_S, 5.0), end_timeout_s=SIGNAL_END_S)
+
+
+def _on_signal(signum: int, frame, previous) -> None:
+    if _current is not None and _current.pid == os.getpid():
+        logger.warning("received %s: ending MLflow run %s as KILLED", signal.Signals(signum).name, _current.run_id)
+        _close("KILLED", SIGNAL_FLUSH_S, SIGNAL_END_S)
+    if callable(previous):
+        previous(signum, frame)
+    elif previous != signal.SIG_IGN:  # SIG_DFL (or None: set outside Python): die of the signal
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
+
+# ---------------------------------------------------------------------------- system metrics
+def _start_system_metrics(run_id: str, node_id: str | None):
+    """Sample system metrics into the run on a daemon thread (MLflow's monitor; psutil, pynvml)."""
+    try:
+        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+        monitor = SystemMetricsMonitor(run_id, resume_logging=True, node_id=node_id, tracking_uri=tracking_uri())
+        monitor.start()
+        return monitor
+    except Exception as err:  # noqa: BLE001 - metrics about the machine are never worth a failed run
+        logger.warning("MLflow system metrics are off: %s: %s", type(err).__name__, err)
+        return None
+
+
+def _stop_system_metrics(monitor, timeout_s: float) -> None:
+    """Stop sampling without waiting on a slow server for more than timeout_s."""
+    if monitor is None:
+        return
+    stopper = threading.Thread(target=monitor.finish, name="dspark-mlflow-sysmetrics-stop", daemon=True)
+    stopper.start()
+    stopper.join(timeout_s)
 
 
 # ---------------------------------------------------------------------------- logging
+def _run_id_or_warn(what: str) -> str | None:
+    if _current is None:
+        logger.warning("MLflow %s skipped: no run started in this process (tracking.start_run/attach_run)", what)
+        return None
+    return _current.run_id
+
+
 def log_params(params: dict) -> None:
     """Nested dicts are flattened to dotted keys; values are stringified (MLflow limit 6000 chars)."""
-    mlflow = _configure()
-    flat = {k: str(v)[:6000] for k, v in flatten(params).items()}
-    _retry("log_params", lambda: mlflow.log_params(flat))
+    from mlflow.entities import Param
+
+    run_id = _run_id_or_warn("log_params")
+    if run_id is None:
+        return
+    flat = [Param(k, str(v)[:6000]) for k, v in flatten(params).items()]
+    client = _client()
+    for batch in _batches(flat, 100):  # MLflow's log_batch limit: 100 params
+        _submit("log_params", lambda b=batch: client.log_batch(run_id, params=b, synchronous=True))
 
 
 def log_metrics(metrics: dict, step: int | None = None) -> None:
     """Numeric values only (tensors/numpy scalars are converted); non-finite and non-numeric
-    values are dropped with a debug message rather than failing the batch."""
-    mlflow = _configure()
+    values are dropped with a debug message rather than failing the batch. Returns at once."""
     clean = {}
     for key, value in metrics.items():
         try:
@@ -182,49 +478,119 @@ def log_metrics(metrics: dict, step: int | None = None) -> None:
         else:
             logger.debug("skipping non-finite metric %s=%r", key, value)
     if clean:
-        _retry("log_metrics", lambda: mlflow.log_metrics(clean, step=step))
+        _log_metric_points([(key, value, step or 0) for key, value in clean.items()])
+
+
+def log_series(key: str, values: dict[int, float]) -> None:
+    """One metric as a series over x = step (e.g. acceptance by draft position), so MLflow's UI
+    plots it as a curve. Non-finite points are skipped."""
+    points = [(key, float(v), int(x)) for x, v in sorted(values.items()) if v is not None and math.isfinite(float(v))]
+    if points:
+        _log_metric_points(points)
+
+
+def _log_metric_points(points: list[tuple[str, float, int]]) -> None:
+    from mlflow.entities import Metric
+
+    run_id = _run_id_or_warn("log_metrics")
+    if run_id is None:
+        return
+    now = int(time.time() * 1000)
+    metrics = [Metric(key, value, now, step) for key, value, step in points]
+    client = _client()
+    for batch in _batches(metrics, 1000):  # MLflow's log_batch limit: 1000 metrics
+        _submit("log_metrics", lambda b=batch: client.log_batch(run_id, metrics=b, synchronous=True))
+
+
+def set_tags(tags: dict) -> None:
+    from mlflow.entities import RunTag
+
+    run_id = _run_id_or_warn("set_tags")
+    if run_id is None:
+        return
+    run_tags = [RunTag(k, str(v)) for k, v in tags.items()]
+    client = _client()
+    for batch in _batches(run_tags, 100):
+        _submit("set_tags", lambda b=batch: client.log_batch(run_id, tags=b, synchronous=True))
 
 
 def log_artifact(path: str | os.PathLike, artifact_path: str | None = None) -> None:
-    """Log a file, or every file of a directory, under `artifact_path`."""
-    mlflow = _configure()
-    path = str(path)
+    """Log a file, or every file of a directory, under `artifact_path` (synchronous: artifacts are
+    logged between steps, at the end of a stage)."""
+    run_id = _run_id_or_warn("log_artifact")
+    if run_id is None:
+        return
+    client, path = _client(), str(path)
     if os.path.isdir(path):
-        _retry(f"log_artifacts({path})", lambda: mlflow.log_artifacts(path, artifact_path))
+        _retry(f"log_artifacts({path})", lambda: client.log_artifacts(run_id, path, artifact_path))
     else:
-        _retry(f"log_artifact({path})", lambda: mlflow.log_artifact(path, artifact_path))
+        _retry(f"log_artifact({path})", lambda: client.log_artifact(run_id, path, artifact_path))
 
 
 def log_dict(data: dict, artifact_file: str) -> None:
     """Save a dict as a .json/.yaml artifact (format from the file extension)."""
-    mlflow = _configure()
-    _retry(f"log_dict({artifact_file})", lambda: mlflow.log_dict(data, artifact_file))
+    run_id = _run_id_or_warn("log_dict")
+    if run_id is not None:
+        client = _client()
+        _retry(f"log_dict({artifact_file})", lambda: client.log_dict(run_id, data, artifact_file))
 
 
 def log_text(text: str, artifact_file: str) -> None:
-    mlflow = _configure()
-    _retry(f"log_text({artifact_file})", lambda: mlflow.log_text(text, artifact_file))
+    run_id = _run_id_or_warn("log_text")
+    if run_id is not None:
+        client = _client()
+        _retry(f"log_text({artifact_file})", lambda: client.log_text(run_id, text, artifact_file))
 
 
-def set_tags(tags: dict) -> None:
-    mlflow = _configure()
-    _retry("set_tags", lambda: mlflow.set_tags({k: str(v) for k, v in tags.items()}))
+# ---------------------------------------------------------------------------- dataset lineage
+def log_dataset_input(name: str, source_uri: str, digest: str | None, context: str) -> str | None:
+    """Record that the current run used dataset `name` from `source_uri` (local path, s3:// or
+    http(s)://) in `context` (e.g. "prompts", "training", "evaluation"): MLflow's run Inputs.
+    `digest` identifies the content; None computes it (`dataset_digest`). Digests longer than
+    MLflow's 36-character column keep their first 32 characters. Returns the digest logged, or
+    None (with a warning) when it could not be logged. Never raises for MLflow or I/O trouble."""
+    run_id = _run_id_or_warn(f"log_dataset_input({name!r})")
+    if run_id is None:
+        return None
+    uri = source_uri if "://" in source_uri else os.path.abspath(source_uri)
+    if digest is None:
+        try:
+            digest = dataset_digest(uri)
+        except (OSError, RuntimeError, ValueError) as err:  # StorageError is a RuntimeError
+            logger.warning("MLflow dataset input %r not logged: cannot read %s to digest it: %s", name, uri, err)
+            return None
+    digest = digest if len(digest) <= DIGEST_MAX else digest[:32]
+    entity = _dataset_input(name, uri, digest, context)
+    client = _client()
+    _submit(f"log_dataset_input({name!r})", lambda: client.log_inputs(run_id, datasets=[entity]))
+    return digest
 
 
-def log_dataset_input(name: str, source_uri: str, digest: str, context: str = "training") -> None:
-    """Record a dataset (local path or s3:// URI, with a content digest) as an input of the active run,
-    so MLflow shows the lineage (`mlflow.log_input`)."""
-    mlflow = _configure()
+def _dataset_input(name: str, uri: str, digest: str, context: str):
+    from mlflow.data.dataset_source_registry import resolve_dataset_source
+    from mlflow.data.meta_dataset import MetaDataset
+    from mlflow.entities import DatasetInput, InputTag
+    from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
 
-    def log():
-        import warnings
+    with warnings.catch_warnings():  # "can be interpreted in multiple ways": local paths match twice
+        warnings.simplefilter("ignore")
+        source = resolve_dataset_source(uri)
+    dataset = MetaDataset(source, name=name, digest=digest)._to_mlflow_entity()
+    return DatasetInput(dataset, tags=[InputTag(MLFLOW_DATASET_CONTEXT, context)])
 
-        from mlflow.data.dataset_source_registry import resolve_dataset_source
-        from mlflow.data.meta_dataset import MetaDataset
 
-        with warnings.catch_warnings():  # a local path matches two equivalent local source types
-            warnings.simplefilter("ignore", UserWarning)
-            source = resolve_dataset_source(source_uri)
-        mlflow.log_input(MetaDataset(source, name=name, digest=digest[:36]), context=context)
+def dataset_digest(uri: str) -> str:
+    """Content digest of a file, or of every file under a directory/prefix: sha256 over each file's
+    path relative to `uri` and the sha256 of its bytes (so renames and edits both change it).
+    Reads the data: give large datasets' digest explicitly (e.g. from their manifest)."""
+    from dspark.io import storage
 
-    _retry(f"log_input({name})", log)
+    files = storage.list_files(uri)
+    if not files:
+        raise FileNotFoundError(f"no file at {uri}")
+    total = hashlib.sha256()
+    base = uri.rstrip("/")
+    for file in files:
+        relative = file[len(base):].lstrip("/") if file.startswith(base) else file
+        total.update(f"{relative}\0{storage.content_hash(file)}\n".encode())
+    return total.hexdigest()[:32]

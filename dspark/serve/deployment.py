@@ -116,14 +116,17 @@ def _deployment_class():
     return DSparkServer
 
 
-def deployment_for(cfg: ServeConfig):
-    """The bound Serve application for `cfg` (pass to serve.run). The API key env var, when set in
-    the deploying process, is forwarded to the replicas through runtime_env."""
+def deployment_for(cfg: ServeConfig, forward_api_key: bool = True):
+    """The bound Serve application for `cfg` (pass to serve.run). With `forward_api_key` (jobs.serve
+    on one machine), the API key env var, when set in the deploying process, is forwarded to the
+    replicas through runtime_env. `serve deploy`/RayService (build_app) never do that — the runtime
+    env is shown by `serve status` and the dashboard: there the replicas' containers hold the key
+    (a Kubernetes Secret through env/valueFrom, infra/kuberay/rayservice.yaml)."""
     d = cfg.deployment
     actor_options: dict[str, Any] = {"num_cpus": d.num_cpus}
     if d.num_gpus > 0:
         actor_options["num_gpus"] = d.num_gpus
-    key = os.environ.get(cfg.api.api_key_env)
+    key = os.environ.get(cfg.api.api_key_env) if forward_api_key else None
     if key:
         actor_options["runtime_env"] = {"env_vars": {cfg.api.api_key_env: key}}
     return _deployment_class().options(
@@ -148,4 +151,4 @@ def build_app(args: dict):
     data = dict(source) if isinstance(source, dict) else (read_yaml(source) if source else {})
     data.pop("ray", None)
     data = apply_overrides(data, [overrides] if isinstance(overrides, str) else list(overrides))
-    return deployment_for(validate_config(ServeConfig, data, source=str(source or "<args>")))
+    return deployment_for(validate_config(ServeConfig, data, source=str(source or "<args>")), forward_api_key=False)

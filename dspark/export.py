@@ -100,11 +100,8 @@ def log_exports(drafter: Drafter | str, run_id: str, target: str | None, formats
 
 
 def tag_version(name: str, version: str, results: dict[str, str]) -> None:
-    from mlflow import MlflowClient
-
     from dspark.io import tracking
 
-    client = MlflowClient(tracking.tracking_uri())
-    for fmt, value in results.items():
-        key = f"dspark.export.{fmt}" + (".skipped" if value.startswith("skipped") else "")
-        client.set_model_version_tag(name, version, key, value[:5000])  # MLflow caps tag values
+    tracking.set_model_version_tags(name, version, {
+        f"dspark.export.{fmt}" + (".skipped" if value.startswith("skipped") else ""): value
+        for fmt, value in results.items()})

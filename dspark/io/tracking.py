@@ -594,3 +594,12 @@ def dataset_digest(uri: str) -> str:
         relative = file[len(base):].lstrip("/") if file.startswith(base) else file
         total.update(f"{relative}\0{storage.content_hash(file)}\n".encode())
     return total.hexdigest()[:32]
+
+
+# ---------------------------------------------------------------------------- model registry
+def set_model_version_tags(name: str, version: str, tags: dict[str, str]) -> None:
+    """Tag one registered model version (values cut to MLflow's 5000-character limit). Raises on failure."""
+    client = _client()
+    for key, value in tags.items():
+        client.set_model_version_tag(name, str(version), key, str(value)[:5000])
+

@@ -70,10 +70,12 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 # ---- prompts and the drafter ------------------------------------------------------------------------------
 def load_prompts(data_dir: str | None) -> list[str]:
+    from dspark.jsonl import jsonl_lines
+
     candidates = [data_dir] if data_dir else [str(REPO_ROOT / "data" / "eval"), "/work/shared/eval_datasets"]
     for d in candidates:
         files = sorted(Path(d).glob("*.jsonl")) if d and Path(d).is_dir() else []
-        prompts = [json.loads(line)["turns"][0] for f in files for line in f.read_text().splitlines() if line.strip()]
+        prompts = [json.loads(line)["turns"][0] for f in files for _, line in jsonl_lines(f.read_text())]
         if prompts:
             return prompts
     raise SystemExit(f"error: no eval prompts found in {candidates}; pass --data-dir")

@@ -30,6 +30,7 @@ from pydantic import field_validator
 
 from dspark import storage
 from dspark.config import StrictModel
+from dspark.jsonl import jsonl_lines
 from pipelines.schema import RAW_LIMIT
 
 RecordFormat = Literal["auto", "turns", "messages", "sharegpt", "prompt"]
@@ -221,9 +222,7 @@ def _source_files(src: PromptSource) -> tuple[str, list[str]]:
 def _jsonl_records(uri: str) -> Iterator[tuple[str, object, str]]:
     """-> (location, parsed record or BadRecord, raw line) per non-blank line."""
     text = storage.read_bytes(uri).decode("utf-8", errors="replace")
-    for number, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
+    for number, line in jsonl_lines(text):
         try:
             yield f"{uri}:{number}", json.loads(line), line
         except json.JSONDecodeError as err:

@@ -185,6 +185,14 @@ def log_metrics(metrics: dict, step: int | None = None) -> None:
         _retry("log_metrics", lambda: mlflow.log_metrics(clean, step=step))
 
 
+def last_logged_step(run_id: str, key: str) -> int | None:
+    """The highest step at which metric `key` was logged in run `run_id` (None: never)."""
+    mlflow = _configure()
+    history = _retry(f"get_metric_history({key})", lambda: mlflow.MlflowClient().get_metric_history(run_id, key),
+                     raise_on_failure=True)
+    return max((m.step for m in history), default=None)
+
+
 def log_artifact(path: str | os.PathLike, artifact_path: str | None = None) -> None:
     """Log a file, or every file of a directory, under `artifact_path`."""
     mlflow = _configure()

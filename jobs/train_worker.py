@@ -304,17 +304,29 @@ def check_same_target(meta: dict | None, target, source: str) -> None:
 
 # ----------------------------------------------------------------------------- Ray glue
 class RankZeroLogger:
-    """Continues the driver's MLflow run on rank 0 (also after a restart: same run id, no new run)."""
+    """Continues the driver's MLflow run on rank 0 (also after a restart: same run id, no new run).
+
+    After a restart, training redoes the steps between the restored checkpoint and the crash. Those
+    steps were already logged, and the redo recomputes them from the same checkpoint state with the
+    same data order and seeds (`micro_seed`), so the logged points stand for them: steps up to the
+    last one in the run's `loss` history are not logged again (one point per step, no duplicates),
+    and logging continues live from there. `force` (restart markers) always logs."""
+
+    HISTORY_KEY = "loss"  # in every step's metrics
 
     def __init__(self, cfg, run_id: str | None):
         self.every = cfg.tracking.log_every_steps
         self.run_id = run_id
+        self.logged_until = 0
         if run_id:
             from dspark import tracking
 
             tracking.start_run(cfg.tracking.experiment, cfg.run_name, run_id=run_id)
+            self.logged_until = tracking.last_logged_step(run_id, self.HISTORY_KEY) or 0
 
     def log(self, step: int, metrics: dict[str, float], force: bool = False) -> None:
+        if not force and step <= self.logged_until:
+            return  # a step redone after a restart, logged before the crash
         if self.run_id and (force or step % self.every == 0):
             from dspark import tracking
 

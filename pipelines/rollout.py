@@ -31,12 +31,13 @@ from typing import Callable, Literal
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
-from pydantic import field_validator
+from pydantic import Field, field_validator
 
 from dspark import storage
 from dspark.config import StrictModel, config_to_dict
 from dspark.sampling import SamplingParams, to_probs
 from pipelines import schema
+from pipelines.actor_pool import DEFAULT_START_TIMEOUT_S, START_TIMEOUT_DESCRIPTION, WorkerAsk, data_pool
 from pipelines.prompts import LoadResult, Prompt, PromptSource, error_row, load_prompts
 
 FAIL_AFTER_ENV = "DSPARK_FAIL_AFTER_CHUNKS"  # test hook: raise after this many chunk commits
@@ -69,6 +70,7 @@ class ComputeConfig(StrictModel):
     num_gpus: float = 0.0  # per replica; > 0 puts the target on CUDA
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     torch_threads: int | None = None  # default: max(1, int(num_cpus))
+    start_timeout_s: float = Field(DEFAULT_START_TIMEOUT_S, gt=0, description=START_TIMEOUT_DESCRIPTION)
 
 
 class RolloutConfig(StrictModel):
@@ -447,7 +449,8 @@ def _fail_after() -> int | None:
 
 
 def generate_chunks(cfg: RolloutConfig, plan: Plan, pending: list[int], out: str, stats: RunStats,
-                    on_chunk: Callable[[RunStats], None] | None = None, progress: bool = True) -> None:
+                    on_chunk: Callable[[RunStats], None] | None = None, progress: bool = True,
+                    compute=None) -> None:
     """Stream the pending chunks through the actor pool; commit each chunk when it is complete."""
     import ray.data
     from tqdm import tqdm
@@ -465,7 +468,7 @@ def generate_chunks(cfg: RolloutConfig, plan: Plan, pending: list[int], out: str
         blocks = max(1, min(1000, -(-len(rows) // cfg.compute.batch_size)))
         ds = ray.data.from_items(rows, override_num_blocks=blocks).map_batches(
             RolloutActor, fn_constructor_kwargs={"spec": actor_spec(cfg)}, batch_size=cfg.compute.batch_size,
-            batch_format="pyarrow", compute=ray.data.ActorPoolStrategy(size=cfg.compute.replicas),
+            batch_format="pyarrow", compute=compute or ray.data.ActorPoolStrategy(size=cfg.compute.replicas),
             num_cpus=cfg.compute.num_cpus, num_gpus=cfg.compute.num_gpus or None)
         with tqdm(total=len(rows), desc="rollouts", unit="prompt", disable=not progress) as bar:
             for batch in ds.iter_batches(batch_format="pyarrow", batch_size=None):
@@ -517,7 +520,10 @@ def run_rollouts(cfg: RolloutConfig, on_chunk: Callable[[RunStats], None] | None
     pending = [c for c in range(len(plan.chunks)) if c not in commits]
     stats = RunStats(chunks_total=len(plan.chunks), chunks_skipped=len(plan.chunks) - len(pending))
     if pending:
-        generate_chunks(cfg, plan, pending, out, stats, on_chunk, progress)
+        c = cfg.compute  # replicas that cannot start in start_timeout_s fail the run, naming what holds the cluster
+        with data_pool(WorkerAsk("rollout replicas", c.replicas, c.num_cpus, c.num_gpus,
+                                 "compute.replicas / compute.num_cpus / compute.num_gpus"), c.start_timeout_s) as pool:
+            generate_chunks(cfg, plan, pending, out, stats, on_chunk, progress, compute=pool)
     manifest = build_manifest(cfg, plan, loaded, read_commits(out))
     storage.write_text(_uri(out, "manifest.json"), json.dumps(manifest, indent=2))
     return RolloutResult(manifest, stats, loaded)

@@ -10,8 +10,9 @@ whoever waits on it (ray.util.ActorPool, a Ray Data actor pool) waits forever. S
    with the same message.
 3. `map_unordered` (plain actors) only hands items to workers that are up, and puts the item of a
    worker that dies back in the queue for the others (each item at most `MAX_ATTEMPTS` times).
-   `data_pool` is the same contract for a Ray Data actor pool (`ActorPoolStrategy`): Ray Data
-   retries the tasks of a dead actor itself; we bound its start-up wait and explain a timeout.
+   `data_pool` is the same contract for a Ray Data actor pool (`ActorPoolStrategy`): the pool's
+   resources are reserved as a placement group with a timeout; Ray Data retries a dead actor's
+   tasks itself.
 """
 from __future__ import annotations
 
@@ -22,10 +23,6 @@ from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator
-
-from pydantic import Field
-
-from dspark.config import StrictModel
 
 log = logging.getLogger("dspark.actor_pool")
 
@@ -242,23 +239,32 @@ def _first_line(err: BaseException) -> str:
 
 # ---- Ray Data actor pools --------------------------------------------------------------------------
 @contextmanager
-def data_pool(ask: WorkerAsk, start_timeout_s: float = DEFAULT_START_TIMEOUT_S):
-    """For `map_batches(..., compute=strategy)`: yields an `ActorPoolStrategy` of the workers that fit
-    (min) up to `ask.count` (max), with Ray Data's start-up wait bounded by `start_timeout_s`; a
-    start-up timeout inside the block becomes WorkersUnavailable naming asked / free / holders."""
+def data_pool(ask: WorkerAsk, start_timeout_s: float = DEFAULT_START_TIMEOUT_S) -> Iterator[dict]:
+    """Yields `map_batches` keyword arguments (`compute`, `scheduling_strategy`) for an actor pool of
+    the workers that fit, placed in a placement group reserved first: if the group is not placed
+    within `start_timeout_s`, WorkersUnavailable names asked / free / holders and nothing is left
+    pending (a Ray Data actor left pending would start later and hold its CPUs). The group, and
+    with it every pool actor, is removed when the block ends."""
     import ray
     import ray.data
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     size = check_fit(ask)
-    ctx = ray.data.DataContext.get_current()
-    saved = ctx.wait_for_min_actors_s
-    ctx.wait_for_min_actors_s = max(1, math.ceil(start_timeout_s))
+    group = placement_group([ask.per_worker() or {"CPU": 0.001}] * size, strategy="PACK")
     try:
-        yield ray.data.ActorPoolStrategy(min_size=size, max_size=ask.count)
-    except ray.exceptions.GetTimeoutError as err:
-        free, total = cluster_free()
-        raise WorkersUnavailable(shortage_message(
-            ask, free, total, resource_holders(),
-            detail=f"Not up after {start_timeout_s:g} s. ")) from err
+        ready, _ = ray.wait([group.ready()], timeout=start_timeout_s)
+        if not ready:
+            free, total = cluster_free()
+            raise WorkersUnavailable(shortage_message(ask, free, total, resource_holders(),
+                                                      detail=f"Not placed after {start_timeout_s:g} s. "))
+        ctx = ray.data.DataContext.get_current()
+        saved = ctx.wait_for_min_actors_s
+        ctx.wait_for_min_actors_s = max(1, math.ceil(start_timeout_s))  # the group is placed: loading only
+        try:
+            yield {"compute": ray.data.ActorPoolStrategy(size=size),
+                   "scheduling_strategy": PlacementGroupSchedulingStrategy(group)}
+        finally:
+            ctx.wait_for_min_actors_s = saved
     finally:
-        ctx.wait_for_min_actors_s = saved
+        remove_placement_group(group)

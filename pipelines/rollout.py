@@ -450,7 +450,7 @@ def _fail_after() -> int | None:
 
 def generate_chunks(cfg: RolloutConfig, plan: Plan, pending: list[int], out: str, stats: RunStats,
                     on_chunk: Callable[[RunStats], None] | None = None, progress: bool = True,
-                    compute=None) -> None:
+                    pool: dict | None = None) -> None:
     """Stream the pending chunks through the actor pool; commit each chunk when it is complete."""
     import ray.data
     from tqdm import tqdm
@@ -468,7 +468,7 @@ def generate_chunks(cfg: RolloutConfig, plan: Plan, pending: list[int], out: str
         blocks = max(1, min(1000, -(-len(rows) // cfg.compute.batch_size)))
         ds = ray.data.from_items(rows, override_num_blocks=blocks).map_batches(
             RolloutActor, fn_constructor_kwargs={"spec": actor_spec(cfg)}, batch_size=cfg.compute.batch_size,
-            batch_format="pyarrow", compute=compute or ray.data.ActorPoolStrategy(size=cfg.compute.replicas),
+            batch_format="pyarrow", **(pool or {"compute": ray.data.ActorPoolStrategy(size=cfg.compute.replicas)}),
             num_cpus=cfg.compute.num_cpus, num_gpus=cfg.compute.num_gpus or None)
         with tqdm(total=len(rows), desc="rollouts", unit="prompt", disable=not progress) as bar:
             for batch in ds.iter_batches(batch_format="pyarrow", batch_size=None):
@@ -523,7 +523,7 @@ def run_rollouts(cfg: RolloutConfig, on_chunk: Callable[[RunStats], None] | None
         c = cfg.compute  # replicas that cannot start in start_timeout_s fail the run, naming what holds the cluster
         with data_pool(WorkerAsk("rollout replicas", c.replicas, c.num_cpus, c.num_gpus,
                                  "compute.replicas / compute.num_cpus / compute.num_gpus"), c.start_timeout_s) as pool:
-            generate_chunks(cfg, plan, pending, out, stats, on_chunk, progress, compute=pool)
+            generate_chunks(cfg, plan, pending, out, stats, on_chunk, progress, pool=pool)
     manifest = build_manifest(cfg, plan, loaded, read_commits(out))
     storage.write_text(_uri(out, "manifest.json"), json.dumps(manifest, indent=2))
     return RolloutResult(manifest, stats, loaded)

@@ -30,6 +30,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--replicas", type=int, default=1)
     p.add_argument("--cpus-per-replica", type=float, default=2.0)
+    p.add_argument("--start-timeout-s", type=float, default=120.0,
+                   help="fail (naming what holds the cluster) if the replicas are not placed by then")
     p.add_argument("--temperature", type=float, default=0.7)
     p.add_argument("--top-p", type=float, default=0.9)
     p.add_argument("--seed", type=int, default=0)
@@ -79,7 +81,8 @@ def run_pipeline(args, prompts) -> dict:
             "holdout_fraction": 0.0, "chunk_size": len(prompts),
             "sampling": {"temperature": args.temperature, "top_p": args.top_p,
                          "max_new_tokens": args.max_new_tokens, "seed": args.seed},
-            "compute": {"replicas": args.replicas, "batch_size": args.batch_size, "num_cpus": args.cpus_per_replica}})
+            "compute": {"replicas": args.replicas, "batch_size": args.batch_size, "num_cpus": args.cpus_per_replica,
+                         "start_timeout_s": args.start_timeout_s}})
         result = run_rollouts(cfg, progress=False)
     stats = result.stats
     return {"tokens": stats.generated_tokens, "wall_s": round(stats.wall_s, 2),

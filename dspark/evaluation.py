@@ -28,6 +28,7 @@ from pydantic import field_validator
 
 from dspark import metrics
 from dspark.config import StrictModel
+from dspark.jsonl import jsonl_lines
 from dspark.sampling import SamplingParams
 from dspark.scheduler import threshold_schedule
 from dspark.specdec import GenerationResult, RoundStats, speculative_generate, target_generate
@@ -88,9 +89,7 @@ class Benchmark:
 def parse_benchmark(text: str, source: str) -> list[list[str]]:
     """JSONL text -> turns per prompt. Raises BenchmarkError naming the file and line."""
     prompts = []
-    for lineno, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
+    for lineno, line in jsonl_lines(text):
         try:
             record = json.loads(line)
         except json.JSONDecodeError as err:

@@ -278,10 +278,11 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_job_config(CalibrateConfig, argv, "Fit STS temperatures of a DSpark drafter's confidence head.")
     from dspark.io.storage import StorageError
     from dspark.io.tracking import TrackingError
+    from pipelines.actor_pool import WorkersUnavailable
 
     try:
         run(cfg)
-    except (ValueError, FileNotFoundError, StorageError, TrackingError) as err:
+    except (ValueError, FileNotFoundError, StorageError, TrackingError, WorkersUnavailable) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     return 0

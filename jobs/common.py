@@ -27,7 +27,7 @@ LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABL
 
 
 class RayConfig(StrictModel):
-    address: str | None = None  # None: $RAY_ADDRESS if set, else start a local Ray on 127.0.0.1
+    address: str | None = None  # None: $RAY_ADDRESS if set, else start a (new) local Ray on 127.0.0.1
     num_cpus: int | None = None  # CPUs of a local Ray (ignored when connecting to a cluster)
     num_gpus: int | None = None  # GPUs of a local Ray
 
@@ -98,7 +98,10 @@ def init_ray(cfg: RayConfig) -> str:
             os.environ.setdefault("RAY_AUTH_MODE", "token")
         ray.init(address=address, log_to_driver=True)
         return address
-    ray.init(num_cpus=cfg.num_cpus, num_gpus=cfg.num_gpus, include_dashboard=False,
+    # address="local": always a new instance. With address=None Ray would look for a running one
+    # (/tmp/ray/ray_current_cluster) and, with two clusters on the machine, warn "Found multiple
+    # active Ray instances" and attach to the newest, which need not be this job's.
+    ray.init(address="local", num_cpus=cfg.num_cpus, num_gpus=cfg.num_gpus, include_dashboard=False,
              _node_ip_address="127.0.0.1", log_to_driver=True)
     return "local"
 

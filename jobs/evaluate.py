@@ -21,12 +21,13 @@ import tempfile
 import time
 from typing import Literal, Sequence
 
-from pydantic import field_validator
+from pydantic import Field, field_validator
 
 from dspark import evaluation as ev
 from dspark import report
 from dspark.config import StrictModel, config_to_dict
 from jobs.common import RayConfig, TrackingConfig, init_ray, load_job_config, tracked_run
+from pipelines.actor_pool import DEFAULT_START_TIMEOUT_S, START_TIMEOUT_DESCRIPTION, WorkersUnavailable
 
 log = logging.getLogger("dspark.evaluate")
 
@@ -43,6 +44,7 @@ class WorkersConfig(StrictModel):
     num_gpus: float = 0.0  # per actor (> 0 puts target and drafters on cuda)
     torch_threads: int | None = None  # per actor; default max(1, int(num_cpus))
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    start_timeout_s: float = Field(DEFAULT_START_TIMEOUT_S, gt=0, description=START_TIMEOUT_DESCRIPTION)
 
 
 class SweepConfig(StrictModel):
@@ -178,18 +180,19 @@ def decode_items(items: list[dict], spec: dict, workers: WorkersConfig, ray_cfg:
         return results
     init_ray(ray_cfg)
     import ray
-    from ray.util import ActorPool
+
+    from pipelines.actor_pool import WorkerAsk, map_unordered
 
     actor_cls = ray.remote(num_cpus=workers.num_cpus, num_gpus=workers.num_gpus or None)(EvalWorker)
-    actors = [actor_cls.remote(spec) for _ in range(min(workers.num_workers, max(len(items), 1)))]
-    try:
-        for out in ActorPool(actors).map_unordered(lambda actor, item: actor.run.remote(item), items):
+    ask = WorkerAsk(f"{desc} workers", workers.num_workers, workers.num_cpus, workers.num_gpus,
+                    "workers.num_workers / workers.num_cpus / workers.num_gpus")
+    try:  # workers that cannot start in start_timeout_s are dropped; a dead worker's prompt goes to another
+        for out in map_unordered(lambda: actor_cls.remote(spec), lambda actor, item: actor.run.remote(item),
+                                 items, ask, workers.start_timeout_s):
             results += out
             bar.update()
     finally:
         bar.close()
-        for actor in actors:
-            ray.kill(actor)
     return results
 
 
@@ -330,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         run(cfg)
-    except (ValueError, FileNotFoundError, StorageError, TrackingError) as err:  # one line, no traceback
+    except (ValueError, FileNotFoundError, StorageError, TrackingError, WorkersUnavailable) as err:  # one line
         print(f"error: {err}", file=sys.stderr)
         return 2
     return 0

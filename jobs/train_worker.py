@@ -307,15 +307,25 @@ def check_same_target(meta: dict | None, target, source: str) -> None:
 class RankZeroLogger:
     """Logs into the driver's MLflow run from rank 0 (also after a restart: same run id, no new run),
     with system metrics (CPU, memory, GPU, ...) sampled on this node. The driver owns and ends the run;
-    `close` flushes the queued metrics (bounded wait) before the worker returns."""
+    `close` flushes the queued metrics (bounded wait) before the worker returns.
+
+    After a restart, training redoes the steps between the restored checkpoint and the crash. Those
+    steps were already logged, and the redo recomputes them from the same checkpoint state with the
+    same data order and seeds (`micro_seed`), so the logged points stand for them: steps up to the
+    last one in the run's `loss` history are not logged again (one point per step, no duplicates),
+    and logging continues live from there. `force` (restart markers) always logs."""
+
+    HISTORY_KEY = "loss"  # in every step's metrics
 
     def __init__(self, cfg, run_id: str | None):
         self.every = cfg.tracking.log_every_steps
         self.run_id = run_id
+        self.logged_until = 0
         if run_id:
             from dspark.io import tracking
 
             tracking.attach_run(run_id, system_metrics=True)
+            self.logged_until = tracking.last_logged_step(run_id, self.HISTORY_KEY) or 0
 
     def close(self) -> None:
         if self.run_id:
@@ -324,6 +334,8 @@ class RankZeroLogger:
             tracking.end_run()  # attached: flush and stop the system metrics; the run stays RUNNING
 
     def log(self, step: int, metrics: dict[str, float], force: bool = False) -> None:
+        if not force and step <= self.logged_until:
+            return  # a step redone after a restart, logged before the crash
         if self.run_id and (force or step % self.every == 0):
             from dspark.io import tracking
 

@@ -37,6 +37,7 @@ from pydantic import Field, field_validator, model_validator
 
 from dspark.io import storage
 from dspark.config import StrictModel
+from dspark.jsonl import jsonl_lines
 from pipelines.schema import RAW_LIMIT
 
 RecordFormat = Literal["auto", "turns", "messages", "sharegpt", "prompt", "instruction"]
@@ -268,15 +269,11 @@ def _synthesized_shards(root: str, files: list[str]) -> list[str] | None:
 
 def _jsonl_records(uri: str) -> Iterator[tuple[str, object, str]]:
     """-> (location, parsed record or BadRecord, raw line) per non-blank line."""
-    data = _read_file(uri)
-    # split on "\n" only: str.splitlines() would also cut at U+2028/U+2029 inside JSON strings
-    for number, raw in enumerate(data.split(b"\n"), start=1):
+    for number, raw in jsonl_lines(_read_file(uri)):
         try:
-            line = raw.decode("utf-8").rstrip("\r")
+            line = raw.decode("utf-8")
         except UnicodeDecodeError as err:
             yield f"{uri}:{number}", BadRecord("bad_encoding", f"not UTF-8 at byte {err.start}"), repr(raw[:200])
-            continue
-        if not line.strip():
             continue
         try:
             yield f"{uri}:{number}", json.loads(line), line

@@ -31,12 +31,13 @@ from typing import Callable, Literal
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
-from pydantic import field_validator
+from pydantic import Field, field_validator
 
 from dspark.io import storage
 from dspark.config import StrictModel, config_to_dict
 from dspark.sampling import SamplingParams, to_probs
 from pipelines import schema
+from pipelines.actor_pool import DEFAULT_START_TIMEOUT_S, START_TIMEOUT_DESCRIPTION, WorkerAsk, data_pool
 from pipelines.prompts import LoadResult, Prompt, PromptSource, error_row, load_prompts
 
 FAIL_AFTER_ENV = "DSPARK_FAIL_AFTER_CHUNKS"  # test hook: raise after this many chunk commits
@@ -69,6 +70,7 @@ class ComputeConfig(StrictModel):
     num_gpus: float = 0.0  # per replica; > 0 puts the target on CUDA
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     torch_threads: int | None = None  # default: max(1, int(num_cpus))
+    start_timeout_s: float = Field(DEFAULT_START_TIMEOUT_S, gt=0, description=START_TIMEOUT_DESCRIPTION)
 
 
 class RolloutConfig(StrictModel):
@@ -453,7 +455,17 @@ def generate_chunks(cfg: RolloutConfig, plan: Plan, pending: list[int], out: str
     """Stream the pending chunks through the actor pool; commit each chunk when it is complete.
     `actor(spec)` maps a pyarrow batch of plan rows to result rows carrying their `chunk`;
     `commit(out, chunk, results)` writes a chunk and returns its marker (with rows, errors,
-    generated_tokens). jobs.synthesize reuses this loop with its own actor and commit."""
+    generated_tokens). jobs.synthesize reuses this loop with its own actor and commit. The pool's
+    resources are reserved first (pipelines.actor_pool.data_pool): replicas that cannot start within
+    compute.start_timeout_s fail the run, naming what holds the cluster."""
+    c = cfg.compute
+    ask = WorkerAsk(f"{desc} replicas", c.replicas, c.num_cpus, c.num_gpus,
+                    "compute.replicas / compute.num_cpus / compute.num_gpus")
+    with data_pool(ask, c.start_timeout_s) as pool:
+        _stream_chunks(cfg, plan, pending, out, stats, on_chunk, progress, actor, spec, commit, desc, pool)
+
+
+def _stream_chunks(cfg, plan, pending, out, stats, on_chunk, progress, actor, spec, commit, desc, pool: dict) -> None:
     import ray.data
     from tqdm import tqdm
 
@@ -470,7 +482,7 @@ def generate_chunks(cfg: RolloutConfig, plan: Plan, pending: list[int], out: str
         blocks = max(1, min(1000, -(-len(rows) // cfg.compute.batch_size)))
         ds = ray.data.from_items(rows, override_num_blocks=blocks).map_batches(
             actor, fn_constructor_kwargs={"spec": spec or actor_spec(cfg)}, batch_size=cfg.compute.batch_size,
-            batch_format="pyarrow", compute=ray.data.ActorPoolStrategy(size=cfg.compute.replicas),
+            batch_format="pyarrow", **pool,
             num_cpus=cfg.compute.num_cpus, num_gpus=cfg.compute.num_gpus or None)
         with tqdm(total=len(rows), desc=desc, unit="prompt", disable=not progress) as bar:
             for batch in ds.iter_batches(batch_format="pyarrow", batch_size=None):

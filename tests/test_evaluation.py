@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -301,6 +302,40 @@ def test_drafter_references_resolve_through_mlflow(tiny, tmp_path, monkeypatch):
         local_dir(str(tmp_path / "nope"))
     with pytest.raises(ValueError, match="nothere"):
         resolve_ref("models:/tiny-d@nothere")
+
+
+def _register(store: str, saved: str, name: str) -> str:
+    """Register the drafter dir `saved` as `name` in the tracking store `store`; returns its version."""
+    import mlflow
+
+    mlflow.set_tracking_uri(store)
+    client = mlflow.MlflowClient()
+    experiment = client.create_experiment("t", artifact_location=(Path(saved).parent / "artifacts").as_uri())
+    with mlflow.start_run(experiment_id=experiment) as run:
+        mlflow.log_artifacts(saved, "drafter")
+    client.create_registered_model(name)
+    return str(client.create_model_version(name, f"runs:/{run.info.run_id}/drafter", run.info.run_id).version)
+
+
+def test_drafter_cache_is_keyed_by_tracking_server(tiny, tmp_path, monkeypatch):
+    """Two MLflow stores register the same name and version with different weights: each loads its own."""
+    from dspark.io.drafter_source import load_drafter_ref
+
+    monkeypatch.setenv("DSPARK_CACHE", str(tmp_path / "cache"))  # one cache, shared by both stores
+    states = {}
+    for store in ("a", "b"):
+        drafter = tiny_drafter(tiny, seed={"a": 1, "b": 2}[store])
+        saved = save_drafter(drafter, str(tmp_path / store / "drafter"))
+        uri = f"sqlite:///{tmp_path / store / 'mlflow.db'}"
+        assert _register(uri, saved, "same-name") == "1"
+        states[uri] = {k: v.clone() for k, v in drafter.state_dict().items()}
+    assert not all(torch.equal(v, states[f"sqlite:///{tmp_path / 'b' / 'mlflow.db'}"][k])
+                   for k, v in states[f"sqlite:///{tmp_path / 'a' / 'mlflow.db'}"].items())
+    for uri in list(states) * 2:  # a, b, a, b: the second round is served from the cache
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+        loaded = load_drafter_ref("models:/same-name/1", tiny).state_dict()
+        assert all(torch.equal(loaded[k], states[uri][k]) for k in states[uri]), f"wrong weights from {uri}"
+    assert len(list((tmp_path / "cache" / "drafters").iterdir())) == 2
 
 
 # ---- the job ------------------------------------------------------------------------------------------

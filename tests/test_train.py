@@ -177,6 +177,48 @@ def test_unreachable_mlflow_and_storage_fail_before_training(tmp_path, monkeypat
         prepare_run(job_config(str(rollouts), **{"checkpoint.storage_path": "s3://dspark/checkpoints"}))
 
 
+def test_resumed_logger_continues_after_the_last_logged_step(tmp_path, monkeypatch):
+    """Crash after step 7 with the last checkpoint at step 4: the relaunched rank-0 logger skips the
+    redone steps 5-7 and logs 8-10, so the history holds exactly one point per step."""
+    import mlflow
+
+    from dspark.io import tracking
+    from jobs.train_worker import RankZeroLogger
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    cfg = job_config("x", **{"tracking.enabled": True, "tracking.experiment": "resume-log"})
+    run_id = tracking.start_run("resume-log", "r")
+    first = RankZeroLogger(cfg, run_id)
+    for step in range(1, 8):
+        first.log(step, {"loss": 10.0 - step})
+    tracking.end_run("FAILED")
+    resumed = RankZeroLogger(cfg, run_id)  # the restarted worker, restored from step 4
+    resumed.log(4, {"resumed_from_step": 4.0}, force=True)
+    for step in range(5, 11):
+        resumed.log(step, {"loss": 10.0 - step})
+    tracking.end_run()
+    steps = [m.step for m in mlflow.MlflowClient().get_metric_history(run_id, "loss")]
+    assert sorted(steps) == list(range(1, 11)), steps
+    assert [m.step for m in mlflow.MlflowClient().get_metric_history(run_id, "resumed_from_step")] == [4]
+
+
+def test_local_ray_is_never_auto_detected(monkeypatch):
+    """Without an address a job starts its own Ray (address="local"): with address=None, ray.init
+    attaches to the newest Ray on the machine ("Found multiple active Ray instances")."""
+    import ray
+
+    from jobs import common
+
+    calls = []
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kwargs: calls.append(kwargs))
+    assert common.init_ray(common.RayConfig(num_cpus=1)) == "local"
+    assert calls[0]["address"] == "local" and calls[0]["num_cpus"] == 1
+    assert common.init_ray(common.RayConfig(address="127.0.0.1:6390")) == "127.0.0.1:6390"
+    assert calls[1]["address"] == "127.0.0.1:6390"
+
+
 # ----------------------------------------------------------------------------- single process
 @pytest.fixture
 def gloo_world_of_one(monkeypatch):
@@ -316,8 +358,9 @@ def test_ray_train_zero2_survives_a_killed_worker(local_stack, tiny_rollouts, tm
     for key in ("loss", "loss_ce", "loss_tv", "loss_conf", "acc_pos_1", "expected_accept_len", "lr", "grad_norm",
                 "tokens_per_s"):
         assert client.get_metric_history(run_id, key), f"metric {key} logged"
-    loss = {m.step: m.value for m in client.get_metric_history(run_id, "loss")}
-    assert sorted(loss) == list(range(1, 17))
+    history = client.get_metric_history(run_id, "loss")
+    assert sorted(m.step for m in history) == list(range(1, 17)), "one point per step: redone steps not re-logged"
+    loss = {m.step: m.value for m in history}
     assert np.mean([loss[s] for s in (14, 15, 16)]) < 0.9 * np.mean([loss[s] for s in (1, 2, 3)]), loss
     tv = {m.step: m.value for m in client.get_metric_history(run_id, "loss_tv")}
     assert np.mean([tv[s] for s in (14, 15, 16)]) < np.mean([tv[s] for s in (1, 2, 3)]), tv

@@ -8,13 +8,16 @@ Accepted references (the same everywhere a job or the server takes a drafter):
   models:/<name>@<alias>           a registered model alias (`@latest` without such an alias = newest)
 
 Usage:  drafter = load_drafter_ref("models:/tiny-dspark@latest", target)
-MLflow references are resolved to an immutable (run / name+version) key and downloaded once into
-$DSPARK_CACHE/drafters/<key>. Loading against a target raises ValueError (naming the reference) when
+MLflow references are downloaded once into $DSPARK_CACHE/drafters/<key>, where <key> names the bytes,
+not just the reference: the tracking server URI, the reference and, for a model version, the run id
+and artifact source it was registered from. Two servers (two stacks, a wiped and recreated stack, a
+cluster and a laptop) that both hold `models:/x/1` therefore never share a cache entry. Loading against a target raises ValueError (naming the reference) when
 the drafter was trained for another target (name, hidden/vocab size, layer ids).
 """
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -83,10 +86,28 @@ def local_dir(ref: str | DrafterRef) -> str:
         from dspark.io import storage
 
         return _checkpoint_dir(storage.local_copy(ref.uri), ref.uri)
-    cached = _cache_root() / hashlib.sha256(ref.uri.encode()).hexdigest()[:20]
+    source = mlflow_source(ref)
+    cached = _cache_root() / hashlib.sha256(json.dumps(source, sort_keys=True).encode()).hexdigest()[:20]
     if not cached.is_dir():
-        _download_mlflow(ref.uri, cached)
+        _download_mlflow(ref.uri, cached, source)
     return _checkpoint_dir(str(cached), ref.uri)
+
+
+def mlflow_source(ref: DrafterRef) -> dict[str, str]:
+    """What an MLflow reference resolves to on the current tracking server: its URI, the reference and,
+    for a registered version, the run id, artifact source and creation time behind it. Run ids are
+    random per server, so a re-registered `models:/x/1` (another server, a wiped store) differs."""
+    from dspark.io import tracking
+
+    source = {"tracking_uri": tracking.tracking_uri(), "ref": ref.uri}
+    if ref.kind == "model":
+        try:
+            version = _mlflow_client().get_model_version(ref.model_name, ref.model_version)
+        except Exception as err:  # noqa: BLE001 - MLflow raises RestException / MlflowException
+            raise ValueError(f"drafter reference {ref.uri!r} on {source['tracking_uri']}: {err}") from None
+        source.update(run_id=version.run_id or "", artifact_source=version.source or "",
+                      created=str(version.creation_timestamp))
+    return source
 
 
 def load_drafter_ref(ref: str, target=None, device=None):
@@ -114,8 +135,9 @@ def _mlflow_client():
     return mlflow.MlflowClient()
 
 
-def _download_mlflow(uri: str, dest: Path) -> None:
-    """Download into a temp dir next to `dest`, then rename (a half-downloaded dir is never visible)."""
+def _download_mlflow(uri: str, dest: Path, source: dict[str, str]) -> None:
+    """Download into a temp dir next to `dest`, then rename (a half-downloaded dir is never visible).
+    `source` is kept beside the files as _source.json (which server and run they came from)."""
     import mlflow
 
     _mlflow_client()
@@ -123,6 +145,7 @@ def _download_mlflow(uri: str, dest: Path) -> None:
     tmp = tempfile.mkdtemp(dir=dest.parent, prefix=".download-")
     try:
         mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=tmp)
+        Path(tmp, "_source.json").write_text(json.dumps(source, indent=2))
         os.rename(tmp, dest)
     except OSError:
         if not dest.is_dir():  # a concurrent download that won the rename is fine

@@ -596,6 +596,14 @@ def dataset_digest(uri: str) -> str:
     return total.hexdigest()[:32]
 
 
+def last_logged_step(run_id: str, key: str) -> int | None:
+    """The highest step at which metric `key` was logged in run `run_id` (None: never). Raises on failure."""
+    flush()  # points still queued here count as logged
+    history = _retry(f"get_metric_history({key})", lambda: _client().get_metric_history(run_id, key),
+                     raise_on_failure=True)
+    return max((m.step for m in history), default=None)
+
+
 # ---------------------------------------------------------------------------- model registry
 def set_model_version_tags(name: str, version: str, tags: dict[str, str]) -> None:
     """Tag one registered model version (values cut to MLflow's 5000-character limit). Raises on failure."""

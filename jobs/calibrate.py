@@ -27,8 +27,8 @@ from dspark import calibration as cal
 from dspark import evaluation as ev
 from dspark import metrics
 from dspark.config import StrictModel
-from jobs.common import RayConfig, TrackingConfig, load_job_config, tracked_run
-from jobs.evaluate import WorkersConfig, decode_items, worker_spec
+from jobs.common import RayConfig, TrackingConfig, init_ray, load_job_config, tracked_run
+from pipelines.eval_decode import WorkersConfig, decode_items, worker_spec
 
 log = logging.getLogger("dspark.calibrate")
 DRAFTER_NAME = "drafter"
@@ -160,25 +160,6 @@ def write_report(result: cal.STSResult, curves: dict, info: dict, out_dir: str, 
 
 
 # ---- the new drafter version ----------------------------------------------------------------------------
-def register_version(run_id: str, name: str, aliases: list[str], source: str) -> str:
-    """Register the run's `drafter` artifacts as a new version of `name` and move `aliases` to it.
-    (MLflow 3's register_model wants an MLmodel or a logged model; a plain checkpoint directory is
-    registered with create_model_version on its runs:/ URI.)"""
-    import mlflow
-
-    client = mlflow.MlflowClient()
-    try:
-        client.create_registered_model(name)
-    except mlflow.exceptions.MlflowException as err:
-        if err.error_code not in ("RESOURCE_ALREADY_EXISTS", "ALREADY_EXISTS"):
-            raise
-    version = client.create_model_version(name, f"runs:/{run_id}/{DRAFTER_NAME}", run_id,
-                                          description=f"STS-calibrated from {source}").version
-    for alias in aliases:
-        client.set_registered_model_alias(name, alias, version)
-    return str(version)
-
-
 def log_report(paths: dict[str, str], result: cal.STSResult, n_rounds: int) -> None:
     from dspark.io import tracking
 
@@ -211,7 +192,10 @@ def publish_drafter(drafter, new_uri: str, tmp: str, run_id: str | None, model_n
     from dspark.io import tracking
 
     tracking.log_artifact(saved, DRAFTER_NAME)
-    version = register_version(run_id, model_name, aliases, source) if model_name else None
+    version = None
+    if model_name:
+        version = tracking.register_model_version(run_id, model_name, DRAFTER_NAME, aliases,
+                                                  description=f"STS-calibrated from {source}")
     export.attach_exports(drafter, run_id, model_name, version)  # engine layouts, tagged on the version
     return {"name": model_name, "aliases": aliases, "version": version} if model_name else None
 
@@ -249,7 +233,9 @@ def run(cfg: CalibrateConfig) -> dict:
     with tracked_run(cfg.tracking, cfg, f"calibrate-{cfg.target}") as run_id:
         if run_id:
             log_calibration_data(cfg.data)
-        convs = decode_items(items, spec, cfg.workers, cfg.ray, desc="calibration prompts")
+        if cfg.workers.num_workers:
+            init_ray(cfg.ray)
+        convs = decode_items(items, spec, cfg.workers, desc="calibration prompts")
         rounds = [r for c in convs if c.error is None for t in c.turns for r in t.rounds]
         if len(rounds) < cfg.min_rounds:
             log.warning("only %d calibration rounds (< min_rounds=%d): temperatures will be noisy; add held-out "

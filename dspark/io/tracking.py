@@ -611,3 +611,25 @@ def set_model_version_tags(name: str, version: str, tags: dict[str, str]) -> Non
     for key, value in tags.items():
         client.set_model_version_tag(name, str(version), key, str(value)[:5000])
 
+
+def register_model_version(run_id: str, name: str, artifact_path: str, aliases: list[str],
+                           description: str = "") -> str:
+    """Register the run's `artifact_path` directory as a new version of model `name` (created when new)
+    and move every alias in `aliases` to it; returns the version. MLflow 3's register_model wants an
+    MLmodel; a plain checkpoint directory is registered with create_model_version on its artifact URI.
+    Transient errors are retried; a final failure raises TrackingError."""
+    def register() -> str:
+        client = _client()
+        try:
+            client.create_registered_model(name)
+        except Exception as err:  # noqa: BLE001 - an existing model is fine
+            if getattr(err, "error_code", None) not in ("RESOURCE_ALREADY_EXISTS", "ALREADY_EXISTS"):
+                raise
+        source = f"{client.get_run(run_id).info.artifact_uri.rstrip('/')}/{artifact_path}"
+        version = str(client.create_model_version(name, source, run_id=run_id, description=description).version)
+        for alias in aliases:
+            client.set_registered_model_alias(name, alias, version)
+        return version
+
+    return _retry(f"registering {artifact_path} of run {run_id} as {name!r}", register, raise_on_failure=True)
+

@@ -24,12 +24,12 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
 
 import torch
-from pydantic import field_validator
+from pydantic import Field
 
 from dspark import metrics
 from dspark.config import StrictModel
 from dspark.jsonl import jsonl_lines
-from dspark.sampling import SamplingParams
+from dspark.sampling import MaxNewTokens, SamplingParams, Temperature, TopK, TopP
 from dspark.scheduler import threshold_schedule
 from dspark.specdec import GenerationResult, RoundStats, speculative_generate, target_generate
 
@@ -59,19 +59,14 @@ class BenchmarkSpec(StrictModel):
 
 
 class DecodeSettings(StrictModel):
-    temperature: float = 1.0  # paper protocol; 0 or greedy=true -> argmax decoding
-    greedy: bool = False
-    top_p: float = 1.0
-    top_k: int = 0
-    gamma: int | None = None  # drafts proposed per round; None = each drafter's block size
-    max_new_tokens: int = 256  # per turn
+    """Sampling (temperature 1: the paper's protocol) plus how each prompt is decoded."""
 
-    @field_validator("max_new_tokens")
-    @classmethod
-    def _positive(cls, v: int) -> int:
-        if v < 1:
-            raise ValueError("max_new_tokens must be >= 1")
-        return v
+    temperature: Temperature = 1.0
+    top_p: TopP = 1.0
+    top_k: TopK = 0
+    greedy: bool = Field(False, description="argmax decoding whatever the temperature (same as temperature 0)")
+    gamma: int | None = Field(None, ge=1, description="drafts proposed per round; None = each drafter's block size")
+    max_new_tokens: MaxNewTokens = 256
 
     def sampling(self) -> SamplingParams:
         return SamplingParams(temperature=0.0 if self.greedy else self.temperature, top_p=self.top_p, top_k=self.top_k)

@@ -7,40 +7,29 @@ one-hot at the argmax, and the acceptance rule then reduces to "accept iff argma
 """
 from __future__ import annotations
 
-from typing import Sequence, Union
+from typing import Annotated, Sequence, Union
 
 import torch
-from pydantic import field_validator
+from pydantic import Field
 from torch import Tensor
 
 from dspark.config import StrictModel
 
+# The sampling fields, defined once: every schema that samples (SamplingParams, the HTTP bodies, the
+# rollout and evaluation configs) uses these types, with its own default.
+Temperature = Annotated[float, Field(ge=0, allow_inf_nan=False, description="softmax temperature; 0 = greedy")]
+TopP = Annotated[float, Field(gt=0, le=1, allow_inf_nan=False,
+                              description="nucleus sampling: smallest set of tokens with this mass; 1 = off")]
+TopK = Annotated[int, Field(ge=0, description="keep the k most likely tokens; 0 = off")]
+MaxNewTokens = Annotated[int, Field(ge=1, description="tokens generated per answer (assistant turn) at most")]
+
 
 class SamplingParams(StrictModel):
-    temperature: float = 1.0  # 0 = greedy
-    top_p: float = 1.0  # nucleus mass kept, in (0, 1]
-    top_k: int = 0  # 0 = no top-k cut
+    """How one token is drawn from logits (`to_probs`)."""
 
-    @field_validator("temperature")
-    @classmethod
-    def _temperature(cls, v: float) -> float:
-        if not v >= 0:
-            raise ValueError("temperature must be >= 0 (0 means greedy)")
-        return v
-
-    @field_validator("top_p")
-    @classmethod
-    def _top_p(cls, v: float) -> float:
-        if not 0 < v <= 1:
-            raise ValueError("top_p must be in (0, 1] (1 disables nucleus sampling)")
-        return v
-
-    @field_validator("top_k")
-    @classmethod
-    def _top_k(cls, v: int) -> int:
-        if v < 0:
-            raise ValueError("top_k must be >= 0 (0 disables the top-k cut)")
-        return v
+    temperature: Temperature = 1.0
+    top_p: TopP = 1.0
+    top_k: TopK = 0
 
     @property
     def greedy(self) -> bool:

@@ -23,7 +23,7 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from openai.types.shared import ErrorObject
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from dspark.sampling import SamplingParams
+from dspark.sampling import SamplingParams, Temperature, TopK, TopP
 
 
 # ---- errors ---------------------------------------------------------------------------------------------
@@ -121,9 +121,9 @@ class RequestBody(BaseModel):
 
     model: str | None = Field(None, description="the served model name (GET /v1/models); None: the served one")
     max_tokens: int | None = Field(None, ge=1, description="tokens to generate at most (capped by the server)")
-    temperature: float | None = Field(None, ge=0, allow_inf_nan=False, description="0 = greedy; None = 1")
-    top_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False, description="nucleus mass; None = 1")
-    top_k: int | None = Field(None, ge=0, description="top-k cut (extension, as in vLLM); 0 or None = off")
+    temperature: Temperature | None = None  # None: 1
+    top_p: TopP | None = None  # None: 1
+    top_k: TopK | None = None  # an extension, as in vLLM; None: off
     seed: int | None = Field(None, ge=-2**63, le=2**64 - 1,
                              description="the request's own RNG seed (each of its prompts uses it): same seed "
                                          "and settings, same output (under the same load with the dynamic scheduler)")

@@ -189,11 +189,11 @@ class SchedulerConfig(StrictModel):
     # dynamic / async_topk: skip drafting in steps where a target-only step is expected to emit more
     # tokens per second (DraftGate); off = always draft, as in the paper's Algorithm 1
     draft_gate: bool = False
-    draft_gate_explore_every: int = Field(16, ge=1)  # draft at least every N steps to refresh the estimates
+    draft_gate_explore_every: int = Field(16, ge=1, description='draft at least every N steps to refresh the estimates')
     threshold: float = 0.5
     threshold_on: Literal["prefix", "confidence"] = "prefix"
-    gamma: int | None = None  # fixed mode: drafts verified per request (None = all proposed)
-    lag: int = 2  # async_topk: capacity from the confidences of `lag` steps ago
+    gamma: int | None = Field(None, description='fixed mode: drafts verified per request (None = all proposed)')
+    lag: int = Field(2, description='async_topk: capacity from the confidences of `lag` steps ago')
 
 
 class PrefixScheduler:

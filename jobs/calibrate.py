@@ -21,7 +21,7 @@ import sys
 import tempfile
 
 import numpy as np
-from pydantic import field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from dspark import calibration as cal
 from dspark import evaluation as ev
@@ -35,9 +35,9 @@ DRAFTER_NAME = "drafter"
 
 
 class CalibrationData(StrictModel):
-    rollouts: str | None = None  # a jobs.generate output (local dir or s3:// prefix)
-    split: str = "holdout"  # rollout rows used (never the training split)
-    prompts: str | None = None  # or a {"turns": [...]} JSONL file (local or s3://)
+    rollouts: str | None = Field(None, description='a jobs.generate output (local dir or s3:// prefix)')
+    split: str = Field("holdout", description='rollout rows used (never the training split)')
+    prompts: str | None = Field(None, description='or a {"turns": [...]} JSONL file (local or s3://)')
     max_prompts: int | None = 64
 
     @model_validator(mode="after")
@@ -49,15 +49,15 @@ class CalibrationData(StrictModel):
 
 class CalibrateConfig(StrictModel):
     target: str = "tiny"
-    drafter: str  # local dir | s3:// | runs:/<run_id>/<path> | models:/<name>/<version> | models:/<name>@<alias>
+    drafter: str = Field(description='local dir | s3:// | runs:/<run_id>/<path> | models:/<name>/<version> | models:/<name>@<alias>')
     data: CalibrationData
     seed: int = 0
     decode: ev.DecodeSettings = ev.DecodeSettings()
-    n_bins: int = 15  # equal-width ECE bins
-    min_rounds: int = 100  # fewer calibration rounds than this -> a warning (noisy temperatures)
-    output: str = "results/calibrate"  # report + the new drafter under <output>/drafter (local or s3://)
-    registered_model: str | None = None  # register under this name; None -> the source's name if models:/
-    aliases: list[str] = ["calibrated"]  # aliases moved to the new registered version
+    n_bins: int = Field(15, description='equal-width ECE bins')
+    min_rounds: int = Field(100, description='fewer calibration rounds than this -> a warning (noisy temperatures)')
+    output: str = Field("results/calibrate", description='report + the new drafter under <output>/drafter (local or s3://)')
+    registered_model: str | None = Field(None, description="register under this name; None -> the source's name if models:/")
+    aliases: list[str] = Field(default_factory=lambda: ["calibrated"], description='aliases moved to the new registered version')
     workers: WorkersConfig = WorkersConfig()
     ray: RayConfig = RayConfig()
     tracking: TrackingConfig = TrackingConfig(experiment="dspark-calibrate")

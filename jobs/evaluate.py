@@ -21,7 +21,7 @@ import tempfile
 import time
 from typing import Literal, Sequence
 
-from pydantic import field_validator
+from pydantic import Field, field_validator
 
 from dspark import evaluation as ev
 from dspark import report
@@ -35,32 +35,32 @@ log = logging.getLogger("dspark.evaluate")
 
 # ---- config ---------------------------------------------------------------------------------------
 class DrafterEntry(StrictModel):
-    ref: str  # local dir | s3:// | runs:/<run_id>/<path> | models:/<name>/<version> | models:/<name>@<alias>
-    name: str | None = None  # label in tables and metrics; default: the drafter's algo
+    ref: str = Field(description='local dir | s3:// | runs:/<run_id>/<path> | models:/<name>/<version> | models:/<name>@<alias>')
+    name: str | None = Field(None, description="label in tables and metrics; default: the drafter's algo")
 
 
 class SweepConfig(StrictModel):
     """Static confidence-threshold sweep (paper Fig. 5) for drafters with a confidence head."""
     enabled: bool = False
     thresholds: list[float] = ev.DEFAULT_THRESHOLDS
-    threshold_on: Literal["prefix", "confidence"] = "prefix"  # threshold a_k = Π c_i (prefix) or c_k
-    max_prompts_per_benchmark: int | None = 4  # the sweep decodes each prompt once per threshold
-    drafters: list[str] | None = None  # names; None = every drafter with a confidence head
+    threshold_on: Literal["prefix", "confidence"] = Field("prefix", description='threshold a_k = Π c_i (prefix) or c_k')
+    max_prompts_per_benchmark: int | None = Field(4, description='the sweep decodes each prompt once per threshold')
+    drafters: list[str] | None = Field(None, description='names; None = every drafter with a confidence head')
 
 
 class EvalConfig(StrictModel):
     target: str = "tiny"
     drafters: list[DrafterEntry]
-    benchmark_dir: str | None = "data/eval"  # base of relative benchmark paths (local dir or s3:// prefix)
+    benchmark_dir: str | None = Field("data/eval", description='base of relative benchmark paths (local dir or s3:// prefix)')
     benchmarks: list[ev.BenchmarkSpec] = [ev.BenchmarkSpec(path=f"{b}.jsonl", domain=d) for b, d in
                                           (("gsm8k", "math"), ("humaneval", "code"), ("mt-bench", "chat"))]
-    max_prompts_per_benchmark: int | None = None  # sample cap (the first N prompts of each file)
+    max_prompts_per_benchmark: int | None = Field(None, description='sample cap (the first N prompts of each file)')
     seed: int = 0
     decode: ev.DecodeSettings = ev.DecodeSettings()
-    baseline: bool = True  # target-only decoding of the same prompts, for the speedup column
-    compare_reference: str | None = None  # numerator of the ratios; default: the first dspark drafter
+    baseline: bool = Field(True, description='target-only decoding of the same prompts, for the speedup column')
+    compare_reference: str | None = Field(None, description='numerator of the ratios; default: the first dspark drafter')
     threshold_sweep: SweepConfig = SweepConfig()
-    output: str = "results/eval"  # local dir or s3:// prefix
+    output: str = Field("results/eval", description='local dir or s3:// prefix')
     workers: WorkersConfig = WorkersConfig()
     ray: RayConfig = RayConfig()
     tracking: TrackingConfig = TrackingConfig(experiment="dspark-eval")

@@ -18,10 +18,10 @@ from pipelines.actor_pool import DEFAULT_START_TIMEOUT_S, START_TIMEOUT_DESCRIPT
 
 
 class WorkersConfig(StrictModel):
-    num_workers: int = 2  # Ray actors decoding prompts; 0 = decode in the driver process (no Ray)
-    num_cpus: float = 1.0  # per actor
-    num_gpus: float = 0.0  # per actor (> 0 puts target and drafters on cuda)
-    torch_threads: int | None = None  # per actor; default max(1, int(num_cpus))
+    num_workers: int = Field(2, description='Ray actors decoding prompts; 0 = decode in the driver process (no Ray)')
+    num_cpus: float = Field(1.0, description='per actor')
+    num_gpus: float = Field(0.0, description='per actor (> 0 puts target and drafters on cuda)')
+    torch_threads: int | None = Field(None, description='per actor; default max(1, int(num_cpus))')
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     start_timeout_s: float = Field(DEFAULT_START_TIMEOUT_S, gt=0, description=START_TIMEOUT_DESCRIPTION)
 

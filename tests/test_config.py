@@ -65,10 +65,10 @@ def test_dump_roundtrip_and_flatten(tmp_path):
 
 def test_config_reference_is_current():
     """docs/config-reference.md is generated from the job configs; regenerate it when they change:
-    `python -m dspark.config_reference > docs/config-reference.md`."""
+    `python -m jobs.config_reference > docs/config-reference.md`."""
     from pathlib import Path
 
-    from dspark.config_reference import render
+    from jobs.config_reference import render
 
     committed = (Path(__file__).resolve().parents[1] / "docs" / "config-reference.md").read_text()
     assert committed.strip() == render().strip()

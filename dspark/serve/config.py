@@ -17,9 +17,9 @@ log = logging.getLogger("dspark.serve")
 
 # ---- configuration ----------------------------------------------------------------------------------
 class ModelSection(StrictModel):
-    target: str = "tiny"  # "tiny" | "smollm2-135m" | local dir | s3:// dir | hub name
-    drafter: str | None = None  # local dir | s3://... | runs:/<id>/<path> | models:/<name>@<alias> (None: mode off)
-    served_name: str | None = None  # the `model` clients send; None -> "dspark-<target>"
+    target: str = Field("tiny", description='"tiny" | "smollm2-135m" | local dir | s3:// dir | hub name')
+    drafter: str | None = Field(None, description='local dir | s3://... | runs:/<id>/<path> | models:/<name>@<alias> (None: mode off)')
+    served_name: str | None = Field(None, description='the `model` clients send; None -> "dspark-<target>"')
     dtype: Literal["float32", "bfloat16"] = "float32"
     # "auto": cuda when this replica has a GPU assigned and CUDA works, else cpu; "cuda" fails the
     # replica start (naming this key) where CUDA is unavailable, instead of silently serving on CPU
@@ -30,10 +30,10 @@ PROMPT_CHARS_PER_TOKEN = 32  # default api.max_prompt_chars = this × engine.max
 
 
 class ApiSection(StrictModel):
-    api_key_env: str = "DSPARK_API_KEY"  # when this env var is set on the replica, Bearer auth is required
-    max_tokens_limit: int = 1024  # largest max_tokens a request may ask for
-    default_max_tokens: int = 256  # when a request gives none (capped by the room left in the context)
-    max_prompts: int = 16  # prompts per /v1/completions request
+    api_key_env: str = Field("DSPARK_API_KEY", description='when this env var is set on the replica, Bearer auth is required')
+    max_tokens_limit: int = Field(1024, description='largest max_tokens a request may ask for')
+    default_max_tokens: int = Field(256, description='when a request gives none (capped by the room left in the context)')
+    max_prompts: int = Field(16, description='prompts per /v1/completions request')
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024, description=(
         "largest request body in bytes; larger ones get 413 before they are read (by Content-Length) or "
         "as soon as they pass the limit, and are never parsed"))
@@ -43,13 +43,13 @@ class ApiSection(StrictModel):
 
 
 class DeploymentSection(StrictModel):
-    name: str = "dspark"  # Serve application name
+    name: str = Field("dspark", description='Serve application name')
     num_replicas: int = 1
-    max_ongoing_requests: int = 128  # per replica; keep >= engine.max_batch so the engine can batch
-    max_queued_requests: int = 256  # Serve-side queue; beyond it Serve answers 503
-    num_cpus: float = 1.0  # CPUs reserved per replica (fractional is fine)
-    num_gpus: float = Field(0.0, ge=0)  # GPUs reserved per replica (ray_actor_options.num_gpus)
-    torch_threads: int | None = None  # None -> max(1, round(num_cpus))
+    max_ongoing_requests: int = Field(128, description='per replica; keep >= engine.max_batch so the engine can batch')
+    max_queued_requests: int = Field(256, description='Serve-side queue; beyond it Serve answers 503')
+    num_cpus: float = Field(1.0, description='CPUs reserved per replica (fractional is fine)')
+    num_gpus: float = Field(0.0, ge=0, description='GPUs reserved per replica (ray_actor_options.num_gpus)')
+    torch_threads: int | None = Field(None, description='None -> max(1, round(num_cpus))')
     health_check_period_s: float = 10.0
     health_check_timeout_s: float = 30.0
 

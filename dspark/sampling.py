@@ -70,14 +70,19 @@ def _to_generator_device(t: Tensor, generator: torch.Generator | None) -> Tensor
 
 def sample(probs: Tensor, generator: torch.Generator | None = None) -> Tensor:
     """One token per row of probs [..., V] -> LongTensor [...] (on the generator's device)."""
+    probs = _to_generator_device(probs, generator)
+    flat = probs.reshape(-1, probs.shape[-1])
+    u = torch.rand(flat.shape[0], 1, generator=generator, device=flat.device, dtype=torch.float64)
+    return inverse_cdf(flat, u).reshape(probs.shape[:-1])
+
+
+def inverse_cdf(probs: Tensor, u: Tensor) -> Tensor:
+    """probs [N, V] and uniforms u [N, 1] in [0, 1) (float64, same device) -> LongTensor [N]."""
     # Inverse CDF in float64: the first index whose cumulative mass exceeds u·total, u ~ U[0, 1).
     # A zero-probability token adds nothing to the CDF, so it is never picked (u·total < total
     # except by a 2^-53 rounding). ~9x faster than torch.multinomial on a 49k vocabulary.
-    probs = _to_generator_device(probs, generator)
-    cdf = probs.reshape(-1, probs.shape[-1]).double().cumsum(-1)
-    u = torch.rand(cdf.shape[0], 1, generator=generator, device=cdf.device, dtype=torch.float64)
-    idx = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_max(cdf.shape[-1] - 1)
-    return idx.reshape(probs.shape[:-1])
+    cdf = probs.double().cumsum(-1)
+    return torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_max(cdf.shape[-1] - 1).squeeze(-1)
 
 
 def accept_drafts(draft_tokens: Tensor, draft_probs: Tensor, target_probs: Tensor,

@@ -16,6 +16,11 @@ Pipeline (driver side in `run_rollouts`):
 Sampling is made per prompt: every row has its own torch.Generator seeded from (seed, prompt_id,
 turn), so a prompt's answer does not depend on which batch, actor or run generated it (up to
 floating-point differences between batch shapes).
+
+Backends (`backend`): `engine` (default) generates with dspark.generator.BatchGenerator, continuous
+batching over the serving engine's ragged KV store; `transformers` runs HF `generate` on fixed
+left-padded batches (kept for comparison); `vllm` hands generation to Ray Data's vLLM processor
+(pipelines/rollout_vllm.py; GPU clusters only, untested here).
 """
 from __future__ import annotations
 
@@ -31,13 +36,15 @@ from typing import Callable, Literal
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
-from pydantic import field_validator
+from pydantic import Field, field_validator
 
 from dspark import storage
 from dspark.config import StrictModel, config_to_dict
+from dspark.generator import BatchGenerator, GeneratorConfig
 from dspark.sampling import SamplingParams, to_probs
 from pipelines import schema
 from pipelines.prompts import LoadResult, Prompt, PromptSource, error_row, load_prompts
+from pipelines.rollout_vllm import VllmConfig
 
 FAIL_AFTER_ENV = "DSPARK_FAIL_AFTER_CHUNKS"  # test hook: raise after this many chunk commits
 SENTINEL = "<<DSPARK-ANSWER-7f3a>>"  # stands in for an answer when rendering the chat template
@@ -67,8 +74,12 @@ class ComputeConfig(StrictModel):
     batch_size: int = 8  # prompts per generate call
     num_cpus: float = 1.0  # per replica
     num_gpus: float = 0.0  # per replica; > 0 puts the target on CUDA
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
+        None, description="Target weights dtype; default bfloat16 on CUDA (num_gpus > 0), float32 on CPU.")
     torch_threads: int | None = None  # default: max(1, int(num_cpus))
+
+    def resolved_dtype(self) -> str:
+        return self.dtype or ("bfloat16" if self.num_gpus > 0 else "float32")
 
 
 class RolloutConfig(StrictModel):
@@ -80,8 +91,15 @@ class RolloutConfig(StrictModel):
     max_context_tokens: int | None = None  # default: the target's max positions
     chunk_size: int = 256  # prompts per committed shard
     overwrite: bool = False  # if the output holds a different plan: delete it (else refuse)
-    backend: Literal["transformers"] = "transformers"
+    backend: Literal["engine", "transformers", "vllm"] = Field(
+        "engine", description="engine: continuous batching (dspark.generator, the serving engine's "
+        "target-only path); transformers: HF generate on fixed batches of compute.batch_size; vllm: Ray "
+        "Data's vLLM batch processor (needs vllm and GPUs; untested in this project).")
     compute: ComputeConfig = ComputeConfig()
+    engine: GeneratorConfig = Field(default_factory=GeneratorConfig,
+                                    description="backend engine: continuous-batching settings per replica "
+                                                "(each replica keeps up to compute.batch_size prompts in hand).")
+    vllm: VllmConfig = Field(default_factory=VllmConfig, description="backend vllm: engine and processor settings.")
 
     @field_validator("sources")
     @classmethod
@@ -151,10 +169,14 @@ class RolloutEngine:
     """Batched multi-turn generation on one target replica. Mutates the target's default
     generation config to a neutral one so that nothing but `to_probs` shapes the sampling."""
 
-    def __init__(self, target, sampling: SamplingConfig, max_context_tokens: int | None = None):
+    def __init__(self, target, sampling: SamplingConfig, max_context_tokens: int | None = None,
+                 backend: Literal["engine", "transformers"] = "engine", engine: GeneratorConfig | None = None):
         from transformers import GenerationConfig
 
-        self.target = target
+        if backend not in ("engine", "transformers"):
+            raise ValueError(f"RolloutEngine runs backend 'engine' or 'transformers', not {backend!r}")
+        self.target, self.backend = target, backend
+        self.generator = BatchGenerator(target, engine) if backend == "engine" else None
         self.sampling = sampling
         self.sp = sampling.params()
         self.stops = set(target.eos_token_ids)
@@ -221,18 +243,27 @@ class RolloutEngine:
         return [cut_at_stop(seq, self.stops) for seq in out[:, width:].tolist()]
 
     def _answer_turn(self, convs: list[Conversation], turn: int) -> None:
-        budgets = defaultdict(list)  # rows near the context limit get a smaller token budget
-        for conv in convs:
-            budgets[min(self.sampling.max_new_tokens, self.limit - len(conv.ids))].append(conv)
-        for budget, group in budgets.items():
-            seeds = [row_seed(self.sampling.seed, c.row["prompt_id"], turn) for c in group]
-            answers = self.sample([c.ids for c in group], seeds, budget)
-            for conv, new in zip(group, answers):
-                stopped = bool(new) and new[-1] in self.stops
-                conv.extend(new, generated=True)
-                conv.finish.append("stop" if stopped else "length")
-                content = new[:-1] if stopped else new
-                conv.messages.append({"role": "assistant", "content": self.decode(content)})
+        # rows near the context limit get a smaller token budget
+        budgets = [min(self.sampling.max_new_tokens, self.limit - len(c.ids)) for c in convs]
+        seeds = [row_seed(self.sampling.seed, c.row["prompt_id"], turn) for c in convs]
+        if self.generator is not None:
+            results = self.generator.generate([c.ids for c in convs], self.sp, seeds, budgets, sorted(self.stops))
+            answers = [tokens for tokens, _ in results]
+        else:
+            answers = self._sample_by_budget([c.ids for c in convs], seeds, budgets)
+        for conv, new in zip(convs, answers):
+            add_answer(conv, new, self.stops, self.decode)
+
+    def _sample_by_budget(self, prompts: list[list[int]], seeds: list[int], budgets: list[int]) -> list[list[int]]:
+        """HF generate once per distinct token budget (a fixed batch shares max_new_tokens)."""
+        groups = defaultdict(list)
+        for i, budget in enumerate(budgets):
+            groups[budget].append(i)
+        answers: list[list[int]] = [[] for _ in prompts]
+        for budget, rows in groups.items():
+            for i, new in zip(rows, self.sample([prompts[i] for i in rows], [seeds[i] for i in rows], budget)):
+                answers[i] = new
+        return answers
 
     def run(self, rows: list[dict]) -> list[dict]:
         """Rows with prompt_id, source, domain, split, system, turns, chunk (+ location) ->
@@ -267,6 +298,15 @@ class RolloutEngine:
         }
 
 
+def add_answer(conv: Conversation, new: list[int], stops: set[int], decode: Callable[[list[int]], str]) -> None:
+    """Append one generated answer (stop token kept, if any) to a conversation."""
+    stopped = bool(new) and new[-1] in stops
+    conv.extend(new, generated=True)
+    conv.finish.append("stop" if stopped else "length")
+    content = new[:-1] if stopped else new
+    conv.messages.append({"role": "assistant", "content": decode(content)})
+
+
 def results_table(results: list[dict]) -> pa.Table:
     return pa.Table.from_pylist(results, schema=schema.RESULT_SCHEMA)
 
@@ -279,7 +319,8 @@ class RolloutActor:
 
         torch.set_num_threads(spec["threads"])
         target = load_target(spec["target"], dtype=getattr(torch, spec["dtype"]), device=spec["device"])
-        self.engine = RolloutEngine(target, SamplingConfig(**spec["sampling"]), spec["max_context_tokens"])
+        self.engine = RolloutEngine(target, SamplingConfig(**spec["sampling"]), spec["max_context_tokens"],
+                                    spec["backend"], GeneratorConfig(**spec["engine"]))
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         return results_table(self.engine.run(batch.to_pylist()))
@@ -436,9 +477,9 @@ class RunStats:
 
 def actor_spec(cfg: RolloutConfig) -> dict:
     c = cfg.compute
-    return {"target": cfg.target, "dtype": c.dtype, "device": "cuda" if c.num_gpus > 0 else "cpu",
+    return {"target": cfg.target, "dtype": c.resolved_dtype(), "device": "cuda" if c.num_gpus > 0 else "cpu",
             "threads": c.torch_threads or max(1, int(c.num_cpus)), "sampling": cfg.sampling.model_dump(),
-            "max_context_tokens": cfg.max_context_tokens}
+            "max_context_tokens": cfg.max_context_tokens, "backend": cfg.backend, "engine": cfg.engine.model_dump()}
 
 
 def _fail_after() -> int | None:

@@ -56,12 +56,26 @@ def to_probs(logits: Tensor, sp: SamplingParams) -> Tensor:
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     if sp.top_p < 1.0:
-        sorted_probs, order = probs.sort(dim=-1, descending=True)
-        mass_before = sorted_probs.cumsum(-1) - sorted_probs  # keep a token while the mass above it < top_p
-        sorted_probs = sorted_probs.masked_fill(mass_before >= sp.top_p, 0.0)
-        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
-        probs = probs / probs.sum(-1, keepdim=True)
+        probs = _nucleus(probs, sp.top_p)
     return probs
+
+
+TOP_P_CANDIDATES = 1024  # nucleus search among the top-k first: a full sort of a 49k vocabulary is ~8x slower
+
+
+def _nucleus(probs: Tensor, top_p: float) -> Tensor:
+    """Keep, in descending order, each token while the mass above it is < top_p; renormalise.
+    Exactness of the shortcut: if the top-k candidates hold mass >= top_p, every token ranked below
+    them has mass above it >= top_p and is dropped anyway, so sorting the top-k alone is enough;
+    otherwise (a flat distribution) the whole vocabulary is sorted."""
+    k = min(TOP_P_CANDIDATES, probs.shape[-1])
+    top, order = probs.topk(k, dim=-1)  # sorted descending
+    if k < probs.shape[-1] and not bool((top.sum(-1) >= top_p).all()):
+        top, order = probs.sort(dim=-1, descending=True)
+    mass_before = top.cumsum(-1) - top  # keep a token while the mass above it < top_p
+    top = top.masked_fill(mass_before >= top_p, 0.0)
+    kept = torch.zeros_like(probs).scatter(-1, order, top)
+    return kept / kept.sum(-1, keepdim=True)
 
 
 def _to_generator_device(t: Tensor, generator: torch.Generator | None) -> Tensor:

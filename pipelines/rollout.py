@@ -44,6 +44,7 @@ from dspark.generator import BatchGenerator, GeneratorConfig
 from dspark.sampling import SamplingParams, to_probs
 from pipelines import schema
 from pipelines.prompts import LoadResult, Prompt, PromptSource, error_row, load_prompts
+from pipelines import rollout_vllm
 from pipelines.rollout_vllm import VllmConfig
 
 FAIL_AFTER_ENV = "DSPARK_FAIL_AFTER_CHUNKS"  # test hook: raise after this many chunk commits
@@ -71,7 +72,9 @@ class SamplingConfig(StrictModel):
 
 class ComputeConfig(StrictModel):
     replicas: int = 1  # target replicas (Ray actors)
-    batch_size: int = 8  # prompts per generate call
+    batch_size: int = Field(64, description="Prompts handed to a replica at a time: one fixed HF generate batch "
+                                            "(transformers), the pool the engine keeps up to engine.max_batch "
+                                            "of decoding (engine).")
     num_cpus: float = 1.0  # per replica
     num_gpus: float = 0.0  # per replica; > 0 puts the target on CUDA
     dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
@@ -165,18 +168,13 @@ class Conversation:
         self.mask.extend([int(generated)] * len(ids))
 
 
-class RolloutEngine:
-    """Batched multi-turn generation on one target replica. Mutates the target's default
-    generation config to a neutral one so that nothing but `to_probs` shapes the sampling."""
+class ChatRollout:
+    """Conversation bookkeeping of a rollout, no generation: opens user turns with the exact template
+    tokens, records answers and builds result rows. Needs from `target` only its tokenizer side
+    (tokenizer, chat_ids, chat_template_kwargs, eos_token_ids, name, revision, max_positions)."""
 
-    def __init__(self, target, sampling: SamplingConfig, max_context_tokens: int | None = None,
-                 backend: Literal["engine", "transformers"] = "engine", engine: GeneratorConfig | None = None):
-        from transformers import GenerationConfig
-
-        if backend not in ("engine", "transformers"):
-            raise ValueError(f"RolloutEngine runs backend 'engine' or 'transformers', not {backend!r}")
-        self.target, self.backend = target, backend
-        self.generator = BatchGenerator(target, engine) if backend == "engine" else None
+    def __init__(self, target, sampling: SamplingConfig, max_context_tokens: int | None = None):
+        self.target = target
         self.sampling = sampling
         self.sp = sampling.params()
         self.stops = set(target.eos_token_ids)
@@ -184,9 +182,13 @@ class RolloutEngine:
             raise ValueError(f"target {target.name} has no eos token id; cannot tell where an answer ends")
         self.limit = max_context_tokens or target.max_positions
         self.sampling_json = json.dumps(sampling.model_dump(), sort_keys=True)
-        target.model.generation_config = GenerationConfig(eos_token_id=sorted(self.stops),
-                                                          pad_token_id=target.pad_token_id)
-        self._sampler = _row_sampler_class()
+
+    def new_conversation(self, row: dict) -> Conversation:
+        return Conversation(row, messages=[{"role": "system", "content": row["system"]}] if row["system"] else [])
+
+    def budget(self, conv: Conversation) -> int:
+        """New tokens allowed for the turn being answered (rows near the context limit get fewer)."""
+        return min(self.sampling.max_new_tokens, self.limit - len(conv.ids))
 
     # -- token plumbing
     def decode(self, ids: list[int]) -> str:
@@ -209,7 +211,7 @@ class RolloutEngine:
             suffix = suffix[len(stop_text):]  # the generated stop token already closes the answer
         return self.target.tokenizer(suffix, add_special_tokens=False)["input_ids"]
 
-    def _open_turn(self, conv: Conversation, turn: int) -> None:
+    def open_turn(self, conv: Conversation, turn: int) -> None:
         try:
             prompt = self._next_prompt_ids(conv, turn)
         except ValueError as err:
@@ -220,6 +222,51 @@ class RolloutEngine:
         if len(conv.ids) >= self.limit:
             conv.error = ("prompt_too_long", f"turn {turn}: the prompt is {len(conv.ids)} tokens, the context "
                                              f"limit is {self.limit} (raise max_context_tokens or shorten the prompt)")
+
+    def add_answer(self, conv: Conversation, new: list[int]) -> None:
+        """Append one generated answer (stop token kept, if any) to a conversation."""
+        stopped = bool(new) and new[-1] in self.stops
+        conv.extend(new, generated=True)
+        conv.finish.append("stop" if stopped else "length")
+        content = new[:-1] if stopped else new
+        conv.messages.append({"role": "assistant", "content": self.decode(content)})
+
+    def result(self, conv: Conversation) -> dict:
+        row = conv.row
+        ok = conv.error is None
+        generated = sum(conv.mask) if ok else 0
+        return {
+            "prompt_id": row["prompt_id"], "source": row["source"], "domain": row["domain"], "split": row["split"],
+            "messages": conv.messages if ok else [], "input_ids": conv.ids if ok else [],
+            "loss_mask": conv.mask if ok else [], "num_prompt_tokens": len(conv.ids) - generated if ok else 0,
+            "num_generated_tokens": generated, "num_turns": len(conv.finish) if ok else 0,
+            "finish_reason": ("length" if "length" in conv.finish else "stop") if ok else "",
+            "turn_finish_reasons": conv.finish if ok else [], "target": self.target.name,
+            "target_revision": self.target.revision, "sampling": self.sampling_json, "chunk": row.get("chunk", 0),
+            "error_reason": None if ok else conv.error[0], "error_detail": None if ok else conv.error[1],
+            "location": row.get("location", ""),
+            "raw": None if ok else json.dumps({"system": row["system"], "turns": row["turns"]},
+                                              ensure_ascii=False)[:schema.RAW_LIMIT],
+        }
+
+
+class RolloutEngine(ChatRollout):
+    """Batched multi-turn generation on one target replica, by continuous batching (backend engine)
+    or HF generate on fixed batches (backend transformers). Mutates the target's default generation
+    config to a neutral one so that nothing but `to_probs` shapes the sampling."""
+
+    def __init__(self, target, sampling: SamplingConfig, max_context_tokens: int | None = None,
+                 backend: Literal["engine", "transformers"] = "engine", engine: GeneratorConfig | None = None):
+        from transformers import GenerationConfig
+
+        if backend not in ("engine", "transformers"):
+            raise ValueError(f"RolloutEngine runs backend 'engine' or 'transformers', not {backend!r}")
+        super().__init__(target, sampling, max_context_tokens)
+        self.backend = backend
+        self.generator = BatchGenerator(target, engine) if backend == "engine" else None
+        target.model.generation_config = GenerationConfig(eos_token_id=sorted(self.stops),
+                                                          pad_token_id=target.pad_token_id)
+        self._sampler = _row_sampler_class()
 
     def sample(self, prompts: list[list[int]], seeds: list[int], max_new_tokens: int) -> list[list[int]]:
         """Left-padded batched generation with KV cache; each row sampled with its own seed."""
@@ -243,8 +290,7 @@ class RolloutEngine:
         return [cut_at_stop(seq, self.stops) for seq in out[:, width:].tolist()]
 
     def _answer_turn(self, convs: list[Conversation], turn: int) -> None:
-        # rows near the context limit get a smaller token budget
-        budgets = [min(self.sampling.max_new_tokens, self.limit - len(c.ids)) for c in convs]
+        budgets = [self.budget(c) for c in convs]
         seeds = [row_seed(self.sampling.seed, c.row["prompt_id"], turn) for c in convs]
         if self.generator is not None:
             results = self.generator.generate([c.ids for c in convs], self.sp, seeds, budgets, sorted(self.stops))
@@ -252,7 +298,7 @@ class RolloutEngine:
         else:
             answers = self._sample_by_budget([c.ids for c in convs], seeds, budgets)
         for conv, new in zip(convs, answers):
-            add_answer(conv, new, self.stops, self.decode)
+            self.add_answer(conv, new)
 
     def _sample_by_budget(self, prompts: list[list[int]], seeds: list[int], budgets: list[int]) -> list[list[int]]:
         """HF generate once per distinct token budget (a fixed batch shares max_new_tokens)."""
@@ -268,43 +314,16 @@ class RolloutEngine:
     def run(self, rows: list[dict]) -> list[dict]:
         """Rows with prompt_id, source, domain, split, system, turns, chunk (+ location) ->
         RESULT_SCHEMA rows, one per input row, in input order."""
-        convs = [Conversation(row, messages=[{"role": "system", "content": row["system"]}] if row["system"] else [])
-                 for row in rows]
+        convs = [self.new_conversation(row) for row in rows]
         for turn in range(max((len(c.row["turns"]) for c in convs), default=0)):
             active = [c for c in convs if c.error is None and turn < len(c.row["turns"])]
             for conv in active:
-                self._open_turn(conv, turn)
+                self.open_turn(conv, turn)
             active = [c for c in active if c.error is None]
             if active:
                 self._answer_turn(active, turn)
-        return [self._result(c) for c in convs]
+        return [self.result(c) for c in convs]
 
-    def _result(self, conv: Conversation) -> dict:
-        row = conv.row
-        ok = conv.error is None
-        generated = sum(conv.mask) if ok else 0
-        return {
-            "prompt_id": row["prompt_id"], "source": row["source"], "domain": row["domain"], "split": row["split"],
-            "messages": conv.messages if ok else [], "input_ids": conv.ids if ok else [],
-            "loss_mask": conv.mask if ok else [], "num_prompt_tokens": len(conv.ids) - generated if ok else 0,
-            "num_generated_tokens": generated, "num_turns": len(conv.finish) if ok else 0,
-            "finish_reason": ("length" if "length" in conv.finish else "stop") if ok else "",
-            "turn_finish_reasons": conv.finish if ok else [], "target": self.target.name,
-            "target_revision": self.target.revision, "sampling": self.sampling_json, "chunk": row.get("chunk", 0),
-            "error_reason": None if ok else conv.error[0], "error_detail": None if ok else conv.error[1],
-            "location": row.get("location", ""),
-            "raw": None if ok else json.dumps({"system": row["system"], "turns": row["turns"]},
-                                              ensure_ascii=False)[:schema.RAW_LIMIT],
-        }
-
-
-def add_answer(conv: Conversation, new: list[int], stops: set[int], decode: Callable[[list[int]], str]) -> None:
-    """Append one generated answer (stop token kept, if any) to a conversation."""
-    stopped = bool(new) and new[-1] in stops
-    conv.extend(new, generated=True)
-    conv.finish.append("stop" if stopped else "length")
-    content = new[:-1] if stopped else new
-    conv.messages.append({"role": "assistant", "content": decode(content)})
 
 
 def results_table(results: list[dict]) -> pa.Table:
@@ -487,6 +506,19 @@ def _fail_after() -> int | None:
     return int(value) if value else None
 
 
+def generation_stage(cfg: RolloutConfig, ds, rows: list[dict]):
+    """Prompt rows -> RESULT_SCHEMA rows: an actor pool of RolloutActor replicas (engine, transformers)
+    or Ray Data's vLLM processor (vllm)."""
+    import ray.data
+
+    if cfg.backend == "vllm":
+        return rollout_vllm.vllm_stage(cfg, ds, max(len(r["turns"]) for r in rows))
+    return ds.map_batches(
+        RolloutActor, fn_constructor_kwargs={"spec": actor_spec(cfg)}, batch_size=cfg.compute.batch_size,
+        batch_format="pyarrow", compute=ray.data.ActorPoolStrategy(size=cfg.compute.replicas),
+        num_cpus=cfg.compute.num_cpus, num_gpus=cfg.compute.num_gpus or None)
+
+
 def generate_chunks(cfg: RolloutConfig, plan: Plan, pending: list[int], out: str, stats: RunStats,
                     on_chunk: Callable[[RunStats], None] | None = None, progress: bool = True) -> None:
     """Stream the pending chunks through the actor pool; commit each chunk when it is complete."""
@@ -504,10 +536,7 @@ def generate_chunks(cfg: RolloutConfig, plan: Plan, pending: list[int], out: str
     start = time.perf_counter()
     try:
         blocks = max(1, min(1000, -(-len(rows) // cfg.compute.batch_size)))
-        ds = ray.data.from_items(rows, override_num_blocks=blocks).map_batches(
-            RolloutActor, fn_constructor_kwargs={"spec": actor_spec(cfg)}, batch_size=cfg.compute.batch_size,
-            batch_format="pyarrow", compute=ray.data.ActorPoolStrategy(size=cfg.compute.replicas),
-            num_cpus=cfg.compute.num_cpus, num_gpus=cfg.compute.num_gpus or None)
+        ds = generation_stage(cfg, ray.data.from_items(rows, override_num_blocks=blocks), rows)
         with tqdm(total=len(rows), desc="rollouts", unit="prompt", disable=not progress) as bar:
             for batch in ds.iter_batches(batch_format="pyarrow", batch_size=None):
                 for result in batch.to_pylist():
@@ -548,6 +577,8 @@ def run_rollouts(cfg: RolloutConfig, on_chunk: Callable[[RunStats], None] | None
     `on_chunk(stats)` after every committed chunk."""
     out = cfg.output.rstrip("/")
     storage.check_writable(out)  # fail fast, before reading or generating anything
+    if cfg.backend == "vllm":
+        rollout_vllm.require_vllm()
     loaded = load_prompts(cfg.sources, cfg.holdout_fraction)
     plan = make_plan(cfg, loaded)
     prepare_output(out, plan, cfg.overwrite)

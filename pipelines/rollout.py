@@ -42,9 +42,8 @@ from dspark import storage
 from dspark.config import StrictModel, config_to_dict
 from dspark.generator import BatchGenerator, GeneratorConfig
 from dspark.sampling import SamplingParams, to_probs
-from pipelines import schema
+from pipelines import rollout_vllm, schema
 from pipelines.prompts import LoadResult, Prompt, PromptSource, error_row, load_prompts
-from pipelines import rollout_vllm
 from pipelines.rollout_vllm import VllmConfig
 
 FAIL_AFTER_ENV = "DSPARK_FAIL_AFTER_CHUNKS"  # test hook: raise after this many chunk commits

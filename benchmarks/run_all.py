@@ -49,7 +49,7 @@ SCRIPT_ARGS: dict[str, ScriptArgs] = {
     "decode_speed": ScriptArgs(full=["--target", "smollm2-135m", *TRAINED, "--prompts", "3",
                                      "--max-new-tokens", "128"],
                                quick=["--quick"]),
-    "rollout_throughput": ScriptArgs(full=[],  # smollm2-135m, 16 prompts x 32 tokens, sequential vs Ray Data
+    "rollout_throughput": ScriptArgs(full=[],  # smollm2-135m, 64 prompts x 128 tokens: sequential, HF batched, engine
                                      quick=["--target", "tiny", "--num-prompts", "8", "--max-new-tokens", "16"]),
     "train_throughput": ScriptArgs(full=[], quick=["--quick"]),  # smollm2-135m, ZeRO 0/2/3, 2 CPU workers
     "serve_load": ScriptArgs(full=[], quick=["--quick"]),  # smollm2-135m + its trained DSpark drafter

@@ -494,16 +494,7 @@ class Engine:
 
     def _ragged_forward(self, store: KVSlots, first: int, ids: torch.Tensor, counts: list[int],
                         logits_at: str) -> list[tuple]:
-        layout = store.ragged(first, counts)
-        slices = layout.row_slices()
-        where = "all" if logits_at == "all" else torch.tensor([s.stop - 1 for s in slices], device=self.target.device)
-        with store.batch(layout):
-            out = self.target.forward(ids.to(self.target.device), position_ids=layout.position_ids,
-                                      attention_mask=layout.mask, layer_ids=self.layer_ids, logits_at=where)
-        logits, feats = out.logits[0], out.features[0] if out.features is not None else None
-        if logits_at == "all":
-            return [(logits[s], None if feats is None else feats[s]) for s in slices]
-        return [(logits[i: i + 1], None if feats is None else feats[s]) for i, s in enumerate(slices)]
+        return ragged_forward(self.target, store, first, ids, counts, logits_at, self.layer_ids)
 
     # ---- emission and bookkeeping ---------------------------------------------------------------
     def _emit(self, req: Request, new: list[int], report: StepReport) -> None:
@@ -604,6 +595,23 @@ class Engine:
             "sps_table": self.sps.to_dict() if self.sps else None,
             "kv_bytes": self.kv.memory_bytes(), "device": str(self.target.device),
         }
+
+
+def ragged_forward(target, store: KVSlots, first: int, ids: torch.Tensor, counts: list[int], logits_at: str,
+                   layer_ids: list[int] | None = None) -> list[tuple]:
+    """One target forward appending counts[r] tokens (flat `ids` [1, N]) to slots first..first+R-1 of
+    `store`. Returns per row (logits, features): logits of all its new tokens (logits_at "all") or of
+    its last one ("last", shape [1, V]); features of the `layer_ids` layers (None without them)."""
+    layout = store.ragged(first, counts)
+    slices = layout.row_slices()
+    where = "all" if logits_at == "all" else torch.tensor([s.stop - 1 for s in slices], device=target.device)
+    with store.batch(layout):
+        out = target.forward(ids.to(target.device), position_ids=layout.position_ids,
+                             attention_mask=layout.mask, layer_ids=layer_ids, logits_at=where)
+    logits, feats = out.logits[0], out.features[0] if out.features is not None else None
+    if logits_at == "all":
+        return [(logits[s], None if feats is None else feats[s]) for s in slices]
+    return [(logits[i: i + 1], None if feats is None else feats[s]) for i, s in enumerate(slices)]
 
 
 def _fmt_table(table: SPSTable) -> str:

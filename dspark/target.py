@@ -216,21 +216,24 @@ def _strip_after_stop(seq: list[int], stops: set[int], pad: int) -> list[int]:
     return seq
 
 
+def resolve_model_path(spec: str) -> str:
+    """A local model directory for a built-in name or an s3:// dir (copied here); else the spec itself
+    (a local dir, or a hub name that needs network or a mirror, HF_ENDPOINT)."""
+    if spec in models_builtin.BUILTIN:
+        return str(models_builtin.prepare(spec))
+    if spec.startswith("s3://"):
+        from dspark.io import storage
+
+        return str(storage.local_copy(spec))
+    return spec
+
+
 def load_target(spec: str, *, dtype: torch.dtype = torch.float32, device: str = "cpu") -> Target:
     """Load a target by built-in name ("tiny", "smollm2-135m"), local dir, s3:// dir or hub name."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     name = spec
-    if spec in models_builtin.BUILTIN:
-        path = models_builtin.prepare(spec)
-    elif spec.startswith("s3://"):
-        from dspark.io import storage
-
-        path = storage.local_copy(spec)
-    elif os.path.isdir(spec):
-        path = spec
-    else:
-        path = spec  # hub name: needs network or a mirror (HF_ENDPOINT)
+    path = resolve_model_path(spec)
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
         tokenizer = AutoTokenizer.from_pretrained(path)

@@ -16,9 +16,15 @@ Pipeline (driver side in `run_rollouts`):
 Sampling is made per prompt: every row has its own torch.Generator seeded from (seed, prompt_id,
 turn), so a prompt's answer does not depend on which batch, actor or run generated it (up to
 floating-point differences between batch shapes).
+
+Backends (`backend`): `engine` (default) generates with dspark.generator.BatchGenerator, continuous
+batching over the serving engine's ragged KV store; `transformers` runs HF `generate` on fixed
+left-padded batches (kept for comparison); `vllm` hands generation to Ray Data's vLLM processor
+(pipelines/rollout_vllm.py; GPU clusters only, untested here).
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
@@ -35,10 +41,12 @@ from pydantic import Field, field_validator
 
 from dspark.io import storage
 from dspark.config import StrictModel, config_to_dict
+from dspark.generator import BatchGenerator, GeneratorConfig
 from dspark.sampling import SamplingParams, to_probs
-from pipelines import schema
+from pipelines import rollout_vllm, schema
 from pipelines.actor_pool import DEFAULT_START_TIMEOUT_S, START_TIMEOUT_DESCRIPTION, WorkerAsk, data_pool
 from pipelines.prompts import LoadResult, Prompt, PromptSource, error_row, load_prompts
+from pipelines.rollout_vllm import VllmConfig
 
 FAIL_AFTER_ENV = "DSPARK_FAIL_AFTER_CHUNKS"  # test hook: raise after this many chunk commits
 SENTINEL = "<<DSPARK-ANSWER-7f3a>>"  # stands in for an answer when rendering the chat template
@@ -65,12 +73,18 @@ class SamplingConfig(StrictModel):
 
 class ComputeConfig(StrictModel):
     replicas: int = 1  # target replicas (Ray actors)
-    batch_size: int = 8  # prompts per generate call
+    batch_size: int = Field(64, description="Prompts handed to a replica at a time: one fixed HF generate batch "
+                                            "(transformers), the pool the engine keeps up to engine.max_batch "
+                                            "of decoding (engine).")
     num_cpus: float = 1.0  # per replica
     num_gpus: float = 0.0  # per replica; > 0 puts the target on CUDA
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
+        None, description="Target weights dtype; default bfloat16 on CUDA (num_gpus > 0), float32 on CPU.")
     torch_threads: int | None = None  # default: max(1, int(num_cpus))
     start_timeout_s: float = Field(DEFAULT_START_TIMEOUT_S, gt=0, description=START_TIMEOUT_DESCRIPTION)
+
+    def resolved_dtype(self) -> str:
+        return self.dtype or ("bfloat16" if self.num_gpus > 0 else "float32")
 
 
 class RolloutConfig(StrictModel):
@@ -82,8 +96,15 @@ class RolloutConfig(StrictModel):
     max_context_tokens: int | None = None  # default: the target's max positions
     chunk_size: int = 256  # prompts per committed shard
     overwrite: bool = False  # if the output holds a different plan: delete it (else refuse)
-    backend: Literal["transformers"] = "transformers"
+    backend: Literal["engine", "transformers", "vllm"] = Field(
+        "engine", description="engine: continuous batching (dspark.generator, the serving engine's "
+        "target-only path); transformers: HF generate on fixed batches of compute.batch_size; vllm: Ray "
+        "Data's vLLM batch processor (needs vllm and GPUs; untested in this project).")
     compute: ComputeConfig = ComputeConfig()
+    engine: GeneratorConfig = Field(default_factory=GeneratorConfig,
+                                    description="backend engine: continuous-batching settings per replica "
+                                                "(each replica keeps up to compute.batch_size prompts in hand).")
+    vllm: VllmConfig = Field(default_factory=VllmConfig, description="backend vllm: engine and processor settings.")
 
     @field_validator("sources")
     @classmethod
@@ -149,13 +170,12 @@ class Conversation:
         self.mask.extend([int(generated)] * len(ids))
 
 
-class RolloutEngine:
-    """Batched multi-turn generation on one target replica. Mutates the target's default
-    generation config to a neutral one so that nothing but `to_probs` shapes the sampling."""
+class ChatRollout:
+    """Conversation bookkeeping of a rollout, no generation: opens user turns with the exact template
+    tokens, records answers and builds result rows. Needs from `target` only its tokenizer side
+    (tokenizer, chat_ids, chat_template_kwargs, eos_token_ids, name, revision, max_positions)."""
 
     def __init__(self, target, sampling: SamplingConfig, max_context_tokens: int | None = None):
-        from transformers import GenerationConfig
-
         self.target = target
         self.sampling = sampling
         self.sp = sampling.params()
@@ -164,9 +184,13 @@ class RolloutEngine:
             raise ValueError(f"target {target.name} has no eos token id; cannot tell where an answer ends")
         self.limit = max_context_tokens or target.max_positions
         self.sampling_json = json.dumps(sampling.model_dump(), sort_keys=True)
-        target.model.generation_config = GenerationConfig(eos_token_id=sorted(self.stops),
-                                                          pad_token_id=target.pad_token_id)
-        self._sampler = _row_sampler_class()
+
+    def new_conversation(self, row: dict) -> Conversation:
+        return Conversation(row, messages=[{"role": "system", "content": row["system"]}] if row["system"] else [])
+
+    def budget(self, conv: Conversation) -> int:
+        """New tokens allowed for the turn being answered (rows near the context limit get fewer)."""
+        return min(self.sampling.max_new_tokens, self.limit - len(conv.ids))
 
     # -- token plumbing
     def decode(self, ids: list[int]) -> str:
@@ -189,7 +213,7 @@ class RolloutEngine:
             suffix = suffix[len(stop_text):]  # the generated stop token already closes the answer
         return self.target.tokenizer(suffix, add_special_tokens=False)["input_ids"]
 
-    def _open_turn(self, conv: Conversation, turn: int) -> None:
+    def open_turn(self, conv: Conversation, turn: int) -> None:
         try:
             prompt = self._next_prompt_ids(conv, turn)
         except ValueError as err:
@@ -200,6 +224,51 @@ class RolloutEngine:
         if len(conv.ids) >= self.limit:
             conv.error = ("prompt_too_long", f"turn {turn}: the prompt is {len(conv.ids)} tokens, the context "
                                              f"limit is {self.limit} (raise max_context_tokens or shorten the prompt)")
+
+    def add_answer(self, conv: Conversation, new: list[int]) -> None:
+        """Append one generated answer (stop token kept, if any) to a conversation."""
+        stopped = bool(new) and new[-1] in self.stops
+        conv.extend(new, generated=True)
+        conv.finish.append("stop" if stopped else "length")
+        content = new[:-1] if stopped else new
+        conv.messages.append({"role": "assistant", "content": self.decode(content)})
+
+    def result(self, conv: Conversation) -> dict:
+        row = conv.row
+        ok = conv.error is None
+        generated = sum(conv.mask) if ok else 0
+        return {
+            "prompt_id": row["prompt_id"], "source": row["source"], "domain": row["domain"], "split": row["split"],
+            "messages": conv.messages if ok else [], "input_ids": conv.ids if ok else [],
+            "loss_mask": conv.mask if ok else [], "num_prompt_tokens": len(conv.ids) - generated if ok else 0,
+            "num_generated_tokens": generated, "num_turns": len(conv.finish) if ok else 0,
+            "finish_reason": ("length" if "length" in conv.finish else "stop") if ok else "",
+            "turn_finish_reasons": conv.finish if ok else [], "target": self.target.name,
+            "target_revision": self.target.revision, "sampling": self.sampling_json, "chunk": row.get("chunk", 0),
+            "error_reason": None if ok else conv.error[0], "error_detail": None if ok else conv.error[1],
+            "location": row.get("location", ""),
+            "raw": None if ok else json.dumps({"system": row["system"], "turns": row["turns"]},
+                                              ensure_ascii=False)[:schema.RAW_LIMIT],
+        }
+
+
+class RolloutEngine(ChatRollout):
+    """Batched multi-turn generation on one target replica, by continuous batching (backend engine)
+    or HF generate on fixed batches (backend transformers). Mutates the target's default generation
+    config to a neutral one so that nothing but `to_probs` shapes the sampling."""
+
+    def __init__(self, target, sampling: SamplingConfig, max_context_tokens: int | None = None,
+                 backend: Literal["engine", "transformers"] = "engine", engine: GeneratorConfig | None = None):
+        from transformers import GenerationConfig
+
+        if backend not in ("engine", "transformers"):
+            raise ValueError(f"RolloutEngine runs backend 'engine' or 'transformers', not {backend!r}")
+        super().__init__(target, sampling, max_context_tokens)
+        self.backend = backend
+        self.generator = BatchGenerator(target, engine) if backend == "engine" else None
+        target.model.generation_config = GenerationConfig(eos_token_id=sorted(self.stops),
+                                                          pad_token_id=target.pad_token_id)
+        self._sampler = _row_sampler_class()
 
     def sample(self, prompts: list[list[int]], seeds: list[int], max_new_tokens: int) -> list[list[int]]:
         """Left-padded batched generation with KV cache; each row sampled with its own seed."""
@@ -223,50 +292,40 @@ class RolloutEngine:
         return [cut_at_stop(seq, self.stops) for seq in out[:, width:].tolist()]
 
     def _answer_turn(self, convs: list[Conversation], turn: int) -> None:
-        budgets = defaultdict(list)  # rows near the context limit get a smaller token budget
-        for conv in convs:
-            budgets[min(self.sampling.max_new_tokens, self.limit - len(conv.ids))].append(conv)
-        for budget, group in budgets.items():
-            seeds = [row_seed(self.sampling.seed, c.row["prompt_id"], turn) for c in group]
-            answers = self.sample([c.ids for c in group], seeds, budget)
-            for conv, new in zip(group, answers):
-                stopped = bool(new) and new[-1] in self.stops
-                conv.extend(new, generated=True)
-                conv.finish.append("stop" if stopped else "length")
-                content = new[:-1] if stopped else new
-                conv.messages.append({"role": "assistant", "content": self.decode(content)})
+        budgets = [self.budget(c) for c in convs]
+        seeds = [row_seed(self.sampling.seed, c.row["prompt_id"], turn) for c in convs]
+        if self.generator is not None:
+            results = self.generator.generate([c.ids for c in convs], self.sp, seeds, budgets, sorted(self.stops))
+            answers = [tokens for tokens, _ in results]
+        else:
+            answers = self._sample_by_budget([c.ids for c in convs], seeds, budgets)
+        for conv, new in zip(convs, answers):
+            self.add_answer(conv, new)
+
+    def _sample_by_budget(self, prompts: list[list[int]], seeds: list[int], budgets: list[int]) -> list[list[int]]:
+        """HF generate once per distinct token budget (a fixed batch shares max_new_tokens)."""
+        groups = defaultdict(list)
+        for i, budget in enumerate(budgets):
+            groups[budget].append(i)
+        answers: list[list[int]] = [[] for _ in prompts]
+        for budget, rows in groups.items():
+            for i, new in zip(rows, self.sample([prompts[i] for i in rows], [seeds[i] for i in rows], budget)):
+                answers[i] = new
+        return answers
 
     def run(self, rows: list[dict]) -> list[dict]:
         """Rows with prompt_id, source, domain, split, system, turns, chunk (+ location) ->
         RESULT_SCHEMA rows, one per input row, in input order."""
-        convs = [Conversation(row, messages=[{"role": "system", "content": row["system"]}] if row["system"] else [])
-                 for row in rows]
+        convs = [self.new_conversation(row) for row in rows]
         for turn in range(max((len(c.row["turns"]) for c in convs), default=0)):
             active = [c for c in convs if c.error is None and turn < len(c.row["turns"])]
             for conv in active:
-                self._open_turn(conv, turn)
+                self.open_turn(conv, turn)
             active = [c for c in active if c.error is None]
             if active:
                 self._answer_turn(active, turn)
-        return [self._result(c) for c in convs]
+        return [self.result(c) for c in convs]
 
-    def _result(self, conv: Conversation) -> dict:
-        row = conv.row
-        ok = conv.error is None
-        generated = sum(conv.mask) if ok else 0
-        return {
-            "prompt_id": row["prompt_id"], "source": row["source"], "domain": row["domain"], "split": row["split"],
-            "messages": conv.messages if ok else [], "input_ids": conv.ids if ok else [],
-            "loss_mask": conv.mask if ok else [], "num_prompt_tokens": len(conv.ids) - generated if ok else 0,
-            "num_generated_tokens": generated, "num_turns": len(conv.finish) if ok else 0,
-            "finish_reason": ("length" if "length" in conv.finish else "stop") if ok else "",
-            "turn_finish_reasons": conv.finish if ok else [], "target": self.target.name,
-            "target_revision": self.target.revision, "sampling": self.sampling_json, "chunk": row.get("chunk", 0),
-            "error_reason": None if ok else conv.error[0], "error_detail": None if ok else conv.error[1],
-            "location": row.get("location", ""),
-            "raw": None if ok else json.dumps({"system": row["system"], "turns": row["turns"]},
-                                              ensure_ascii=False)[:schema.RAW_LIMIT],
-        }
 
 
 def results_table(results: list[dict]) -> pa.Table:
@@ -281,7 +340,8 @@ class RolloutActor:
 
         torch.set_num_threads(spec["threads"])
         target = load_target(spec["target"], dtype=getattr(torch, spec["dtype"]), device=spec["device"])
-        self.engine = RolloutEngine(target, SamplingConfig(**spec["sampling"]), spec["max_context_tokens"])
+        self.engine = RolloutEngine(target, SamplingConfig(**spec["sampling"]), spec["max_context_tokens"],
+                                    spec["backend"], GeneratorConfig(**spec["engine"]))
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         return results_table(self.engine.run(batch.to_pylist()))
@@ -438,14 +498,29 @@ class RunStats:
 
 def actor_spec(cfg: RolloutConfig) -> dict:
     c = cfg.compute
-    return {"target": cfg.target, "dtype": c.dtype, "device": "cuda" if c.num_gpus > 0 else "cpu",
+    return {"target": cfg.target, "dtype": c.resolved_dtype(), "device": "cuda" if c.num_gpus > 0 else "cpu",
             "threads": c.torch_threads or max(1, int(c.num_cpus)), "sampling": cfg.sampling.model_dump(),
-            "max_context_tokens": cfg.max_context_tokens}
+            "max_context_tokens": cfg.max_context_tokens, "backend": cfg.backend, "engine": cfg.engine.model_dump()}
 
 
 def _fail_after() -> int | None:
     value = os.environ.get(FAIL_AFTER_ENV)
     return int(value) if value else None
+
+
+def uses_vllm(cfg, actor: type) -> bool:
+    return actor is RolloutActor and getattr(cfg, "backend", None) == "vllm"
+
+
+def generation_stage(cfg: RolloutConfig, ds, rows: list[dict], actor: type, spec: dict | None, pool: dict):
+    """Prompt rows -> result rows: an actor pool of `actor` replicas (RolloutActor: the engine or
+    transformers backend; jobs.synthesize: its Magpie actor) in the reserved `pool`, or Ray Data's
+    vLLM processor (rollouts with backend vllm)."""
+    if uses_vllm(cfg, actor):
+        return rollout_vllm.vllm_stage(cfg, ds, max(len(r["turns"]) for r in rows))
+    return ds.map_batches(
+        actor, fn_constructor_kwargs={"spec": spec or actor_spec(cfg)}, batch_size=cfg.compute.batch_size,
+        batch_format="pyarrow", **pool, num_cpus=cfg.compute.num_cpus, num_gpus=cfg.compute.num_gpus or None)
 
 
 def generate_chunks(cfg: RolloutConfig, plan: Plan, pending: list[int], out: str, stats: RunStats,
@@ -461,7 +536,7 @@ def generate_chunks(cfg: RolloutConfig, plan: Plan, pending: list[int], out: str
     c = cfg.compute
     ask = WorkerAsk(f"{desc} replicas", c.replicas, c.num_cpus, c.num_gpus,
                     "compute.replicas / compute.num_cpus / compute.num_gpus")
-    with data_pool(ask, c.start_timeout_s) as pool:
+    with (contextlib.nullcontext({}) if uses_vllm(cfg, actor) else data_pool(ask, c.start_timeout_s)) as pool:
         _stream_chunks(cfg, plan, pending, out, stats, on_chunk, progress, actor, spec, commit, desc, pool)
 
 
@@ -480,10 +555,7 @@ def _stream_chunks(cfg, plan, pending, out, stats, on_chunk, progress, actor, sp
     start = time.perf_counter()
     try:
         blocks = max(1, min(1000, -(-len(rows) // cfg.compute.batch_size)))
-        ds = ray.data.from_items(rows, override_num_blocks=blocks).map_batches(
-            actor, fn_constructor_kwargs={"spec": spec or actor_spec(cfg)}, batch_size=cfg.compute.batch_size,
-            batch_format="pyarrow", **pool,
-            num_cpus=cfg.compute.num_cpus, num_gpus=cfg.compute.num_gpus or None)
+        ds = generation_stage(cfg, ray.data.from_items(rows, override_num_blocks=blocks), rows, actor, spec, pool)
         with tqdm(total=len(rows), desc=desc, unit="prompt", disable=not progress) as bar:
             for batch in ds.iter_batches(batch_format="pyarrow", batch_size=None):
                 for result in batch.to_pylist():
@@ -524,6 +596,8 @@ def run_rollouts(cfg: RolloutConfig, on_chunk: Callable[[RunStats], None] | None
     `on_chunk(stats)` after every committed chunk."""
     out = cfg.output.rstrip("/")
     storage.check_writable(out)  # fail fast, before reading or generating anything
+    if cfg.backend == "vllm":
+        rollout_vllm.require_vllm()
     loaded = load_prompts(cfg.sources, cfg.holdout_fraction)
     plan = make_plan(cfg, loaded)
     prepare_output(out, plan, cfg.overwrite)

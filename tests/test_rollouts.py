@@ -68,8 +68,12 @@ def check_row(row: dict, target, max_new: int) -> None:
 
 
 # ---------------------------------------------------------------- engine (no Ray)
-def test_engine_masks_exactly_the_generated_tokens_multi_turn(tiny):
-    engine = RolloutEngine(tiny, SamplingConfig(temperature=0.8, max_new_tokens=12, seed=3))
+BACKENDS = pytest.mark.parametrize("backend", ["engine", "transformers"])  # RolloutEngine's two generators
+
+
+@BACKENDS
+def test_engine_masks_exactly_the_generated_tokens_multi_turn(tiny, backend):
+    engine = RolloutEngine(tiny, SamplingConfig(temperature=0.8, max_new_tokens=12, seed=3), backend=backend)
     rows = [engine_row(["what is 2 + 3"]), engine_row(["def f(x): return", "and again", "once more"], "be short")]
     results = engine.run(rows)
     assert [r["error_reason"] for r in results] == [None, None]
@@ -84,27 +88,30 @@ def test_engine_masks_exactly_the_generated_tokens_multi_turn(tiny):
     assert "and again" in between and between.rstrip().endswith("assistant")
 
 
-def test_engine_is_deterministic_per_prompt_whatever_the_batch(tiny):
+@BACKENDS
+def test_engine_is_deterministic_per_prompt_whatever_the_batch(tiny, backend):
     sampling = SamplingConfig(temperature=1.0, top_p=0.95, max_new_tokens=6, seed=7)
-    engine = RolloutEngine(tiny, sampling)
+    engine = RolloutEngine(tiny, sampling, backend=backend)
     rows = [engine_row([f"question number {i} " * (1 + 2 * i)]) for i in range(3)]
     together = engine.run(rows)
     alone = [engine.run([r])[0] for r in reversed(rows)][::-1]
     assert [r["input_ids"] for r in together] == [r["input_ids"] for r in alone]
-    other_seed = RolloutEngine(tiny, sampling.model_copy(update={"seed": 8})).run(rows)
+    other_seed = RolloutEngine(tiny, sampling.model_copy(update={"seed": 8}), backend=backend).run(rows)
     assert [r["input_ids"] for r in other_seed] != [r["input_ids"] for r in together]
     assert row_seed(7, rows[0]["prompt_id"], 0) != row_seed(7, rows[0]["prompt_id"], 1)
 
 
-def test_engine_greedy_matches_plain_greedy_generate(tiny):
-    engine = RolloutEngine(tiny, SamplingConfig(temperature=0.0, max_new_tokens=10))
+@BACKENDS
+def test_engine_greedy_matches_plain_greedy_generate(tiny, backend):
+    engine = RolloutEngine(tiny, SamplingConfig(temperature=0.0, max_new_tokens=10), backend=backend)
     row = engine.run([engine_row(["sum the list"])])[0]
     prompt = row["input_ids"][:row["num_prompt_tokens"]]
     assert tiny.generate([prompt], max_new_tokens=10, temperature=0.0) == [row["input_ids"][len(prompt):]]
 
 
-def test_engine_reports_prompts_longer_than_the_context(tiny):
-    engine = RolloutEngine(tiny, SamplingConfig(max_new_tokens=8), max_context_tokens=40)
+@BACKENDS
+def test_engine_reports_prompts_longer_than_the_context(tiny, backend):
+    engine = RolloutEngine(tiny, SamplingConfig(max_new_tokens=8), max_context_tokens=40, backend=backend)
     results = engine.run([engine_row(["short"]), engine_row(["the a of " * 40]),
                           engine_row(["short two", "second turn " * 20])])
     assert [r["error_reason"] for r in results] == [None, "prompt_too_long", "prompt_too_long"]

@@ -89,3 +89,16 @@ def test_accept_drafts_greedy_is_argmax_match():
 def test_accept_drafts_rejects_bad_shapes():
     with pytest.raises(ValueError, match="target_probs"):
         accept_drafts(torch.tensor([0, 1]), torch.rand(2, 4), torch.rand(2, 4), torch.Generator())
+
+
+@pytest.mark.parametrize("scale", [0.05, 1.0, 4.0])
+def test_nucleus_shortcut_equals_a_full_sort(scale, monkeypatch):
+    """top-p searched among the top-k candidates (peaked rows) or over the whole vocabulary (flat
+    rows, scale 0.05) gives exactly the full-sort result."""
+    import dspark.sampling as sampling
+
+    logits = torch.randn(6, 5000, generator=torch.Generator().manual_seed(1)) * scale
+    sp = SamplingParams(temperature=0.8, top_p=0.9)
+    fast = to_probs(logits, sp)
+    monkeypatch.setattr(sampling, "TOP_P_CANDIDATES", 10**9)
+    assert torch.equal(fast, to_probs(logits, sp))

@@ -5,7 +5,7 @@
 
 What it does, in one process (no Ray, no DeepSpeed: for a single GPU box or a bare accelerator VM):
 1. rollouts: the target answers every training prompt (data/train, the train split; held-out prompts
-   are left for calibration) `--samples` times with different seeds (pipelines.rollout.RolloutEngine);
+   are left for calibration) `--samples` times with different seeds (pipelines.rollout_engine.RolloutEngine);
 2. training: the three drafters (configs/train/<target>-<algo>.yaml `drafter:` sections) train on the
    same batches in the same order, interleaved step by step, so a wall-clock budget cuts all three at
    the same step count. The step count is fixed up front from a timed probe of each drafter's step;
@@ -54,7 +54,7 @@ def train_prompts(limit: int | None) -> list:
 
 def generate_rollouts(target, prompts: list, samples: int, max_new: int, batch: int, deadline: float) -> list[dict]:
     """`samples` answers per prompt (seed s for sample s); stops adding samples past `deadline`."""
-    from pipelines.rollout import RolloutEngine, SamplingConfig
+    from pipelines.rollout_engine import RolloutEngine, SamplingConfig
 
     rows = []
     for s in range(samples):

@@ -102,7 +102,7 @@ def run_sequential(args, prompts) -> dict:
 
 def run_rollout_engine(args, prompts, backend: str) -> dict:
     from dspark.generator import GeneratorConfig
-    from pipelines.rollout import RolloutEngine, SamplingConfig
+    from pipelines.rollout_engine import RolloutEngine, SamplingConfig
 
     target, load_s, _ = _load(args)
     sampling = SamplingConfig(temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens,

@@ -74,7 +74,7 @@ class CalibrateConfig(StrictModel):
 # ---- held-out prompts ------------------------------------------------------------------------------
 def rollout_prompts(uri: str, split: str) -> list[tuple[str | None, list[str]]]:
     """(system, user turns) of every rollout row in `split`."""
-    from pipelines.rollout import read_rollouts
+    from pipelines.rollout_store import read_rollouts
 
     rows = read_rollouts(uri).to_pylist()
     if not rows:

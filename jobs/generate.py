@@ -16,7 +16,8 @@ from dspark.io import storage
 from dspark.io.storage import StorageError
 from dspark.io.tracking import TrackingError
 from jobs.common import RayConfig, TrackingConfig, init_ray, load_job_config, save_config, tracked_run
-from pipelines.rollout import RolloutConfig, RolloutResult, RunStats, read_rollouts, run_rollouts
+from pipelines.rollout import RolloutConfig, RolloutResult, RunStats, run_rollouts
+from pipelines.rollout_store import read_rollouts
 
 RUN_ID_FILE = "_state/mlflow_run.json"
 

@@ -190,7 +190,7 @@ def rollout_files(uri: str) -> list[str]:
     """The Parquet shards of a rollouts dataset: one file; the committed shards of a jobs.generate
     output (its commit markers, not a listing); or, for a hand-made directory, its *.parquet files."""
     from dspark.io import storage
-    from pipelines.rollout import read_commits
+    from pipelines.rollout_store import read_commits
 
     if uri.endswith(".parquet"):
         if not storage.exists(uri):

@@ -106,7 +106,7 @@ class TokenizerTarget:
 @functools.lru_cache(maxsize=4)
 def _chat(spec_json: str):
     """One ChatRollout per worker process and spec (tokenizer loads once)."""
-    from pipelines.rollout import ChatRollout, SamplingConfig
+    from pipelines.rollout_engine import ChatRollout, SamplingConfig
 
     spec = json.loads(spec_json)
     return ChatRollout(TokenizerTarget(spec["target"]), SamplingConfig(**spec["sampling"]), spec["max_context_tokens"])
@@ -118,7 +118,7 @@ def _dump(conv, todo: bool) -> str:
 
 
 def _load(state: str):
-    from pipelines.rollout import Conversation
+    from pipelines.rollout_engine import Conversation
 
     s = json.loads(state)
     return Conversation(s["row"], s["ids"], s["mask"], s["messages"], s["finish"],
@@ -134,7 +134,7 @@ def open_row(spec_json: str, turn: int, rec: dict) -> dict:
     """Open user turn `turn` and ask vLLM for its answer. Rows with nothing to do (fewer turns, or an
     error) still pass through the processor with a 1-token dummy request whose output is ignored, so
     the chain streams without filter/union (which would recompute earlier turns)."""
-    from pipelines.rollout import row_seed
+    from pipelines.rollout_engine import row_seed
 
     chat = _chat(spec_json)
     conv, _ = _load(rec["state"])
@@ -161,7 +161,7 @@ def absorb_row(spec_json: str, rec: dict) -> dict:
 
 def finish_batch(spec_json: str, batch):
     """pyarrow batch of states -> RESULT_SCHEMA rows."""
-    from pipelines.rollout import results_table
+    from pipelines.rollout_engine import results_table
 
     chat = _chat(spec_json)
     return results_table([chat.result(_load(s)[0]) for s in batch.column("state").to_pylist()])

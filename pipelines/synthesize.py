@@ -42,8 +42,10 @@ from dspark.config import StrictModel, config_to_dict
 from dspark.prompt_filters import FILTER_ORDER, EvalIndex, FilterConfig, PromptFilter, build_eval_index
 from pipelines import schema
 from pipelines.prompts import PROMPTS_FORMAT, LoadResult, PromptSource, load_prompts, prompt_id_of
-from pipelines.rollout import (SENTINEL, ComputeConfig, Plan, RolloutEngine, RunStats, SamplingConfig, _uri,
-                               _write_parquet, generate_chunks, prepare_output, read_commits, row_seed)
+from pipelines.rollout_engine import SENTINEL, RolloutEngine, SamplingConfig, row_seed
+from pipelines.rollout import ComputeConfig, RunStats, generate_chunks
+from pipelines.rollout_store import Plan, write_parquet, prepare_output, read_commits
+from pipelines.rollout_store import path_in
 
 PROMPT_SCHEMA = pa.schema([("prompt_id", pa.string()), ("domain", pa.string()), ("turns", pa.list_(pa.string())),
                            ("source", pa.string()), ("system", pa.string())])
@@ -264,11 +266,11 @@ def commit_raw(out: str, chunk: int, results: list[dict]) -> dict:
     """Write the chunk's raw generations, then its marker (the commit point)."""
     name = schema.shard_name(chunk)
     rows = sorted(results, key=lambda r: r["slot"])
-    _write_parquet(_uri(out, "raw", f"{name}.parquet"), rows, RAW_SCHEMA)
+    write_parquet(path_in(out, "raw", f"{name}.parquet"), rows, RAW_SCHEMA)
     marker = {"chunk": chunk, "rows": len(rows), "errors": sum(r["error"] is not None for r in rows),
               "generated_tokens": sum(r["num_tokens"] for r in rows),
               "files": {"raw": f"raw/{name}.parquet"}, "committed_at": time.time()}
-    storage.write_text(_uri(out, "_commits", f"{name}.json"), json.dumps(marker))
+    storage.write_text(path_in(out, "_commits", f"{name}.json"), json.dumps(marker))
     return marker
 
 
@@ -276,7 +278,7 @@ def read_raw(out: str) -> list[dict]:
     """Every committed raw generation, in slot order."""
     rows = []
     for _, marker in sorted(read_commits(out).items()):
-        fs, path = storage.pyarrow_fs(_uri(out, marker["files"]["raw"]))
+        fs, path = storage.pyarrow_fs(path_in(out, marker["files"]["raw"]))
         rows.extend(pq.read_table(path, filesystem=fs, schema=RAW_SCHEMA).to_pylist())
     return sorted(rows, key=lambda r: r["slot"])
 
@@ -373,13 +375,13 @@ def write_final(out: str, outcome: FilterOutcome, loaded: LoadResult, shard_size
     shards = []
     for i in range(0, max(len(rows), 1), shard_size):
         shards.append(f"data/{schema.shard_name(i // shard_size)}.parquet")
-        _write_parquet(_uri(out, shards[-1]), rows[i:i + shard_size], PROMPT_SCHEMA)
-    wanted = {_uri(out, s) for s in shards}
-    for uri in storage.list_files(_uri(out, "data")):
+        write_parquet(path_in(out, shards[-1]), rows[i:i + shard_size], PROMPT_SCHEMA)
+    wanted = {path_in(out, s) for s in shards}
+    for uri in storage.list_files(path_in(out, "data")):
         if uri not in wanted:
             storage.delete(uri)
-    _write_parquet(_uri(out, "dropped", "filtered.parquet"), outcome.dropped, DROPPED_SCHEMA)
-    _write_parquet(_uri(out, "errors", "load.parquet"), loaded.errors, schema.ERROR_SCHEMA)
+    write_parquet(path_in(out, "dropped", "filtered.parquet"), outcome.dropped, DROPPED_SCHEMA)
+    write_parquet(path_in(out, "errors", "load.parquet"), loaded.errors, schema.ERROR_SCHEMA)
     return shards
 
 
@@ -448,21 +450,21 @@ def run_synthesis(cfg: SynthesizeConfig, on_chunk: Callable[[RunStats], None] | 
     shards = write_final(out, outcome, loaded, cfg.shard_size)
     manifest = build_manifest(cfg, plan, loaded, outcome, shards, read_commits(out))
     manifest["eval_prompts"] = eval_index.prompts
-    storage.write_text(_uri(out, "manifest.json"), json.dumps(manifest, indent=2))
+    storage.write_text(path_in(out, "manifest.json"), json.dumps(manifest, indent=2))
     return SynthesisResult(manifest, stats, outcome, raw, source_digests(loaded, cfg.sources))
 
 
 def read_prompts(output_uri: str) -> pa.Table:
     """The kept prompts of a finished synthesis output, via its manifest."""
     out = output_uri.rstrip("/")
-    manifest = json.loads(storage.read_text(_uri(out, "manifest.json")))
+    manifest = json.loads(storage.read_text(path_in(out, "manifest.json")))
     tables = []
     for shard in manifest["shards"]:
-        fs, path = storage.pyarrow_fs(_uri(out, shard))
+        fs, path = storage.pyarrow_fs(path_in(out, shard))
         tables.append(pq.read_table(path, filesystem=fs, schema=PROMPT_SCHEMA))
     return pa.concat_tables(tables) if tables else PROMPT_SCHEMA.empty_table()
 
 
 def read_dropped(output_uri: str) -> pa.Table:
-    fs, path = storage.pyarrow_fs(_uri(output_uri.rstrip("/"), "dropped", "filtered.parquet"))
+    fs, path = storage.pyarrow_fs(path_in(output_uri.rstrip("/"), "dropped", "filtered.parquet"))
     return pq.read_table(path, filesystem=fs, schema=DROPPED_SCHEMA)

@@ -50,7 +50,7 @@ def test_turn_chain_with_a_mocked_processor_yields_schema_rows():
     """The chain vllm_stage builds (start → per turn: open → processor → absorb → finish), run row by
     row with the processor replaced by `fake_vllm`: rows match the schema and the engine path."""
     from dspark.target import load_target
-    from pipelines.rollout import RolloutEngine
+    from pipelines.rollout_engine import RolloutEngine
 
     tiny = load_target("tiny")
     cfg = _cfg()

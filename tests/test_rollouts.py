@@ -16,8 +16,9 @@ from dspark.io import storage
 from dspark.config import load_config
 from pipelines import schema
 from pipelines.prompts import load_prompts, prompt_id_of, write_jsonl
-from pipelines.rollout import (RolloutConfig, RolloutEngine, SamplingConfig, commit_chunk, make_plan, prepare_output,
-                               read_commits, read_errors, read_rollouts, row_seed)
+from pipelines.rollout import RolloutConfig, make_plan
+from pipelines.rollout_engine import RolloutEngine, SamplingConfig, row_seed
+from pipelines.rollout_store import commit_chunk, prepare_output, read_commits, read_errors, read_rollouts
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -10,7 +10,8 @@ import pytest
 from dspark.prompt_filters import (EvalIndex, FilterConfig, PromptFilter, build_eval_index, normalised_key,
                                    repeated_ngram_share)
 from pipelines.prompts import PromptSource, load_prompts, prompt_id_of, write_jsonl
-from pipelines.rollout import Plan, SamplingConfig, prepare_output
+from pipelines.rollout_store import Plan, prepare_output
+from pipelines.rollout_engine import SamplingConfig
 from pipelines.synthesize import (DEFAULT_DOMAINS, DomainSpec, MagpieConfig, MagpieEngine, SynthesizeConfig,
                                   apply_filters, commit_raw, corpus_candidates, domain_counts, domain_sequence,
                                   magpie_candidates, magpie_slots, read_dropped, read_prompts, read_raw, write_final)

@@ -54,18 +54,18 @@ log = logging.getLogger("dspark.engine")
 
 
 class EngineConfig(StrictModel):
-    scheduler: SchedulerConfig = Field(default_factory=lambda: SchedulerConfig(mode="dynamic"))
-    gamma: int | None = None  # drafts proposed per round (None = the drafter's block size)
-    max_batch: int = 32  # active requests per step
-    max_waiting: int = 128  # queued requests beyond which submit() rejects (HTTP 429)
-    max_model_len: int = 2048  # prompt + max_new_tokens + γ + 1 must fit (capped by the target)
-    max_prefill_tokens: int = 4096  # prompt tokens admitted per step (at least one request always)
-    sps_batch_sizes: list[int] = Field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64, 128, 256])
-    sps_context: int = 128  # cached context per row while profiling
-    sps_repeats: int = 3
-    sps_table: dict[int, float] | None = None  # given table: skip profiling (tests, or a saved profile)
-    seed: int | None = 0  # seeds the generators of requests without a seed of their own (None = nondeterministic)
-    max_consecutive_failures: int = 3  # failed steps in a row before the engine reports unhealthy
+    scheduler: SchedulerConfig = Field(default_factory=lambda: SchedulerConfig(mode="dynamic"), description="which drafts each step verifies")
+    gamma: int | None = Field(None, description="drafts proposed per round (None = the drafter's block size)")
+    max_batch: int = Field(32, description="active requests per step")
+    max_waiting: int = Field(128, description="queued requests beyond which submit() rejects (HTTP 429)")
+    max_model_len: int = Field(2048, description="prompt + max_new_tokens + γ + 1 must fit (capped by the target)")
+    max_prefill_tokens: int = Field(4096, description="prompt tokens admitted per step (at least one request always)")
+    sps_batch_sizes: list[int] = Field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64, 128, 256], description="verify batch sizes (tokens) profiled for the SPS table at start")
+    sps_context: int = Field(128, description="cached context per row while profiling")
+    sps_repeats: int = Field(3, description="timed forwards per profiled batch size")
+    sps_table: dict[int, float] | None = Field(None, description="given table: skip profiling (tests, or a saved profile)")
+    seed: int | None = Field(0, description="seeds the generators of requests without a seed of their own (None = nondeterministic)")
+    max_consecutive_failures: int = Field(3, description="failed steps in a row before the engine reports unhealthy")
 
 
 class QueueFullError(RuntimeError):

@@ -185,15 +185,15 @@ def threshold_schedule(confidences: Sequence[Sequence[float]], threshold: float,
 
 # ---- the scheduler the engines call ---------------------------------------------------------------
 class SchedulerConfig(StrictModel):
-    mode: Literal["dynamic", "threshold", "fixed", "off", "async_topk"] = "fixed"
+    mode: Literal["dynamic", "threshold", "fixed", "off", "async_topk"] = Field("fixed", description="which drafts to verify: dynamic (Algorithm 1 over the SPS table), threshold (prefix survival >= threshold), fixed (gamma drafts), off (no drafting), async_topk (capacity from confidences `lag` steps old)")
     # dynamic / async_topk: skip drafting in steps where a target-only step is expected to emit more
     # tokens per second (DraftGate); off = always draft, as in the paper's Algorithm 1
-    draft_gate: bool = False
-    draft_gate_explore_every: int = Field(16, ge=1, description='draft at least every N steps to refresh the estimates')
-    threshold: float = 0.5
-    threshold_on: Literal["prefix", "confidence"] = "prefix"
-    gamma: int | None = Field(None, description='fixed mode: drafts verified per request (None = all proposed)')
-    lag: int = Field(2, description='async_topk: capacity from the confidences of `lag` steps ago')
+    draft_gate: bool = Field(False, description="dynamic/async_topk: skip drafting in steps where a target-only step is expected to emit more tokens per second (off = always draft, as in Algorithm 1)")
+    draft_gate_explore_every: int = Field(16, ge=1, description="draft at least every N steps to refresh the estimates")
+    threshold: float = Field(0.5, description="threshold mode: verify drafts while this value stays >= it")
+    threshold_on: Literal["prefix", "confidence"] = Field("prefix", description="threshold mode: compare a_k = Π c_i (prefix) or c_k (confidence)")
+    gamma: int | None = Field(None, description="fixed mode: drafts verified per request (None = all proposed)")
+    lag: int = Field(2, description="async_topk: capacity from the confidences of `lag` steps ago")
 
 
 class PrefixScheduler:

@@ -35,10 +35,10 @@ DRAFTER_NAME = "drafter"
 
 
 class CalibrationData(StrictModel):
-    rollouts: str | None = Field(None, description='a jobs.generate output (local dir or s3:// prefix)')
-    split: str = Field("holdout", description='rollout rows used (never the training split)')
+    rollouts: str | None = Field(None, description="a jobs.generate output (local dir or s3:// prefix)")
+    split: str = Field("holdout", description="rollout rows used (never the training split)")
     prompts: str | None = Field(None, description='or a {"turns": [...]} JSONL file (local or s3://)')
-    max_prompts: int | None = 64
+    max_prompts: int | None = Field(64, description="held-out prompts decoded at most")
 
     @model_validator(mode="after")
     def _one_source(self) -> "CalibrationData":
@@ -48,19 +48,19 @@ class CalibrationData(StrictModel):
 
 
 class CalibrateConfig(StrictModel):
-    target: str = "tiny"
-    drafter: str = Field(description='local dir | s3:// | runs:/<run_id>/<path> | models:/<name>/<version> | models:/<name>@<alias>')
-    data: CalibrationData
-    seed: int = 0
-    decode: ev.DecodeSettings = ev.DecodeSettings()
-    n_bins: int = Field(15, description='equal-width ECE bins')
-    min_rounds: int = Field(100, description='fewer calibration rounds than this -> a warning (noisy temperatures)')
-    output: str = Field("results/calibrate", description='report + the new drafter under <output>/drafter (local or s3://)')
+    target: str = Field("tiny", description='target model: "tiny" | "smollm2-135m" | local dir | s3:// dir | hub name')
+    drafter: str = Field(description="local dir | s3:// | runs:/<run_id>/<path> | models:/<name>/<version> | models:/<name>@<alias>")
+    data: CalibrationData = Field(description="held-out prompts: rollouts or a JSONL file")
+    seed: int = Field(0, description="base seed of the decoding generators")
+    decode: ev.DecodeSettings = Field(ev.DecodeSettings(), description="sampling while collecting calibration rounds (every position verified)")
+    n_bins: int = Field(15, description="equal-width ECE bins")
+    min_rounds: int = Field(100, description="fewer calibration rounds than this -> a warning (noisy temperatures)")
+    output: str = Field("results/calibrate", description="report + the new drafter under <output>/drafter (local or s3://)")
     registered_model: str | None = Field(None, description="register under this name; None -> the source's name if models:/")
-    aliases: list[str] = Field(default_factory=lambda: ["calibrated"], description='aliases moved to the new registered version')
-    workers: WorkersConfig = WorkersConfig()
-    ray: RayConfig = RayConfig()
-    tracking: TrackingConfig = TrackingConfig(experiment="dspark-calibrate")
+    aliases: list[str] = Field(default_factory=lambda: ["calibrated"], description="aliases moved to the new registered version")
+    workers: WorkersConfig = Field(default_factory=WorkersConfig, description="the decoding actor pool")
+    ray: RayConfig = Field(default_factory=RayConfig, description="Ray cluster to use")
+    tracking: TrackingConfig = Field(TrackingConfig(experiment="dspark-calibrate"), description="MLflow")
 
     @field_validator("decode")
     @classmethod

@@ -29,15 +29,15 @@ LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABL
 
 
 class RayConfig(StrictModel):
-    address: str | None = Field(None, description='None: $RAY_ADDRESS if set, else start a (new) local Ray on 127.0.0.1')
-    num_cpus: int | None = Field(None, description='CPUs of a local Ray (ignored when connecting to a cluster)')
-    num_gpus: int | None = Field(None, description='GPUs of a local Ray')
+    address: str | None = Field(None, description="None: $RAY_ADDRESS if set, else start a (new) local Ray on 127.0.0.1")
+    num_cpus: int | None = Field(None, description="CPUs of a local Ray (ignored when connecting to a cluster)")
+    num_gpus: int | None = Field(None, description="GPUs of a local Ray")
 
 
 class TrackingConfig(StrictModel):
-    enabled: bool = True
-    experiment: str = "dspark"
-    run_name: str | None = Field(None, description='None: the job picks one')
+    enabled: bool = Field(True, description="log to MLflow (MLFLOW_TRACKING_URI, else the local store under .dspark/mlruns)")
+    experiment: str = Field("dspark", description="MLflow experiment")
+    run_name: str | None = Field(None, description="None: the job picks one")
 
 
 def parse_args(description: str, argv: list[str] | None = None) -> argparse.Namespace:

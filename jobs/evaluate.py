@@ -35,35 +35,37 @@ log = logging.getLogger("dspark.evaluate")
 
 # ---- config ---------------------------------------------------------------------------------------
 class DrafterEntry(StrictModel):
-    ref: str = Field(description='local dir | s3:// | runs:/<run_id>/<path> | models:/<name>/<version> | models:/<name>@<alias>')
+    ref: str = Field(description="local dir | s3:// | runs:/<run_id>/<path> | models:/<name>/<version> | models:/<name>@<alias>")
     name: str | None = Field(None, description="label in tables and metrics; default: the drafter's algo")
 
 
 class SweepConfig(StrictModel):
     """Static confidence-threshold sweep (paper Fig. 5) for drafters with a confidence head."""
-    enabled: bool = False
-    thresholds: list[float] = ev.DEFAULT_THRESHOLDS
-    threshold_on: Literal["prefix", "confidence"] = Field("prefix", description='threshold a_k = Π c_i (prefix) or c_k')
-    max_prompts_per_benchmark: int | None = Field(4, description='the sweep decodes each prompt once per threshold')
-    drafters: list[str] | None = Field(None, description='names; None = every drafter with a confidence head')
+    enabled: bool = Field(False, description="run the static-threshold sweep (extra decoding per threshold)")
+    thresholds: list[float] = Field(ev.DEFAULT_THRESHOLDS, description="confidence thresholds tried")
+    threshold_on: Literal["prefix", "confidence"] = Field("prefix", description="threshold a_k = Π c_i (prefix) or c_k")
+    max_prompts_per_benchmark: int | None = Field(4, description="the sweep decodes each prompt once per threshold")
+    drafters: list[str] | None = Field(None, description="names; None = every drafter with a confidence head")
 
 
 class EvalConfig(StrictModel):
-    target: str = "tiny"
-    drafters: list[DrafterEntry]
-    benchmark_dir: str | None = Field("data/eval", description='base of relative benchmark paths (local dir or s3:// prefix)')
-    benchmarks: list[ev.BenchmarkSpec] = [ev.BenchmarkSpec(path=f"{b}.jsonl", domain=d) for b, d in
-                                          (("gsm8k", "math"), ("humaneval", "code"), ("mt-bench", "chat"))]
-    max_prompts_per_benchmark: int | None = Field(None, description='sample cap (the first N prompts of each file)')
-    seed: int = 0
-    decode: ev.DecodeSettings = ev.DecodeSettings()
-    baseline: bool = Field(True, description='target-only decoding of the same prompts, for the speedup column')
-    compare_reference: str | None = Field(None, description='numerator of the ratios; default: the first dspark drafter')
-    threshold_sweep: SweepConfig = SweepConfig()
-    output: str = Field("results/eval", description='local dir or s3:// prefix')
-    workers: WorkersConfig = WorkersConfig()
-    ray: RayConfig = RayConfig()
-    tracking: TrackingConfig = TrackingConfig(experiment="dspark-eval")
+    target: str = Field("tiny", description='target model: "tiny" | "smollm2-135m" | local dir | s3:// dir | hub name')
+    drafters: list[DrafterEntry] = Field(description="drafters to compare: references (local dir, s3://, runs:/, models:/) with optional names")
+    benchmark_dir: str | None = Field("data/eval", description="base of relative benchmark paths (local dir or s3:// prefix)")
+    benchmarks: list[ev.BenchmarkSpec] = Field(
+        default_factory=lambda: [ev.BenchmarkSpec(path=f"{b}.jsonl", domain=d) for b, d in
+                                 (("gsm8k", "math"), ("humaneval", "code"), ("mt-bench", "chat"))],
+        description='benchmark JSONL files ({"turns": [...]} per line) and their domains')
+    max_prompts_per_benchmark: int | None = Field(None, description="sample cap (the first N prompts of each file)")
+    seed: int = Field(0, description="base seed; each (prompt, mode) gets its own generator derived from it")
+    decode: ev.DecodeSettings = Field(ev.DecodeSettings(), description="sampling and decoding settings (temperature 1: the paper's protocol)")
+    baseline: bool = Field(True, description="target-only decoding of the same prompts, for the speedup column")
+    compare_reference: str | None = Field(None, description="numerator of the ratios; default: the first dspark drafter")
+    threshold_sweep: SweepConfig = Field(default_factory=SweepConfig, description="paper Fig. 5: static confidence thresholds")
+    output: str = Field("results/eval", description="local dir or s3:// prefix")
+    workers: WorkersConfig = Field(default_factory=WorkersConfig, description="the decoding actor pool")
+    ray: RayConfig = Field(default_factory=RayConfig, description="Ray cluster to use")
+    tracking: TrackingConfig = Field(TrackingConfig(experiment="dspark-eval"), description="MLflow")
 
     @field_validator("drafters", mode="before")
     @classmethod

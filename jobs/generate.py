@@ -9,6 +9,8 @@ The output layout and row schema are documented in pipelines/schema.py.
 """
 from __future__ import annotations
 
+from pydantic import Field
+
 import json
 import sys
 
@@ -25,7 +27,7 @@ RUN_ID_FILE = "_state/mlflow_run.json"
 class GenerateConfig(RolloutConfig):
     ray: RayConfig = RayConfig()
     tracking: TrackingConfig = TrackingConfig(experiment="dspark-generate")
-    sample_rows: int = 16  # rows in the MLflow sample table
+    sample_rows: int = Field(16, description="rows in the MLflow sample table")
 
 
 def _previous_run_id(out: str) -> str | None:

@@ -14,6 +14,8 @@ Every key is documented in dspark/serve/config.py (ServeConfig) and dspark/engin
 """
 from __future__ import annotations
 
+from pydantic import Field
+
 import argparse
 import json
 import signal
@@ -28,7 +30,7 @@ from jobs.common import RayConfig, init_ray
 
 class ServeJobConfig(ServeConfig):
     ray: RayConfig = RayConfig()
-    ready_timeout_s: float = 600.0  # replica start: model load + SPS profiling
+    ready_timeout_s: float = Field(600.0, description="replica start: model load + SPS profiling")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -32,7 +32,7 @@ RUN_ID_FILE = "_state/mlflow_run.json"
 class SynthesizeJobConfig(SynthesizeConfig):
     ray: RayConfig = RayConfig()
     tracking: TrackingConfig = TrackingConfig(experiment="dspark-synthesize")
-    sample_rows: int = Field(16, description='rows in the MLflow sample table')
+    sample_rows: int = Field(16, description="rows in the MLflow sample table")
 
 
 def _previous_run_id(out: str) -> str | None:

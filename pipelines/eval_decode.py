@@ -18,11 +18,11 @@ from pipelines.actor_pool import DEFAULT_START_TIMEOUT_S, START_TIMEOUT_DESCRIPT
 
 
 class WorkersConfig(StrictModel):
-    num_workers: int = Field(2, description='Ray actors decoding prompts; 0 = decode in the driver process (no Ray)')
-    num_cpus: float = Field(1.0, description='per actor')
-    num_gpus: float = Field(0.0, description='per actor (> 0 puts target and drafters on cuda)')
-    torch_threads: int | None = Field(None, description='per actor; default max(1, int(num_cpus))')
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    num_workers: int = Field(2, description="Ray actors decoding prompts; 0 = decode in the driver process (no Ray)")
+    num_cpus: float = Field(1.0, description="per actor")
+    num_gpus: float = Field(0.0, description="per actor (> 0 puts target and drafters on cuda)")
+    torch_threads: int | None = Field(None, description="per actor; default max(1, int(num_cpus))")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="weights dtype of target and drafters on the workers")
     start_timeout_s: float = Field(DEFAULT_START_TIMEOUT_S, gt=0, description=START_TIMEOUT_DESCRIPTION)
 
 

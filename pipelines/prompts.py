@@ -51,13 +51,13 @@ HF_DISK_MARKERS = ("dataset_dict.json", "state.json", "dataset_info.json")
 
 
 class PromptSource(StrictModel):
-    uri: str = Field(description='local path or s3://bucket/key (a file, a directory/prefix, or a save_to_disk dir)')
-    name: str | None = Field(None, description='shown in the `source` column; default: the file/dir name')
-    domain: str = Field("", description='optional tag, e.g. math / code / chat')
-    file_format: FileFormat = Field("auto", description='auto: by extension; a directory with dataset_dict.json/state.json is hf_disk')
+    uri: str = Field(description="local path or s3://bucket/key (a file, a directory/prefix, or a save_to_disk dir)")
+    name: str | None = Field(None, description="shown in the `source` column; default: the file/dir name")
+    domain: str = Field("", description="optional tag, e.g. math / code / chat")
+    file_format: FileFormat = Field("auto", description="auto: by extension; a directory with dataset_dict.json/state.json is hf_disk")
     record_format: RecordFormat = "auto"
-    hf_split: str = Field("train", description='which split of a save_to_disk DatasetDict to read')
-    limit: int | None = Field(None, description='read at most this many records')
+    hf_split: str = Field("train", description="which split of a save_to_disk DatasetDict to read")
+    limit: int | None = Field(None, description="read at most this many records")
     field: str | None = Field(None, description="the column holding the conversation / prompt; default: turns, "
                               "messages, conversations, prompt or instruction after record_format")
     user_turns: Literal["all", "first"] = Field("all", description="keep every user turn or only the first")

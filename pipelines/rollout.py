@@ -49,15 +49,15 @@ FAIL_AFTER_ENV = "DSPARK_FAIL_AFTER_CHUNKS"  # test hook: raise after this many 
 
 
 class ComputeConfig(StrictModel):
-    replicas: int = 1  # target replicas (Ray actors)
+    replicas: int = Field(1, description="target replicas (Ray actors)")
     batch_size: int = Field(64, description="Prompts handed to a replica at a time: one fixed HF generate batch "
                                             "(transformers), the pool the engine keeps up to engine.max_batch "
                                             "of decoding (engine).")
-    num_cpus: float = 1.0  # per replica
-    num_gpus: float = 0.0  # per replica; > 0 puts the target on CUDA
+    num_cpus: float = Field(1.0, description="per replica")
+    num_gpus: float = Field(0.0, description="per replica; > 0 puts the target on CUDA")
     dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
         None, description="Target weights dtype; default bfloat16 on CUDA (num_gpus > 0), float32 on CPU.")
-    torch_threads: int | None = None  # default: max(1, int(num_cpus))
+    torch_threads: int | None = Field(None, description="default: max(1, int(num_cpus))")
     start_timeout_s: float = Field(DEFAULT_START_TIMEOUT_S, gt=0, description=START_TIMEOUT_DESCRIPTION)
 
     def resolved_dtype(self) -> str:
@@ -65,19 +65,19 @@ class ComputeConfig(StrictModel):
 
 
 class RolloutConfig(StrictModel):
-    target: str = "tiny"  # "tiny" | "smollm2-135m" | model dir | s3:// dir | hub name
-    sources: list[PromptSource]
-    output: str  # local dir or s3://bucket/prefix (layout: pipelines/schema.py)
-    holdout_fraction: float = 0.05
-    sampling: SamplingConfig = SamplingConfig()
-    max_context_tokens: int | None = None  # default: the target's max positions
-    chunk_size: int = 256  # prompts per committed shard
-    overwrite: bool = False  # if the output holds a different plan: delete it (else refuse)
+    target: str = Field("tiny", description='"tiny" | "smollm2-135m" | model dir | s3:// dir | hub name')
+    sources: list[PromptSource] = Field(description="prompt sources (JSONL, Parquet, datasets save, a jobs.synthesize output; local or s3://)")
+    output: str = Field(description="local dir or s3://bucket/prefix (layout: pipelines/schema.py)")
+    holdout_fraction: float = Field(0.05, description="share of prompts (by id hash) in the `holdout` split, for calibration")
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig, description="how the target answers")
+    max_context_tokens: int | None = Field(None, description="default: the target's max positions")
+    chunk_size: int = Field(256, description="prompts per committed shard")
+    overwrite: bool = Field(False, description="if the output holds a different plan: delete it (else refuse)")
     backend: Literal["engine", "transformers", "vllm"] = Field(
         "engine", description="engine: continuous batching (dspark.generator, the serving engine's "
         "target-only path); transformers: HF generate on fixed batches of compute.batch_size; vllm: Ray "
         "Data's vLLM batch processor (needs vllm and GPUs; untested in this project).")
-    compute: ComputeConfig = ComputeConfig()
+    compute: ComputeConfig = Field(default_factory=ComputeConfig, description="the actor pool of target replicas")
     engine: GeneratorConfig = Field(default_factory=GeneratorConfig,
                                     description="backend engine: continuous-batching settings per replica "
                                                 "(each replica keeps up to compute.batch_size prompts in hand).")

@@ -16,11 +16,11 @@ from typing import Literal
 
 import pyarrow as pa
 import torch
-from pydantic import field_validator
+from pydantic import Field
 
 from dspark.config import StrictModel
 from dspark.generator import BatchGenerator, GeneratorConfig
-from dspark.sampling import SamplingParams, to_probs
+from dspark.sampling import MaxNewTokens, SamplingParams, Temperature, TopK, TopP, to_probs
 from pipelines import schema
 
 SENTINEL = "<<DSPARK-ANSWER-7f3a>>"  # stands in for an answer when rendering the chat template
@@ -28,18 +28,13 @@ SENTINEL = "<<DSPARK-ANSWER-7f3a>>"  # stands in for an answer when rendering th
 
 # ---------------------------------------------------------------- config
 class SamplingConfig(StrictModel):
-    temperature: float = 0.7  # 0 = greedy
-    top_p: float = 0.9
-    top_k: int = 0  # 0 = off
-    max_new_tokens: int = 256  # per assistant turn
-    seed: int = 0
+    """How the target answers: the shared sampling fields (dspark.sampling) plus a seed."""
 
-    @field_validator("max_new_tokens")
-    @classmethod
-    def _max_new(cls, v: int) -> int:
-        if v < 1:
-            raise ValueError("max_new_tokens must be >= 1")
-        return v
+    temperature: Temperature = 0.7
+    top_p: TopP = 0.9
+    top_k: TopK = 0
+    max_new_tokens: MaxNewTokens = 256
+    seed: int = Field(0, description="base seed; each (prompt, turn) gets its own generator derived from it")
 
     def params(self) -> SamplingParams:
         return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k)

@@ -103,9 +103,9 @@ DEFAULT_DOMAINS = {
 class MagpieSampling(SamplingConfig):
     """Sampling of the user turns; Magpie samples the model's own distribution (temperature 1, no top-p)."""
 
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_new_tokens: int = 128
+    temperature: float = Field(1.0, description="1: the model's own distribution")
+    top_p: float = Field(1.0, description="1: no nucleus cut")
+    max_new_tokens: int = Field(128, description="longest user turn; a turn not ended by then is dropped as truncated")
 
 
 class MagpieConfig(StrictModel):

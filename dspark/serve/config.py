@@ -18,22 +18,22 @@ log = logging.getLogger("dspark.serve")
 # ---- configuration ----------------------------------------------------------------------------------
 class ModelSection(StrictModel):
     target: str = Field("tiny", description='"tiny" | "smollm2-135m" | local dir | s3:// dir | hub name')
-    drafter: str | None = Field(None, description='local dir | s3://... | runs:/<id>/<path> | models:/<name>@<alias> (None: mode off)')
+    drafter: str | None = Field(None, description="local dir | s3://... | runs:/<id>/<path> | models:/<name>@<alias> (None: mode off)")
     served_name: str | None = Field(None, description='the `model` clients send; None -> "dspark-<target>"')
-    dtype: Literal["float32", "bfloat16"] = "float32"
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="weights dtype of target and drafter")
     # "auto": cuda when this replica has a GPU assigned and CUDA works, else cpu; "cuda" fails the
     # replica start (naming this key) where CUDA is unavailable, instead of silently serving on CPU
-    device: Literal["auto", "cpu", "cuda"] = "auto"
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when this replica has a GPU and CUDA works, else cpu; cuda: fail the replica start (naming this key) where CUDA is unavailable")
 
 
 PROMPT_CHARS_PER_TOKEN = 32  # default api.max_prompt_chars = this × engine.max_model_len
 
 
 class ApiSection(StrictModel):
-    api_key_env: str = Field("DSPARK_API_KEY", description='when this env var is set on the replica, Bearer auth is required')
-    max_tokens_limit: int = Field(1024, description='largest max_tokens a request may ask for')
-    default_max_tokens: int = Field(256, description='when a request gives none (capped by the room left in the context)')
-    max_prompts: int = Field(16, description='prompts per /v1/completions request')
+    api_key_env: str = Field("DSPARK_API_KEY", description="when this env var is set on the replica, Bearer auth is required")
+    max_tokens_limit: int = Field(1024, description="largest max_tokens a request may ask for")
+    default_max_tokens: int = Field(256, description="when a request gives none (capped by the room left in the context)")
+    max_prompts: int = Field(16, description="prompts per /v1/completions request")
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024, description=(
         "largest request body in bytes; larger ones get 413 before they are read (by Content-Length) or "
         "as soon as they pass the limit, and are never parsed"))
@@ -43,29 +43,29 @@ class ApiSection(StrictModel):
 
 
 class DeploymentSection(StrictModel):
-    name: str = Field("dspark", description='Serve application name')
-    num_replicas: int = 1
-    max_ongoing_requests: int = Field(128, description='per replica; keep >= engine.max_batch so the engine can batch')
-    max_queued_requests: int = Field(256, description='Serve-side queue; beyond it Serve answers 503')
-    num_cpus: float = Field(1.0, description='CPUs reserved per replica (fractional is fine)')
-    num_gpus: float = Field(0.0, ge=0, description='GPUs reserved per replica (ray_actor_options.num_gpus)')
-    torch_threads: int | None = Field(None, description='None -> max(1, round(num_cpus))')
-    health_check_period_s: float = 10.0
-    health_check_timeout_s: float = 30.0
+    name: str = Field("dspark", description="Serve application name")
+    num_replicas: int = Field(1, description="engine replicas (one engine each)")
+    max_ongoing_requests: int = Field(128, description="per replica; keep >= engine.max_batch so the engine can batch")
+    max_queued_requests: int = Field(256, description="Serve-side queue; beyond it Serve answers 503")
+    num_cpus: float = Field(1.0, description="CPUs reserved per replica (fractional is fine)")
+    num_gpus: float = Field(0.0, ge=0, description="GPUs reserved per replica (ray_actor_options.num_gpus)")
+    torch_threads: int | None = Field(None, description="None -> max(1, round(num_cpus))")
+    health_check_period_s: float = Field(10.0, description="seconds between Serve's replica health checks")
+    health_check_timeout_s: float = Field(30.0, description="a replica not answering its health check within this is restarted")
 
 
 class HttpSection(StrictModel):
-    host: str = "127.0.0.1"
-    port: int = 8000
-    route_prefix: str = "/"
+    host: str = Field("127.0.0.1", description="address the Serve proxy listens on (127.0.0.1: this machine only)")
+    port: int = Field(8000, description="HTTP port of the Serve proxy")
+    route_prefix: str = Field("/", description="URL prefix of the app")
 
 
 class ServeConfig(StrictModel):
-    model: ModelSection = Field(default_factory=ModelSection)
-    engine: EngineConfig = Field(default_factory=EngineConfig)
-    api: ApiSection = Field(default_factory=ApiSection)
-    deployment: DeploymentSection = Field(default_factory=DeploymentSection)
-    http: HttpSection = Field(default_factory=HttpSection)
+    model: ModelSection = Field(default_factory=ModelSection, description="what to serve")
+    engine: EngineConfig = Field(default_factory=EngineConfig, description="the draft-plus-verify engine and its scheduler")
+    api: ApiSection = Field(default_factory=ApiSection, description="HTTP API limits and auth")
+    deployment: DeploymentSection = Field(default_factory=DeploymentSection, description="Ray Serve deployment shape")
+    http: HttpSection = Field(default_factory=HttpSection, description="where the Serve proxy listens")
 
 
 def served_name(cfg: ServeConfig) -> str:

@@ -5,7 +5,8 @@ for eagle3) is for the ground-truth token x*_k = input_ids[t+k], and its target 
 p_t^k = softmax(target logits at position t+k-1), i.e. the target's teacher-forced next-token
 distribution for that token. A pair (t, k) is supervised iff t+k < T and token t+k is a supervised,
 non-padding token. Anchors are positions t with loss_mask[t] and loss_mask[t+1] (and not padding),
-up to `anchors_per_seq` per sequence, drawn with `generator`.
+up to `anchors_per_seq` per sequence, drawn with `generator`; Eagle3 with `dense_ttt` takes every
+eligible position (the reference's training-time test over whole sequences).
 
 The target runs once (no grad) for the context features and its final hidden states; its LM head
 is applied only at the supervised positions. Sequences are right-padded.
@@ -17,8 +18,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from dspark.anchors import sample_anchors
-from dspark.losses import acceptance_label, acceptance_metrics, ce_loss, conf_loss, position_weights, tv_loss
+from dspark.anchors import all_anchors, sample_anchors
+from dspark.losses import (acceptance_label, acceptance_metrics, ce_loss, conf_loss, loss_denominator,
+                           position_weights, soft_ce_loss, tv_loss)
 
 
 @dataclass
@@ -59,7 +61,10 @@ def drafter_loss(drafter, target, input_ids: Tensor, loss_mask: Tensor, attentio
     input_ids, loss_mask = input_ids.to(device), loss_mask.to(device)
     attention_mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(device)
 
-    anchors, valid = sample_anchors(loss_mask, attention_mask, cfg.anchors_per_seq, generator)
+    if cfg.algo == "eagle3" and cfg.dense_ttt:
+        anchors, valid = all_anchors(loss_mask, attention_mask)
+    else:
+        anchors, valid = sample_anchors(loss_mask, attention_mask, cfg.anchors_per_seq, generator)
     label_pos, select = supervised_pairs(loss_mask, attention_mask, anchors, valid, K)
     if not bool(select.any()):
         return _zero_loss(model, int(valid.sum()))
@@ -72,16 +77,18 @@ def drafter_loss(drafter, target, input_ids: Tensor, loss_mask: Tensor, attentio
 
     draft = drafter(out.features, input_ids, attention_mask.bool(), anchors, select)
     p_draft = torch.softmax(draft.logits.float(), dim=-1)
-    weights = position_weights(K, cfg.position_weight, device).expand_as(select)[select]
+    weights = position_weights(K, cfg.position_weight, device, cfg.position_decay).expand_as(select)[select]
     n_blocks = int(select.any(-1).sum())
+    denom = loss_denominator(weights, n_blocks, cfg.loss_norm)
 
-    l_ce = ce_loss(draft.logits, labels, weights, n_blocks)
-    l_tv = tv_loss(p_draft, p_target, weights, n_blocks)
+    l_ce = (soft_ce_loss(draft.logits, p_target, weights, denom) if cfg.ce_target == "soft"
+            else ce_loss(draft.logits, labels, weights, denom))
+    l_tv = tv_loss(p_draft, p_target, weights, denom)
     c_star = acceptance_label(p_draft, p_target)
     loss = cfg.loss_ce * l_ce + cfg.loss_tv * l_tv
     metrics = {"loss_ce": l_ce.item(), "loss_tv": l_tv.item(), "loss_conf": 0.0}
     if draft.conf_logits is not None:
-        l_conf = conf_loss(draft.conf_logits, c_star, weights, n_blocks)
+        l_conf = conf_loss(draft.conf_logits, c_star, weights, denom)
         loss = loss + cfg.loss_conf * l_conf
         metrics["loss_conf"] = l_conf.item()
         metrics["conf_mae"] = float((torch.sigmoid(draft.conf_logits.detach().float()) - c_star).abs().mean())
@@ -90,5 +97,6 @@ def drafter_loss(drafter, target, input_ids: Tensor, loss_mask: Tensor, attentio
     c_full[select] = c_star
     metrics.update(acceptance_metrics(c_full[valid], select[valid]))
     metrics.update(loss=loss.item(), n_anchors=float(valid.sum()), n_supervised=float(select.sum()),
+                   n_blocks=float(n_blocks),
                    token_acc=float((draft.logits.argmax(-1) == labels).float().mean()))
     return LossOutput(loss, metrics)

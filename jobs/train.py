@@ -31,8 +31,9 @@ from jobs.common import RayConfig, TrackingConfig
 
 ROLLOUT_COLUMNS = ("split", "input_ids", "loss_mask")  # what training reads from the rollouts Parquet
 RUN_RECORD = "dspark_run.json"  # beside Ray Train's own files in <storage_path>/<run_name>/
+# drafter fields that may change between a run and its resume
 TRAINING_ONLY_FIELDS = {"loss_ce", "loss_tv", "loss_conf", "anchors_per_seq", "position_weight", "init_std",
-                        "ttt_steps"}  # drafter fields that may change between a run and its resume
+                        "ttt_steps", "position_decay", "ce_target", "loss_norm", "dense_ttt"}
 
 
 # ----------------------------------------------------------------------------- config

@@ -25,6 +25,10 @@ its own wall-clock budget so the whole run stays inside the limit:
    (everything, loss curves included), plots when matplotlib is installed, and the drafters as bf16
    checkpoints without the frozen target parts, in drafters/bundle.tar.NN parts of <= 15 MiB.
 The JSON summary is the last stdout line.
+
+Default budgets (one H200, smollm2-135m): load ~40 s, prompts + rollouts 150 s, training 170 s (the
+probe included), evaluation 90 s (warm-up and greedy check included), about 8 minutes in all; each
+phase stops at its deadline and records what it reached (rollout_tokens may fall short of 5 M).
 """
 from __future__ import annotations
 
@@ -430,7 +434,7 @@ def parse_args(argv):
     p.add_argument("--rollout-max-new", type=int, default=320)
     p.add_argument("--rollout-batch", type=int, default=1024)
     p.add_argument("--rollout-temperature", type=float, default=1.0)
-    p.add_argument("--rollout-budget-s", type=float, default=170)
+    p.add_argument("--rollout-budget-s", type=float, default=150)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--bucket-window", type=int, default=16, help="batches per length-bucketing window")
     p.add_argument("--eagle3-chunks", type=int, default=4, help="micro batches per Eagle3 step (memory)")
@@ -438,10 +442,10 @@ def parse_args(argv):
     p.add_argument("--lr", type=float, default=None)
     p.add_argument("--precision", default="auto", choices=("auto", "bf16", "fp32"))
     p.add_argument("--max-steps", type=int, default=100_000)
-    p.add_argument("--train-budget-s", type=float, default=190)
+    p.add_argument("--train-budget-s", type=float, default=170)
     p.add_argument("--log-every", type=int, default=100)
     p.add_argument("--eval-prompts", type=int, default=6, help="per benchmark")
-    p.add_argument("--eval-budget-s", type=float, default=100)
+    p.add_argument("--eval-budget-s", type=float, default=90)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--greedy-check-tokens", type=int, default=48)
     p.add_argument("--seed", type=int, default=0)

@@ -76,7 +76,8 @@ def drafter_loss(drafter, target, input_ids: Tensor, loss_mask: Tensor, attentio
     labels = input_ids.gather(1, label_pos.flatten(1)).view_as(label_pos)[select]
 
     draft = drafter(out.features, input_ids, attention_mask.bool(), anchors, select)
-    p_draft = torch.softmax(draft.logits.float(), dim=-1)
+    with torch.set_grad_enabled(torch.is_grad_enabled() and cfg.loss_tv != 0):  # no TV term: metrics only
+        p_draft = torch.softmax(draft.logits.float(), dim=-1)
     weights = position_weights(K, cfg.position_weight, device, cfg.position_decay).expand_as(select)[select]
     n_blocks = int(select.any(-1).sum())
     denom = loss_denominator(weights, n_blocks, cfg.loss_norm)

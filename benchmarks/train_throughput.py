@@ -21,7 +21,8 @@ on rollouts of random lengths (uniform in [--min-len, --seq-len], a quarter prom
 grouped as they come (padded to each batch's longest row) and length-bucketed (dspark.batching,
 --bucket-window batches per window), in fp32, and in bf16 too on CUDA. Reported per variant:
 training tokens/s (non-padding tokens; the first step is not timed), the padding share of the
-processed positions, model TFLOP/s and MFU where the device's peak is known.
+processed positions, model TFLOP/s and MFU where the device's peak is known. The two groupings'
+steps are interleaved (ABBA), so load changes on a shared machine do not favour either.
 """
 from __future__ import annotations
 
@@ -140,34 +141,44 @@ def compare_rows(n: int, args, vocab: int, seed: int = 0) -> list[dict]:
     return rows
 
 
-def measure_local(base, target, rows: list[dict], args, window: int, precision: str) -> dict:
-    """Steps of LocalTrainer over the rows grouped with `window` (1 = as they come); first step untimed."""
+def measure_interleaved(base, target, rows: list[dict], args, precision: str) -> dict:
+    """Padded (window 1) and bucketed (--bucket-window) LocalTrainer runs over the same rows, their steps
+    interleaved in ABBA order so load drift on a shared machine hits both alike; each step is timed on
+    its own and the first step of each run (warm-up) is not timed."""
     import torch
 
     from dspark.batching import bucketed_batches, collate, padding_fraction
     from dspark.drafters import build_drafter
-    from dspark.training_loop import LocalTrainer, Throughput
+    from dspark.training_loop import LocalTrainer, peak_flops
 
-    torch.manual_seed(0)
-    drafter = build_drafter(base.drafter, target)
-    trainer = LocalTrainer(base.drafter.algo, target, drafter, base.optim, precision)
-    trainer.set_schedule(args.steps)
     lengths = [len(r["input_ids"]) for r in rows]
-    picks = bucketed_batches(list(range(len(rows))), lengths, args.micro_batch, window, seed=0)
-    tokens = flops = 0.0
-    meter = Throughput(args.device, precision)
-    for i, pick in enumerate(picks):
-        m = trainer.step(collate({k: [rows[j][k] for j in pick] for k in ("input_ids", "loss_mask")},
-                                 args.seq_len, target.pad_token_id), seed=i)
-        if i == 0:
-            meter.mark(0.0, 0.0)  # start the clock after the warm-up step
-        else:
-            tokens, flops = tokens + m["tokens"], flops + m["flops"]
-    rates = meter.mark(tokens, flops)
-    return {"tokens_per_s": round(rates["tokens_per_s"], 1), "padding_fraction": round(padding_fraction(
-        picks[1:], lengths), 4), "model_tflops_per_s": round(rates["model_tflops_per_s"], 5),
-        "mfu": round(rates["mfu"], 4) if "mfu" in rates else None, "timed_steps": len(picks) - 1,
-        "final_loss": round(m["loss"], 4)}
+    runs = {}
+    for name, window in (("padded", 1), ("bucketed", args.bucket_window)):
+        torch.manual_seed(0)
+        trainer = LocalTrainer(base.drafter.algo, target, build_drafter(base.drafter, target), base.optim, precision)
+        trainer.set_schedule(args.steps)
+        picks = bucketed_batches(list(range(len(rows))), lengths, args.micro_batch, window, seed=0)
+        runs[name] = {"trainer": trainer, "picks": picks, "s": 0.0, "tokens": 0.0, "flops": 0.0, "m": {}}
+    for i in range(len(runs["padded"]["picks"])):
+        for name in (("padded", "bucketed") if i % 2 == 0 else ("bucketed", "padded")):
+            run = runs[name]
+            batch = collate({k: [rows[j][k] for j in run["picks"][i]] for k in ("input_ids", "loss_mask")},
+                            args.seq_len, target.pad_token_id)
+            start = time.perf_counter()
+            run["m"] = run["trainer"].step(batch, seed=i)
+            if args.device.startswith("cuda"):
+                torch.cuda.synchronize()
+            if i:
+                run["s"] += time.perf_counter() - start
+                run["tokens"] += run["m"]["tokens"]
+                run["flops"] += run["m"]["flops"]
+    peak = peak_flops(args.device, precision)
+    return {name: {"tokens_per_s": round(run["tokens"] / run["s"], 1),
+                   "padding_fraction": round(padding_fraction(run["picks"][1:], lengths), 4),
+                   "model_tflops_per_s": round(run["flops"] / run["s"] / 1e12, 5),
+                   "mfu": round(run["flops"] / run["s"] / peak, 4) if peak else None,
+                   "timed_steps": len(run["picks"]) - 1, "final_loss": round(run["m"]["loss"], 4)}
+            for name, run in runs.items()}
 
 
 def compare(args) -> dict:
@@ -185,9 +196,9 @@ def compare(args) -> dict:
     for precision in precisions:
         target = load_target(base.target, device=args.device,
                              dtype=torch.bfloat16 if precision == "bf16" else torch.float32)
-        for name, window in (("padded", 1), ("bucketed", args.bucket_window)):
-            results[f"{precision}/{name}"] = measure_local(base, target, rows, args, window, precision)
-            print(f"[bench] {precision}/{name}: {results[f'{precision}/{name}']}", file=sys.stderr, flush=True)
+        for name, res in measure_interleaved(base, target, rows, args, precision).items():
+            results[f"{precision}/{name}"] = res
+            print(f"[bench] {precision}/{name}: {res}", file=sys.stderr, flush=True)
     best = max(results.values(), key=lambda r: r["tokens_per_s"])
     report = {"benchmark": "train_throughput", "mode": "compare", "target": base.target, "algo": base.drafter.algo,
               "device": args.device, "config": args.config,

@@ -1,5 +1,8 @@
-"""Training throughput of jobs.train per DeepSpeed ZeRO stage, same batch, measured in one run.
+"""Training throughput: padded vs length-bucketed batches and fp32 vs bf16 (--compare, one process), or
+jobs.train per DeepSpeed ZeRO stage (default), each measured side by side in one run.
 
+    python benchmarks/train_throughput.py --compare --quick   # tiny target: padded vs bucketed (+ bf16 on CUDA)
+    python benchmarks/train_throughput.py --compare --config configs/train/smollm2-135m-dspark.yaml
     python benchmarks/train_throughput.py                  # smollm2-135m, ZeRO 0, 2 and 3, 2 CPU workers
     python benchmarks/train_throughput.py --quick          # the tiny target (a smoke check, seconds per stage)
     python benchmarks/train_throughput.py --stages 2,3 --steps 6 --seq-len 512 --gpu --workers 8
@@ -12,6 +15,14 @@ target and drafter process; the first step of each run, with its start-up, is ex
 worker, seconds per optimizer step, and peak memory per worker (max RSS on CPU, max allocated on GPU;
 the maximum over workers). Checkpoints go to a temporary directory; MLflow is off. The last stdout
 line is one JSON object.
+
+--compare runs the library's single-device step (dspark.training_loop.LocalTrainer, as the GPU recipe)
+on rollouts of random lengths (uniform in [--min-len, --seq-len], a quarter prompt): the same rows
+grouped as they come (padded to each batch's longest row) and length-bucketed (dspark.batching,
+--bucket-window batches per window), in fp32, and in bf16 too on CUDA. Reported per variant:
+training tokens/s (non-padding tokens; the first step is not timed), the padding share of the
+processed positions, model TFLOP/s and MFU where the device's peak is known. The two groupings'
+steps are interleaved (ABBA), so load changes on a shared machine do not favour either.
 """
 from __future__ import annotations
 
@@ -40,10 +51,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=4, help="optimizer steps per stage (the first is not timed)")
     ap.add_argument("--gpu", action="store_true", help="one GPU per worker, bf16")
     ap.add_argument("--quick", action="store_true", help="tiny target, 3 steps, 128 tokens")
+    ap.add_argument("--compare", action="store_true", help="padded vs bucketed (and fp32 vs bf16 on CUDA), one process")
+    ap.add_argument("--min-len", type=int, default=32, help="--compare: shortest rollout")
+    ap.add_argument("--bucket-window", type=int, default=16, help="--compare: batches per bucketing window")
+    ap.add_argument("--device", default="cpu", help="--compare: torch device")
     args = ap.parse_args(argv)
     if args.quick:
         args.config = args.config or "configs/train/tiny-dspark.yaml"
-        args.steps, args.seq_len = 3, 128
+        args.steps, args.seq_len = (17, 256) if args.compare else (3, 128)
+        args.micro_batch = 8 if args.compare else args.micro_batch
     args.config = args.config or "configs/train/smollm2-135m-dspark.yaml"
     if args.steps < 2:
         ap.error("--steps must be >= 2 (the first step is not timed)")
@@ -112,8 +128,92 @@ def measure(args, stage: int, rollouts: str, workdir: str, cpus: float) -> dict:
             "run_wall_s": round(time.perf_counter() - start, 1)}
 
 
+def compare_rows(n: int, args, vocab: int, seed: int = 0) -> list[dict]:
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    rows = []
+    for _ in range(n):
+        length = int(rng.integers(args.min_len, args.seq_len + 1))
+        prompt = length // 4
+        rows.append({"input_ids": rng.integers(0, vocab, length).tolist(),
+                     "loss_mask": [0] * prompt + [1] * (length - prompt)})
+    return rows
+
+
+def measure_interleaved(base, target, rows: list[dict], args, precision: str) -> dict:
+    """Padded (window 1) and bucketed (--bucket-window) LocalTrainer runs over the same rows, their steps
+    interleaved in ABBA order so load drift on a shared machine hits both alike; each step is timed on
+    its own and the first step of each run (warm-up) is not timed."""
+    import torch
+
+    from dspark.batching import bucketed_batches, collate, padding_fraction
+    from dspark.drafters import build_drafter
+    from dspark.training_loop import LocalTrainer, peak_flops
+
+    lengths = [len(r["input_ids"]) for r in rows]
+    runs = {}
+    for name, window in (("padded", 1), ("bucketed", args.bucket_window)):
+        torch.manual_seed(0)
+        trainer = LocalTrainer(base.drafter.algo, target, build_drafter(base.drafter, target), base.optim, precision)
+        trainer.set_schedule(args.steps)
+        picks = bucketed_batches(list(range(len(rows))), lengths, args.micro_batch, window, seed=0)
+        runs[name] = {"trainer": trainer, "picks": picks, "s": 0.0, "tokens": 0.0, "flops": 0.0, "m": {}}
+    for i in range(len(runs["padded"]["picks"])):
+        for name in (("padded", "bucketed") if i % 2 == 0 else ("bucketed", "padded")):
+            run = runs[name]
+            batch = collate({k: [rows[j][k] for j in run["picks"][i]] for k in ("input_ids", "loss_mask")},
+                            args.seq_len, target.pad_token_id)
+            start = time.perf_counter()
+            run["m"] = run["trainer"].step(batch, seed=i)
+            if args.device.startswith("cuda"):
+                torch.cuda.synchronize()
+            if i:
+                run["s"] += time.perf_counter() - start
+                run["tokens"] += run["m"]["tokens"]
+                run["flops"] += run["m"]["flops"]
+    peak = peak_flops(args.device, precision)
+    return {name: {"tokens_per_s": round(run["tokens"] / run["s"], 1),
+                   "padding_fraction": round(padding_fraction(run["picks"][1:], lengths), 4),
+                   "model_tflops_per_s": round(run["flops"] / run["s"] / 1e12, 5),
+                   "mfu": round(run["flops"] / run["s"] / peak, 4) if peak else None,
+                   "timed_steps": len(run["picks"]) - 1, "final_loss": round(run["m"]["loss"], 4)}
+            for name, run in runs.items()}
+
+
+def compare(args) -> dict:
+    import torch
+
+    from dspark.config import load_config
+    from dspark.target import load_target
+    from dspark.training_loop import resolve_precision
+    from jobs.train import TrainJobConfig
+
+    base = load_config(TrainJobConfig, REPO_ROOT / args.config, ["data.rollouts=unused"])
+    precisions = ["fp32"] + (["bf16"] if resolve_precision(args.device) == "bf16" else [])
+    rows = compare_rows(args.micro_batch * args.steps, args, vocab_size(base.target))
+    results = {}
+    for precision in precisions:
+        target = load_target(base.target, device=args.device,
+                             dtype=torch.bfloat16 if precision == "bf16" else torch.float32)
+        for name, res in measure_interleaved(base, target, rows, args, precision).items():
+            results[f"{precision}/{name}"] = res
+            print(f"[bench] {precision}/{name}: {res}", file=sys.stderr, flush=True)
+    best = max(results.values(), key=lambda r: r["tokens_per_s"])
+    report = {"benchmark": "train_throughput", "mode": "compare", "target": base.target, "algo": base.drafter.algo,
+              "device": args.device, "config": args.config,
+              "batch": {"micro_batch": args.micro_batch, "seq_len_range": [args.min_len, args.seq_len],
+                        "bucket_window": args.bucket_window, "steps": args.steps},
+              "results": results,
+              "speedup_vs_fp32_padded": round(best["tokens_per_s"] / results["fp32/padded"]["tokens_per_s"], 3)}
+    print(json.dumps(report))
+    return report
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    if args.compare:
+        return compare(args)
     from jobs.common import RayConfig, init_ray
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -49,6 +49,19 @@ def sample_anchors(loss_mask: Tensor, attention_mask: Tensor | None, max_per_seq
     return anchors.to(loss_mask.device), valid.to(loss_mask.device)
 
 
+def all_anchors(loss_mask: Tensor, attention_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """Dense training-time test: every position is an anchor slot. Returns (anchors [B, T] = 0..T-1 in
+    every row, valid = eligible_anchors [B, T]); anchor index n is position n (drafters rely on this)."""
+    valid = eligible_anchors(loss_mask, attention_mask)
+    anchors = torch.arange(valid.shape[1], device=valid.device).expand_as(valid)
+    return anchors, valid
+
+
+def is_dense(anchors: Tensor) -> bool:
+    """True iff `anchors` is the all_anchors layout (row b, slot n holds position n, N = T)."""
+    return bool((anchors == torch.arange(anchors.shape[1], device=anchors.device)).all())
+
+
 def _cpu(generator: torch.Generator | None) -> torch.Generator | None:
     if generator is None or generator.device.type == "cpu":
         return generator

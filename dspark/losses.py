@@ -1,13 +1,16 @@
 """Drafter losses and acceptance metrics (paper §3.3 eq. 8-12; DESIGN §4).
 
 All functions take the M supervised (anchor block, position k) pairs flattened, a per-pair position
-weight w_k, and `n_blocks` (anchor blocks with at least one supervised position). Each loss is the
-paper's per-block sum over k, averaged over blocks:
+weight w_k, and a normaliser `denom` chosen by `loss_denominator`:
 
-    L_ce   = (1/n_blocks) Σ w_k · (−log p_d^k(x*_k))
-    L_tv   = (1/n_blocks) Σ w_k · ‖p_d^k − p_t^k‖₁
-    L_conf = (1/n_blocks) Σ w_k · BCE(c_k, c*_k),   c*_k = 1 − ½‖p_d^k − p_t^k‖₁  (label detached)
+    L_ce   = (1/denom) Σ w_k · (−log p_d^k(x*_k))          hard labels (the sampled token)
+    L_ce   = (1/denom) Σ w_k · (−Σ_v p_t^k(v) log p_d^k(v)) soft labels (the target distribution)
+    L_tv   = (1/denom) Σ w_k · ‖p_d^k − p_t^k‖₁
+    L_conf = (1/denom) Σ w_k · BCE(c_k, c*_k),   c*_k = 1 − ½‖p_d^k − p_t^k‖₁  (label detached)
 
+denom = Σ w_k over the supervised pairs ("token": a weighted mean per supervised token, so the loss
+scale, the learning rate and the clipping threshold do not depend on the block size) or the number
+of supervised anchor blocks ("block": the paper's per-block sum averaged over blocks).
 p_d is the drafter's full (temperature-1) distribution, p_t the target's next-token distribution.
 """
 from __future__ import annotations
@@ -19,12 +22,25 @@ import torch.nn.functional as F
 from torch import Tensor
 
 
-def position_weights(steps: int, kind: str = "paper", device=None) -> Tensor:
-    """w_k for k = 1..steps: paper exp(-(k-1)/γ), reference code exp(-(k-1)/4)."""
+def position_weights(steps: int, kind: str = "paper", device=None, decay: float = 0.8) -> Tensor:
+    """w_k for k = 1..steps: paper exp(-(k-1)/γ), DFlash reference code exp(-(k-1)/4), or geometric
+    decay^(k-1) (the Eagle3 training-time-test step weights, 0.8^(k-1) in the reference)."""
+    k = torch.arange(steps, dtype=torch.float32, device=device)
+    if kind == "geometric":
+        return decay ** k
     scale = {"paper": float(steps), "reference": 4.0}.get(kind)
     if scale is None:
-        raise ValueError(f"position_weight must be 'paper' or 'reference', got {kind!r}")
-    return torch.exp(-torch.arange(steps, dtype=torch.float32, device=device) / scale)
+        raise ValueError(f"position_weight must be 'paper', 'reference' or 'geometric', got {kind!r}")
+    return torch.exp(-k / scale)
+
+
+def loss_denominator(weights: Tensor, n_blocks: int, kind: str = "token") -> float:
+    """Normaliser of every loss term: Σ w over the supervised pairs ("token") or the block count ("block")."""
+    if kind == "token":
+        return max(float(weights.sum()), 1e-12)
+    if kind == "block":
+        return float(max(n_blocks, 1))
+    raise ValueError(f"loss_norm must be 'token' or 'block', got {kind!r}")
 
 
 def tv_l1(p_draft: Tensor, p_target: Tensor) -> Tensor:
@@ -32,13 +48,20 @@ def tv_l1(p_draft: Tensor, p_target: Tensor) -> Tensor:
     return (p_draft - p_target).abs().sum(-1)
 
 
-def ce_loss(draft_logits: Tensor, labels: Tensor, weights: Tensor, n_blocks: int) -> Tensor:
+def ce_loss(draft_logits: Tensor, labels: Tensor, weights: Tensor, denom: float) -> Tensor:
     nll = F.cross_entropy(draft_logits.float(), labels, reduction="none")
-    return (weights * nll).sum() / max(n_blocks, 1)
+    return (weights * nll).sum() / denom
 
 
-def tv_loss(p_draft: Tensor, p_target: Tensor, weights: Tensor, n_blocks: int) -> Tensor:
-    return (weights * tv_l1(p_draft, p_target)).sum() / max(n_blocks, 1)
+def soft_ce_loss(draft_logits: Tensor, p_target: Tensor, weights: Tensor, denom: float) -> Tensor:
+    """Cross-entropy to the target distribution, −Σ_v p_t(v) log p_d(v) per pair (= KL(p_t‖p_d) + H(p_t):
+    the same gradient as the KL, whose minimum p_d = p_t is where acceptance is 1)."""
+    logp = torch.log_softmax(draft_logits.float(), dim=-1)
+    return (weights * -(p_target.detach() * logp).sum(-1)).sum() / denom
+
+
+def tv_loss(p_draft: Tensor, p_target: Tensor, weights: Tensor, denom: float) -> Tensor:
+    return (weights * tv_l1(p_draft, p_target)).sum() / denom
 
 
 def acceptance_label(p_draft: Tensor, p_target: Tensor) -> Tensor:
@@ -46,9 +69,9 @@ def acceptance_label(p_draft: Tensor, p_target: Tensor) -> Tensor:
     return (1.0 - 0.5 * tv_l1(p_draft.detach(), p_target.detach())).clamp(0.0, 1.0)
 
 
-def conf_loss(conf_logits: Tensor, c_star: Tensor, weights: Tensor, n_blocks: int) -> Tensor:
+def conf_loss(conf_logits: Tensor, c_star: Tensor, weights: Tensor, denom: float) -> Tensor:
     bce = F.binary_cross_entropy_with_logits(conf_logits.float(), c_star.detach(), reduction="none")
-    return (weights * bce).sum() / max(n_blocks, 1)
+    return (weights * bce).sum() / denom
 
 
 def acceptance_metrics(c_star: Tensor, valid: Tensor) -> dict[str, float]:

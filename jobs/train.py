@@ -30,8 +30,9 @@ from jobs.common import RayConfig, TrackingConfig
 
 ROLLOUT_COLUMNS = ("split", "input_ids", "loss_mask")  # what training reads from the rollouts Parquet
 RUN_RECORD = "dspark_run.json"  # beside Ray Train's own files in <storage_path>/<run_name>/
+# drafter fields that may change between a run and its resume
 TRAINING_ONLY_FIELDS = {"loss_ce", "loss_tv", "loss_conf", "anchors_per_seq", "position_weight", "init_std",
-                        "ttt_steps"}  # drafter fields that may change between a run and its resume
+                        "ttt_steps", "position_decay", "ce_target", "loss_norm", "dense_ttt"}
 
 
 # ----------------------------------------------------------------------------- config
@@ -40,6 +41,9 @@ class DataSection(StrictModel):
     split: str = "train"  # rows with this `split` value are trained on
     max_seq_len: int = Field(1024, ge=8)  # sequences are cut to this many tokens (prompt + response)
     shuffle_buffer: int = Field(0, ge=0)  # rows in each worker's local shuffle buffer (0 = file order)
+    bucket_window: int = Field(8, ge=0, description="length bucketing (dspark/batching.py): each worker sorts "
+                               "this many micro batches' rows by length and re-cuts them into batches of the "
+                               "same size, in a shuffled order, so padding stays a few percent (0/1 = off)")
 
 
 class OptimSection(StrictModel):

@@ -35,29 +35,11 @@ import numpy as np
 import torch
 from torch import nn
 
+from dspark.batching import collate, regroup_by_length  # collate: also imported from here by older callers
+
 DS_TAG = "deepspeed"  # DeepSpeed checkpoint tag (sub-folder) inside each Ray checkpoint
 DRAFTER_DIR = "drafter"  # HF-style drafter export inside each Ray checkpoint
 STATE_FILE = "train_state.json"
-
-
-# ----------------------------------------------------------------------------- batches
-def collate(batch: dict, max_len: int, pad_id: int) -> dict[str, torch.Tensor]:
-    """Rows of variable-length `input_ids` / `loss_mask` -> right-padded [B, T] tensors (T <= max_len)
-    with the attention mask marking real tokens. Sequences longer than max_len are cut."""
-    ids = [np.asarray(x, dtype=np.int64)[:max_len] for x in batch["input_ids"]]
-    masks = [np.asarray(x, dtype=np.int64)[:max_len] for x in batch["loss_mask"]]
-    width = max(len(x) for x in ids)
-    input_ids = torch.full((len(ids), width), pad_id, dtype=torch.long)
-    loss_mask = torch.zeros((len(ids), width), dtype=torch.long)
-    attention = torch.zeros((len(ids), width), dtype=torch.long)
-    for row, (tokens, mask) in enumerate(zip(ids, masks)):
-        if len(mask) != len(tokens):
-            raise ValueError(f"rollout row has {len(tokens)} input_ids but {len(mask)} loss_mask entries; "
-                             "the rollouts are corrupt — regenerate them")
-        input_ids[row, :len(tokens)] = torch.from_numpy(tokens)
-        loss_mask[row, :len(mask)] = torch.from_numpy(mask)
-        attention[row, :len(tokens)] = 1
-    return {"input_ids": input_ids, "loss_mask": loss_mask, "attention_mask": attention}
 
 
 # ----------------------------------------------------------------------------- engine
@@ -150,6 +132,8 @@ class TrainSession:
     _lr: float = 0.0  # lr of the last optimizer step (DeepSpeed steps the schedule right after it)
     _steps_here: int = 0  # optimizer steps taken since this process started (or resumed)
     _timed: tuple = (0.0, 0)  # (time of this launch's first step, tokens since then)
+    _flops: float = 0.0  # model FLOPs of the micro batches since the last step_metrics (training_loop.FlopsModel)
+    _flops_model: object = None
 
     def setup(self) -> "TrainSession":
         from dspark.target import load_target
@@ -160,6 +144,9 @@ class TrainSession:
             torch.cuda.set_device(self.device)
         self.target = load_target(self.cfg.target, dtype=precision_dtype(precision), device=str(self.device))
         self.engine = init_engine(self.cfg, self.plan, self.target)
+        from dspark.training_loop import FlopsModel
+
+        self._flops_model = FlopsModel.of(self.target, drafter_of(self.engine))
         return self
 
     # ---- checkpoints ---------------------------------------------------------------------
@@ -209,7 +196,9 @@ class TrainSession:
             self._grad_norm, self._lr = self._manual_grad_norm(), float(self.engine.get_lr()[0])
         self.engine.step()
         self._micro += 1
-        self._tokens += int(batch["attention_mask"].sum())
+        tokens = int(batch["attention_mask"].sum())
+        self._tokens += tokens
+        self._flops += self._flops_model.train_flops(tokens, metrics["n_anchors"], metrics["n_supervised"])
         for key, value in {"loss": float(loss.detach()), **metrics}.items():
             self._metric_sums[key] = self._metric_sums.get(key, 0.0) + float(value)
 
@@ -230,7 +219,7 @@ class TrainSession:
         import torch.distributed as dist
 
         local = {k: v / max(1, self._micro) for k, v in self._metric_sums.items()}
-        payload = {"metrics": local, "tokens": self._tokens, "mem": peak_memory_gb(self.device)}
+        payload = {"metrics": local, "tokens": self._tokens, "flops": self._flops, "mem": peak_memory_gb(self.device)}
         gathered = [None] * self.world
         if dist.is_available() and dist.is_initialized() and self.world > 1:
             dist.all_gather_object(gathered, payload)
@@ -245,13 +234,15 @@ class TrainSession:
                     "step_time_s": now - self._t_last, "peak_mem_gb": max(g["mem"] for g in gathered)})
         if norm is not None:
             out["grad_norm"] = float(norm)
+        out.update(flops_metrics(sum(g["flops"] for g in gathered), now - self._t_last, self.device,
+                                 self.plan["precision"], len(gathered)))
         self._steps_here += 1
         if self._steps_here == 1:
             self._timed = (now, 0)
         else:
             self._timed = (self._timed[0], self._timed[1] + tokens)
             out["mean_tokens_per_s"] = self._timed[1] / max(1e-9, now - self._timed[0])
-        self._metric_sums, self._micro, self._tokens, self._t_last = {}, 0, 0, now
+        self._metric_sums, self._micro, self._tokens, self._flops, self._t_last = {}, 0, 0, 0.0, now
         return out
 
     def run(self, epoch_batches: Callable[[int], Iterable[dict]],
@@ -274,6 +265,17 @@ class TrainSession:
                 if (index + 1) % accum == 0:
                     self.step += 1
                     on_step(StepResult(self.step, {**self.step_metrics(), "epoch": float(epoch)}))
+
+
+def flops_metrics(flops: float, seconds: float, device: torch.device, precision: str, world: int) -> dict:
+    """model_tflops_per_s over all ranks, and mfu where the device's peak is known (dspark/training_loop.py)."""
+    from dspark.training_loop import peak_flops
+
+    out = {"model_tflops_per_s": flops / max(seconds, 1e-9) / 1e12}
+    peak = peak_flops(device, precision)
+    if peak:
+        out["mfu"] = flops / max(seconds, 1e-9) / (peak * world)
+    return out
 
 
 def micro_seed(seed: int, rank: int, epoch: int, index: int) -> int:
@@ -396,9 +398,11 @@ def train_loop_per_worker(loop_config: dict) -> None:
 
     def epoch_batches(epoch: int):
         buffer = cfg.data.shuffle_buffer or None
-        return shard.iter_batches(batch_size=cfg.optim.micro_batch_size, batch_format="numpy", drop_last=True,
-                                  local_shuffle_buffer_size=buffer,
-                                  local_shuffle_seed=(cfg.optim.seed + epoch) if buffer else None)
+        batches = shard.iter_batches(batch_size=cfg.optim.micro_batch_size, batch_format="numpy", drop_last=True,
+                                     local_shuffle_buffer_size=buffer,
+                                     local_shuffle_seed=(cfg.optim.seed + epoch) if buffer else None)
+        # same rows, same batch count and size, grouped by length: deterministic per (seed, rank, epoch)
+        return regroup_by_length(batches, cfg.data.bucket_window, micro_seed(cfg.optim.seed, session.rank, epoch, 0))
 
     def on_step(result: StepResult) -> None:
         if logger:

@@ -261,3 +261,25 @@ def test_draft_cost_benchmark_quick_run(tmp_path):
         assert row["ratio"] == pytest.approx(row["propose_ms"] / out["target_step_ms"], rel=1e-2)
         assert set(row["breakdown_ms"]) == {"backbone", "lm_head", "sequential"}
     assert rows["full"]["coverage"] == 1.0 and rows[64]["coverage"] <= rows[256]["coverage"] <= 1.0
+
+
+def test_soft_ce_with_a_draft_vocabulary_targets_the_renormalised_subset(target):
+    """Eagle3 as the reference trains it (dense TTT, soft CE) with a draft vocabulary: the soft targets
+    are p_t on the subset, renormalised — finite, and a few steps lower the loss."""
+    from dspark.training.loss import soft_targets
+
+    p = torch.softmax(torch.randn(3, V, generator=torch.Generator().manual_seed(1)), -1)
+    ids = torch.tensor(DRAFT_IDS)
+    sub = soft_targets(p, ids)
+    assert torch.allclose(sub.sum(-1), torch.ones(3)) and torch.allclose(sub, p[:, ids] / p[:, ids].sum(-1, keepdim=True))
+    drafter = make(target, "eagle3", dense_ttt=True, ce_target="soft", position_weight="geometric")
+    ids_in = torch.randint(0, V, (2, 16), generator=torch.Generator().manual_seed(0))
+    opt = torch.optim.AdamW([q for q in drafter.parameters() if q.requires_grad], lr=5e-3)
+    losses = []
+    for _ in range(20):
+        out = drafter_loss(drafter, target, ids_in, torch.ones_like(ids_in), None, torch.Generator().manual_seed(0))
+        opt.zero_grad()
+        out.loss.backward()
+        opt.step()
+        losses.append(out.loss.item())
+    assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0], losses

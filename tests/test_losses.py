@@ -34,14 +34,14 @@ def test_position_weights():
 
 def test_each_loss_matches_hand_value():
     w = position_weights(2)
-    assert ce_loss(P_DRAFT.log(), LABELS, w, n_blocks=1).item() == pytest.approx(CE, rel=1e-6)
+    assert ce_loss(P_DRAFT.log(), LABELS, w, denom=1.0).item() == pytest.approx(CE, rel=1e-6)
     assert torch.allclose(tv_l1(P_DRAFT, P_TARGET), torch.tensor([0.9, 0.5]))
-    assert tv_loss(P_DRAFT, P_TARGET, w, n_blocks=1).item() == pytest.approx(TV, rel=1e-6)
+    assert tv_loss(P_DRAFT, P_TARGET, w, denom=1.0).item() == pytest.approx(TV, rel=1e-6)
     c_star = acceptance_label(P_DRAFT, P_TARGET)
     assert torch.allclose(c_star, torch.tensor(C_STAR))
-    assert conf_loss(CONF_LOGITS, c_star, w, n_blocks=1).item() == pytest.approx(CONF, rel=1e-6)
-    # averaging over blocks: the same pairs counted as two blocks halve every loss
-    assert tv_loss(P_DRAFT, P_TARGET, w, n_blocks=2).item() == pytest.approx(TV / 2, rel=1e-6)
+    assert conf_loss(CONF_LOGITS, c_star, w, denom=1.0).item() == pytest.approx(CONF, rel=1e-6)
+    # the normaliser divides every term: the same pairs over two blocks ("block" norm) halve the loss
+    assert tv_loss(P_DRAFT, P_TARGET, w, denom=2.0).item() == pytest.approx(TV / 2, rel=1e-6)
 
 
 def test_acceptance_metrics_hand_value():
@@ -83,9 +83,9 @@ class StubTarget:
 class StubDrafter(nn.Module):
     """Returns fixed draft logits / confidence logits for the supervised pairs, in (anchor, k) order."""
 
-    def __init__(self, algo, logits, conf_logits):
+    def __init__(self, algo, logits, conf_logits, loss_norm="token"):
         super().__init__()
-        self.config = DrafterConfig(algo=algo, block_size=2, anchors_per_seq=4)
+        self.config = DrafterConfig(algo=algo, block_size=2, anchors_per_seq=4, loss_norm=loss_norm)
         self.layer_ids = [0]
         self.bias = nn.Parameter(torch.zeros(()))
         self.logits, self.conf_logits = logits, conf_logits
@@ -98,7 +98,8 @@ class StubDrafter(nn.Module):
 
 
 @pytest.mark.parametrize("algo", ["dspark", "dflash"])
-def test_drafter_loss_wiring_matches_hand_value(algo):
+@pytest.mark.parametrize("loss_norm", ["block", "token"])
+def test_drafter_loss_wiring_matches_hand_value(algo, loss_norm):
     # tokens x = [3, 2, 0, 1], loss_mask [0, 1, 1, 1]: eligible anchors t=1 and t=2 (both drawn).
     # Pairs (t, k): (1,1) label x2=0, p_t from position 1; (1,2) label x3=1, p_t from position 2;
     # (2,1) label x3=1, p_t from position 2; (2,2) is past the end. n_blocks = 2.
@@ -110,13 +111,15 @@ def test_drafter_loss_wiring_matches_hand_value(algo):
     third = P_TARGET[1].clamp_min(1e-30)  # draft = target for pair (2,1): TV 0, c* = 1, CE = ln 2
     logits = torch.cat([P_DRAFT.log(), third.log().unsqueeze(0)])
     conf_logits = torch.cat([CONF_LOGITS, torch.tensor([math.log(3.0)])])  # BCE(0.75, 1) = -ln 0.75
-    drafter = StubDrafter(algo, logits, conf_logits)
+    drafter = StubDrafter(algo, logits, conf_logits, loss_norm)
     out = drafter_loss(drafter, StubTarget(hidden), input_ids, loss_mask, None, torch.Generator().manual_seed(0))
     anchors, select = drafter.seen
     assert anchors.tolist() == [[1, 2]]
     assert select.tolist() == [[[True, True], [True, False]]]
-    ce, tv = (CE + math.log(2)) / 2, TV / 2
-    conf = (CONF - math.log(0.75)) / 2 if algo == "dspark" else 0.0
+    # "block": sums over 2 blocks; "token": weighted mean over the 3 pairs, weights 1, W2, 1
+    denom = 2.0 if loss_norm == "block" else 2.0 + W2
+    ce, tv = (CE + math.log(2)) / denom, TV / denom  # pair (2,1): draft = target, TV 0
+    conf = (CONF - math.log(0.75)) / denom if algo == "dspark" else 0.0
     assert out.metrics["loss_ce"] == pytest.approx(ce, rel=1e-5)
     assert out.metrics["loss_tv"] == pytest.approx(tv, rel=1e-5)
     assert out.metrics["loss_conf"] == pytest.approx(conf, rel=1e-5)

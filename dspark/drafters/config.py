@@ -31,7 +31,19 @@ class DrafterConfig(StrictModel):
     rope_theta: float | None = None  # None -> target's
     mask_token_id: int | None = None  # None -> a learned MASK vector; else this (frozen) target vocab row
     init_std: float = 0.02
-    position_weight: Literal["paper", "reference"] = "paper"  # exp(-(k-1)/γ) vs exp(-(k-1)/4)
+    position_weight: Literal["paper", "reference", "geometric"] = Field(
+        "paper", description="per-position loss weight w_k: 'paper' exp(-(k-1)/γ), 'reference' exp(-(k-1)/4) "
+                             "(DFlash code), 'geometric' position_decay^(k-1) (Eagle3 TTT step weights)")
+    position_decay: float = Field(0.8, gt=0, le=1, description="decay of position_weight='geometric' "
+                                                               "(0.8 in the Eagle3 reference)")
+    ce_target: Literal["hard", "soft"] = Field(
+        "hard", description="cross-entropy labels: 'hard' the rollout token, 'soft' the target's full "
+                            "next-token distribution (the Eagle3 reference)")
+    loss_norm: Literal["token", "block"] = Field(
+        "token", description="loss normaliser: 'token' a weighted mean over supervised tokens (Σ w_k; LR and "
+                             "clipping transfer between block sizes), 'block' the paper's per-block sum / blocks")
+    dense_ttt: bool = Field(False, description="eagle3 only: training-time test from every eligible position "
+                                               "of every sequence (anchors_per_seq is then ignored)")
     loss_ce: float = 0.1
     loss_tv: float = 0.9
     loss_conf: float = 1.0

@@ -10,7 +10,10 @@ each step attends to the cached context entries 0..n-1 and the block's earlier s
 linearly with γ; many requests step together (one layer pass per position for all of them).
 Training (TTT) unrolls `ttt_steps` such steps from every sampled anchor with the tokens
 teacher-forced, each step attending to the context strictly before the anchor plus the block's
-earlier steps: exactly what inference sees.
+earlier steps: exactly what inference sees. With `dense_ttt` every position of the sequence is an
+anchor (the reference recipe); that path keeps one query per position and step and attends to the
+block's own earlier steps through a diagonal (Attention.attend_diagonal), so its cost is that of
+ttt_steps causal passes over the sequence rather than of T packed blocks.
 """
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dspark.anchors import packed_mask
+from dspark.anchors import is_dense, packed_mask
 from dspark.drafters.base import (DraftProposal, DraftState, DraftTrainOut, Drafter, RowSampling, drafting_mask,
                                   split_proposals)
 from dspark.drafters.config import DrafterConfig
@@ -43,7 +46,10 @@ class Eagle3Layer(nn.Module):
 
     def forward(self, x: Tensor, residual: Tensor, cos: Tensor, sin: Tensor, k: Tensor, v: Tensor,
                 mask: Tensor | None) -> Tensor:
-        r = residual + self.self_attn.attend(self.self_attn.queries(x, cos, sin), k, v, mask)
+        return self.finish(residual, self.self_attn.attend(self.self_attn.queries(x, cos, sin), k, v, mask))
+
+    def finish(self, residual: Tensor, attn_out: Tensor) -> Tensor:
+        r = residual + attn_out
         return r + self.mlp(self.post_attention_layernorm(r))
 
 
@@ -66,6 +72,8 @@ class Eagle3Drafter(Drafter):
                 select: Tensor) -> DraftTrainOut:
         """Same contract as DFlashDrafter.forward with K = ttt_steps predictions per anchor."""
         B, T = input_ids.shape
+        if anchors.shape[1] == T and is_dense(anchors):
+            return self._forward_dense(features, input_ids, ctx_valid, select)
         N, K, layer = anchors.shape[1], select.shape[2], self.midlayer
         prev_feat = F.pad(self.fused(features)[:, :-1], (0, 0, 1, 0))  # entry j uses f_{j-1}; f_{-1} = 0
         x_ctx, _ = layer.inputs(self.embed(input_ids), prev_feat)
@@ -86,6 +94,30 @@ class Eagle3Drafter(Drafter):
             hidden = layer(x, res, cos, sin, torch.cat(keys, -2), torch.cat(values, -2), mask)
             outs.append(self.norm(hidden))
         h = torch.stack(outs, dim=2)  # [B, N, K, d]
+        return DraftTrainOut(logits=self.lm_logits(h[select]), conf_logits=None)
+
+    def _forward_dense(self, features: Tensor, input_ids: Tensor, ctx_valid: Tensor, select: Tensor) -> DraftTrainOut:
+        """TTT from every position n (anchors = 0..T-1, dspark.anchors.all_anchors): step k+1 of anchor n
+        sits at position n+k with token x_{n+k}, attends to context positions < n and to anchor n's own
+        steps 0..k. Same values as the packed path with every position drawn as an anchor."""
+        T, K, layer, attn = input_ids.shape[1], select.shape[2], self.midlayer, self.midlayer.self_attn
+        prev_feat = F.pad(self.fused(features)[:, :-1], (0, 0, 1, 0))  # entry j uses f_{j-1}; f_{-1} = 0
+        x_ctx, _ = layer.inputs(self.embed(input_ids), prev_feat)
+        positions = torch.arange(T, device=self.device)
+        ctx_k, ctx_v = attn.keys_values(x_ctx, *self.rotary(positions))
+        ctx_mask = (positions.unsqueeze(0) < positions.unsqueeze(-1)).unsqueeze(0) & ctx_valid.bool().unsqueeze(1)
+        hidden, own_k, own_v, outs = prev_feat, [], [], []  # anchor n's step 1 carries f_{n-1}
+        for k in range(K):
+            pos = positions + k
+            x, res = layer.inputs(self.embed(input_ids[:, pos.clamp(max=T - 1)]), hidden)
+            cos, sin = self.rotary(pos)
+            kk, vv = attn.keys_values(x, cos, sin)
+            own_k.append(kk)
+            own_v.append(vv)
+            out = attn.attend_diagonal(attn.queries(x, cos, sin), ctx_k, ctx_v, ctx_mask, own_k, own_v)
+            hidden = layer.finish(res, out)
+            outs.append(self.norm(hidden))
+        h = torch.stack(outs, dim=2)  # [B, T, K, d]
         return DraftTrainOut(logits=self.lm_logits(h[select]), conf_logits=None)
 
     # ---- inference ------------------------------------------------------------------------

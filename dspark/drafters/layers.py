@@ -86,6 +86,29 @@ class Attention(nn.Module):
         return self.o_proj(out)
 
 
+    def attend_diagonal(self, q: Tensor, ctx_k: Tensor, ctx_v: Tensor, ctx_mask: Tensor,
+                        own_k: list[Tensor], own_v: list[Tensor]) -> Tensor:
+        """Dense training-time test: query n (the block anchored at position n) attends to the context
+        keys ctx_mask[b, n] allows and to its OWN block's earlier steps (own_k[i][:, :, n], i = 0..k),
+        never to another anchor's steps. Equivalent to `attend` over [ctx ; all blocks' steps] with the
+        packed block mask (dspark/anchors.py), in O(T·(T + k)) scores instead of O(T·(T + T·k)).
+
+        q [B, H, T, hd]; ctx_k/ctx_v [B, KV, T, hd]; ctx_mask bool [B, T, T]; own_k/own_v lists of
+        [B, KV, T, hd] -> [B, T, hidden]. Every query sees at least its own step, so no row is empty."""
+        rep = self.num_heads // self.num_kv_heads
+        heads = (lambda t: t.repeat_interleave(rep, dim=1)) if rep > 1 else (lambda t: t)
+        scale = self.head_dim ** -0.5
+        s_ctx = (q @ heads(ctx_k).transpose(-1, -2)).float() * scale  # [B, H, T, T]
+        s_ctx = s_ctx.masked_fill(~ctx_mask.unsqueeze(1), float("-inf"))
+        own_v_all = torch.stack([heads(v) for v in own_v], dim=-2)  # [B, H, T, k+1, hd]
+        s_own = (q.unsqueeze(-2) * torch.stack([heads(k) for k in own_k], dim=-2)).sum(-1).float() * scale
+        p = torch.softmax(torch.cat([s_ctx, s_own], dim=-1), dim=-1).to(q.dtype)
+        T = ctx_k.shape[-2]
+        out = p[..., :T] @ heads(ctx_v) + (p[..., T:].unsqueeze(-1) * own_v_all).sum(-2)
+        out = out.transpose(-3, -2).reshape(*q.shape[:-3], q.shape[-2], self.num_heads * self.head_dim)
+        return self.o_proj(out)
+
+
 class MLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int):
         super().__init__()

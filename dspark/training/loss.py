@@ -5,7 +5,8 @@ for eagle3) is for the ground-truth token x*_k = input_ids[t+k], and its target 
 p_t^k = softmax(target logits at position t+k-1), i.e. the target's teacher-forced next-token
 distribution for that token. A pair (t, k) is supervised iff t+k < T and token t+k is a supervised,
 non-padding token. Anchors are positions t with loss_mask[t] and loss_mask[t+1] (and not padding),
-up to `anchors_per_seq` per sequence, drawn with `generator`.
+up to `anchors_per_seq` per sequence, drawn with `generator`; Eagle3 with `dense_ttt` takes every
+eligible position (the reference's training-time test over whole sequences).
 
 The target runs once (no grad) for the context features and its final hidden states; its LM head
 is applied only at the supervised positions. Sequences are right-padded.
@@ -17,9 +18,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from dspark.anchors import sample_anchors
+from dspark.anchors import all_anchors, sample_anchors
 from dspark.draft_vocab import draft_labels, extend_to_vocab
-from dspark.losses import acceptance_label, acceptance_metrics, ce_loss, conf_loss, position_weights, tv_loss
+from dspark.losses import (acceptance_label, acceptance_metrics, ce_loss, conf_loss, loss_denominator,
+                           position_weights, soft_ce_loss, tv_loss)
 
 
 @dataclass
@@ -60,7 +62,10 @@ def drafter_loss(drafter, target, input_ids: Tensor, loss_mask: Tensor, attentio
     input_ids, loss_mask = input_ids.to(device), loss_mask.to(device)
     attention_mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(device)
 
-    anchors, valid = sample_anchors(loss_mask, attention_mask, cfg.anchors_per_seq, generator)
+    if cfg.algo == "eagle3" and cfg.dense_ttt:
+        anchors, valid = all_anchors(loss_mask, attention_mask)
+    else:
+        anchors, valid = sample_anchors(loss_mask, attention_mask, cfg.anchors_per_seq, generator)
     label_pos, select = supervised_pairs(loss_mask, attention_mask, anchors, valid, K)
     if not bool(select.any()):
         return _zero_loss(model, int(valid.sum()))
@@ -76,21 +81,27 @@ def drafter_loss(drafter, target, input_ids: Tensor, loss_mask: Tensor, attentio
     # acceptance label c* compare against the full target distribution (target mass outside the subset
     # counts as lost), and CE ignores labels outside the subset (they cannot be drafted).
     draft_ids = getattr(model, "draft_ids", None)  # columns of draft.logits; None = the full vocabulary
-    p_draft = torch.softmax(draft.logits.float(), dim=-1)
+    with torch.set_grad_enabled(torch.is_grad_enabled() and cfg.loss_tv != 0):  # no TV term: metrics only
+        p_draft = torch.softmax(draft.logits.float(), dim=-1)
+        if draft_ids is not None:
+            p_draft = extend_to_vocab(p_draft, draft_ids, p_target.shape[-1])
     ce_labels, predicted = labels, draft.logits.argmax(-1)
     if draft_ids is not None:
-        p_draft = extend_to_vocab(p_draft, draft_ids, p_target.shape[-1])
         ce_labels, predicted = draft_labels(labels, model.t2d), draft_ids[predicted]
-    weights = position_weights(K, cfg.position_weight, device).expand_as(select)[select]
+    weights = position_weights(K, cfg.position_weight, device, cfg.position_decay).expand_as(select)[select]
     n_blocks = int(select.any(-1).sum())
+    denom = loss_denominator(weights, n_blocks, cfg.loss_norm)
 
-    l_ce = ce_loss(draft.logits, ce_labels, weights, n_blocks)
-    l_tv = tv_loss(p_draft, p_target, weights, n_blocks)
+    if cfg.ce_target == "soft":  # soft CE against the target distribution, on the draft vocabulary if any
+        l_ce = soft_ce_loss(draft.logits, soft_targets(p_target, draft_ids), weights, denom)
+    else:
+        l_ce = ce_loss(draft.logits, ce_labels, weights, denom)
+    l_tv = tv_loss(p_draft, p_target, weights, denom)
     c_star = acceptance_label(p_draft, p_target)
     loss = cfg.loss_ce * l_ce + cfg.loss_tv * l_tv
     metrics = {"loss_ce": l_ce.item(), "loss_tv": l_tv.item(), "loss_conf": 0.0}
     if draft.conf_logits is not None:
-        l_conf = conf_loss(draft.conf_logits, c_star, weights, n_blocks)
+        l_conf = conf_loss(draft.conf_logits, c_star, weights, denom)
         loss = loss + cfg.loss_conf * l_conf
         metrics["loss_conf"] = l_conf.item()
         metrics["conf_mae"] = float((torch.sigmoid(draft.conf_logits.detach().float()) - c_star).abs().mean())
@@ -99,5 +110,15 @@ def drafter_loss(drafter, target, input_ids: Tensor, loss_mask: Tensor, attentio
     c_full[select] = c_star
     metrics.update(acceptance_metrics(c_full[valid], select[valid]))
     metrics.update(loss=loss.item(), n_anchors=float(valid.sum()), n_supervised=float(select.sum()),
-                   token_acc=float((predicted == labels).float().mean()))
+                   n_blocks=float(n_blocks), token_acc=float((predicted == labels).float().mean()))
     return LossOutput(loss, metrics)
+
+
+def soft_targets(p_target: Tensor, draft_ids: Tensor | None) -> Tensor:
+    """The soft-CE targets: p_t itself, or with a draft vocabulary p_t restricted to its tokens and
+    renormalised (the drafter puts no mass outside them, so CE against mass there would be infinite)."""
+    if draft_ids is None:
+        return p_target
+    sub = p_target[..., draft_ids]
+    return sub / sub.sum(-1, keepdim=True).clamp_min(1e-12)
+

@@ -232,7 +232,8 @@ def main(argv=None) -> int:
     prompts = load_prompts(args.data_dir)
     drafter_dir, drafter_label = resolve_drafter(args)
 
-    from jobs.common import RayConfig, init_ray
+    from pipelines.ray_cluster import init_ray
+    from dspark.config import RayConfig
     from ray import serve
 
     init_ray(RayConfig(num_cpus=args.num_cpus))

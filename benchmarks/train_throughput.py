@@ -214,7 +214,8 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     if args.compare:
         return compare(args)
-    from jobs.common import RayConfig, init_ray
+    from pipelines.ray_cluster import init_ray
+    from dspark.config import RayConfig
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     init_ray(RayConfig())

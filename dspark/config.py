@@ -10,13 +10,26 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 
 class StrictModel(BaseModel):
     """Base for every config section: unknown keys are errors, assignments are validated."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
+
+
+# ---- sections shared by the job configs ------------------------------------------------------------
+class RayConfig(StrictModel):
+    address: str | None = Field(None, description="None: $RAY_ADDRESS if set, else start a (new) local Ray on 127.0.0.1")
+    num_cpus: int | None = Field(None, description="CPUs of a local Ray (ignored when connecting to a cluster)")
+    num_gpus: int | None = Field(None, description="GPUs of a local Ray")
+
+
+class TrackingConfig(StrictModel):
+    enabled: bool = Field(True, description="log to MLflow (MLFLOW_TRACKING_URI, else the local store under .dspark/mlruns)")
+    experiment: str = Field("dspark", description="MLflow experiment")
+    run_name: str | None = Field(None, description="None: the job picks one")
 
 
 class ConfigError(ValueError):

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import os
 from dataclasses import dataclass
 from typing import Any
 

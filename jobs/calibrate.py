@@ -27,7 +27,9 @@ from dspark import calibration as cal
 from dspark import evaluation as ev
 from dspark import metrics
 from dspark.config import StrictModel
-from jobs.common import RayConfig, TrackingConfig, init_ray, load_job_config, tracked_run
+from pipelines.ray_cluster import init_ray
+from jobs.common import load_job_config, tracked_run
+from dspark.config import RayConfig, TrackingConfig
 from pipelines.eval_decode import WorkersConfig, decode_items, worker_spec
 
 log = logging.getLogger("dspark.calibrate")

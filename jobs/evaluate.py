@@ -26,7 +26,9 @@ from pydantic import Field, field_validator
 from dspark import evaluation as ev
 from dspark import report
 from dspark.config import StrictModel, config_to_dict
-from jobs.common import RayConfig, TrackingConfig, init_ray, load_job_config, tracked_run
+from pipelines.ray_cluster import init_ray
+from jobs.common import load_job_config, tracked_run
+from dspark.config import RayConfig, TrackingConfig
 from pipelines.actor_pool import WorkersUnavailable
 from pipelines.eval_decode import WorkersConfig, decode_items, worker_spec
 

@@ -17,7 +17,9 @@ import sys
 from dspark.io import storage
 from dspark.io.storage import StorageError
 from dspark.io.tracking import TrackingError
-from jobs.common import RayConfig, TrackingConfig, init_ray, load_job_config, save_config, tracked_run
+from pipelines.ray_cluster import init_ray
+from jobs.common import load_job_config, save_config, tracked_run
+from dspark.config import RayConfig, TrackingConfig
 from pipelines.rollout import RolloutConfig, RolloutResult, RunStats, run_rollouts
 from pipelines.rollout_store import read_rollouts
 

@@ -25,7 +25,8 @@ import threading
 from dspark.config import ConfigError, load_config
 from dspark.serve.config import ServeConfig, served_name
 from dspark.serve.deployment import deployment_for
-from jobs.common import RayConfig, init_ray
+from pipelines.ray_cluster import init_ray
+from dspark.config import RayConfig
 
 
 class ServeJobConfig(ServeConfig):

@@ -21,7 +21,9 @@ from pathlib import Path
 from dspark.io import storage
 from dspark.io.storage import StorageError
 from dspark.io.tracking import TrackingError
-from jobs.common import RayConfig, TrackingConfig, init_ray, load_job_config, save_config, tracked_run
+from pipelines.ray_cluster import init_ray
+from jobs.common import load_job_config, save_config, tracked_run
+from dspark.config import RayConfig, TrackingConfig
 from pipelines.rollout import RunStats
 from pipelines.synthesize import (DROP_REASONS, SynthesisResult, SynthesizeConfig, eval_files_text, read_prompts,
                                   run_synthesis)

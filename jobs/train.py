@@ -26,7 +26,7 @@ from dspark.config import ConfigError, StrictModel, config_to_dict, dump_config,
 from dspark.drafters import DrafterConfig
 from dspark.io.storage import StorageError
 from dspark.io.tracking import TrackingError
-from jobs.common import RayConfig, TrackingConfig
+from dspark.config import RayConfig, TrackingConfig
 
 ROLLOUT_COLUMNS = ("split", "input_ids", "loss_mask")  # what training reads from the rollouts Parquet
 RUN_RECORD = "dspark_run.json"  # beside Ray Train's own files in <storage_path>/<run_name>/
@@ -568,10 +568,11 @@ def run(cfg: TrainJobConfig) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     from jobs import common
+    from pipelines.ray_cluster import init_ray
 
     cfg = common.load_job_config(TrainJobConfig, argv, "Train a drafter with Ray Train + DeepSpeed ZeRO.")
     try:
-        common.init_ray(cfg.ray)
+        init_ray(cfg.ray)
         summary = run(cfg)
     except (ConfigError, StorageError, TrackingError) as err:
         sys.exit(f"error: {err}")

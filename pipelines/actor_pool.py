@@ -92,7 +92,8 @@ def cluster_free() -> tuple[dict[str, float], dict[str, float]]:
     import ray
 
     if not ray.is_initialized():
-        from jobs.common import RayConfig, init_ray  # $RAY_ADDRESS or a local Ray, never auto-detected
+        from pipelines.ray_cluster import init_ray  # $RAY_ADDRESS or a local Ray, never auto-detected
+        from dspark.config import RayConfig
 
         init_ray(RayConfig())
     return dict(ray.available_resources()), dict(ray.cluster_resources())

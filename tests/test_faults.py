@@ -28,7 +28,8 @@ START_TIMEOUT_S = 4.0
 def stack_ray(local_stack):
     import ray
 
-    from jobs.common import RayConfig, init_ray
+    from pipelines.ray_cluster import init_ray
+    from dspark.config import RayConfig
 
     init_ray(RayConfig(address=local_stack.ray_gcs_address))
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import tests/

@@ -153,7 +153,8 @@ def test_commit_markers_decide_what_is_done(tmp_path):
 def stack_ray(local_stack):
     import ray
 
-    from jobs.common import RayConfig, init_ray
+    from pipelines.ray_cluster import init_ray
+    from dspark.config import RayConfig
 
     init_ray(RayConfig(address=local_stack.ray_gcs_address))
     yield local_stack

@@ -551,7 +551,8 @@ def _free_port() -> int:
 def served(drafter_dir):
     """One Serve deployment for the module: tiny target, dynamic scheduler (SPS profiled at start),
     API key required."""
-    from jobs.common import RayConfig, init_ray
+    from pipelines.ray_cluster import init_ray
+    from dspark.config import RayConfig
     from ray import serve
 
     from dspark.serve.deployment import deployment_for

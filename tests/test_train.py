@@ -207,15 +207,16 @@ def test_local_ray_is_never_auto_detected(monkeypatch):
     attaches to the newest Ray on the machine ("Found multiple active Ray instances")."""
     import ray
 
-    from jobs import common
+    from dspark.config import RayConfig
+    from pipelines.ray_cluster import init_ray
 
     calls = []
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.setattr(ray, "init", lambda **kwargs: calls.append(kwargs))
-    assert common.init_ray(common.RayConfig(num_cpus=1)) == "local"
+    assert init_ray(RayConfig(num_cpus=1)) == "local"
     assert calls[0]["address"] == "local" and calls[0]["num_cpus"] == 1
-    assert common.init_ray(common.RayConfig(address="127.0.0.1:6390")) == "127.0.0.1:6390"
+    assert init_ray(RayConfig(address="127.0.0.1:6390")) == "127.0.0.1:6390"
     assert calls[1]["address"] == "127.0.0.1:6390"
 
 

@@ -187,7 +187,7 @@ def build_trainers(target, args, precision: str) -> tuple[dict, dict]:
     from dspark.drafters import build_drafter
     from dspark.drafters.config import DrafterConfig
     from dspark.training_loop import LocalTrainer
-    from jobs.train import OptimSection
+    from dspark.training.config import OptimSection
 
     recipes, trainers = {}, {}
     for algo in ALGOS:

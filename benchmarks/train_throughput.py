@@ -91,7 +91,7 @@ def write_rollouts(path: str, rows: int, seq_len: int, vocab: int, seed: int = 0
 
 def stage_config(args, stage: int, rollouts: str, storage: str, cpus_per_worker: float):
     from dspark.config import load_config
-    from jobs.train import TrainJobConfig
+    from dspark.training.config import TrainJobConfig
 
     global_batch = args.micro_batch * args.workers * args.accum
     overrides = [f"run_name=bench-zero{stage}-{uuid.uuid4().hex[:8]}", f"data.rollouts={rollouts}",
@@ -187,7 +187,7 @@ def compare(args) -> dict:
     from dspark.config import load_config
     from dspark.target import load_target
     from dspark.training_loop import resolve_precision
-    from jobs.train import TrainJobConfig
+    from dspark.training.config import TrainJobConfig
 
     base = load_config(TrainJobConfig, REPO_ROOT / args.config, ["data.rollouts=unused"])
     precisions = ["fp32"] + (["bf16"] if resolve_precision(args.device) == "bf16" else [])
@@ -220,7 +220,7 @@ def main(argv=None) -> dict:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     init_ray(RayConfig())
     from dspark.config import load_config
-    from jobs.train import TrainJobConfig
+    from dspark.training.config import TrainJobConfig
 
     base = load_config(TrainJobConfig, REPO_ROOT / args.config, ["data.rollouts=unused"])
     stages = [int(s) for s in args.stages.split(",")]

@@ -12,7 +12,6 @@ A job's config model embeds `ray: RayConfig` and `tracking: TrackingConfig`; a j
 """
 from __future__ import annotations
 
-
 import argparse
 import sys
 from contextlib import contextmanager

@@ -9,7 +9,6 @@ import json
 import os
 
 from dspark.io.http import wait_healthy
-
 from jobs.demo_runner import (SERVE_HOST, SERVE_PORT, STAGE_CONFIG, STAGE_WIRING, Demo, DemoError, endpoint_healthy,
                               endpoint_url, fill, run_job_stage, stage_key)
 

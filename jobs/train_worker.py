@@ -378,7 +378,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
     import ray.train
     import ray.train.torch
 
-    from jobs.train import TrainJobConfig
+    from dspark.training.config import TrainJobConfig
 
     cfg = TrainJobConfig.model_validate(loop_config["job"])
     plan = loop_config["plan"]

@@ -8,7 +8,6 @@ from pathlib import Path
 
 from dspark.config import RayConfig
 
-
 # Ray on one machine must bind to loopback (PLATFORM-NOTES); set before Ray starts any process.
 LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0", "DS_ACCELERATOR": "cpu"}
 

@@ -34,15 +34,14 @@ from typing import Callable, Literal
 
 from pydantic import Field, field_validator
 
-from dspark.io import storage
 from dspark.config import StrictModel, config_to_dict
 from dspark.generator import GeneratorConfig
+from dspark.io import storage
 from pipelines import rollout_vllm, schema
 from pipelines.actor_pool import DEFAULT_START_TIMEOUT_S, START_TIMEOUT_DESCRIPTION, WorkerAsk, data_pool
 from pipelines.prompts import LoadResult, PromptSource, load_prompts
 from pipelines.rollout_engine import RolloutActor, SamplingConfig
-from pipelines.rollout_store import (Plan, add_counts, commit_chunk, path_in, prepare_output, read_commits,
-                                     write_parquet)
+from pipelines.rollout_store import Plan, add_counts, commit_chunk, path_in, prepare_output, read_commits, write_parquet
 from pipelines.rollout_vllm import VllmConfig
 
 FAIL_AFTER_ENV = "DSPARK_FAIL_AFTER_CHUNKS"  # test hook: raise after this many chunk commits

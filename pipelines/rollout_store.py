@@ -20,9 +20,11 @@ from dataclasses import dataclass
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from dspark.config import ConfigError
 from dspark.io import storage
 from pipelines import schema
 from pipelines.prompts import Prompt, error_row
+
 
 # ---------------------------------------------------------------- plan, commits, manifest
 @dataclass
@@ -128,3 +130,66 @@ def read_errors(output_uri: str) -> pa.Table:
             fs, path = storage.pyarrow_fs(uri)
             tables.append(pq.read_table(path, filesystem=fs, schema=schema.ERROR_SCHEMA))
     return pa.concat_tables(tables) if tables else schema.ERROR_SCHEMA.empty_table()
+
+
+ROLLOUT_COLUMNS = ("split", "input_ids", "loss_mask")  # what training reads from the rollouts Parquet
+
+
+# ----------------------------------------------------------------------------- fail-fast checks
+def rollout_files(uri: str) -> list[str]:
+    """The Parquet shards of a rollouts dataset: one file; the committed shards of a jobs.generate
+    output (its commit markers, not a listing); or, for a hand-made directory, its *.parquet files."""
+    from dspark.io import storage
+    from pipelines.rollout_store import read_commits
+
+    if uri.endswith(".parquet"):
+        if not storage.exists(uri):
+            raise ConfigError(f"rollouts file {uri!r} does not exist; point data.rollouts at jobs.generate's output")
+        return [uri]
+    commits = read_commits(uri.rstrip("/"))
+    if commits:
+        return [storage.join(uri, marker["files"]["data"]) for _, marker in sorted(commits.items())]
+    try:
+        files = sorted(f for f in storage.list_files(uri) if f.endswith(".parquet") and "/errors/" not in f)
+    except FileNotFoundError:
+        files = []
+    if not files:
+        raise ConfigError(f"no rollouts found at {uri!r} (no committed shards, no .parquet files); run "
+                          f"jobs.generate first or fix data.rollouts")
+    return files
+
+
+def parquet_paths(files: list[str]):
+    """(pyarrow filesystem, paths inside it) for a list of same-store URIs."""
+    from dspark.io import storage
+
+    pairs = [storage.pyarrow_fs(f) for f in files]
+    return pairs[0][0], [path for _, path in pairs]
+
+
+def check_rollouts(uri: str, split: str) -> tuple[list[str], int]:
+    """(shard URIs, number of `split` rows); ConfigError for a missing, empty or schema-mismatched dataset."""
+    import pyarrow as pa
+    import pyarrow.dataset as pads
+
+    files = rollout_files(uri)
+    fs, paths = parquet_paths(files)
+    try:
+        dataset = pads.dataset(paths, filesystem=fs, format="parquet")
+    except (FileNotFoundError, OSError, pa.ArrowInvalid) as err:
+        raise ConfigError(f"cannot read rollouts {uri!r}: {err}; point data.rollouts at the Parquet output of "
+                          f"jobs.generate") from None
+    missing = [c for c in ROLLOUT_COLUMNS if c not in dataset.schema.names]
+    if missing:
+        raise ConfigError(f"rollouts {uri!r} lack column(s) {missing} (have {dataset.schema.names}); they must "
+                          f"follow pipelines/schema.py — regenerate them with jobs.generate")
+    for name in ("input_ids", "loss_mask"):
+        kind = dataset.schema.field(name).type
+        if not (pa.types.is_list(kind) or pa.types.is_large_list(kind)) or not (
+                pa.types.is_integer(kind.value_type) or pa.types.is_boolean(kind.value_type)):
+            raise ConfigError(f"rollouts column {name!r} of {uri!r} has type {kind}, expected a list of integers")
+    rows = dataset.count_rows(filter=pads.field("split") == split)
+    if rows == 0:
+        raise ConfigError(f"rollouts {uri!r} have no rows with split == {split!r}; check data.split or "
+                          f"regenerate the rollouts")
+    return files, rows

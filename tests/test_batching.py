@@ -10,7 +10,7 @@ from dspark.batching import bucketed_batches, collate, padding_fraction, regroup
 from dspark.drafters import DrafterConfig, build_drafter
 from dspark.training_loop import FlopsModel, LocalTrainer, Throughput, autocast, resolve_precision
 from dspark.target import build_tiny_model
-from jobs.train import OptimSection
+from dspark.training.config import OptimSection
 
 
 def lengths(n=256, seed=0):

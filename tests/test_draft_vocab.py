@@ -236,7 +236,8 @@ def test_vllm_export_in_the_speculators_layout(tmp_path, target, algo):
 
 # ---------------------------------------------------------------- training job driver
 def test_training_job_builds_the_vocab_from_the_rollouts(tmp_path):
-    from jobs.train import TrainJobConfig, build_draft_vocab
+    from dspark.training.config import TrainJobConfig
+    from jobs.train import build_draft_vocab
 
     rows = {"split": ["train", "train", "eval"], "input_ids": [[1, 3, 3, 3, 9], [9, 9, 2], [5, 5, 5]],
             "loss_mask": [[0, 1, 1, 1, 1], [1, 1, 1], [1, 1, 1]]}

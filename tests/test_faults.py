@@ -231,7 +231,7 @@ def test_restarted_logger_against_the_server_logs_each_step_once(stack_ray):
     import mlflow
 
     from dspark.io import tracking
-    from jobs.train import TrainJobConfig
+    from dspark.training.config import TrainJobConfig
     from jobs.train_worker import RankZeroLogger
 
     cfg = TrainJobConfig.model_validate({"run_name": "r", "data": {"rollouts": "unused"},

@@ -232,7 +232,7 @@ def test_kuberay_train_job_fits_the_train_config():
     spec = load_yaml("infra/kuberay/rayjob-train.yaml")["spec"]
     _, config = check_entrypoint(spec["entrypoint"])
     from dspark.config import load_config
-    from jobs.train import TrainJobConfig
+    from dspark.training.config import TrainJobConfig
 
     cfg = load_config(TrainJobConfig, config)
     assert cfg.scaling.use_gpu, f"{config} must train on GPUs (scaling.use_gpu: true) for the GPU RayJob"

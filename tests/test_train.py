@@ -21,8 +21,10 @@ import torch
 
 from dspark.config import ConfigError
 from dspark.training.lr_schedule import lr_factor, warmup_steps
-from jobs.train import (TrainJobConfig, check_resume_matches, check_rollouts, deepspeed_config, prepare_run,
-                        training_steps)
+from dspark.training.config import TrainJobConfig
+from dspark.training.plan import check_resume_matches, deepspeed_config, training_steps
+from pipelines.rollout_store import check_rollouts
+from jobs.train import prepare_run
 from jobs.train_worker import collate
 
 WORDS = ("the a of to and in is it that for on with as was he she they we you are be this have from or one "

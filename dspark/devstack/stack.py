@@ -27,13 +27,14 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from dspark.devstack.config import (BUCKETS, HOST, SERVICES, StackConfig, StackError, client_env,  # noqa: F401
-                                    default_state_dir, load_credentials, load_env, write_env_file)
-from dspark.devstack.processes import (ServiceRecord, _last_log_line, _spawn, _wait_ports_free,  # noqa: F401
-                                       port_is_free, port_owner, proc_start_time, process_name,
-                                       session_processes, terminate)
+from dspark.devstack.config import (BUCKETS, HOST, SERVICES, StackConfig, StackError, client_env, load_credentials,
+                                    load_env, write_env_file)
+from dspark.devstack.processes import (ServiceRecord, _last_log_line, _spawn, _wait_ports_free, port_is_free,
+                                       port_owner, proc_start_time, process_name, session_processes, terminate)
 from dspark.io.http import http_ok
 from dspark.settings import settings
+
+__all__ = ["StackConfig", "StackError", "load_env", "up", "down", "status"]  # the CLI's and the demo's API
 
 
 # ---------------------------------------------------------------------------- service records
@@ -79,8 +80,6 @@ def check_ports_free(cfg: StackConfig, service: str) -> None:
         if not port_is_free(port):
             raise StackError(f"port {port} ({service} {role}) is already in use by {port_owner(port)}; "
                              f"stop that process or choose other ports with {cfg.primary_port_env(service)}")
-
-
 
 
 # ---------------------------------------------------------------------------- health checks

@@ -2,7 +2,7 @@
 
 S3 settings come from the environment: AWS_ENDPOINT_URL (or DSPARK_S3_ENDPOINT), AWS_ACCESS_KEY_ID,
 AWS_SECRET_ACCESS_KEY, AWS_REGION (default us-east-1). With the local stack, `source .dspark/env.sh`
-(or `os.environ.update(dspark.devstack.stack.load_env())`) sets all of them.
+(or `os.environ.update(dspark.devstack.config.load_env())`) sets all of them.
 
 A "directory" URI is a prefix: `list_files("s3://b/run1")` lists every object under `run1/`
 (recursively), just as it lists every file under a local directory. Missing objects raise

@@ -34,8 +34,7 @@ from pydantic import BaseModel
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from dspark.serve.protocol import (ApiError, ChatBody, CompletionBody, dump, validation_error)
-
+from dspark.serve.protocol import ApiError, ChatBody, CompletionBody, dump, validation_error
 from dspark.serve.service import OpenAIService
 
 log = logging.getLogger("dspark.serve")

@@ -11,7 +11,6 @@ from pydantic import Field
 from dspark.config import StrictModel
 from dspark.engine import Engine, EngineConfig
 
-
 log = logging.getLogger("dspark.serve")
 
 

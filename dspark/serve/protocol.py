@@ -25,7 +25,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from dspark.sampling import SamplingParams, Temperature, TopK, TopP
 
-
 # ---- errors ---------------------------------------------------------------------------------------------
 _ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 405: "invalid_request_error",
                 413: "invalid_request_error", 422: "invalid_request_error", 401: "authentication_error",

@@ -1,0 +1,72 @@
+"""What a training run will do, decided before it starts: the DeepSpeed JSON, the step count and the
+checks that a relaunch resumes the same run (same drafter architecture, ranks and ZeRO stage)."""
+from __future__ import annotations
+
+from dspark.config import ConfigError, config_to_dict
+from dspark.training.config import TRAINING_ONLY_FIELDS, TrainJobConfig
+
+
+# ----------------------------------------------------------------------------- plan
+def deepspeed_config(cfg: TrainJobConfig) -> dict:
+    """The DeepSpeed JSON for this run: batch geometry, clipping, ZeRO stage, precision.
+    Invariant: train_batch_size = micro x grad_accum x world = optim.global_batch_size."""
+    stage = cfg.deepspeed.zero_stage
+    zero: dict = {"stage": stage}
+    if stage >= 2:
+        zero.update(contiguous_gradients=True, overlap_comm=False,
+                    reduce_bucket_size=int(5e7), allgather_bucket_size=int(5e7))
+    if stage == 3:
+        zero.update(stage3_gather_16bit_weights_on_model_save=False, stage3_param_persistence_threshold=0)
+    ds = {
+        "train_batch_size": cfg.optim.global_batch_size,
+        "train_micro_batch_size_per_gpu": cfg.optim.micro_batch_size,
+        "gradient_accumulation_steps": cfg.grad_accum,
+        "gradient_clipping": cfg.optim.grad_clip,
+        "zero_optimization": zero,
+        "bf16": {"enabled": cfg.resolved_precision() == "bf16"},
+        "fp16": {"enabled": False},
+        "zero_allow_untested_optimizer": True,  # plain torch AdamW: no JIT-compiled FusedAdam on CPU
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+    return _deep_merge(ds, cfg.deepspeed.extra)
+
+
+def _deep_merge(base: dict, extra: dict) -> dict:
+    out = dict(base)
+    for key, value in extra.items():
+        out[key] = _deep_merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def training_steps(cfg: TrainJobConfig, num_rows: int) -> tuple[int, int]:
+    """(total optimizer steps, steps per epoch). Each worker gets num_rows // world rows (equal split)
+    and uses whole micro batches and whole accumulation groups only."""
+    world = cfg.scaling.num_workers
+    micro_per_epoch = (num_rows // world) // cfg.optim.micro_batch_size
+    steps_per_epoch = micro_per_epoch // cfg.grad_accum
+    if steps_per_epoch < 1:
+        raise ConfigError(f"rollouts {cfg.data.rollouts!r} have {num_rows} '{cfg.data.split}' rows, fewer than one "
+                          f"global batch ({cfg.optim.global_batch_size}); lower optim.global_batch_size or add data")
+    total = cfg.optim.max_steps or cfg.optim.epochs * steps_per_epoch
+    return total, steps_per_epoch
+
+
+def check_resume_matches(record: dict, cfg: TrainJobConfig) -> None:
+    """A relaunch must train the same drafter on the same target as the run it resumes."""
+    if record.get("target") != cfg.target:
+        raise ConfigError(f"run {cfg.run_name!r} was trained on target {record.get('target')!r}, not {cfg.target!r}; "
+                          f"use the original target or a new run_name")
+    old = {k: v for k, v in record.get("drafter", {}).items() if k not in TRAINING_ONLY_FIELDS}
+    new = {k: v for k, v in config_to_dict(cfg.drafter).items() if k not in TRAINING_ONLY_FIELDS}
+    changed = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
+    if changed:
+        raise ConfigError(f"run {cfg.run_name!r} has a drafter checkpoint with a different architecture "
+                          f"(changed: {changed}); restore those settings or use a new run_name")
+    # DeepSpeed's optimizer shards are per data-parallel rank and stage: both must stay the same.
+    layout = {"scaling.num_workers": (record.get("num_workers"), cfg.scaling.num_workers),
+              "deepspeed.zero_stage": (record.get("zero_stage"), cfg.deepspeed.zero_stage)}
+    moved = {k: old_new for k, old_new in layout.items() if old_new[0] is not None and old_new[0] != old_new[1]}
+    if moved:
+        raise ConfigError(f"run {cfg.run_name!r} was checkpointed with " + ", ".join(
+            f"{k}={o}" for k, (o, _) in moved.items()) + "; resuming needs the same values (or use a new run_name)")

@@ -15,7 +15,7 @@ its own wall-clock budget so the whole run stays inside the limit:
    the whole batch) until `--rollout-tokens` generated tokens or the rollout budget;
 3. training: the three drafters (configs/train/<target>-<algo>.yaml `drafter:`/`optim:` sections, the
    baselines as their references train them) take the same length-bucketed batches in the same
-   order, step by step, through the library's single-device step (dspark.training_loop.LocalTrainer:
+   order, step by step, through the library's single-device step (dspark.training.loop.LocalTrainer:
    bf16 autocast on CUDA, fp32 on CPU); the step count comes from a timed probe and the budget;
 4. evaluation on the device, first turn of each prompt of gsm8k, math500, humaneval, mbpp and
    mt-bench (data/eval), temperature 1: τ per benchmark, per-position conditional acceptance, batch-1
@@ -168,8 +168,8 @@ def load_recipe(target_name: str, algo: str) -> tuple[dict, dict, int]:
 
 def batch_stream(rows: list[dict], args, max_len: int, pad_id: int):
     """Endless (epoch, collated batch, index batch): a new permutation per epoch, length-bucketed in
-    windows of `--bucket-window` batches (dspark.batching); identical for every drafter."""
-    from dspark.batching import bucketed_batches, collate
+    windows of `--bucket-window` batches (dspark.training.batching); identical for every drafter."""
+    from dspark.training.batching import bucketed_batches, collate
 
     lengths = [min(len(r["input_ids"]), max_len) for r in rows]
     rng, epoch = random.Random(args.seed), 0
@@ -186,7 +186,7 @@ def batch_stream(rows: list[dict], args, max_len: int, pad_id: int):
 def build_trainers(target, args, precision: str) -> tuple[dict, dict]:
     from dspark.drafters import build_drafter
     from dspark.drafters.config import DrafterConfig
-    from dspark.training_loop import LocalTrainer
+    from dspark.training.loop import LocalTrainer
     from dspark.training.config import OptimSection
 
     recipes, trainers = {}, {}
@@ -200,14 +200,14 @@ def build_trainers(target, args, precision: str) -> tuple[dict, dict]:
     return trainers, recipes
 
 
-def chunks_for(algo: str, args) -> int:
-    """Dense Eagle3 TTT supervises every position × ttt_steps over the full vocabulary: split its batch."""
-    return args.eagle3_chunks if algo == "eagle3" else 1
+def chunks_for(trainer, args) -> int:
+    """Dense TTT (Eagle3) supervises every position × ttt_steps over the full vocabulary: split its batch."""
+    return args.eagle3_chunks if trainer.drafter.trains_every_position else 1
 
 
 def train_all(target, rows: list[dict], args, precision: str, deadline: float) -> tuple[dict, dict]:
-    from dspark.batching import bucketed_batches, padding_fraction
-    from dspark.training_loop import peak_flops
+    from dspark.training.batching import bucketed_batches, padding_fraction
+    from dspark.training.loop import peak_flops
 
     trainers, recipes = build_trainers(target, args, precision)
     max_len = args.max_seq_len or recipes["dspark"]["max_seq_len"]
@@ -215,10 +215,10 @@ def train_all(target, rows: list[dict], args, precision: str, deadline: float) -
     probe = next(stream)[1]
     per_algo_s = {}
     for algo, t in trainers.items():  # timed probe: forward + backward, no update
-        t.step(probe, 0, update=False, chunks=chunks_for(algo, args))
+        t.step(probe, 0, update=False, chunks=chunks_for(t, args))
         sync(args.device)
         start = time.perf_counter()
-        t.step(probe, 1, update=False, chunks=chunks_for(algo, args))
+        t.step(probe, 1, update=False, chunks=chunks_for(t, args))
         sync(args.device)
         per_algo_s[algo] = time.perf_counter() - start
     budget = max(0.0, deadline - time.time())
@@ -235,7 +235,7 @@ def train_all(target, rows: list[dict], args, precision: str, deadline: float) -
         last = {}
         for algo, t in trainers.items():
             t0 = time.perf_counter()
-            last[algo] = t.step(batch, args.seed * 1_000_003 + step, chunks=chunks_for(algo, args))
+            last[algo] = t.step(batch, args.seed * 1_000_003 + step, chunks=chunks_for(t, args))
             sync(args.device)
             busy[algo] += time.perf_counter() - t0
             totals[algo]["tokens"] += last[algo]["tokens"]
@@ -467,7 +467,7 @@ def main(argv=None) -> int:
         unpack(args.out, args.unpack)
         return 0
     from dspark.target import load_target
-    from dspark.training_loop import resolve_precision
+    from dspark.training.loop import resolve_precision
 
     t0 = time.time()
     out = Path(args.out)

@@ -16,9 +16,9 @@ worker, seconds per optimizer step, and peak memory per worker (max RSS on CPU, 
 the maximum over workers). Checkpoints go to a temporary directory; MLflow is off. The last stdout
 line is one JSON object.
 
---compare runs the library's single-device step (dspark.training_loop.LocalTrainer, as the GPU recipe)
+--compare runs the library's single-device step (dspark.training.loop.LocalTrainer, as the GPU recipe)
 on rollouts of random lengths (uniform in [--min-len, --seq-len], a quarter prompt): the same rows
-grouped as they come (padded to each batch's longest row) and length-bucketed (dspark.batching,
+grouped as they come (padded to each batch's longest row) and length-bucketed (dspark.training.batching,
 --bucket-window batches per window), in fp32, and in bf16 too on CUDA. Reported per variant:
 training tokens/s (non-padding tokens; the first step is not timed), the padding share of the
 processed positions, model TFLOP/s and MFU where the device's peak is known. The two groupings'
@@ -147,9 +147,9 @@ def measure_interleaved(base, target, rows: list[dict], args, precision: str) ->
     its own and the first step of each run (warm-up) is not timed."""
     import torch
 
-    from dspark.batching import bucketed_batches, collate, padding_fraction
+    from dspark.training.batching import bucketed_batches, collate, padding_fraction
     from dspark.drafters import build_drafter
-    from dspark.training_loop import LocalTrainer, peak_flops
+    from dspark.training.loop import LocalTrainer, peak_flops
 
     lengths = [len(r["input_ids"]) for r in rows]
     runs = {}
@@ -186,7 +186,7 @@ def compare(args) -> dict:
 
     from dspark.config import load_config
     from dspark.target import load_target
-    from dspark.training_loop import resolve_precision
+    from dspark.training.loop import resolve_precision
     from dspark.training.config import TrainJobConfig
 
     base = load_config(TrainJobConfig, REPO_ROOT / args.config, ["data.rollouts=unused"])

@@ -1,14 +1,14 @@
-"""Length bucketing (dspark/batching.py) and the single-device training step / FLOPs accounting
-(dspark/training_loop.py) on real tiny objects."""
+"""Length bucketing (dspark/training/batching.py) and the single-device training step / FLOPs accounting
+(dspark/training/loop.py) on real tiny objects."""
 import random
 
 import numpy as np
 import pytest
 import torch
 
-from dspark.batching import bucketed_batches, collate, padding_fraction, regroup_by_length
+from dspark.training.batching import bucketed_batches, collate, padding_fraction, regroup_by_length
 from dspark.drafters import DrafterConfig, build_drafter
-from dspark.training_loop import FlopsModel, LocalTrainer, Throughput, autocast, resolve_precision
+from dspark.training.loop import FlopsModel, LocalTrainer, Throughput, autocast, resolve_precision
 from dspark.target import build_tiny_model
 from dspark.training.config import OptimSection
 

@@ -87,6 +87,7 @@ class StubDrafter(nn.Module):
         super().__init__()
         self.config = DrafterConfig(algo=algo, block_size=2, anchors_per_seq=4, loss_norm=loss_norm)
         self.layer_ids = [0]
+        self.trains_every_position = False  # sampled anchors, as DSpark/DFlash train
         self.bias = nn.Parameter(torch.zeros(()))
         self.logits, self.conf_logits = logits, conf_logits
         self.seen = None

@@ -25,7 +25,7 @@ from dspark.training.config import TrainJobConfig
 from dspark.training.plan import check_resume_matches, deepspeed_config, training_steps
 from pipelines.rollout_store import check_rollouts
 from jobs.train import prepare_run
-from jobs.train_worker import collate
+from dspark.training.batching import collate
 
 WORDS = ("the a of to and in is it that for on with as was he she they we you are be this have from or one "
          "had by word but not what all were when your can said there use an each which do how their").split()
@@ -243,7 +243,7 @@ def test_session_zero3_checkpoint_resumes_exactly_and_exports(tmp_path, gloo_wor
     drafter has a draft vocabulary (the driver's plan["draft_ids"]; full-vocabulary training runs in the
     Ray Train tests below), so its d2t/t2d maps go through ZeRO-3 checkpoints and the export too."""
     from dspark.drafters import load_drafter
-    from jobs.train_worker import TrainSession
+    from dspark.training.session import TrainSession
 
     cfg = job_config("x", **{"deepspeed.zero_stage": 3, "scaling.num_workers": 1, "optim.max_steps": 4,
                              "optim.global_batch_size": 4, "drafter.draft_vocab_size": 24})

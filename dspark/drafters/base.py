@@ -227,6 +227,17 @@ class Drafter(nn.Module):
                              f"{tuple(features.shape)} and {tuple(token_ids.shape)}")
 
     @property
+    def slots_per_anchor(self) -> int:
+        """Drafter positions computed per training anchor (what a step's FLOPs scale with)."""
+        return self.block_len
+
+    @property
+    def trains_every_position(self) -> bool:
+        """True when training supervises every eligible position (Eagle3's dense TTT) rather than the
+        sampled anchors."""
+        return False
+
+    @property
     def has_confidences(self) -> bool:
         """True when proposals carry confidences c_1..c_γ (what the dynamic/threshold schedulers, the
         threshold sweep and STS calibration need). Only DSpark with its confidence head has them."""

@@ -64,6 +64,14 @@ class Eagle3Drafter(Drafter):
         self.norm = RMSNorm(d, c.rms_norm_eps)
         init_weights(self, c.init_std)
 
+    @property
+    def slots_per_anchor(self) -> int:
+        return self.config.ttt_steps  # the unrolled training-time-test steps
+
+    @property
+    def trains_every_position(self) -> bool:
+        return self.config.dense_ttt
+
     def fused(self, features: Tensor) -> Tensor:
         return self.fc(features.to(self.device, self.dtype))
 

@@ -20,7 +20,7 @@ class DataSection(StrictModel):
     split: str = "train"  # rows with this `split` value are trained on
     max_seq_len: int = Field(1024, ge=8)  # sequences are cut to this many tokens (prompt + response)
     shuffle_buffer: int = Field(0, ge=0)  # rows in each worker's local shuffle buffer (0 = file order)
-    bucket_window: int = Field(8, ge=0, description="length bucketing (dspark/batching.py): each worker sorts "
+    bucket_window: int = Field(8, ge=0, description="length bucketing (dspark/training/batching.py): each worker sorts "
                                "this many micro batches' rows by length and re-cuts them into batches of the "
                                "same size, in a shuffled order, so padding stays a few percent (0/1 = off)")
 

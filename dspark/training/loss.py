@@ -62,7 +62,7 @@ def drafter_loss(drafter, target, input_ids: Tensor, loss_mask: Tensor, attentio
     input_ids, loss_mask = input_ids.to(device), loss_mask.to(device)
     attention_mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(device)
 
-    if cfg.algo == "eagle3" and cfg.dense_ttt:
+    if model.trains_every_position:
         anchors, valid = all_anchors(loss_mask, attention_mask)
     else:
         anchors, valid = sample_anchors(loss_mask, attention_mask, cfg.anchors_per_seq, generator)

@@ -73,8 +73,7 @@ class FlopsModel:
     @classmethod
     def of(cls, target, drafter) -> "FlopsModel":
         model = getattr(drafter, "module", drafter)
-        cfg = model.config
-        slots = cfg.ttt_steps if cfg.algo == "eagle3" else getattr(model, "block_len", cfg.block_size + 1)
+        slots = model.slots_per_anchor
         return cls(param_count(target.model), param_count(model, trainable_only=True), int(target.hidden_size),
                    int(target.vocab_size), int(slots))
 

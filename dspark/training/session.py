@@ -1,0 +1,307 @@
+"""One worker's training session, usable without Ray (a single process in tests, the GPU recipe's
+lockstep trainer uses the same loss): the frozen target, a DeepSpeed engine around the drafter and its
+loss, checkpoints, and the step loop with exact resume.
+
+Per micro batch `dspark.training.loss.drafter_loss` runs the target to get the context features and the
+target distributions at the supervised positions only (online: nothing is cached on disk), then the
+drafter loss; DeepSpeed accumulates gradients to the global batch, clips, steps AdamW (a plain torch
+optimizer: no JIT-compiled ops on CPU) and the warmup+cosine schedule.
+
+Why online features: a precomputed target cache (what the public reference does) stores the fused
+hidden states of every training token, ~30 KB per token for a 4B target (5 layers x 2560 x bf16), i.e.
+tens of TB for a 1-2 B-token dataset, written once and re-read every epoch. Here that storage and its
+I/O are zero; the price is one no-grad target forward per sequence per epoch (~2·N FLOPs/token, N the
+target size) and the LM head only at the supervised positions (d-dim states, never V-dim logits
+over the whole sequence).
+
+Step bookkeeping: `step` = optimizer steps done. With S steps per epoch and G micro batches per step,
+step s lives in epoch s // S and starts after micro batch (s % S)·G of that epoch, so a checkpoint
+only needs `step` to resume exactly where it left off.
+"""
+from __future__ import annotations
+
+import json
+import os
+import resource
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable
+
+import numpy as np
+import torch
+from torch import nn
+
+from dspark.training.batching import collate
+
+
+DS_TAG = "deepspeed"  # DeepSpeed checkpoint tag (sub-folder) inside each Ray checkpoint
+
+
+DRAFTER_DIR = "drafter"  # HF-style drafter export inside each Ray checkpoint
+
+
+STATE_FILE = "train_state.json"
+
+
+# ----------------------------------------------------------------------------- engine
+class LossModule(nn.Module):
+    """Wraps drafter + loss so the DeepSpeed engine's forward sees a tensor loss (its backward hooks and
+    ZeRO-3 parameter gathering need the forward to go through the engine). The target is held by
+    reference, outside the module tree: DeepSpeed never sees (or partitions) its weights."""
+
+    def __init__(self, drafter: nn.Module, target):
+        super().__init__()
+        self.drafter = drafter
+        object.__setattr__(self, "target", target)
+
+    def forward(self, input_ids, loss_mask, attention_mask, generator):
+        from dspark.training.loss import drafter_loss
+
+        out = drafter_loss(self.drafter, self.target, input_ids, loss_mask, attention_mask, generator)
+        return out.loss, out.metrics
+
+
+def precision_dtype(precision: str) -> torch.dtype:
+    return torch.bfloat16 if precision == "bf16" else torch.float32
+
+
+def resolve_precision(plan: dict, requested: str, device: torch.device) -> dict:
+    """bf16 needs hardware support: "auto" falls back to fp32 on GPUs without it, an explicit "bf16" fails."""
+    if plan["precision"] != "bf16" or device.type != "cuda" or torch.cuda.is_bf16_supported():
+        return plan
+    if requested == "bf16":
+        raise RuntimeError(f"bf16 is not supported on {torch.cuda.get_device_name(device)}; "
+                           f"set deepspeed.precision=fp32 (or auto)")
+    ds_config = {**plan["ds_config"], "bf16": {"enabled": False}}
+    return {**plan, "precision": "fp32", "ds_config": ds_config}
+
+
+def init_engine(cfg, plan: dict, target):
+    """Build the drafter (same seed on every rank) and wrap it in a DeepSpeed engine."""
+    import deepspeed
+
+    from dspark.drafters import build_drafter
+    from dspark.training.lr_schedule import build_scheduler
+
+    if target.device.type == "cpu":
+        # DeepSpeed's CPU shared-memory allreduce is JIT-compiled on first use (minutes): use gloo's.
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    torch.manual_seed(cfg.optim.seed)
+    draft_ids = plan.get("draft_ids")  # the driver's draft vocabulary (jobs.train.build_draft_vocab)
+    drafter = build_drafter(cfg.drafter, target, draft_ids=None if draft_ids is None else torch.tensor(draft_ids))
+    drafter.train()
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), eps=cfg.optim.eps,
+                                  weight_decay=cfg.optim.weight_decay)
+    schedule = (plan["total_steps"], cfg.optim.warmup_ratio, cfg.optim.schedule, cfg.optim.min_lr_ratio)
+    engine, _, _, _ = deepspeed.initialize(
+        model=LossModule(drafter, target), optimizer=optimizer, config=plan["ds_config"],
+        lr_scheduler=lambda opt: build_scheduler(opt, *schedule))  # stepped by DeepSpeed per optimizer step
+    return engine
+
+
+def drafter_of(engine) -> nn.Module:
+    return engine.module.drafter
+
+
+# ----------------------------------------------------------------------------- session
+@dataclass
+class StepResult:
+    step: int
+    metrics: dict[str, float]  # rank-averaged loss terms + lr, grad_norm, tokens_per_s, ...
+
+
+@dataclass
+class TrainSession:
+    """One worker's training state: target, DeepSpeed engine, step counter. Drive it with `run`."""
+
+    cfg: object  # jobs.train.TrainJobConfig
+    plan: dict
+    rank: int
+    world: int
+    device: torch.device
+    engine: object = None
+    target: object = None
+    step: int = 0
+    restored_from: int | None = None
+    restarts: int = 0
+    _tokens: int = 0
+    _metric_sums: dict = field(default_factory=dict)
+    _micro: int = 0
+    _t_last: float = 0.0
+    _grad_norm: float | None = None
+    _lr: float = 0.0  # lr of the last optimizer step (DeepSpeed steps the schedule right after it)
+    _steps_here: int = 0  # optimizer steps taken since this process started (or resumed)
+    _timed: tuple = (0.0, 0)  # (time of this launch's first step, tokens since then)
+    _flops: float = 0.0  # model FLOPs of the micro batches since the last step_metrics (training_loop.FlopsModel)
+    _flops_model: object = None
+
+    def setup(self) -> "TrainSession":
+        from dspark.target import load_target
+
+        self.plan = resolve_precision(self.plan, self.cfg.deepspeed.precision, self.device)
+        precision = self.plan["precision"]
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.target = load_target(self.cfg.target, dtype=precision_dtype(precision), device=str(self.device))
+        self.engine = init_engine(self.cfg, self.plan, self.target)
+        from dspark.training.loop import FlopsModel
+
+        self._flops_model = FlopsModel.of(self.target, drafter_of(self.engine))
+        return self
+
+    # ---- checkpoints ---------------------------------------------------------------------
+    def save(self, out_dir: str) -> None:
+        """Collective: every rank writes its DeepSpeed shards; rank 0 adds the drafter export and state."""
+        self.engine.save_checkpoint(out_dir, tag=DS_TAG, client_state={"step": self.step})
+        self.export_drafter(os.path.join(out_dir, DRAFTER_DIR))
+        if self.rank == 0:
+            state = {"step": self.step, "restored_from": self.restored_from, "restarts": self.restarts,
+                     "target_meta": self.target.meta(), "world_size": self.world,
+                     "zero_stage": self.plan["ds_config"]["zero_optimization"]["stage"]}
+            Path(out_dir, STATE_FILE).write_text(json.dumps(state, indent=2))
+
+    def export_drafter(self, out_dir: str) -> None:
+        """HF-style drafter directory (rank 0). Under ZeRO-3 the weights are gathered first (collective)."""
+        from dspark.drafters import save_drafter
+
+        drafter = drafter_of(self.engine)
+        if self.plan["ds_config"]["zero_optimization"]["stage"] == 3:
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters(list(drafter.parameters()), modifier_rank=None):
+                if self.rank == 0:
+                    save_drafter(drafter, out_dir)
+        elif self.rank == 0:
+            save_drafter(drafter, out_dir)
+
+    def restore(self, ckpt_dir: str) -> None:
+        state_path = Path(ckpt_dir, STATE_FILE)
+        state = json.loads(state_path.read_text()) if state_path.exists() else {}
+        check_same_target(state.get("target_meta"), self.target, ckpt_dir)
+        load_path, client = self.engine.load_checkpoint(ckpt_dir, tag=DS_TAG, load_optimizer_states=True,
+                                                        load_lr_scheduler_states=True)
+        if load_path is None:
+            raise RuntimeError(f"checkpoint {ckpt_dir} holds no DeepSpeed state under '{DS_TAG}/'")
+        self.step = int(client["step"])
+        self.restored_from = self.step
+        self.restarts = int(state.get("restarts", 0)) + 1
+
+    # ---- training ------------------------------------------------------------------------
+    def micro_step(self, batch: dict[str, torch.Tensor], generator: torch.Generator) -> None:
+        """Forward + backward one micro batch; DeepSpeed steps the optimizer at accumulation boundaries."""
+        batch = {k: v.to(self.device) for k, v in batch.items()}
+        loss, metrics = self.engine(batch["input_ids"], batch["loss_mask"], batch["attention_mask"], generator)
+        self.engine.backward(loss)
+        if self._boundary():
+            self._grad_norm, self._lr = self._manual_grad_norm(), float(self.engine.get_lr()[0])
+        self.engine.step()
+        self._micro += 1
+        tokens = int(batch["attention_mask"].sum())
+        self._tokens += tokens
+        self._flops += self._flops_model.train_flops(tokens, metrics["n_anchors"], metrics["n_supervised"])
+        for key, value in {"loss": float(loss.detach()), **metrics}.items():
+            self._metric_sums[key] = self._metric_sums.get(key, 0.0) + float(value)
+
+    def _boundary(self) -> bool:
+        return (self._micro + 1) % self.plan["grad_accum"] == 0
+
+    def _manual_grad_norm(self) -> float | None:
+        """ZeRO stage 0 in fp32 does not record the clipped norm: compute it (grads are reduced by now)."""
+        if self.plan["ds_config"]["zero_optimization"]["stage"] != 0:
+            return None
+        sq = [p.grad.detach().float().pow(2).sum() for p in self.engine.module.parameters() if p.grad is not None]
+        return float(torch.stack(sq).sum().sqrt()) if sq else 0.0
+
+    def step_metrics(self) -> dict[str, float]:
+        """Metrics of the micro batches since the last call, averaged over micro batches and ranks
+        (tokens summed, memory the maximum over ranks). `mean_tokens_per_s` covers this launch's
+        steps after its first (start-up and warm-up excluded)."""
+        import torch.distributed as dist
+
+        local = {k: v / max(1, self._micro) for k, v in self._metric_sums.items()}
+        payload = {"metrics": local, "tokens": self._tokens, "flops": self._flops, "mem": peak_memory_gb(self.device)}
+        gathered = [None] * self.world
+        if dist.is_available() and dist.is_initialized() and self.world > 1:
+            dist.all_gather_object(gathered, payload)
+        else:
+            gathered = [payload]
+        now = time.perf_counter()
+        out = average_dicts([g["metrics"] for g in gathered])
+        tokens = sum(g["tokens"] for g in gathered)
+        norm = self.engine.get_global_grad_norm()
+        norm = self._grad_norm if norm is None else norm
+        out.update({"lr": self._lr, "tokens": float(tokens), "tokens_per_s": tokens / max(1e-9, now - self._t_last),
+                    "step_time_s": now - self._t_last, "peak_mem_gb": max(g["mem"] for g in gathered)})
+        if norm is not None:
+            out["grad_norm"] = float(norm)
+        out.update(flops_metrics(sum(g["flops"] for g in gathered), now - self._t_last, self.device,
+                                 self.plan["precision"], len(gathered)))
+        self._steps_here += 1
+        if self._steps_here == 1:
+            self._timed = (now, 0)
+        else:
+            self._timed = (self._timed[0], self._timed[1] + tokens)
+            out["mean_tokens_per_s"] = self._timed[1] / max(1e-9, now - self._timed[0])
+        self._metric_sums, self._micro, self._tokens, self._flops, self._t_last = {}, 0, 0, 0.0, now
+        return out
+
+    def run(self, epoch_batches: Callable[[int], Iterable[dict]],
+            on_step: Callable[[StepResult], None]) -> None:
+        """Train from `self.step` to plan['total_steps']. `epoch_batches(epoch)` yields raw row batches
+        (dict of columns); `on_step` is called after every optimizer step on every rank."""
+        total, per_epoch, accum = self.plan["total_steps"], self.plan["steps_per_epoch"], self.plan["grad_accum"]
+        pad_id, max_len = self.target.pad_token_id, self.cfg.data.max_seq_len
+        self._t_last = time.perf_counter()
+        while self.step < total:
+            epoch, done_in_epoch = divmod(self.step, per_epoch)
+            first, last = done_in_epoch * accum, per_epoch * accum  # micro batch range still to train on
+            for index, rows in enumerate(epoch_batches(epoch)):
+                if self.step >= total:
+                    break
+                if not first <= index < last:
+                    continue  # already trained on (resume) or the tail that does not fill a global batch
+                generator = torch.Generator().manual_seed(micro_seed(self.cfg.optim.seed, self.rank, epoch, index))
+                self.micro_step(collate(rows, max_len, pad_id), generator)
+                if (index + 1) % accum == 0:
+                    self.step += 1
+                    on_step(StepResult(self.step, {**self.step_metrics(), "epoch": float(epoch)}))
+
+
+def flops_metrics(flops: float, seconds: float, device: torch.device, precision: str, world: int) -> dict:
+    """model_tflops_per_s over all ranks, and mfu where the device's peak is known (dspark/training/loop.py)."""
+    from dspark.training.loop import peak_flops
+
+    out = {"model_tflops_per_s": flops / max(seconds, 1e-9) / 1e12}
+    peak = peak_flops(device, precision)
+    if peak:
+        out["mfu"] = flops / max(seconds, 1e-9) / (peak * world)
+    return out
+
+
+def micro_seed(seed: int, rank: int, epoch: int, index: int) -> int:
+    """Anchor-sampling seed of one micro batch: distinct per rank/epoch/batch, identical on a rerun."""
+    return (seed * 1_000_003 + rank * 7_919 + epoch * 104_729 + index) % (2**63 - 1)
+
+
+def average_dicts(dicts: list[dict[str, float]]) -> dict[str, float]:
+    keys = sorted({k for d in dicts for k in d})
+    return {k: float(np.mean([d[k] for d in dicts if k in d])) for k in keys}
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux: KiB
+
+
+def check_same_target(meta: dict | None, target, source: str) -> None:
+    if not meta:
+        return
+    mine = target.meta()
+    diff = [k for k in ("name", "hidden_size", "vocab_size", "num_layers") if meta.get(k) != mine.get(k)]
+    if diff:
+        raise ValueError(f"checkpoint {source} was trained with target {meta.get('name')!r} "
+                         f"({ {k: meta.get(k) for k in diff} }), but this run loads {mine['name']!r} "
+                         f"({ {k: mine.get(k) for k in diff} }); use the original target or a new run_name")

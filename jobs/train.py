@@ -23,10 +23,9 @@ from dspark.config import ConfigError, config_to_dict, dump_config, flatten
 from dspark.io.storage import StorageError
 from dspark.io.tracking import TrackingError
 from dspark.training.config import TrainJobConfig
-from dspark.training.plan import check_resume_matches, deepspeed_config, training_steps
+from dspark.training.plan import RunDir, check_resume_matches, deepspeed_config, training_steps
 from pipelines.rollout_store import check_rollouts, parquet_paths
 
-RUN_RECORD = "dspark_run.json"  # beside Ray Train's own files in <storage_path>/<run_name>/
 
 
 def check_target_spec(spec: str) -> None:
@@ -50,49 +49,14 @@ def check_target_spec(spec: str) -> None:
 
 
 # ----------------------------------------------------------------------------- run record / MLflow
-def run_dir(cfg: TrainJobConfig) -> str:
-    from dspark.io import storage
-
-    return storage.join(cfg.checkpoint.storage_path, cfg.run_name)
-
-
-def read_run_record(cfg: TrainJobConfig) -> dict | None:
-    from dspark.io import storage
-
-    uri = storage.join(run_dir(cfg), RUN_RECORD)
-    return json.loads(storage.read_text(uri)) if storage.exists(uri) else None
-
-
-def write_run_record(cfg: TrainJobConfig, record: dict) -> None:
-    from dspark.io import storage
-
-    storage.write_text(storage.join(run_dir(cfg), RUN_RECORD), json.dumps(record, indent=2))
-
-
-def git_sha() -> str:
-    """The source commit (DSPARK_GIT_COMMIT from the launcher, else git), or "unknown"."""
-    from dspark.io import tracking
-
-    return tracking.git_commit() or "unknown"
-
-
-def package_versions() -> dict[str, str]:
-    from importlib.metadata import PackageNotFoundError, version
-
-    out = {}
-    for name in ("dspark", "torch", "ray", "deepspeed", "transformers", "mlflow", "pyarrow"):
-        try:
-            out[f"version.{name}"] = version(name)
-        except PackageNotFoundError:
-            out[f"version.{name}"] = "not-installed"
-    return out
-
-
 def run_params(cfg: TrainJobConfig, num_rows: int, total_steps: int) -> dict:
+    from dspark.io import lineage, tracking
+
     params = flatten(config_to_dict(cfg))
-    params.update(package_versions())
-    params.update({"git_sha": git_sha(), "world_size": cfg.scaling.num_workers, "grad_accum": cfg.grad_accum,
-                   "train_rows": num_rows, "total_steps": total_steps, "precision": cfg.resolved_precision()})
+    params.update(lineage.package_versions())
+    params.update({"git_sha": tracking.git_commit() or "unknown", "world_size": cfg.scaling.num_workers,
+                   "grad_accum": cfg.grad_accum, "train_rows": num_rows, "total_steps": total_steps,
+                   "precision": cfg.resolved_precision()})
     return params
 
 
@@ -203,28 +167,29 @@ def prepare_run(cfg: TrainJobConfig) -> dict:
     from dspark.io import storage, tracking
 
     check_cluster_fits(cfg)
-    storage.check_writable(run_dir(cfg))
+    run_dir = RunDir.of(cfg)
+    storage.check_writable(run_dir.uri)
     if cfg.tracking.enabled:
         tracking.check_reachable()
     check_target_spec(cfg.target)
     files, num_rows = check_rollouts(cfg.data.rollouts, cfg.data.split)
     total_steps, steps_per_epoch = training_steps(cfg, num_rows)
     vocab = build_draft_vocab(cfg, files)
-    record = read_run_record(cfg)
+    record = run_dir.read_record()
     if record:
         check_resume_matches(record, cfg)
         if record.get("completed_steps", 0) >= total_steps:
             return {"already_complete": True, "total_steps": total_steps, "record": record}
-        print(f"[train] resuming run {cfg.run_name!r} from {run_dir(cfg)}", file=sys.stderr)
+        print(f"[train] resuming run {cfg.run_name!r} from {run_dir.uri}", file=sys.stderr)
     ds_config = deepspeed_config(cfg)
     run_id = open_mlflow_run(cfg, record, run_params(cfg, num_rows, total_steps))
     record = {**(record or {}), "run_name": cfg.run_name, "target": cfg.target,
               "drafter": config_to_dict(cfg.drafter), "mlflow_run_id": run_id,
               "mlflow_experiment": cfg.tracking.experiment, "num_workers": cfg.scaling.num_workers,
               "zero_stage": cfg.deepspeed.zero_stage, "launches": (record or {}).get("launches", 0) + 1}
-    write_run_record(cfg, record)
-    storage.write_text(storage.join(run_dir(cfg), "config.yaml"), dump_config(cfg))
-    storage.write_text(storage.join(run_dir(cfg), "ds_config.json"), json.dumps(ds_config, indent=2))
+    run_dir.write_record(record)
+    run_dir.write_text("config.yaml", dump_config(cfg))
+    run_dir.write_text("ds_config.json", json.dumps(ds_config, indent=2))
     return {"total_steps": total_steps, "steps_per_epoch": steps_per_epoch, "train_rows": num_rows,
             "grad_accum": cfg.grad_accum, "precision": cfg.resolved_precision(), "ds_config": ds_config,
             "mlflow_run_id": run_id, "launch": record["launches"], "files": files, **vocab}
@@ -258,28 +223,17 @@ def finish_run(cfg: TrainJobConfig, plan: dict, result) -> dict:
     return summary
 
 
-def register_drafter(run_id: str, name: str, alias: str, attempts: int = 3) -> str:
-    """Register the run's `drafter` artifact directory as a new version of `name` and point `alias`
-    at it; returns the version. Transient errors are retried; a final failure raises TrackingError
-    (the trained drafter stays in the checkpoint and the run's artifacts)."""
-    from mlflow import MlflowClient
+def register_drafter(run_id: str, name: str, alias: str) -> str:
+    """Register the run's `drafter` artifacts as a new version of `name` with `alias`; a failure keeps
+    the trained drafter (checkpoint and run artifacts) and says how to register it."""
+    from dspark.io import tracking
 
-    for attempt in range(1, attempts + 1):
-        try:
-            client = MlflowClient()
-            if not client.search_registered_models(filter_string=f"name = '{name}'"):
-                client.create_registered_model(name, description="dspark drafter (jobs.train)")
-            source = f"{client.get_run(run_id).info.artifact_uri.rstrip('/')}/drafter"
-            version = client.create_model_version(name, source, run_id=run_id).version
-            client.set_registered_model_alias(name, alias, version)
-            return str(version)
-        except Exception as err:  # noqa: BLE001 - MLflow raises many types for transient failures
-            if attempt == attempts:
-                raise TrackingError(f"registering the drafter of run {run_id} as {name!r} failed: {err}; the "
-                                    f"drafter is logged under the run's 'drafter' artifacts — register it by "
-                                    f"hand or rerun the same run_name") from err
-            time.sleep(2 ** attempt)
-    raise AssertionError("unreachable")
+    try:
+        return tracking.register_model_version(run_id, name, "drafter", [alias],
+                                               description="dspark drafter (jobs.train)")
+    except TrackingError as err:
+        raise TrackingError(f"{err}; the drafter is logged under the run's 'drafter' artifacts — register it by "
+                            f"hand or rerun the same run_name") from err
 
 
 def checkpoint_uri(cfg: TrainJobConfig, checkpoint) -> str | None:
@@ -321,7 +275,8 @@ def run(cfg: TrainJobConfig) -> dict:
             tracking.end_run("FAILED")
         raise
     summary = finish_run(cfg, plan, result)
-    write_run_record(cfg, {**read_run_record(cfg), "completed_steps": int(summary["metrics"].get("step", 0))})
+    run_dir = RunDir.of(cfg)
+    run_dir.write_record({**run_dir.read_record(), "completed_steps": int(summary["metrics"].get("step", 0))})
     summary["wall_s"] = round(time.perf_counter() - start, 1)
     return summary
 

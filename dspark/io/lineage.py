@@ -62,3 +62,18 @@ def write_runtime_env(base: str | os.PathLike, out: str | os.PathLike) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(yaml.safe_dump(data, sort_keys=False))
     return out
+
+
+def package_versions(names: tuple[str, ...] = ("dspark", "torch", "ray", "deepspeed", "transformers", "mlflow",
+                                               "pyarrow")) -> dict[str, str]:
+    """{"version.<package>": installed version or "not-installed"}, logged as run params."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for name in names:
+        try:
+            out[f"version.{name}"] = version(name)
+        except PackageNotFoundError:
+            out[f"version.{name}"] = "not-installed"
+    return out
+

@@ -123,28 +123,26 @@ def load_drafter_ref(ref: str, target=None, device=None):
 
 # ---- helpers ---------------------------------------------------------------------------------------
 def _cache_root() -> Path:
-    return Path(os.environ.get("DSPARK_CACHE", Path.home() / ".cache" / "dspark")) / "drafters"
+    from dspark.settings import settings
+
+    return settings().cache / "drafters"
 
 
 def _mlflow_client():
-    import mlflow
-
     from dspark.io import tracking
 
-    mlflow.set_tracking_uri(tracking.tracking_uri())  # MLFLOW_TRACKING_URI or the local default store
-    return mlflow.MlflowClient()
+    return tracking.registry_client()  # of MLFLOW_TRACKING_URI or the local default store
 
 
 def _download_mlflow(uri: str, dest: Path, source: dict[str, str]) -> None:
     """Download into a temp dir next to `dest`, then rename (a half-downloaded dir is never visible).
     `source` is kept beside the files as _source.json (which server and run they came from)."""
-    import mlflow
+    from dspark.io import tracking
 
-    _mlflow_client()
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = tempfile.mkdtemp(dir=dest.parent, prefix=".download-")
     try:
-        mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=tmp)
+        tracking.download_artifacts(uri, tmp)
         Path(tmp, "_source.json").write_text(json.dumps(source, indent=2))
         os.rename(tmp, dest)
     except OSError:

@@ -633,3 +633,14 @@ def register_model_version(run_id: str, name: str, artifact_path: str, aliases: 
 
     return _retry(f"registering {artifact_path} of run {run_id} as {name!r}", register, raise_on_failure=True)
 
+
+def registry_client():
+    """The MlflowClient of the current tracking URI, for registry lookups (model versions, aliases)."""
+    return _client()
+
+
+def download_artifacts(artifact_uri: str, dst_path: str) -> str:
+    """Download a runs:/, models:/ or artifact URI into `dst_path`; returns the local path."""
+    mlflow = _configure()
+    return mlflow.artifacts.download_artifacts(artifact_uri=artifact_uri, dst_path=dst_path)
+

@@ -1,5 +1,6 @@
 """The GPU recipe: prompts -> rollouts -> DSpark, DFlash and Eagle3 trained in lockstep -> evaluation on
 the device, in one command that fits a single <= 9 minute run on one H200 (model loading included).
+(One file of ~500 lines on purpose: it is copied to a bare accelerator machine and run as one script.)
 
     python -m benchmarks.gpu_drafter_compare --run h200-recipe                        # on a GPU machine
     python -m benchmarks.gpu_drafter_compare --target tiny --device cpu --smoke --out /tmp/x   # CPU check

@@ -1,5 +1,8 @@
 """Continuous-batching draft-plus-verify engine (no Ray; dspark/serve/ puts it behind HTTP).
 
+(Over 400 lines on purpose: one step's admission, drafting, ragged verify and acceptance share the
+engine's slot state; split apart, each piece would need that state passed around.)
+
 One engine holds the frozen target, one drafter (its STS calibration travels with it) and the active
 requests. Each `step()`:
   1. admits waiting requests (bounded queue) and prefills them in one ragged target forward; the

@@ -1,6 +1,9 @@
 """A prompt corpus for any target: user turns written by the target itself (Magpie) and/or real
 datasets, filtered (pipelines' dspark/prompt_filters.py), as a resumable Ray Data job.
 
+(Over 400 lines: the stage's config, Magpie actor, plan and deterministic filter pass belong together;
+the filters themselves are library code in dspark/prompt_filters.py.)
+
 Magpie (Xu et al., 2024): render the chat template up to the point where a user turn starts
 (`<|im_start|>user\\n` for ChatML) and let the model continue; what it writes until its end-of-turn
 token is a user prompt drawn from what the model believes users ask. A domain system prompt (with

@@ -1,5 +1,8 @@
 """Thin MLflow wrapper that never kills — and never stalls — a training run.
 
+(Over 400 lines on purpose: the project keeps every MLflow call in this one module — runs, the
+background queue, lineage inputs and the model registry.)
+
 The tracking server comes from MLFLOW_TRACKING_URI; when unset, runs go to a local SQLite store
 under `<repo>/.dspark/mlruns/` (mlflow.db + artifacts/; MLflow 3 refuses plain file stores).
 This is the one module that talks to MLflow's tracking API.

@@ -54,7 +54,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--rollouts", default=None, help="Parquet rollouts to count token frequencies in")
-    ap.add_argument("--data-dir", default="/work/shared/eval_datasets", help="eval JSONL dir (proxy counts)")
+    ap.add_argument("--data-dir", default=str(REPO_ROOT / "data" / "eval"), help="eval JSONL dir (proxy counts)")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     ap.add_argument("--out", default=None, help="also write the JSON here")
     ap.add_argument("--quick", action="store_true", help="tiny target, small vocab sizes, 5 reps")

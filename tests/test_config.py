@@ -72,3 +72,16 @@ def test_config_reference_is_current():
 
     committed = (Path(__file__).resolve().parents[1] / "docs" / "config-reference.md").read_text()
     assert committed.strip() == render().strip()
+
+
+def test_every_job_config_field_is_described_and_types_render_in_one_cell():
+    """Each row of the config reference has a description, and `int | None` does not split the table."""
+    import importlib
+
+    from jobs.config_reference import JOB_CONFIGS, rows
+
+    for module, cls_name, _ in JOB_CONFIGS:
+        for row in rows(getattr(importlib.import_module(module), cls_name)):
+            cells = [c.strip() for c in row.replace("\\|", "¦").split("|")[1:-1]]
+            assert len(cells) == 4, f"{cls_name}: {row} does not have 4 cells"
+            assert cells[3], f"{cls_name}: {cells[0]} has no Field(description=...)"

@@ -8,29 +8,29 @@ from __future__ import annotations
 import warnings
 from typing import Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, model_validator
 
 from dspark.config import StrictModel
 
 
 class DrafterConfig(StrictModel):
-    algo: Literal["dspark", "dflash", "eagle3"] = "dspark"
-    block_size: int = 7  # γ: draft tokens proposed per round
-    num_layers: int = 5  # decoder layers (eagle3 always uses 1)
-    num_context_layers: int = 3  # m: target layers fused into the context features
-    target_layer_ids: list[int] | None = None  # None -> target.default_layer_ids(m)
-    head: Literal["markov", "rnn", "none"] = "markov"  # dspark only: sequential head
-    rank: int = 256  # r: Markov / RNN rank
-    confidence_head: bool = True  # dspark only
-    ttt_steps: int = 7  # eagle3: training-time-test unroll depth
-    num_heads: int | None = None  # None -> from the target config
-    num_kv_heads: int | None = None
-    head_dim: int | None = None
-    intermediate_size: int | None = None
-    rms_norm_eps: float | None = None  # None -> target's
-    rope_theta: float | None = None  # None -> target's
-    mask_token_id: int | None = None  # None -> a learned MASK vector; else this (frozen) target vocab row
-    init_std: float = 0.02
+    algo: Literal["dspark", "dflash", "eagle3"] = Field("dspark", description="dspark (parallel block + sequential head + confidences), dflash (parallel block) or eagle3 (autoregressive, one layer)")
+    block_size: int = Field(7, ge=1, description="γ: draft tokens proposed per round")
+    num_layers: int = Field(5, ge=1, description="decoder layers (eagle3 always uses 1)")
+    num_context_layers: int = Field(3, ge=1, description="m: target layers fused into the context features")
+    target_layer_ids: list[int] | None = Field(None, description="None -> target.default_layer_ids(m)")
+    head: Literal["markov", "rnn", "none"] = Field("markov", description="dspark only: sequential head")
+    rank: int = Field(256, ge=1, description="r: Markov / RNN rank")
+    confidence_head: bool = Field(True, description="dspark only")
+    ttt_steps: int = Field(7, ge=1, description="eagle3: training-time-test unroll depth")
+    num_heads: int | None = Field(None, description="None -> from the target config")
+    num_kv_heads: int | None = Field(None, description="None -> from the target config")
+    head_dim: int | None = Field(None, description="None -> from the target config")
+    intermediate_size: int | None = Field(None, description="MLP width; None -> from the target config")
+    rms_norm_eps: float | None = Field(None, description="None -> target's")
+    rope_theta: float | None = Field(None, description="None -> target's")
+    mask_token_id: int | None = Field(None, description="None -> a learned MASK vector; else this (frozen) target vocab row")
+    init_std: float = Field(0.02, description="std of the normal init of new drafter weights")
     position_weight: Literal["paper", "reference", "geometric"] = Field(
         "paper", description="per-position loss weight w_k: 'paper' exp(-(k-1)/γ), 'reference' exp(-(k-1)/4) "
                              "(DFlash code), 'geometric' position_decay^(k-1) (Eagle3 TTT step weights)")
@@ -44,21 +44,14 @@ class DrafterConfig(StrictModel):
                              "clipping transfer between block sizes), 'block' the paper's per-block sum / blocks")
     dense_ttt: bool = Field(False, description="eagle3 only: training-time test from every eligible position "
                                                "of every sequence (anchors_per_seq is then ignored)")
-    loss_ce: float = 0.1
-    loss_tv: float = 0.9
-    loss_conf: float = 1.0
-    anchors_per_seq: int = 16
+    loss_ce: float = Field(0.1, description="weight of the cross-entropy term (paper: 0.1)")
+    loss_tv: float = Field(0.9, description="weight of the L1/TV term ||p_d - p_t||_1 (paper: 0.9; 0 for DFlash/Eagle3 references)")
+    loss_conf: float = Field(1.0, description="weight of the confidence BCE (dspark with a confidence head)")
+    anchors_per_seq: int = Field(16, description="anchor blocks sampled per training sequence")
     draft_vocab_size: int | None = Field(
-        None, description="Eagle3-style draft vocabulary: the drafter's LM head (and DSpark's Markov W2) "
+        None, ge=1, description="Eagle3-style draft vocabulary: the drafter's LM head (and DSpark's Markov W2) "
         "predict over this many of the target's most frequent rollout tokens (d2t/t2d maps, built by the "
         "training job from the rollouts). None = the full target vocabulary.")
-
-    @field_validator("block_size", "num_layers", "num_context_layers", "rank", "ttt_steps", "anchors_per_seq")
-    @classmethod
-    def _positive(cls, v: int) -> int:
-        if v < 1:
-            raise ValueError("must be >= 1")
-        return v
 
     @model_validator(mode="after")
     def _consistent(self) -> "DrafterConfig":
@@ -66,9 +59,6 @@ class DrafterConfig(StrictModel):
         if ids is not None and len(ids) != self.num_context_layers:
             raise ValueError(f"target_layer_ids has {len(ids)} ids but num_context_layers="
                              f"{self.num_context_layers}; make them agree (or leave target_layer_ids unset)")
-        if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
-            raise ValueError(f"draft_vocab_size={self.draft_vocab_size} must be >= 1 "
-                             "(or unset for the full vocabulary)")
         if self.num_heads and self.num_kv_heads and self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
         return self

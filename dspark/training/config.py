@@ -16,83 +16,83 @@ TRAINING_ONLY_FIELDS = {"loss_ce", "loss_tv", "loss_conf", "anchors_per_seq", "p
 
 # ----------------------------------------------------------------------------- config
 class DataSection(StrictModel):
-    rollouts: str  # Parquet file or directory (local or s3://) written by jobs.generate
-    split: str = "train"  # rows with this `split` value are trained on
-    max_seq_len: int = Field(1024, ge=8)  # sequences are cut to this many tokens (prompt + response)
-    shuffle_buffer: int = Field(0, ge=0)  # rows in each worker's local shuffle buffer (0 = file order)
+    rollouts: str = Field(description="Parquet file or directory (local or s3://) written by jobs.generate")
+    split: str = Field("train", description="rows with this `split` value are trained on")
+    max_seq_len: int = Field(1024, ge=8, description="sequences are cut to this many tokens (prompt + response)")
+    shuffle_buffer: int = Field(0, ge=0, description="rows in each worker's local shuffle buffer (0 = file order)")
     bucket_window: int = Field(8, ge=0, description="length bucketing (dspark/training/batching.py): each worker sorts "
                                "this many micro batches' rows by length and re-cuts them into batches of the "
                                "same size, in a shuffled order, so padding stays a few percent (0/1 = off)")
 
 
 class OptimSection(StrictModel):
-    lr: float = Field(6e-4, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
-    betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = 1e-8
-    warmup_ratio: float = Field(0.04, ge=0, lt=1)
-    schedule: Literal["cosine", "constant"] = "cosine"
-    min_lr_ratio: float = Field(0.0, ge=0, le=1)
-    grad_clip: float = Field(1.0, ge=0)  # 0 = no clipping
-    micro_batch_size: int = Field(4, ge=1)  # sequences per worker per forward/backward
-    global_batch_size: int = Field(16, ge=1)  # sequences per optimizer step over all workers
-    epochs: int = Field(1, ge=1)
-    max_steps: int | None = Field(None, ge=1)  # optimizer steps; overrides epochs (data repeats as needed)
-    seed: int = 0
+    lr: float = Field(6e-4, gt=0, description="peak learning rate (AdamW)")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
+    betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas")
+    eps: float = Field(1e-8, description="AdamW epsilon")
+    warmup_ratio: float = Field(0.04, ge=0, lt=1, description="share of the steps spent warming the learning rate up linearly")
+    schedule: Literal["cosine", "constant"] = Field("cosine", description="after warmup: cosine decay to min_lr_ratio x lr, or constant")
+    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="final learning rate of the cosine schedule, as a share of lr")
+    grad_clip: float = Field(1.0, ge=0, description="0 = no clipping")
+    micro_batch_size: int = Field(4, ge=1, description="sequences per worker per forward/backward")
+    global_batch_size: int = Field(16, ge=1, description="sequences per optimizer step over all workers")
+    epochs: int = Field(1, ge=1, description="passes over the training rows (unless max_steps is set)")
+    max_steps: int | None = Field(None, ge=1, description="optimizer steps; overrides epochs (data repeats as needed)")
+    seed: int = Field(0, description="drafter init and anchor sampling seed (same on every rank and rerun)")
 
 
 class DeepSpeedSection(StrictModel):
-    zero_stage: Literal[0, 1, 2, 3] = 2
-    precision: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 on GPU workers, fp32 on CPU
-    extra: dict = {}  # deep-merged into the generated DeepSpeed JSON (advanced; e.g. bucket sizes)
+    zero_stage: Literal[0, 1, 2, 3] = Field(2, description="DeepSpeed ZeRO stage (0 = plain data parallel)")
+    precision: Literal["auto", "fp32", "bf16"] = Field("auto", description="auto: bf16 on GPU workers, fp32 on CPU")
+    extra: dict = Field(default_factory=dict, description="deep-merged into the generated DeepSpeed JSON (advanced; e.g. bucket sizes)")
 
 
 class ScalingSection(StrictModel):
-    num_workers: int = Field(2, ge=1)
-    use_gpu: bool = False
-    cpus_per_worker: float = Field(1.0, gt=0)
-    gpus_per_worker: float = Field(1.0, ge=0)  # used when use_gpu
-    resources_per_worker: dict[str, float] = {}  # extra custom Ray resources per worker
-    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    num_workers: int = Field(2, ge=1, description="Ray Train workers (data-parallel ranks)")
+    use_gpu: bool = Field(False, description="one GPU per worker (NCCL); false: CPU workers (gloo)")
+    cpus_per_worker: float = Field(1.0, gt=0, description="CPUs reserved per worker; leave some free for Ray Data reading the rollouts")
+    gpus_per_worker: float = Field(1.0, ge=0, description="used when use_gpu")
+    resources_per_worker: dict[str, float] = Field(default_factory=dict, description="extra custom Ray resources per worker")
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field("PACK", description="Ray placement of the worker group")
 
 
 class CheckpointSection(StrictModel):
-    storage_path: str = "s3://dspark/checkpoints"  # local dir or s3://bucket/prefix; run dir = <this>/<run_name>
-    every_steps: int = Field(50, ge=1)  # a checkpoint every N optimizer steps, and always at the end
-    num_to_keep: int = Field(2, ge=1)
-    max_failures: int = Field(1, ge=-1)  # worker-group restarts allowed (-1 = unlimited)
+    storage_path: str = Field("s3://dspark/checkpoints", description="local dir or s3://bucket/prefix; run dir = <this>/<run_name>")
+    every_steps: int = Field(50, ge=1, description="a checkpoint every N optimizer steps, and always at the end")
+    num_to_keep: int = Field(2, ge=1, description="checkpoints kept (older ones are deleted)")
+    max_failures: int = Field(1, ge=-1, description="worker-group restarts allowed (-1 = unlimited)")
 
 
 class TrainTracking(TrackingConfig):
-    experiment: str = "dspark-train"
-    registered_model: str | None = None  # model registry name; None -> "drafter-<run_name>"
+    experiment: str = Field("dspark-train", description="MLflow experiment")
+    registered_model: str | None = Field(None, description='model registry name; None -> "drafter-<run_name>"')
     # alias moved to each newly registered version. MLflow reserves "latest"; `models:/<name>@latest`
     # still works in dspark (dspark.io.drafter_source resolves it to the newest version).
-    alias: str = "trained"
-    log_every_steps: int = Field(1, ge=1)
+    alias: str = Field("trained", description="alias moved to each newly registered version (`models:/<name>@latest` also resolves to the newest)")
+    log_every_steps: int = Field(1, ge=1, description="log step metrics every N optimizer steps")
 
 
 class FaultSection(StrictModel):
     """Test hook: worker `rank` calls os._exit(1) when it reaches optimizer step `at_step`, once —
     the marker file is created first, and the fault does not fire again while it exists."""
 
-    rank: int = 1
-    at_step: int = Field(ge=1)
-    marker: str
+    rank: int = Field(1, description="worker rank that exits")
+    at_step: int = Field(ge=1, description="optimizer step at which it exits")
+    marker: str = Field(description="file created before exiting; the fault does not fire again while it exists")
 
 
 class TrainJobConfig(StrictModel):
-    run_name: str
-    target: str = "tiny"  # load_target spec
-    drafter: DrafterConfig = DrafterConfig()
-    data: DataSection
-    optim: OptimSection = OptimSection()
-    deepspeed: DeepSpeedSection = DeepSpeedSection()
-    scaling: ScalingSection = ScalingSection()
-    checkpoint: CheckpointSection = CheckpointSection()
-    tracking: TrainTracking = TrainTracking()
-    ray: RayConfig = RayConfig()
-    fault: FaultSection | None = None
+    run_name: str = Field(description="the run's name: its checkpoints live in <checkpoint.storage_path>/<run_name>; relaunching it resumes")
+    target: str = Field("tiny", description="load_target spec")
+    drafter: DrafterConfig = Field(default_factory=DrafterConfig, description="the drafter's architecture and losses")
+    data: DataSection = Field(description="the rollouts trained on")
+    optim: OptimSection = Field(default_factory=OptimSection, description="optimiser, schedule and batch geometry")
+    deepspeed: DeepSpeedSection = Field(default_factory=DeepSpeedSection, description="ZeRO stage and precision")
+    scaling: ScalingSection = Field(default_factory=ScalingSection, description="the Ray Train worker group")
+    checkpoint: CheckpointSection = Field(default_factory=CheckpointSection, description="where and how often checkpoints are written")
+    tracking: TrainTracking = Field(default_factory=TrainTracking, description="MLflow run and model registration")
+    ray: RayConfig = Field(default_factory=RayConfig, description="Ray cluster to use")
+    fault: FaultSection | None = Field(None, description="test hook: kill one worker once (fault-injection tests)")
 
     @model_validator(mode="after")
     def _batch_divides(self) -> "TrainJobConfig":

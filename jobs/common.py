@@ -13,9 +13,11 @@ A job's config model embeds `ray: RayConfig` and `tracking: TrackingConfig`; a j
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from contextlib import contextmanager
-from typing import Iterator, TypeVar
+from dataclasses import dataclass
+from typing import Callable, Iterator, TypeVar
 
 from dspark.config import ConfigError, StrictModel, TrackingConfig, config_to_dict, dump_config, load_config
 
@@ -67,3 +69,45 @@ def tracked_run(tracking_cfg: TrackingConfig, cfg: StrictModel, run_name: str,
         tracking.end_run("FAILED")
         raise
     tracking.end_run("FINISHED")
+
+
+# ---- resumable output-writing stages (jobs.generate, jobs.synthesize) ----------------------------
+RUN_ID_FILE = "_state/mlflow_run.json"  # inside the stage's output: a rerun continues the same MLflow run
+
+
+@dataclass
+class StageRun:
+    """The MLflow side of a resumable stage: the run id (None without tracking) and the two hooks the
+    stage calls — `on_start(output)` once the output holds the plan, `on_chunk(stats)` after every
+    committed chunk."""
+
+    run_id: str | None
+    on_start: Callable[[str], None]
+    on_chunk: Callable
+
+
+@contextmanager
+def resumable_stage_run(cfg, stage: str) -> Iterator[StageRun]:
+    """tracked_run for a stage writing `cfg.output`: continues the run recorded in the output (a rerun
+    after a kill logs into the same run), saves the config and the run id beside the output, and logs
+    the stage's progress metrics after every chunk."""
+    from dspark.io import storage, tracking
+
+    out = cfg.output.rstrip("/")
+    try:
+        previous = json.loads(storage.read_text(storage.join(out, RUN_ID_FILE))).get("run_id")
+    except (FileNotFoundError, ValueError):
+        previous = None
+    run_name = f"{stage}-{cfg.target.rstrip('/').split('/')[-1]}"
+    with tracked_run(cfg.tracking, cfg, run_name, run_id=previous) as run_id:
+        def on_start(uri: str) -> None:
+            save_config(cfg, storage.join(uri, "config.yaml"))
+            if run_id:
+                storage.write_text(storage.join(uri, RUN_ID_FILE), json.dumps({"run_id": run_id}))
+
+        def on_chunk(stats) -> None:
+            if run_id:
+                tracking.log_metrics(stats.metrics(), step=stats.chunks_done + stats.chunks_skipped)
+
+        yield StageRun(run_id, on_start, on_chunk)
+

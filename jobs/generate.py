@@ -18,25 +18,17 @@ from dspark.io import storage
 from dspark.io.storage import StorageError
 from dspark.io.tracking import TrackingError
 from pipelines.ray_cluster import init_ray
-from jobs.common import load_job_config, save_config, tracked_run
+from jobs.common import load_job_config, resumable_stage_run
 from dspark.config import RayConfig, TrackingConfig
-from pipelines.rollout import RolloutConfig, RolloutResult, RunStats, run_rollouts
+from pipelines.rollout import RolloutConfig, RolloutResult, run_rollouts
 from pipelines.rollout_store import read_rollouts
 
-RUN_ID_FILE = "_state/mlflow_run.json"
 
 
 class GenerateConfig(RolloutConfig):
     ray: RayConfig = RayConfig()
     tracking: TrackingConfig = TrackingConfig(experiment="dspark-generate")
     sample_rows: int = Field(16, description="rows in the MLflow sample table")
-
-
-def _previous_run_id(out: str) -> str | None:
-    try:
-        return json.loads(storage.read_text(storage.join(out, RUN_ID_FILE))).get("run_id")
-    except (FileNotFoundError, ValueError):
-        return None
 
 
 def sample_table(output_uri: str, n: int) -> dict:
@@ -66,20 +58,11 @@ def run(cfg: GenerateConfig) -> RolloutResult:
     init_ray(cfg.ray)
     from dspark.io import lineage, tracking
 
-    run_name = f"generate-{cfg.target.rstrip('/').split('/')[-1]}"
-    with tracked_run(cfg.tracking, cfg, run_name, run_id=_previous_run_id(out)) as run_id:
-        def on_start(uri: str) -> None:
-            save_config(cfg, storage.join(uri, "config.yaml"))
-            if run_id:
-                storage.write_text(storage.join(uri, RUN_ID_FILE), json.dumps({"run_id": run_id}))
-
-        def on_chunk(stats: RunStats) -> None:
-            if run_id:
-                tracking.log_metrics(stats.metrics(), step=stats.chunks_done + stats.chunks_skipped)
-
+    with resumable_stage_run(cfg, "generate") as stage_run:
+        run_id = stage_run.run_id
         if run_id:
             lineage.log_prompt_sources(cfg.sources, lineage.PROMPTS)
-        result = run_rollouts(cfg, on_chunk=on_chunk, on_start=on_start)
+        result = run_rollouts(cfg, on_chunk=stage_run.on_chunk, on_start=stage_run.on_start)
         if run_id:
             lineage.log_rollouts(out, lineage.GENERATED)
             tracking.log_metrics(final_metrics(result), step=result.stats.chunks_total)

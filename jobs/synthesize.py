@@ -22,26 +22,17 @@ from dspark.io import storage
 from dspark.io.storage import StorageError
 from dspark.io.tracking import TrackingError
 from pipelines.ray_cluster import init_ray
-from jobs.common import load_job_config, save_config, tracked_run
+from jobs.common import load_job_config, resumable_stage_run
 from dspark.config import RayConfig, TrackingConfig
-from pipelines.rollout import RunStats
 from pipelines.synthesize import (DROP_REASONS, SynthesisResult, SynthesizeConfig, eval_files_text, read_prompts,
                                   run_synthesis)
 
-RUN_ID_FILE = "_state/mlflow_run.json"
 
 
 class SynthesizeJobConfig(SynthesizeConfig):
     ray: RayConfig = RayConfig()
     tracking: TrackingConfig = TrackingConfig(experiment="dspark-synthesize")
     sample_rows: int = Field(16, description="rows in the MLflow sample table")
-
-
-def _previous_run_id(out: str) -> str | None:
-    try:
-        return json.loads(storage.read_text(storage.join(out, RUN_ID_FILE))).get("run_id")
-    except (FileNotFoundError, ValueError):
-        return None
 
 
 def final_metrics(result: SynthesisResult) -> dict:
@@ -111,18 +102,9 @@ def run(cfg: SynthesizeJobConfig) -> SynthesisResult:
     init_ray(cfg.ray)
     from dspark.io import tracking
 
-    run_name = f"synthesize-{cfg.target.rstrip('/').split('/')[-1]}"
-    with tracked_run(cfg.tracking, cfg, run_name, run_id=_previous_run_id(out)) as run_id:
-        def on_start(uri: str) -> None:
-            save_config(cfg, storage.join(uri, "config.yaml"))
-            if run_id:
-                storage.write_text(storage.join(uri, RUN_ID_FILE), json.dumps({"run_id": run_id}))
-
-        def on_chunk(stats: RunStats) -> None:
-            if run_id:
-                tracking.log_metrics(stats.metrics(), step=stats.chunks_done + stats.chunks_skipped)
-
-        result = run_synthesis(cfg, on_chunk=on_chunk, on_start=on_start)
+    with resumable_stage_run(cfg, "synthesize") as stage_run:
+        run_id = stage_run.run_id
+        result = run_synthesis(cfg, on_chunk=stage_run.on_chunk, on_start=stage_run.on_start)
         if run_id:
             tracking.log_metrics(final_metrics(result), step=result.stats.chunks_total)
             tracking.log_dict(result.manifest, "manifest.json")

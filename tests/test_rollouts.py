@@ -177,7 +177,8 @@ def job_config(output: str, sources: list[dict], *overrides: str):
 def test_end_to_end_jsonl_to_parquet_in_s3(stack_ray, tiny):
     import mlflow
 
-    from jobs.generate import RUN_ID_FILE, run
+    from jobs.common import RUN_ID_FILE
+    from jobs.generate import run
 
     prefix = s3_prefix("e2e")
     single = [{"turns": [f"Question {i}: what is {i} + {i}?"]} for i in range(26)]
@@ -231,7 +232,8 @@ def test_end_to_end_jsonl_to_parquet_in_s3(stack_ray, tiny):
 def test_exactly_once_after_an_injected_failure(stack_ray, monkeypatch):
     import mlflow
 
-    from jobs.generate import RUN_ID_FILE, run
+    from jobs.common import RUN_ID_FILE
+    from jobs.generate import run
 
     prefix = s3_prefix("resume")
     write_jsonl([{"turns": [f"prompt {i}"]} for i in range(20)], f"{prefix}/prompts.jsonl")

@@ -163,3 +163,27 @@ def text_table(title: str, table: dict[str, dict]) -> str:
                         for c in columns)
         lines.append(f"  {name:14s}{cells}")
     return "\n".join(lines)
+
+
+# ---- data plots (jobs.synthesize, jobs.generate) ---------------------------------------------------
+def plot_histogram(series: dict[str, list[float]], path: str, title: str, xlabel: str, ylabel: str) -> str:
+    """Stacked histogram of one or more named series (e.g. prompt lengths per domain)."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    nonempty = {k: v for k, v in series.items() if v}
+    if nonempty:
+        ax.hist(list(nonempty.values()), bins=30, label=list(nonempty), stacked=True)
+        ax.legend(fontsize=8)
+    ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
+    return _save(fig, path)
+
+
+def plot_counts(counts: dict[str, int], path: str, title: str, ylabel: str) -> str:
+    """Bars of named counts (e.g. finish reasons)."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(1.5 + 1.0 * max(len(counts), 1), 3.4))
+    bars = ax.bar(list(counts), list(counts.values()))
+    ax.bar_label(bars, fontsize=8)
+    ax.set(ylabel=ylabel, title=title)
+    return _save(fig, path)
+

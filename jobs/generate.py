@@ -9,20 +9,23 @@ The output layout and row schema are documented in pipelines/schema.py.
 """
 from __future__ import annotations
 
-from pydantic import Field
-
 import json
 import sys
+import tempfile
+from collections import Counter
+from pathlib import Path
 
+from pydantic import Field
+
+from dspark import report
+from dspark.config import RayConfig, TrackingConfig
 from dspark.io import storage
 from dspark.io.storage import StorageError
 from dspark.io.tracking import TrackingError
-from pipelines.ray_cluster import init_ray
 from jobs.common import load_job_config, resumable_stage_run
-from dspark.config import RayConfig, TrackingConfig
+from pipelines.ray_cluster import init_ray
 from pipelines.rollout import RolloutConfig, RolloutResult, run_rollouts
 from pipelines.rollout_store import read_rollouts
-
 
 
 class GenerateConfig(RolloutConfig):
@@ -39,6 +42,23 @@ def sample_table(output_uri: str, n: int) -> dict:
                         "finish_reason"],
             "data": [[r["prompt_id"], r["split"], r["domain"], first(r, "user")[:500], first(r, "assistant")[:500],
                       r["num_turns"], r["num_generated_tokens"], r["finish_reason"]] for r in rows]}
+
+
+def rollout_plots(output_uri: str, directory: Path) -> list[str]:
+    """Histograms of prompt and answer lengths (tokens) per domain, and the finish reasons."""
+    table = read_rollouts(output_uri).select(["domain", "num_prompt_tokens", "num_generated_tokens",
+                                               "finish_reason"]).to_pylist()
+    prompts: dict[str, list[int]] = {}
+    answers: dict[str, list[int]] = {}
+    for row in table:
+        prompts.setdefault(row["domain"] or "(none)", []).append(row["num_prompt_tokens"])
+        answers.setdefault(row["domain"] or "(none)", []).append(row["num_generated_tokens"])
+    reasons = Counter(row["finish_reason"] for row in table)
+    return [report.plot_histogram(prompts, str(directory / "prompt_lengths.png"), "prompt length by domain",
+                                  "prompt tokens", "rollouts"),
+            report.plot_histogram(answers, str(directory / "answer_lengths.png"), "answer length by domain",
+                                  "generated tokens", "rollouts"),
+            report.plot_counts(dict(reasons), str(directory / "finish_reasons.png"), "finish reasons", "rollouts")]
 
 
 def final_metrics(result: RolloutResult) -> dict:
@@ -68,6 +88,9 @@ def run(cfg: GenerateConfig) -> RolloutResult:
             tracking.log_metrics(final_metrics(result), step=result.stats.chunks_total)
             tracking.log_dict(result.manifest, "manifest.json")
             tracking.log_dict(sample_table(out, cfg.sample_rows), "samples.json")
+            with tempfile.TemporaryDirectory() as tmp:
+                for path in rollout_plots(out, Path(tmp)):
+                    tracking.log_artifact(path, "plots")
     return result
 
 

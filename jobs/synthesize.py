@@ -18,6 +18,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from dspark import report
 from dspark.io import storage
 from dspark.io.storage import StorageError
 from dspark.io.tracking import TrackingError
@@ -45,36 +46,19 @@ def final_metrics(result: SynthesisResult) -> dict:
     return metrics
 
 
-def length_plots(result: SynthesisResult, directory: Path) -> list[Path]:
+def length_plots(result: SynthesisResult, directory: Path) -> list[str]:
     """Histograms of prompt length (characters): kept prompts per domain; kept vs dropped per reason."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    kept = {}
+    kept: dict[str, list[int]] = {}
     for c in result.outcome.kept:
         kept.setdefault(c.domain or "(none)", []).append(sum(len(t) for t in c.turns))
-    dropped = {}
+    dropped: dict[str, list[int]] = {}
     for d in result.outcome.dropped:
         dropped.setdefault(d["reason"], []).append(sum(len(t) for t in d["turns"]))
-    paths = []
-    for name, series, title in (("kept_lengths_by_domain.png", kept, "kept prompts by domain"),
-                                ("lengths_kept_vs_dropped.png",
-                                 {"kept": [n for v in kept.values() for n in v], **dropped},
-                                 "kept and dropped prompts (by reason)")):
-        fig, ax = plt.subplots(figsize=(7, 4))
-        if series:
-            ax.hist(list(series.values()), bins=30, label=list(series), stacked=True)
-            ax.legend(fontsize=8)
-        ax.set_xlabel("characters per prompt")
-        ax.set_ylabel("prompts")
-        ax.set_title(title)
-        fig.tight_layout()
-        paths.append(directory / name)
-        fig.savefig(paths[-1], dpi=100)
-        plt.close(fig)
-    return paths
+    everything = {"kept": [n for v in kept.values() for n in v], **dropped}
+    return [report.plot_histogram(kept, str(directory / "kept_lengths_by_domain.png"), "kept prompts by domain",
+                                  "characters per prompt", "prompts"),
+            report.plot_histogram(everything, str(directory / "lengths_kept_vs_dropped.png"),
+                                  "kept and dropped prompts (by reason)", "characters per prompt", "prompts")]
 
 
 def sample_table(output_uri: str, n: int) -> dict:
@@ -116,7 +100,7 @@ def run(cfg: SynthesizeJobConfig) -> SynthesisResult:
     return result
 
 
-def report(result: SynthesisResult, output: str) -> dict:
+def summary(result: SynthesisResult, output: str) -> dict:
     counts = result.manifest["counts"]
     return {"output": output, "candidates": counts["candidates"], "kept": counts["kept"],
             "dropped": {r: counts["dropped"][r] for r in DROP_REASONS}, "kept_by_domain": counts["kept_by_domain"],
@@ -131,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError, StorageError, TrackingError) as err:  # one line, no traceback
         print(f"error: {err}", file=sys.stderr)
         return 2
-    print(json.dumps(report(result, cfg.output)))
+    print(json.dumps(summary(result, cfg.output)))
     return 0
 
 

@@ -215,7 +215,7 @@ def _stream_chunks(cfg, plan, pending, out, stats, on_chunk, progress, actor, sp
     ctx = ray.data.DataContext.get_current()
     saved = (ctx.execution_options.preserve_order, ctx.enable_progress_bars)
     ctx.execution_options.preserve_order = True  # chunks complete in order: small driver buffers
-    ctx.enable_progress_bars = False  # one bar, ours
+    ctx.enable_progress_bars = progress  # Ray Data's operator bars, and ours (prompts, chunks, tok/s)
     fail_after = _fail_after()
     buffers: dict[int, list[dict]] = defaultdict(list)
     start = time.perf_counter()

@@ -381,3 +381,17 @@ def test_synthesis_resumes_exactly_once_after_an_injected_failure(stack_ray, mon
     assert result.manifest["counts"]["candidates"] == 12 and result.manifest["complete"]
     again = run(cfg)
     assert again.stats.chunks_done == 0 and again.manifest["digest"] == result.manifest["digest"]
+
+
+def test_rollout_plots_show_lengths_per_domain_and_finish_reasons(tmp_path, monkeypatch):
+    """jobs.generate logs these to MLflow (plots/): prompt and answer length histograms, finish reasons."""
+    import pyarrow as pa
+
+    import jobs.generate as generate
+
+    rows = [{"domain": d, "num_prompt_tokens": 10 + i, "num_generated_tokens": 5 * i,
+             "finish_reason": "stop" if i % 3 else "length"} for i, d in enumerate(["math", "code", "chat"] * 4)]
+    monkeypatch.setattr(generate, "read_rollouts", lambda uri: pa.Table.from_pylist(rows))
+    paths = generate.rollout_plots("unused", tmp_path)
+    assert [Path(p).name for p in paths] == ["prompt_lengths.png", "answer_lengths.png", "finish_reasons.png"]
+    assert all(Path(p).stat().st_size > 1000 for p in paths)

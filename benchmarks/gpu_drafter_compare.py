@@ -208,7 +208,7 @@ def chunks_for(trainer, args) -> int:
 
 def train_all(target, rows: list[dict], args, precision: str, deadline: float) -> tuple[dict, dict]:
     from dspark.training.batching import bucketed_batches, padding_fraction
-    from dspark.training.loop import peak_flops
+    from dspark.training.loop import flops_rates
 
     trainers, recipes = build_trainers(target, args, precision)
     max_len = args.max_seq_len or recipes["dspark"]["max_seq_len"]
@@ -247,7 +247,6 @@ def train_all(target, rows: list[dict], args, precision: str, deadline: float) -
                                              **{k: round(v, 5) for k, v in m.items() if k != "flops"}})
             log(f"step {step + 1}/{steps} epoch {epoch} " + "  ".join(
                 f"{a}: loss {m['loss']:.3f} E[len] {m.get('expected_accept_len', math.nan):.2f}" for a, m in last.items()))
-    peak = peak_flops(args.device, precision)
     lengths = [min(len(r["input_ids"]), max_len) for r in rows]
     order = list(range(len(rows)))
     random.Random(args.seed).shuffle(order)
@@ -259,8 +258,7 @@ def train_all(target, rows: list[dict], args, precision: str, deadline: float) -
                                                                                args.bucket_window, args.seed),
                                                               lengths)},
             "throughput": {a: {"tokens_per_s": totals[a]["tokens"] / max(busy[a], 1e-9),
-                               "model_tflops_per_s": totals[a]["flops"] / max(busy[a], 1e-9) / 1e12,
-                               "mfu": (totals[a]["flops"] / max(busy[a], 1e-9) / peak) if peak else None}
+                               **flops_rates(totals[a]["flops"], busy[a], args.device, precision)}
                            for a in ALGOS},
             "sequences_per_drafter": steps * args.batch_size,
             "curves": {a: t.curve for a, t in trainers.items()}, "recipes": recipes}

@@ -149,7 +149,7 @@ def measure_interleaved(base, target, rows: list[dict], args, precision: str) ->
 
     from dspark.training.batching import bucketed_batches, collate, padding_fraction
     from dspark.drafters import build_drafter
-    from dspark.training.loop import LocalTrainer, peak_flops
+    from dspark.training.loop import LocalTrainer, flops_rates
 
     lengths = [len(r["input_ids"]) for r in rows]
     runs = {}
@@ -172,11 +172,11 @@ def measure_interleaved(base, target, rows: list[dict], args, precision: str) ->
                 run["s"] += time.perf_counter() - start
                 run["tokens"] += run["m"]["tokens"]
                 run["flops"] += run["m"]["flops"]
-    peak = peak_flops(args.device, precision)
+    rates = {name: flops_rates(run["flops"], run["s"], args.device, precision) for name, run in runs.items()}
     return {name: {"tokens_per_s": round(run["tokens"] / run["s"], 1),
                    "padding_fraction": round(padding_fraction(run["picks"][1:], lengths), 4),
-                   "model_tflops_per_s": round(run["flops"] / run["s"] / 1e12, 5),
-                   "mfu": round(run["flops"] / run["s"] / peak, 4) if peak else None,
+                   "model_tflops_per_s": round(rates[name]["model_tflops_per_s"], 5),
+                   "mfu": round(rates[name]["mfu"], 4) if rates[name]["mfu"] is not None else None,
                    "timed_steps": len(run["picks"]) - 1, "final_loss": round(run["m"]["loss"], 4)}
             for name, run in runs.items()}
 

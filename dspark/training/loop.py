@@ -57,6 +57,15 @@ def peak_flops(device: str | torch.device, precision: str) -> float | None:
     return None
 
 
+def flops_rates(flops: float, seconds: float, device: str | torch.device, precision: str,
+                world: int = 1) -> dict[str, float | None]:
+    """model_tflops_per_s over `world` devices in `seconds`, and mfu (None where the device's peak is
+    unknown, e.g. on CPU)."""
+    per_s = flops / max(seconds, 1e-9)
+    peak = peak_flops(device, precision)
+    return {"model_tflops_per_s": per_s / 1e12, "mfu": per_s / (peak * world) if peak else None}
+
+
 def param_count(module: torch.nn.Module, trainable_only: bool = False) -> int:
     return sum(p.numel() for p in module.parameters() if p.requires_grad or not trainable_only)
 
@@ -159,8 +168,5 @@ class Throughput:
             torch.cuda.synchronize()
         now = time.perf_counter()
         dt, self._t = max(now - self._t, 1e-9), now
-        out = {"tokens_per_s": tokens / dt, "model_tflops_per_s": flops / dt / 1e12}
-        peak = peak_flops(self.device, self.precision)
-        if peak:
-            out["mfu"] = flops / dt / (peak * self.world)
-        return out
+        rates = flops_rates(flops, dt, self.device, self.precision, self.world)
+        return {"tokens_per_s": tokens / dt, **{k: v for k, v in rates.items() if v is not None}}

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from dspark.training.batching import collate
+from dspark.training.loop import flops_rates
 
 
 DS_TAG = "deepspeed"  # DeepSpeed checkpoint tag (sub-folder) inside each Ray checkpoint
@@ -236,8 +237,9 @@ class TrainSession:
                     "step_time_s": now - self._t_last, "peak_mem_gb": max(g["mem"] for g in gathered)})
         if norm is not None:
             out["grad_norm"] = float(norm)
-        out.update(flops_metrics(sum(g["flops"] for g in gathered), now - self._t_last, self.device,
-                                 self.plan["precision"], len(gathered)))
+        rates = flops_rates(sum(g["flops"] for g in gathered), now - self._t_last, self.device,
+                            self.plan["precision"], len(gathered))
+        out.update({k: v for k, v in rates.items() if v is not None})  # no mfu where the peak is unknown
         self._steps_here += 1
         if self._steps_here == 1:
             self._timed = (now, 0)
@@ -267,17 +269,6 @@ class TrainSession:
                 if (index + 1) % accum == 0:
                     self.step += 1
                     on_step(StepResult(self.step, {**self.step_metrics(), "epoch": float(epoch)}))
-
-
-def flops_metrics(flops: float, seconds: float, device: torch.device, precision: str, world: int) -> dict:
-    """model_tflops_per_s over all ranks, and mfu where the device's peak is known (dspark/training/loop.py)."""
-    from dspark.training.loop import peak_flops
-
-    out = {"model_tflops_per_s": flops / max(seconds, 1e-9) / 1e12}
-    peak = peak_flops(device, precision)
-    if peak:
-        out["mfu"] = flops / max(seconds, 1e-9) / (peak * world)
-    return out
 
 
 def micro_seed(seed: int, rank: int, epoch: int, index: int) -> int:

@@ -88,12 +88,16 @@ class StageRun:
 
 @contextmanager
 def resumable_stage_run(cfg, stage: str) -> Iterator[StageRun]:
-    """tracked_run for a stage writing `cfg.output`: continues the run recorded in the output (a rerun
-    after a kill logs into the same run), saves the config and the run id beside the output, and logs
-    the stage's progress metrics after every chunk."""
+    """tracked_run for a stage writing `cfg.output`: fails fast on an unwritable output (before Ray, MLflow
+    or any generation), connects Ray, continues the run recorded in the output (a rerun after a kill
+    logs into the same run), saves the config and the run id beside the output, and logs the stage's
+    progress metrics after every chunk."""
     from dspark.io import storage, tracking
+    from pipelines.ray_cluster import init_ray
 
     out = cfg.output.rstrip("/")
+    storage.check_writable(out)
+    init_ray(cfg.ray)
     try:
         previous = json.loads(storage.read_text(storage.join(out, RUN_ID_FILE))).get("run_id")
     except (FileNotFoundError, ValueError):

@@ -19,11 +19,9 @@ from pydantic import Field
 
 from dspark import report
 from dspark.config import RayConfig, TrackingConfig
-from dspark.io import storage
 from dspark.io.storage import StorageError
 from dspark.io.tracking import TrackingError
 from jobs.common import load_job_config, resumable_stage_run
-from pipelines.ray_cluster import init_ray
 from pipelines.rollout import RolloutConfig, RolloutResult, run_rollouts
 from pipelines.rollout_store import read_rollouts
 
@@ -74,8 +72,6 @@ def final_metrics(result: RolloutResult) -> dict:
 
 def run(cfg: GenerateConfig) -> RolloutResult:
     out = cfg.output.rstrip("/")
-    storage.check_writable(out)  # fail fast: before Ray, MLflow or any generation
-    init_ray(cfg.ray)
     from dspark.io import lineage, tracking
 
     with resumable_stage_run(cfg, "generate") as stage_run:

@@ -10,21 +10,19 @@ Layout and row schema: pipelines/synthesize.py.
 """
 from __future__ import annotations
 
-from pydantic import Field
-
 import hashlib
 import json
 import sys
 import tempfile
 from pathlib import Path
 
+from pydantic import Field
+
 from dspark import report
-from dspark.io import storage
+from dspark.config import RayConfig, TrackingConfig
 from dspark.io.storage import StorageError
 from dspark.io.tracking import TrackingError
-from pipelines.ray_cluster import init_ray
 from jobs.common import load_job_config, resumable_stage_run
-from dspark.config import RayConfig, TrackingConfig
 from pipelines.synthesize import (DROP_REASONS, SynthesisResult, SynthesizeConfig, eval_files_text, read_prompts,
                                   run_synthesis)
 
@@ -82,8 +80,6 @@ def log_lineage(cfg: SynthesizeConfig, result: SynthesisResult) -> None:
 
 def run(cfg: SynthesizeJobConfig) -> SynthesisResult:
     out = cfg.output.rstrip("/")
-    storage.check_writable(out)  # fail fast: before Ray, MLflow or any generation
-    init_ray(cfg.ray)
     from dspark.io import tracking
 
     with resumable_stage_run(cfg, "synthesize") as stage_run:

@@ -178,6 +178,53 @@ def test_dockerfile_builds_cuda_torch_ray_deepspeed_and_the_project():
     assert ".venv" in ignore and ".dspark" in ignore, "build context must exclude .venv and .dspark"
 
 
+# Debian/Ubuntu "Essential: yes" packages: present in every Debian-based base image.
+ESSENTIAL_TOOLS = {"bash", "grep", "sed", "cat", "sh", "test"}
+
+
+def apt_installed(runs: str) -> set[str]:
+    """Package names every `apt-get install` in the RUN lines installs."""
+    pkgs = set()
+    for chunk in re.findall(r"apt-get install ([^&;]+)", runs):
+        pkgs |= {w for w in chunk.replace("\\", " ").split() if not w.startswith("-")}
+    return pkgs
+
+
+def probe_tools() -> dict[str, str]:
+    """{tool: the KubeRay command that calls it}: the programs the vendored probe/health commands run."""
+    fixture = json.loads((CRD_SCHEMAS / "probe_commands.json").read_text())
+    tools = {fixture["exec_wrapper"][0]: "exec probe wrapper"}
+    for name, template in fixture["commands"].items():
+        command = template.replace("%d", "1").replace("%s", "x")
+        for segment in re.split(r"\|\||&&|\|", command):
+            tools[shlex.split(segment)[0]] = name
+    return tools
+
+
+def test_dockerfile_installs_every_tool_kuberays_probes_call():
+    """KubeRay's exec probes (RayService worker readiness on every Ray version) run `wget ... | grep
+    success` under `bash -c`; the RayJob submitter runs `python -c ...`. A tool the image lacks keeps
+    pods un-Ready forever, so each one must come from the base image's Essential set, an apt install
+    in the Dockerfile, or (python) the venv on PATH."""
+    instructions = dockerfile_instructions()
+    args = dict(rest.split("=", 1) for op, rest in instructions if op == "ARG" and "=" in rest)
+    base = re.sub(r"\$\{(\w+)\}", lambda m: args[m.group(1)],
+                  next(rest for op, rest in instructions if op == "FROM"))
+    runs = " ".join(rest for op, rest in instructions if op == "RUN")
+    env = " ".join(rest for op, rest in instructions if op == "ENV")
+    apt = apt_installed(runs)
+    tools = probe_tools()
+    assert {"wget", "grep", "bash", "python"} <= set(tools), f"fixture lost a probe tool: {tools}"
+    for tool, used_by in tools.items():
+        if tool == "python":
+            ok = "-m venv /opt/venv" in runs and "PATH=/opt/venv/bin" in env
+        elif tool in ESSENTIAL_TOOLS:
+            ok = re.search(r"ubuntu|debian", base) is not None
+        else:
+            ok = tool in apt
+        assert ok, f"{tool} (called by KubeRay's {used_by}) is not installed in the image built from {base}"
+
+
 def project_dependencies() -> list[str]:
     import tomllib
 

@@ -2,7 +2,7 @@
 
     python benchmarks/serve_load.py                                  # smollm2-135m + its trained DSpark drafter
     python benchmarks/serve_load.py --drafter /path/to/drafter_dir   # any drafter reference
-    python benchmarks/serve_load.py --tiny [--drafter models:/tiny-dspark-drafter@latest]
+    python benchmarks/serve_load.py --tiny [--drafter models:/tiny-dspark-drafter@champion]
     python benchmarks/serve_load.py --quick                          # tiny target, few requests (minutes)
 
 For each scheduler mode (off / fixed / threshold / dynamic) the app is (re)deployed on a local Ray
@@ -37,8 +37,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
 MODES = ("off", "fixed", "threshold", "dynamic")
-DEFAULT_DRAFTER = {"smollm2-135m": "models:/smollm2-135m-dspark-drafter@latest",
-                   "tiny": "models:/tiny-dspark-drafter@latest"}
+DEFAULT_DRAFTER = {"smollm2-135m": "models:/smollm2-135m-dspark-drafter@champion",
+                   "tiny": "models:/tiny-dspark-drafter@champion"}
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -1,7 +1,7 @@
 """Export as a first-class step: one drafter -> the serving engines' checkpoint layouts.
 
     export_drafter(drafter, "out/vllm", "vllm")              # an in-memory drafter (target attached)
-    export_ref("models:/tiny-dspark@latest", "out/vllm", "vllm")  # any drafter reference
+    export_ref("models:/tiny-dspark@champion", "out/vllm", "vllm")  # any drafter reference
     attach_exports(drafter_or_dir, run_id, model_name, version)   # jobs: log + tag a registered version
 
 Formats (see dspark/drafters/vllm_export.py and sglang_export.py for the exact layouts):

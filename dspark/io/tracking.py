@@ -429,46 +429,53 @@ def _on_signal(signum: int, frame, previous) -> None:
 
 
 # ---------------------------------------------------------------------------- system metrics
-@dataclass
 class _SystemMetrics:
-    """The run this thread made MLflow's active run with `log_system_metrics=True` (public API)."""
+    """MLflow's own system-metrics sampler for one run, through the public API: a helper thread makes the
+    run its active run with `mlflow.start_run(run_id=..., log_system_metrics=True)` (MLflow samples psutil
+    / pynvml into `system/...` on its own thread) and ends it with `mlflow.end_run` when stopped. Being on
+    a helper thread, it never touches the caller's thread-local MLflow run and can be stopped with a
+    deadline. An attached run (a worker logging into the driver's run) is ended with status RUNNING:
+    the sampler stops and the driver keeps setting the final status."""
 
-    run_id: str
-    owned: bool
+    def __init__(self, run_id: str, owned: bool, node_id: str | None):
+        self.run_id, self.owned, self.node_id = run_id, owned, node_id
+        self.status = "FINISHED"
+        self.started, self.stop_requested = threading.Event(), threading.Event()
+        self.thread = threading.Thread(target=self._run, name="dspark-mlflow-sysmetrics", daemon=True)
+        self.thread.start()
 
-
-def _start_system_metrics(run_id: str, node_id: str | None) -> _SystemMetrics | None:
-    """Sample CPU/GPU/memory/disk/network into the run (psutil, pynvml) through MLflow's public API:
-    `mlflow.start_run(run_id=..., log_system_metrics=True)` on this thread (MLflow then samples on its own
-    daemon thread); `node_id` (mlflow.set_system_metrics_node_id) prefixes a worker's metrics."""
-    try:
+    def _run(self) -> None:
         mlflow = _configure()
-        if node_id:
-            mlflow.set_system_metrics_node_id(node_id)
-        mlflow.start_run(run_id=run_id, log_system_metrics=True)
-        return _SystemMetrics(run_id, owned=_current is not None and _current.owned)
-    except Exception as err:  # noqa: BLE001 - metrics about the machine are never worth a failed run
-        logger.warning("MLflow system metrics are off: %s: %s", type(err).__name__, err)
-        return None
+        try:
+            if self.node_id:
+                mlflow.set_system_metrics_node_id(self.node_id)
+            mlflow.start_run(run_id=self.run_id, log_system_metrics=True)
+        except Exception as err:  # noqa: BLE001 - metrics about the machine are never worth a failed run
+            logger.warning("MLflow system metrics are off: %s: %s", type(err).__name__, err)
+            return
+        finally:
+            self.started.set()
+        self.stop_requested.wait()
+        with _suppress_warning("stopping MLflow system metrics"):
+            mlflow.end_run(status=self.status if self.owned else "RUNNING")
+
+    def stop(self, status: str, timeout_s: float) -> None:
+        self.status = status
+        self.stop_requested.set()
+        self.thread.join(timeout_s)
+
+
+def _start_system_metrics(run_id: str, node_id: str | None) -> _SystemMetrics:
+    """Sample CPU/GPU/memory/disk/network into the run (see _SystemMetrics)."""
+    monitor = _SystemMetrics(run_id, owned=_current is not None and _current.owned, node_id=node_id)
+    monitor.started.wait(10.0)
+    return monitor
 
 
 def _stop_system_metrics(monitor: _SystemMetrics | None, timeout_s: float, status: str = "FINISHED") -> None:
-    """End MLflow's active run on this thread (which stops the sampler) without waiting on a slow server
-    for more than timeout_s. An attached run (a worker logging into the driver's run) is left RUNNING:
-    mlflow.end_run(status="RUNNING") pops it and stops the sampler; the driver sets the final status."""
-    if monitor is None:
-        return
-    mlflow = _configure()
-
-    def stop() -> None:
-        with _suppress_warning("stopping MLflow system metrics"):
-            active = mlflow.active_run()
-            if active is not None and active.info.run_id == monitor.run_id:
-                mlflow.end_run(status=status if monitor.owned else "RUNNING")
-
-    stopper = threading.Thread(target=stop, name="dspark-mlflow-sysmetrics-stop", daemon=True)
-    stopper.start()
-    stopper.join(timeout_s)
+    """Stop sampling without waiting on a slow server for more than timeout_s."""
+    if monitor is not None:
+        monitor.stop(status, timeout_s)
 
 
 class _suppress_warning:

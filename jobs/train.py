@@ -231,7 +231,8 @@ def register_drafter(run_id: str, name: str, alias: str, drafter_dir: str, metri
     from dspark.io import tracking
     from dspark.io.drafter_model import version_tags
 
-    tags = version_tags(drafter_dir, metrics.get("expected_accept_len"), "training expected_accept_len (teacher-forced)")
+    tags = version_tags(drafter_dir, metrics.get("expected_accept_len"),
+                        "training expected_accept_len (teacher-forced)")
     try:
         return tracking.publish_drafter(run_id, name, drafter_dir, [alias], description="dspark drafter (jobs.train)",
                                         tags=tags)

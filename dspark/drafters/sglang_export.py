@@ -59,7 +59,8 @@ def check_sglang(drafter: Drafter) -> None:
         raise ExportError(f"target_layer_ids: SGLang's LlamaForCausalLMEagle3 fuses exactly 3 target layers "
                           f"(fc is 3·hidden_size wide); this drafter uses {len(drafter.layer_ids)}")
     if algo in ("dflash", "dspark") and c.mask_token_id is None:
-        raise ExportError(f"mask_token_id: SGLang's {'DSpark' if algo == 'dspark' else 'DFlash'} embeds the MASK with the target's embedding, so a learned "
+        model = "DSpark" if algo == "dspark" else "DFlash"
+        raise ExportError(f"mask_token_id: SGLang's {model} embeds the MASK with the target's embedding, so a learned "
                           "MASK vector (mask_token_id=None) cannot be carried; train with mask_token_id set to a "
                           "reserved token id (mask_token_id: reserved), or export --format vllm")
 

@@ -351,7 +351,9 @@ def write_checkpoint(out_dir: str, weights: dict[str, torch.Tensor], config: dic
                      dtype: torch.dtype | None = None, extras: dict[str, object] | None = None) -> None:
     """config.json + model.safetensors (+ `extras`: torch.save'd files) to a local dir or an s3:// prefix.
     Floating tensors (also inside extras) are cast to `dtype`; config.json records it as `torch_dtype`."""
-    cast = lambda v: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).detach().contiguous().cpu()  # noqa: E731
+    def cast(v: torch.Tensor) -> torch.Tensor:
+        return (v.to(dtype) if dtype is not None and v.is_floating_point() else v).detach().contiguous().cpu()
+
     tensors = {k: cast(v) for k, v in weights.items()}
     files = {name: {k: cast(v) if isinstance(v, torch.Tensor) else v for k, v in obj.items()}
              for name, obj in (extras or {}).items()}

@@ -33,11 +33,11 @@ import yaml
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
-from dspark import draft_vocab  # noqa: E402
+from dspark.drafters import draft_vocab  # noqa: E402
 from dspark.drafters import DrafterConfig, build_drafter  # noqa: E402
 from dspark.drafters.base import RowSampling  # noqa: E402
-from dspark.evaluation import parse_benchmark  # noqa: E402
-from dspark.sampling import SamplingParams  # noqa: E402
+from dspark.eval.evaluation import parse_benchmark  # noqa: E402
+from dspark.decoding.sampling import SamplingParams  # noqa: E402
 
 GOAL = 0.25
 
@@ -156,7 +156,7 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    from dspark.target import load_target
+    from dspark.models.target import load_target
 
     target = load_target(args.target)
     section = drafter_config(args)

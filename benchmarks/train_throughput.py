@@ -69,7 +69,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def vocab_size(target: str) -> int:
     from transformers import AutoConfig
 
-    from dspark import models_builtin
+    from dspark.models import builtin as models_builtin
 
     path = models_builtin.prepare(target) if target in models_builtin.BUILTIN else target
     return int(AutoConfig.from_pretrained(path).vocab_size)
@@ -185,7 +185,7 @@ def compare(args) -> dict:
     import torch
 
     from dspark.config import load_config
-    from dspark.target import load_target
+    from dspark.models.target import load_target
     from dspark.training.loop import resolve_precision
     from dspark.training.config import TrainJobConfig
 

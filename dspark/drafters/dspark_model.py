@@ -19,7 +19,7 @@ from dspark.drafters.config import DrafterConfig
 from dspark.drafters.dflash import DFlashDrafter
 from dspark.drafters.heads import ConfidenceHead, build_sequential_head
 from dspark.drafters.layers import init_weights
-from dspark.sampling import Generators, rows_generators, sample
+from dspark.decoding.sampling import Generators, rows_generators, sample
 
 
 class DSparkDrafter(DFlashDrafter):

@@ -13,6 +13,7 @@ the newly verified positions, so no rollback is needed.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -225,6 +226,9 @@ class Drafter(nn.Module):
         if features.dim() != 2 or features.shape[1] != width or features.shape[0] != token_ids.shape[0]:
             raise ValueError(f"extend_context needs features [n, {width}] and token_ids [n], got "
                              f"{tuple(features.shape)} and {tuple(token_ids.shape)}")
+
+    # The algorithm the others are compared against in evaluation tables (ratios X/other).
+    comparison_reference: ClassVar[bool] = False
 
     @property
     def slots_per_anchor(self) -> int:

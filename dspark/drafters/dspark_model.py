@@ -35,6 +35,8 @@ class DSparkDrafter(DFlashDrafter):
             if head is not None:
                 init_weights(head, config.init_std)
 
+    comparison_reference = True  # the paper's method: evaluation ratios are DSpark / other
+
     @property
     def has_confidences(self) -> bool:
         return self.confidence_head is not None

@@ -32,6 +32,7 @@ from dspark.data.jsonl import jsonl_lines
 from dspark.decoding.sampling import MaxNewTokens, SamplingParams, Temperature, TopK, TopP
 from dspark.decoding.scheduler import threshold_schedule
 from dspark.decoding.specdec import GenerationResult, RoundStats, speculative_generate, target_generate
+from dspark.drafters.registry import DRAFTER_CLASSES
 
 log = logging.getLogger(__name__)
 
@@ -276,7 +277,7 @@ def comparison_pairs(algos: dict[str, str], reference: str | None = None) -> lis
     if len(names) < 2:
         return []
     if reference is None:
-        reference = next((n for n in names if algos[n] == "dspark"), names[0])
+        reference = next((n for n in names if DRAFTER_CLASSES[algos[n]].comparison_reference), names[0])
     if reference not in algos:
         raise ValueError(f"compare reference {reference!r} is not one of the drafters {names}")
     return [(reference, other) for other in names if other != reference]

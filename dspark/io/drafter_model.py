@@ -29,7 +29,7 @@ class DrafterModel(mlflow.pyfunc.PythonModel):
     def load_context(self, context) -> None:
         from dspark.drafters import load_drafter
         from dspark.drafters.checkpoint import read_checkpoint_config
-        from dspark.target import load_target
+        from dspark.models.target import load_target
 
         path = context.artifacts[ARTIFACT_KEY]
         name = os.environ.get(TARGET_ENV) or read_checkpoint_config(path)["target_meta"].get("name")
@@ -46,7 +46,7 @@ class DrafterModel(mlflow.pyfunc.PythonModel):
     def propose(self, prompt_ids: list[int], gamma: int) -> dict:
         import torch
 
-        from dspark.sampling import SamplingParams
+        from dspark.decoding.sampling import SamplingParams
 
         layer_ids = self.drafter.layer_ids
         ids = torch.tensor([prompt_ids], device=self.target.device)

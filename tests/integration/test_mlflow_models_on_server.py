@@ -16,7 +16,7 @@ def test_drafter_model_round_trip_through_the_tracking_server(local_stack, tmp_p
     from dspark.io import tracking
     from dspark.io.drafter_model import version_tags
     from dspark.io.drafter_source import load_drafter_ref
-    from dspark.target import load_target
+    from dspark.models.target import load_target
 
     monkeypatch.setenv("DSPARK_CACHE", str(tmp_path / "cache"))
     tiny = load_target("tiny")

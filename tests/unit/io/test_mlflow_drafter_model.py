@@ -16,7 +16,7 @@ import torch
 
 from dspark.drafters import DrafterConfig, build_drafter, save_drafter
 from dspark.io import tracking
-from dspark.target import load_target
+from dspark.models.target import load_target
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +73,7 @@ def test_pyfunc_load_model_proposes_the_drafters_own_block(store, tiny, tmp_path
     import mlflow
 
     from dspark.io.drafter_source import load_drafter_ref
-    from dspark.sampling import SamplingParams
+    from dspark.decoding.sampling import SamplingParams
 
     drafter, ckpt, run_id = trained_run(tiny, tmp_path, tau=2.0)
     tracking.publish_drafter(run_id, "tiny-dspark-drafter", ckpt, [])

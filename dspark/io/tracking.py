@@ -447,8 +447,7 @@ class _SystemMetrics:
     def _run(self) -> None:
         mlflow = _configure()
         try:
-            if self.node_id:
-                mlflow.set_system_metrics_node_id(self.node_id)
+            mlflow.set_system_metrics_node_id(self.node_id)  # process-wide: set (or clear) it for this run
             mlflow.start_run(run_id=self.run_id, log_system_metrics=True)
         except Exception as err:  # noqa: BLE001 - metrics about the machine are never worth a failed run
             logger.warning("MLflow system metrics are off: %s: %s", type(err).__name__, err)

@@ -216,7 +216,8 @@ def run(cfg: EvalConfig) -> dict:
     from dspark.models.target import load_target
 
     storage.check_writable(cfg.output)  # fail fast, before any decoding
-    benchmarks, problems = ev.load_benchmarks(cfg.benchmarks, cfg.benchmark_dir, cfg.max_prompts_per_benchmark)
+    benchmarks, problems = ev.load_benchmarks(cfg.benchmarks, cfg.benchmark_dir, cfg.max_prompts_per_benchmark,
+                                              read_text=storage.read_text)
     target = load_target(cfg.target)
     infos = load_drafter_infos(cfg.drafters, target)
     del target  # the workers load their own

@@ -20,18 +20,18 @@ import time
 from pathlib import Path
 
 from dspark.config import ConfigError, config_to_dict, dump_config, flatten
+from dspark.data.rollout_store import check_rollouts, parquet_paths
+from dspark.io.run_dir import RunDir
 from dspark.io.storage import StorageError
 from dspark.io.tracking import TrackingError
 from dspark.training.config import TrainJobConfig
-from dspark.training.plan import RunDir, check_resume_matches, deepspeed_config, training_steps
-from dspark.data.rollout_store import check_rollouts, parquet_paths
-
+from dspark.training.plan import check_resume_matches, deepspeed_config, training_steps
 
 
 def check_target_spec(spec: str) -> None:
     """Fail in the driver, not in every worker, when the target cannot be found (reads its config only)."""
-    from dspark.models import builtin as models_builtin
     from dspark.io import storage
+    from dspark.models import builtin as models_builtin
 
     if spec in models_builtin.BUILTIN:
         return

@@ -131,6 +131,20 @@ def load_drafter_ref(ref: str, target=None, device=None):
         raise ValueError(f"drafter {ref}: {err}") from None
 
 
+def save_drafter_to(drafter, uri: str) -> str:
+    """Save a drafter checkpoint to a local dir or an s3:// prefix (written locally, then uploaded)."""
+    import tempfile
+
+    from dspark.drafters import save_drafter
+    from dspark.io import storage
+
+    if not storage.is_s3(uri):
+        return save_drafter(drafter, uri)
+    with tempfile.TemporaryDirectory(prefix="dspark-ckpt-") as tmp:
+        storage.upload_dir(save_drafter(drafter, tmp), uri)
+    return uri
+
+
 # ---- helpers ---------------------------------------------------------------------------------------
 def _cache_root() -> Path:
     from dspark.settings import settings

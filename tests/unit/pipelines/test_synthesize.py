@@ -12,9 +12,10 @@ from dspark.data.prompt_filters import (EvalIndex, FilterConfig, PromptFilter, b
 from dspark.data.prompts import PromptSource, load_prompts, prompt_id_of, write_jsonl
 from dspark.data.rollout_store import Plan, prepare_output
 from dspark.data.rollout_engine import SamplingConfig
-from pipelines.synthesize import (DEFAULT_DOMAINS, DomainSpec, MagpieConfig, MagpieEngine, SynthesizeConfig,
-                                  apply_filters, commit_raw, corpus_candidates, domain_counts, domain_sequence,
-                                  magpie_candidates, magpie_slots, read_dropped, read_prompts, read_raw, write_final)
+from dspark.data.magpie import (DEFAULT_DOMAINS, DomainSpec, MagpieConfig, MagpieEngine, domain_counts,
+                                domain_sequence, magpie_slots)
+from pipelines.synthesize import (SynthesizeConfig, apply_filters, commit_raw, corpus_candidates, magpie_candidates,
+                                  read_dropped, read_prompts, read_raw, write_final)
 
 LONG = ("Alice has three boxes of apples and each box holds twelve apples while her brother gives her "
         "five more apples every single day of the week")

@@ -70,7 +70,7 @@ def open_mlflow_run(cfg: TrainJobConfig, record: dict | None, params: dict) -> s
     run_id = record.get("mlflow_run_id") if record else None
     run_id = tracking.start_run(cfg.tracking.experiment, cfg.mlflow_run_name, run_id=run_id,
                                 tags={"dspark.stage": "train", "dspark.algo": cfg.drafter.algo,
-                                      "dspark.models.target": cfg.target})
+                                      "dspark.target": cfg.target})
     if record is None or not record.get("mlflow_run_id"):
         tracking.log_params(params)
         lineage.log_rollouts(cfg.data.rollouts, lineage.TRAINING)

@@ -29,11 +29,11 @@ import yaml
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
+from dspark.decoding.engine import Engine, EngineConfig  # noqa: E402
+from dspark.decoding.sampling import SamplingParams  # noqa: E402
+from dspark.decoding.scheduler import SchedulerConfig  # noqa: E402
 from dspark.drafters import DrafterConfig, build_drafter  # noqa: E402
-from dspark.engine import Engine, EngineConfig  # noqa: E402
-from dspark.sampling import SamplingParams  # noqa: E402
-from dspark.scheduler import SchedulerConfig  # noqa: E402
-from dspark.target import load_target  # noqa: E402
+from dspark.models.target import load_target  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from pydantic import Field
 
-from dspark import report
+from dspark.eval import report
 from dspark.config import RayConfig, TrackingConfig
 from dspark.io.storage import StorageError
 from dspark.io.tracking import TrackingError

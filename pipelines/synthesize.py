@@ -1,8 +1,8 @@
 """A prompt corpus for any target: user turns written by the target itself (Magpie) and/or real
-datasets, filtered (pipelines' dspark/prompt_filters.py), as a resumable Ray Data job.
+datasets, filtered (pipelines' dspark/data/prompt_filters.py), as a resumable Ray Data job.
 
 (Over 400 lines: the stage's config, Magpie actor, plan and deterministic filter pass belong together;
-the filters themselves are library code in dspark/prompt_filters.py.)
+the filters themselves are library code in dspark/data/prompt_filters.py.)
 
 Magpie (Xu et al., 2024): render the chat template up to the point where a user turn starts
 (`<|im_start|>user\\n` for ChatML) and let the model continue; what it writes until its end-of-turn
@@ -22,9 +22,9 @@ Pipeline (driver side in `run_synthesis`):
    every dropped one with its reason to `dropped/filtered.parquet`, unreadable source records to
    `errors/load.parquet`, then `manifest.json` (format "dspark-prompts/1") last.
 
-Output rows (PROMPT_SCHEMA): prompt_id (= pipelines.prompts.prompt_id_of(system, turns), so
+Output rows (PROMPT_SCHEMA): prompt_id (= dspark.data.prompts.prompt_id_of(system, turns), so
 jobs.generate computes the same id), domain, turns, source, system. Point a jobs.generate source at
-the output directory: pipelines/prompts.py reads the shards its manifest lists.
+the output directory: dspark/data/prompts.py reads the shards its manifest lists.
 """
 from __future__ import annotations
 
@@ -42,13 +42,13 @@ from pydantic import Field, field_validator, model_validator
 
 from dspark.io import storage
 from dspark.config import StrictModel, config_to_dict
-from dspark.prompt_filters import FILTER_ORDER, EvalIndex, FilterConfig, PromptFilter, build_eval_index
-from pipelines import schema
-from pipelines.prompts import PROMPTS_FORMAT, LoadResult, PromptSource, load_prompts, prompt_id_of
-from pipelines.rollout_engine import SENTINEL, RolloutEngine, SamplingConfig, row_seed
+from dspark.data.prompt_filters import FILTER_ORDER, EvalIndex, FilterConfig, PromptFilter, build_eval_index
+from dspark.data import schema
+from dspark.data.prompts import PROMPTS_FORMAT, LoadResult, PromptSource, load_prompts, prompt_id_of
+from dspark.data.rollout_engine import SENTINEL, RolloutEngine, SamplingConfig, row_seed
 from pipelines.rollout import ComputeConfig, RunStats, generate_chunks
-from pipelines.rollout_store import Plan, write_parquet, prepare_output, read_commits
-from pipelines.rollout_store import path_in
+from dspark.data.rollout_store import Plan, write_parquet, prepare_output, read_commits
+from dspark.data.rollout_store import path_in
 
 PROMPT_SCHEMA = pa.schema([("prompt_id", pa.string()), ("domain", pa.string()), ("turns", pa.list_(pa.string())),
                            ("source", pa.string()), ("system", pa.string())])
@@ -248,7 +248,7 @@ class MagpieActor:
     """A Ray Data actor: one target replica writing user turns for whole batches."""
 
     def __init__(self, spec: dict):
-        from dspark.target import load_target
+        from dspark.models.target import load_target
 
         torch.set_num_threads(spec["threads"])
         target = load_target(spec["target"], dtype=getattr(torch, spec["dtype"]), device=spec["device"])

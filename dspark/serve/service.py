@@ -24,8 +24,8 @@ from openai.types.chat.chat_completion import ChoiceLogprobs as ChatChoiceLogpro
 from openai.types.chat.chat_completion_token_logprob import TopLogprob
 from openai.types.completion_choice import Logprobs as CompletionLogprobs
 
-from dspark.engine import Engine, EngineUnavailableError, QueueFullError, Request, TokenLogprob
-from dspark.sampling import derive_seed
+from dspark.decoding.engine import Engine, EngineUnavailableError, QueueFullError, Request, TokenLogprob
+from dspark.decoding.sampling import derive_seed
 from dspark.serve.config import PROMPT_CHARS_PER_TOKEN, ServeConfig, served_name
 from dspark.serve.protocol import (ApiError, ChatBody, CompletionBody, DSparkChatCompletion, DSparkChatCompletionChunk,
                                    DSparkCompletion, DSparkCompletionChoice, ModelList, RequestBody, ServedModel,

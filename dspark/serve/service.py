@@ -68,8 +68,8 @@ class Choice:
     logprobs_sent: int = 0
     done: bool = False
 
-    def new_logprobs(self, final: bool) -> list[TokenLogprob]:
-        """Logprobs of the tokens counted in the text since the last call (all of them when final)."""
+    def new_logprobs(self) -> list[TokenLogprob]:
+        """Logprobs of the tokens counted in the text since the last call (empty without logprobs)."""
         upto = self.assembler.n_tokens
         entries = self.req.token_logprobs[self.logprobs_sent: upto]
         self.logprobs_sent = max(self.logprobs_sent, upto)
@@ -400,7 +400,7 @@ class OpenAIService:
                         yield _sse(_not_generated(choice.req).body())
                         return
                     delta, complete = self.advance(choice, final)
-                    entries = choice.new_logprobs(complete)
+                    entries = choice.new_logprobs()
                     if complete:
                         if delta:
                             yield _sse(fmt.delta(index, delta, None))

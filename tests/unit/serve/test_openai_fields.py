@@ -200,9 +200,9 @@ def test_skip_special_tokens_and_eos_text_over_http(served):
     include_stop_str_in_output=true (the stop token's text is never shown otherwise, as in vLLM)."""
     tok, eos = served.target.tokenizer, served.target.eos_token_ids[0]
     ending = next(p for p in ([k] for k in range(3, 200))
-                  if served.api.completions.create(model=MODEL, prompt=p, max_tokens=32,
+                  if served.api.completions.create(model=MODEL, prompt=p, max_tokens=24,
                                                    temperature=0).choices[0].finish_reason == "stop")
-    base = dict(model=MODEL, prompt=ending, max_tokens=32, temperature=0)
+    base = dict(model=MODEL, prompt=ending, max_tokens=24, temperature=0)
     plain = served.api.completions.create(**base).choices[0]
     assert plain.model_extra["token_ids"][-1] == eos and "<|im_end|>" not in plain.text
     raw = served.api.completions.create(**base, extra_body={"skip_special_tokens": False}).choices[0]

@@ -193,7 +193,7 @@ class Drafter(nn.Module):
         proposal is exactly `propose` on its own with that generator, whatever else is in the batch.
         """
         gammas, sps = self._batch_args(states, anchors, gamma, sampling)
-        if generator is not None and not isinstance(generator, torch.Generator) and len(generator) != len(states):
+        if isinstance(generator, (list, tuple)) and len(generator) != len(states):
             raise ValueError(f"propose_batch got {len(states)} states but {len(generator)} generators; pass one "
                              "generator per state (or a single one)")
         if not states:

@@ -33,6 +33,7 @@ class ApiSection(StrictModel):
     max_tokens_limit: int = Field(1024, description="largest max_tokens a request may ask for")
     default_max_tokens: int = Field(256, description="when a request gives none (capped by the room left in the context)")
     max_prompts: int = Field(16, description="prompts per /v1/completions request")
+    max_choices: int = Field(16, ge=1, description="choices per request at most: n × the number of prompts")
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024, description=(
         "largest request body in bytes; larger ones get 413 before they are read (by Content-Length) or "
         "as soon as they pass the limit, and are never parsed"))

@@ -12,8 +12,15 @@ requests. Each `step()`:
      over the SPS table profiled at start, threshold, fixed, off);
   4. verifies [anchor_r, drafts_r[:ℓ_r]] of ALL requests in ONE target forward: tokens are flattened
      into one row and each request attends to its own KV slot (dspark.batched_cache);
-  5. accepts losslessly per request (`accept_drafts`), keeps the accepted prefix in the KV slot and in
-     the drafter context, emits the new tokens; finished requests leave, their slots are recycled.
+  5. accepts losslessly per request (`accept_drafts`), keeps the accepted prefix in the KV slot, queues
+     its target features for the drafter context, emits the new tokens; finished requests leave, their
+     slots are recycled.
+The drafter context is caught up lazily: the target features of verified positions wait in
+`Request.ctx_pending` and the drafter reads them in one `extend_context` call per request just before
+it next drafts (or when `context_catch_up_every` steps have piled up, which bounds the memory held).
+So a step where the draft gate skips drafting does the same work as mode `off` (plus keeping the
+features, which the target forward returns anyway), and a drafter that is rarely used costs nothing
+on the steps it sits out.
 Requests join and leave between steps. A request whose drafting, verification or acceptance fails
 is finished with an error; the others continue. `healthy` turns False when steps keep failing.
 
@@ -29,8 +36,9 @@ whenever its verify lengths are: always for scheduler modes off/fixed/threshold 
 on request r alone); under dynamic/async_topk, ℓ_r is chosen over the whole batch, so the same seed
 gives the same output under the same load, and the same distribution under any load.
 
-Invariant between steps, for each active request r in slot r: KV length == drafter context length ==
-len(prompt) + len(tokens) - 1 (everything but the anchor, which is tokens[-1]).
+Invariant between steps, for each active request r in slot r: KV length == drafter context length +
+positions in ctx_pending == len(prompt) + len(tokens) - 1 (everything but the anchor, tokens[-1]);
+right after a catch-up ctx_pending is empty, so the drafter drafts from the full verified context.
 """
 from __future__ import annotations
 
@@ -69,6 +77,7 @@ class EngineConfig(StrictModel):
     sps_table: dict[int, float] | None = Field(None, description="given table: skip profiling (tests, or a saved profile)")
     seed: int | None = Field(0, description="seeds the generators of requests without a seed of their own (None = nondeterministic)")
     max_consecutive_failures: int = Field(3, description="failed steps in a row before the engine reports unhealthy")
+    context_catch_up_every: int = Field(64, ge=1, description="steps of target features a request may hold for its drafter before the drafter reads them even without drafting (bounds memory while the draft gate skips; the drafter always catches up before it drafts)")
 
 
 class QueueFullError(RuntimeError):
@@ -120,6 +129,7 @@ class Request:
     slot: int = -1
     generator: torch.Generator | None = None  # this request's own RNG (see the module docstring)
     draft_state: object = None
+    ctx_pending: list = field(default_factory=list)  # (features, token ids) of verified positions the drafter has not read yet
     proposal: object = None
     verify_len: int = 0
 
@@ -154,6 +164,7 @@ class StepReport:
     draft_s: float = 0.0
     verify_s: float = 0.0
     step_s: float = 0.0
+    catch_up_tokens: int = 0  # verified positions the drafter context read this step (lazy catch-up)
     verify_lens: list[int] = field(default_factory=list)
     drafted: bool = False  # False: mode off, or the draft gate judged a target-only step faster
 
@@ -360,10 +371,11 @@ class Engine:
         if self.active:
             drafted = self.drafting and (self.gate is None or self.gate.should_draft(len(self.active)))
             if drafted:
-                self._draft(report)
+                self._draft(report)  # catches the drafter context up first
                 self._retire()
             if self.active:
                 self._verify(report)
+                self._catch_up_overdue(report)
                 self._retire()
             if drafted and self.gate is not None:
                 self.gate.observe(report.rows, report.draft_s, report.verified, report.accepted)
@@ -401,7 +413,7 @@ class Engine:
                 logits, features = out
                 if self.drafting:
                     req.draft_state = self.drafter.new_state()
-                    self.drafter.extend_context(req.draft_state, features, ids)
+                    req.ctx_pending = [(features, ids)]  # read when the request first drafts
                 self.kv.set_length(req.slot, len(req.prompt_ids))
                 token = int(sample(to_probs(logits[-1], req.sampling), req.generator))
                 self._emit(req, [token], report)
@@ -411,7 +423,8 @@ class Engine:
     def _draft(self, report: StepReport) -> None:
         """γ drafts per active request in one propose_batch call (per-request retry isolates a failure)."""
         t0 = time.perf_counter()
-        reqs = self.active
+        self._catch_up(self.active, report)
+        reqs = [r for r in self.active if not r.finished]
         args = ([r.draft_state for r in reqs], [r.anchor for r in reqs], self.gamma, [r.sampling for r in reqs])
         try:
             proposals = self.drafter.propose_batch(*args, [r.generator for r in reqs])
@@ -428,6 +441,30 @@ class Engine:
         for r, p in zip(reqs, proposals):
             r.proposal = p
         report.draft_s = time.perf_counter() - t0
+
+    def _catch_up_overdue(self, report: StepReport) -> None:
+        """Catch up requests holding `context_catch_up_every` steps of features (bounds the memory the
+        pending features pin while the gate keeps skipping; amortised, it is 1/N of a catch-up per step)."""
+        if self.drafting:
+            every = self.cfg.context_catch_up_every
+            self._catch_up([r for r in self.active if len(r.ctx_pending) >= every], report)
+
+    def _catch_up(self, reqs: list[Request], report: StepReport) -> None:
+        """Feed each request's pending target features to its drafter context in one extend_context call
+        (all verified positions since its last catch-up, in order); a failure fails that request only."""
+        for r in reqs:
+            pending, r.ctx_pending = r.ctx_pending, []
+            if not pending or r.finished:
+                continue
+            try:
+                if len(pending) == 1:
+                    features, ids = pending[0]
+                else:
+                    features, ids = torch.cat([f for f, _ in pending]), torch.cat([i for _, i in pending])
+                self.drafter.extend_context(r.draft_state, features, ids)
+                report.catch_up_tokens += int(ids.shape[0])
+            except Exception as err:
+                self._fail(r, f"drafter context update failed: {err}", report)
 
     def _schedule(self) -> list[int]:
         proposals = [r.proposal for r in self.active]
@@ -464,8 +501,8 @@ class Engine:
         draft_probs = req.proposal.probs[:n] if n else target_probs[:0]
         n_acc, next_token = accept_drafts(ids[1:], draft_probs.to(target_probs.device), target_probs, req.generator)
         self.kv.set_length(req.slot, self.kv.lengths[req.slot] + 1 + n_acc)  # anchor + accepted drafts
-        if self.drafting:
-            self.drafter.extend_context(req.draft_state, features[: 1 + n_acc], ids[: 1 + n_acc])
+        if self.drafting:  # the drafter reads these when it next drafts (see _catch_up)
+            req.ctx_pending.append((features[: 1 + n_acc], ids[: 1 + n_acc]))
         s = req.stats
         proposed = int(req.proposal.tokens.shape[0]) if req.proposal is not None else 0
         s.rounds, s.proposed, s.verified, s.accepted = s.rounds + 1, s.proposed + proposed, s.verified + n, \
@@ -550,6 +587,7 @@ class Engine:
                 last.slot = slot
                 self.active[slot] = last
             req.slot, req.draft_state, req.proposal, req.generator = -1, None, None, None
+            req.ctx_pending = []
             self._finish(req, req.finish_reason)
 
     def _fail_all(self, message: str, reason: str = "error") -> None:

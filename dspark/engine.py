@@ -16,8 +16,8 @@ requests. Each `step()`:
      its target features for the drafter context, emits the new tokens; finished requests leave, their
      slots are recycled.
 The drafter context is caught up lazily: the target features of verified positions wait in
-`Request.ctx_pending` and the drafter reads them in one `extend_context` call per request just before
-it next drafts (or when `context_catch_up_every` steps have piled up, which bounds the memory held).
+`Request.ctx_pending` and the drafter reads them, for all requests in one `extend_contexts` pass, just
+before it next drafts (or when `context_catch_up_every` steps have piled up, which bounds the memory held).
 So a step where the draft gate skips drafting does the same work as mode `off` (plus keeping the
 features, which the target forward returns anyway), and a drafter that is rarely used costs nothing
 on the steps it sits out.
@@ -450,21 +450,34 @@ class Engine:
             self._catch_up([r for r in self.active if len(r.ctx_pending) >= every], report)
 
     def _catch_up(self, reqs: list[Request], report: StepReport) -> None:
-        """Feed each request's pending target features to its drafter context in one extend_context call
-        (all verified positions since its last catch-up, in order); a failure fails that request only."""
+        """Feed the requests' pending target features to their drafter contexts: all verified positions
+        since each one's last catch-up, in order, in ONE `extend_contexts` pass over the requests (a
+        failure is retried request by request, so only a failing request fails)."""
+        todo = []
         for r in reqs:
             pending, r.ctx_pending = r.ctx_pending, []
             if not pending or r.finished:
                 continue
-            try:
-                if len(pending) == 1:
-                    features, ids = pending[0]
-                else:
-                    features, ids = torch.cat([f for f, _ in pending]), torch.cat([i for _, i in pending])
-                self.drafter.extend_context(r.draft_state, features, ids)
-                report.catch_up_tokens += int(ids.shape[0])
-            except Exception as err:
-                self._fail(r, f"drafter context update failed: {err}", report)
+            if len(pending) == 1:
+                todo.append((r, *pending[0]))
+            else:
+                todo.append((r, torch.cat([f for f, _ in pending]), torch.cat([i for _, i in pending])))
+        if not todo:
+            return
+        before = [r.draft_state.length for r, _, _ in todo]
+        try:
+            self.drafter.extend_contexts([r.draft_state for r, _, _ in todo], [f for _, f, _ in todo],
+                                         [i for _, _, i in todo])
+        except Exception:
+            log.warning("extend_contexts failed; catching up request by request to isolate the failure", exc_info=True)
+            for (r, features, ids), length in zip(todo, before):
+                if r.draft_state.length != length:  # this one was extended before the failure
+                    continue
+                try:
+                    self.drafter.extend_context(r.draft_state, features, ids)
+                except Exception as err:
+                    self._fail(r, f"drafter context update failed: {err}", report)
+        report.catch_up_tokens += sum(int(i.shape[0]) for r, _, i in todo if not r.finished)
 
     def _schedule(self) -> list[int]:
         proposals = [r.proposal for r in self.active]

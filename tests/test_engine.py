@@ -340,13 +340,13 @@ class _ScriptedGate:
 @pytest.mark.parametrize("algo,mode", [("dspark", "dynamic"), ("eagle3", "fixed")])  # eagle3: no confidences
 def test_skipped_steps_do_no_drafter_work_and_the_context_catches_up_before_drafting(wide_target, algo, mode):
     """While the gate skips, the drafter does nothing (a step is the same work as mode off); when it
-    drafts again, each request's context reads every position verified meanwhile in ONE extend_context
-    call and ends up as the context built eagerly from the same positions; requests holding
+    drafts again, the requests' contexts read every position verified meanwhile in ONE extend_contexts
+    pass and end up as the contexts built eagerly from the same positions; requests holding
     `context_catch_up_every` steps of features are caught up without drafting."""
     drafter = _drafter(wide_target, algo=algo, gamma=3)
-    calls = []
-    extend = drafter.extend_context
-    drafter.extend_context = lambda state, f, ids: (calls.append(int(ids.shape[0])), extend(state, f, ids))[1]
+    calls, extend, extend_all = [], drafter.extend_context, drafter.extend_contexts
+    drafter.extend_contexts = lambda states, fs, ids: (calls.append([int(i.shape[0]) for i in ids]),
+                                                       extend_all(states, fs, ids))[1]
     engine = Engine(wide_target, drafter, EngineConfig(
         scheduler=SchedulerConfig(mode=mode, draft_gate=True), sps_table=STEEP_SPS, context_catch_up_every=8))
     engine.gate = _ScriptedGate(draft_steps=[6])  # the engine consults any gate it holds
@@ -358,7 +358,7 @@ def test_skipped_steps_do_no_drafter_work_and_the_context_catches_up_before_draf
     verified = [len(p) + len(r.tokens) - 1 for p, r in zip(prompts, reqs)]
     assert verified == [engine.kv.lengths[r.slot] for r in reqs]
     report = engine.step()  # step 6 drafts: catch-up first
-    assert report.drafted and calls == verified and report.catch_up_tokens == sum(verified)
+    assert report.drafted and calls == [verified] and report.catch_up_tokens == sum(verified)  # one pass
     for p, r, n in zip(prompts, reqs, verified):
         ids = torch.tensor([(p + r.tokens)[:n]])
         eager = drafter.new_state()
@@ -372,7 +372,7 @@ def test_skipped_steps_do_no_drafter_work_and_the_context_catches_up_before_draf
         assert not engine.step().drafted
     assert calls == []
     report = engine.step()  # the 8th pending step reaches context_catch_up_every: read without drafting
-    assert not report.drafted and len(calls) == 2 and all(len(r.ctx_pending) == 0 for r in reqs)
+    assert not report.drafted and len(calls) == 1 and len(calls[0]) == 2 and all(not r.ctx_pending for r in reqs)
     assert [r.draft_state.length for r in reqs] == [engine.kv.lengths[r.slot] for r in reqs]
     engine.generate([], GREEDY)  # runs the requests to the end
     for p, r in zip(prompts, reqs):

@@ -12,8 +12,15 @@ requests. Each `step()`:
      over the SPS table profiled at start, threshold, fixed, off);
   4. verifies [anchor_r, drafts_r[:ℓ_r]] of ALL requests in ONE target forward: tokens are flattened
      into one row and each request attends to its own KV slot (dspark.decoding.batched_cache);
-  5. accepts losslessly per request (`accept_drafts`), keeps the accepted prefix in the KV slot and in
-     the drafter context, emits the new tokens; finished requests leave, their slots are recycled.
+  5. accepts losslessly per request (`accept_drafts`), keeps the accepted prefix in the KV slot, queues
+     its target features for the drafter context, emits the new tokens; finished requests leave, their
+     slots are recycled.
+The drafter context is caught up lazily: the target features of verified positions wait in
+`Request.ctx_pending` and the drafter reads them, for all requests in one `extend_contexts` pass, just
+before it next drafts (or when `context_catch_up_every` steps have piled up, which bounds the memory held).
+So a step where the draft gate skips drafting does the same work as mode `off` (plus keeping the
+features, which the target forward returns anyway), and a drafter that is rarely used costs nothing
+on the steps it sits out.
 Requests join and leave between steps. A request whose drafting, verification or acceptance fails
 is finished with an error; the others continue. `healthy` turns False when steps keep failing.
 
@@ -37,8 +44,9 @@ Logprobs: a request asking for them (`logprobs` = number of alternatives, 0..) g
 token, the target's log-probability of it and the top alternatives, from the same verify-forward
 logits the token was accepted or drawn from (`dspark.sampling.to_logprobs`, EngineConfig.logprobs_mode).
 
-Invariant between steps, for each active request r in slot r: KV length == drafter context length ==
-len(prompt) + len(tokens) - 1 (everything but the anchor, which is tokens[-1]).
+Invariant between steps, for each active request r in slot r: KV length == drafter context length +
+positions in ctx_pending == len(prompt) + len(tokens) - 1 (everything but the anchor, tokens[-1]);
+right after a catch-up ctx_pending is empty, so the drafter drafts from the full verified context.
 """
 from __future__ import annotations
 
@@ -87,6 +95,7 @@ class EngineConfig(StrictModel):
         "which distribution reported logprobs come from: processed = the one the token is drawn from "
         "(temperature, min_p, top_k, top_p applied; raw at temperature 0); raw = log_softmax of the target's "
         "logits (vLLM's default)"))
+    context_catch_up_every: int = Field(64, ge=1, description="steps of target features a request may hold for its drafter before the drafter reads them even without drafting (bounds memory while the draft gate skips; the drafter always catches up before it drafts)")
 
 
 class QueueFullError(RuntimeError):
@@ -151,6 +160,7 @@ class Request:
     generator: torch.Generator | None = None  # this request's own RNG (see the module docstring)
     noise: KeyedNoise | None = None  # position-keyed randomness of a seeded request (seeded_sampling=keyed)
     draft_state: object = None
+    ctx_pending: list = field(default_factory=list)  # (features, token ids) of verified positions the drafter has not read yet
     proposal: object = None
     verify_len: int = 0
 
@@ -182,9 +192,10 @@ class StepReport:
     emitted: int = 0
     finished: int = 0
     failed: int = 0
-    draft_s: float = 0.0
+    draft_s: float = 0.0  # drafter time: the context catch-up and propose_batch (what the draft gate weighs)
     verify_s: float = 0.0
     step_s: float = 0.0
+    catch_up_tokens: int = 0  # verified positions the drafter context read this step (lazy catch-up)
     verify_lens: list[int] = field(default_factory=list)
     drafted: bool = False  # False: mode off, or the draft gate judged a target-only step faster
 
@@ -398,10 +409,11 @@ class Engine:
         if self.active:
             drafted = self.drafting and (self.gate is None or self.gate.should_draft(len(self.active)))
             if drafted:
-                self._draft(report)
+                self._draft(report)  # catches the drafter context up first
                 self._retire()
             if self.active:
                 self._verify(report)
+                self._catch_up_overdue(report)
                 self._retire()
             if drafted and self.gate is not None:
                 self.gate.observe(report.rows, report.draft_s, report.verified, report.accepted)
@@ -439,7 +451,7 @@ class Engine:
                 logits, features = out
                 if self.drafting:
                     req.draft_state = self.drafter.new_state()
-                    self.drafter.extend_context(req.draft_state, features, ids)
+                    req.ctx_pending = [(features, ids)]  # read when the request first drafts
                 self.kv.set_length(req.slot, len(req.prompt_ids))
                 probs = to_probs(logits[-1], req.sampling)
                 token = int(req.noise.argmax(probs[None], [0])[0]) if req.noise else int(sample(probs, req.generator))
@@ -450,7 +462,8 @@ class Engine:
     def _draft(self, report: StepReport) -> None:
         """γ drafts per active request in one propose_batch call (per-request retry isolates a failure)."""
         t0 = time.perf_counter()
-        reqs = self.active
+        self._catch_up(self.active, report)
+        reqs = [r for r in self.active if not r.finished]
         args = ([r.draft_state for r in reqs], [r.anchor for r in reqs], self.gamma, [r.sampling for r in reqs])
         for r in reqs:
             if r.noise is not None:
@@ -472,6 +485,43 @@ class Engine:
         for r, p in zip(reqs, proposals):
             r.proposal = p
         report.draft_s = time.perf_counter() - t0
+
+    def _catch_up_overdue(self, report: StepReport) -> None:
+        """Catch up requests holding `context_catch_up_every` steps of features (bounds the memory the
+        pending features pin while the gate keeps skipping; amortised, it is 1/N of a catch-up per step)."""
+        if self.drafting:
+            every = self.cfg.context_catch_up_every
+            self._catch_up([r for r in self.active if len(r.ctx_pending) >= every], report)
+
+    def _catch_up(self, reqs: list[Request], report: StepReport) -> None:
+        """Feed the requests' pending target features to their drafter contexts: all verified positions
+        since each one's last catch-up, in order, in ONE `extend_contexts` pass over the requests (a
+        failure is retried request by request, so only a failing request fails)."""
+        todo = []
+        for r in reqs:
+            pending, r.ctx_pending = r.ctx_pending, []
+            if not pending or r.finished:
+                continue
+            if len(pending) == 1:
+                todo.append((r, *pending[0]))
+            else:
+                todo.append((r, torch.cat([f for f, _ in pending]), torch.cat([i for _, i in pending])))
+        if not todo:
+            return
+        before = [r.draft_state.length for r, _, _ in todo]
+        try:
+            self.drafter.extend_contexts([r.draft_state for r, _, _ in todo], [f for _, f, _ in todo],
+                                         [i for _, _, i in todo])
+        except Exception:
+            log.warning("extend_contexts failed; catching up request by request to isolate the failure", exc_info=True)
+            for (r, features, ids), length in zip(todo, before):
+                if r.draft_state.length != length:  # this one was extended before the failure
+                    continue
+                try:
+                    self.drafter.extend_context(r.draft_state, features, ids)
+                except Exception as err:
+                    self._fail(r, f"drafter context update failed: {err}", report)
+        report.catch_up_tokens += sum(int(i.shape[0]) for r, _, i in todo if not r.finished)
 
     def _schedule(self) -> list[int]:
         proposals = [r.proposal for r in self.active]
@@ -513,8 +563,8 @@ class Engine:
             n_acc, next_token = accept_drafts(ids[1:], draft_probs.to(target_probs.device), target_probs,
                                               req.generator)
         self.kv.set_length(req.slot, self.kv.lengths[req.slot] + 1 + n_acc)  # anchor + accepted drafts
-        if self.drafting:
-            self.drafter.extend_context(req.draft_state, features[: 1 + n_acc], ids[: 1 + n_acc])
+        if self.drafting:  # the drafter reads these when it next drafts (see _catch_up)
+            req.ctx_pending.append((features[: 1 + n_acc], ids[: 1 + n_acc]))
         s = req.stats
         proposed = int(req.proposal.tokens.shape[0]) if req.proposal is not None else 0
         s.rounds, s.proposed, s.verified, s.accepted = s.rounds + 1, s.proposed + proposed, s.verified + n, \
@@ -612,6 +662,7 @@ class Engine:
                 last.slot = slot
                 self.active[slot] = last
             req.slot, req.draft_state, req.proposal, req.generator, req.noise = -1, None, None, None, None
+            req.ctx_pending = []
             self._finish(req, req.finish_reason)
 
     def _fail_all(self, message: str, reason: str = "error") -> None:

@@ -173,6 +173,12 @@ class Drafter(nn.Module):
     def extend_context(self, state: DraftState, features: Tensor, token_ids: Tensor) -> None:
         raise NotImplementedError
 
+    def extend_contexts(self, states: list[DraftState], features: list[Tensor], token_ids: list[Tensor]) -> None:
+        """`extend_context` for many requests (the engine's catch-up). Subclasses may do it in one pass;
+        the result must equal one extend_context call per request."""
+        for state, f, ids in zip(states, features, token_ids, strict=True):
+            self.extend_context(state, f, ids)
+
     def propose(self, state: DraftState, anchor: int, gamma: int, sampling: SamplingParams,
                 generator: torch.Generator | None = None) -> DraftProposal:
         """γ draft tokens for one request: `propose_batch` with a batch of one (same random draws)."""

@@ -132,7 +132,10 @@ class RequestBody(BaseModel):
            | Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=4)] | None) = Field(
         None, description="up to 4 non-empty strings; the text ends before the first one generated")
     ignore_eos: bool = Field(False, description="extension (as in vLLM): do not stop at the target's EOS")
-    user: str | None = Field(None, description="accepted and ignored")
+    user: str | None = Field(None, description="an end-user id; the flywheel reads a domain from it when "
+                                                "metadata.domain is absent (dspark/flywheel/domain.py)")
+    metadata: dict[str, str] | None = Field(None, description="OpenAI's key-value tags; `domain` labels the "
+                                                              "request's acceptance metrics and capture")
     # OpenAI fields this server does not implement: 400 naming the field when a request asks for them
     n: int = Field(1, ge=1, description="choices per prompt; only 1 is supported")
     frequency_penalty: float | None = Field(None, description="not supported (only 0)")

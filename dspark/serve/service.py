@@ -97,8 +97,9 @@ class CompletionStream:
 class OpenAIService:
     """OpenAI protocol over an engine running in a background thread (`engine.start()`)."""
 
-    def __init__(self, engine: Engine, cfg: ServeConfig, metrics: MetricsSink | None = None):
+    def __init__(self, engine: Engine, cfg: ServeConfig, metrics: MetricsSink | None = None, flywheel=None):
         self.engine, self.cfg, self.metrics = engine, cfg, metrics
+        self.flywheel = flywheel  # dspark.flywheel.observer.Flywheel: per-domain acceptance and capture
         self.target = engine.target
         self.model_name = served_name(cfg)
         self.created = int(time.time())
@@ -174,8 +175,11 @@ class OpenAIService:
             loop.call_soon_threadsafe(queue.put_nowait, (req, final))
 
         try:
-            return self.engine.submit(ids, body.sampling(), max_tokens, stop_ids=[] if body.ignore_eos else None,
-                                      listener=listener, seed=body.seed)
+            req = self.engine.submit(ids, body.sampling(), max_tokens, stop_ids=[] if body.ignore_eos else None,
+                                     listener=listener, seed=body.seed)
+            if self.flywheel is not None:
+                self.flywheel.submitted(req, body)
+            return req
         except QueueFullError as err:
             if self.metrics:
                 self.metrics.rejected()
@@ -211,6 +215,8 @@ class OpenAIService:
     def _done(self, req: Request) -> Request:
         if self.metrics:
             self.metrics.request_done(req)
+        if self.flywheel is not None:
+            self.flywheel.finished(req)
         return req
 
     def stream(self, ids: list[int], body: RequestBody, max_tokens: int, fmt: ChatStream | CompletionStream):
@@ -312,6 +318,14 @@ class OpenAIService:
 
     def models(self) -> ModelList:
         return ModelList(data=[self.model_card()])
+
+    def stats(self) -> dict:
+        """GET /v1/stats: the engine's snapshot, plus per-domain acceptance and capture counts."""
+        stats = self.engine.stats()
+        if self.flywheel is not None:
+            stats["acceptance_by_domain"] = self.flywheel.stats.snapshot()
+            stats["capture"] = self.flywheel.capture_counts()
+        return stats
 
     def health(self) -> tuple[int, dict]:
         stats = self.engine.stats()

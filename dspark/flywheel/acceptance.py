@@ -8,11 +8,13 @@ num_accepted_tokens_per_pos), with a domain label and the verify budget beside t
 - accepted / accepted_per_pos[k]: drafts accepted (at position k);
 - verified_per_pos[k]: request-rounds that verified a draft at position k.
 
-The drift statistic is `expected_accept_len` = 1 + Σ_k Π_{j≤k} α_j with α_k = accepted_per_pos[k] /
-verified_per_pos[k] (conditional acceptance at position k). It depends on the drafter and the traffic,
-not on how many drafts the scheduler chose to verify, so it compares with the evaluation's baseline.
-(Under the dynamic scheduler a position is verified more often when the drafter is confident there,
-which biases α_k upward a little; the fixed scheduler has no such selection.)
+The drift statistic is `expected_accept_len` = 1 + Σ_k s_k with s_k = accepted_per_pos[k] /
+verified_per_pos[k], the share of rounds verifying position k that accepted it (prefix survival: a
+draft is accepted only after all before it). With every proposed draft verified (scheduler `fixed`)
+it is exactly τ, the mean tokens per round, so it compares with the τ jobs.evaluate measures for the
+drafter (which verifies every draft). Under `dynamic`/`threshold` a position is verified more often
+where the drafter is confident, which biases s_k upward: compare like with like (the margin absorbs
+a little).
 """
 from __future__ import annotations
 
@@ -52,15 +54,15 @@ class DomainAcceptance:
         _add_lists(self.verified_per_pos, other.verified_per_pos)
         _add_lists(self.accepted_per_pos, other.accepted_per_pos)
 
-    def cond_accept(self) -> dict[int, float]:
-        """α_k by 1-based position k, for positions that were verified at least once."""
+    def survival(self) -> dict[int, float]:
+        """s_k by 1-based position k, for positions that were verified at least once."""
         return {k + 1: a / v for k, (v, a) in enumerate(zip(self.verified_per_pos, self.accepted_per_pos)) if v}
 
     def expected_accept_len(self) -> float | None:
-        return expected_accept_len(self.cond_accept())
+        return expected_accept_len(self.survival())
 
     def to_dict(self) -> dict:
-        return {**asdict(self), "cond_accept": self.cond_accept(), "expected_accept_len": self.expected_accept_len(),
+        return {**asdict(self), "survival_by_pos": self.survival(), "expected_accept_len": self.expected_accept_len(),
                 "mean_accepted_length": (self.accepted + self.rounds) / self.rounds if self.rounds else None}
 
     @classmethod
@@ -68,18 +70,15 @@ class DomainAcceptance:
         return cls(**{k: data[k] for k in (*COUNTS, "verified_per_pos", "accepted_per_pos") if k in data})
 
 
-def expected_accept_len(cond_accept: dict) -> float | None:
-    """1 + Σ_k Π_{j≤k} α_j over consecutive positions 1, 2, ... (the expected tokens per round when every
+def expected_accept_len(survival: dict) -> float | None:
+    """1 + Σ_k s_k over consecutive positions 1, 2, ... (the expected tokens per round when every
     proposed draft is verified). None without position 1."""
-    if not cond_accept:
+    points = {int(k): float(v) for k, v in (survival or {}).items()}
+    if 1 not in points:
         return None
-    alphas = {int(k): float(v) for k, v in cond_accept.items()}
-    if 1 not in alphas:
-        return None
-    total, survive, k = 1.0, 1.0, 1
-    while k in alphas:
-        survive *= alphas[k]
-        total += survive
+    total, k = 1.0, 1
+    while k in points:
+        total += points[k]
         k += 1
     return total
 

@@ -54,10 +54,11 @@ def test_domain_from_metadata_then_user_then_classifier():
 
 
 def test_expected_accept_len_is_one_plus_prefix_survival():
-    assert expected_accept_len({1: 0.5, 2: 0.5, 3: 1.0}) == pytest.approx(1 + 0.5 + 0.25 + 0.25)
+    assert expected_accept_len({1: 0.5, 2: 0.25, 3: 0.25}) == pytest.approx(2.0)
     assert expected_accept_len({2: 0.9}) is None and expected_accept_len({}) is None
-    a = DomainAcceptance(verified_per_pos=[4, 2], accepted_per_pos=[2, 1])
-    assert a.cond_accept() == {1: 0.5, 2: 0.5} and a.expected_accept_len() == pytest.approx(1.75)
+    a = DomainAcceptance(rounds=4, accepted=3, verified_per_pos=[4, 4], accepted_per_pos=[2, 1])
+    assert a.survival() == {1: 0.5, 2: 0.25} and a.expected_accept_len() == pytest.approx(1.75)
+    assert a.to_dict()["mean_accepted_length"] == pytest.approx(1.75), "= τ when every draft is verified"
 
 
 def test_engine_counts_acceptance_per_position(tiny):

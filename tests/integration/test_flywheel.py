@@ -35,13 +35,11 @@ EXPERIMENT = "flywheel-test"
 SECRET = "sk-flywheel-e2e-0d4c1f9a"
 KEY_ENV = "DSPARK_FLYWHEEL_E2E_KEY"
 ROOT = "s3://dspark/tests/flywheel"
-MATH = ["what is the sum of 12 and 30", "solve 7 + 5 and add the total", "how many is 3 times 4",
-        "answer the question 9 + 8"]
-OLD_CODE = ["def f(x): return x * 2", "import list class value", "print the value of x", "def g(y): return y + 1"]
-NEW_CODE = ["water oil day people", "long down find call come", "made part look like him",
-            "people could first water"]  # the shifted traffic of the "code" domain
+MATH = ["what is the sum of 12 and 30", "solve 7 + 5 and add the total", "how many is 3 times 4"]
+OLD_CODE = ["def f(x): return x * 2", "import list class value", "print the value of x"]
+NEW_CODE = ["water oil day people", "long down find call come", "made part look like him"]  # shifted "code"
 REPEATS = 3
-MAX_TOKENS = 24
+MAX_TOKENS = 16
 
 
 def free_port() -> int:
@@ -73,7 +71,7 @@ def overfit(target, rows: list[dict], steps: int):
     drafter = build_drafter(DrafterConfig(algo="dspark", block_size=4, num_layers=1, rank=32, anchors_per_seq=32),
                             target)
     batch = collate({k: [r[k] for r in rows] for k in ("input_ids", "loss_mask")}, 128, target.pad_token_id)
-    opt = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=3e-3)
+    opt = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=1e-2)
     gen = torch.Generator().manual_seed(0)
     drafter.train()
     for _ in range(steps):
@@ -149,7 +147,7 @@ def everything_stored() -> bytes:
     return b"\n".join(blobs)
 
 
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(1800)
 def test_flywheel_end_to_end(local_stack, tmp_path, caplog, monkeypatch):
     import pyarrow as pa
     from ray import serve
@@ -167,6 +165,10 @@ def test_flywheel_end_to_end(local_stack, tmp_path, caplog, monkeypatch):
 
     t0 = time.time()
     stage = {}
+
+    def mark(name: str) -> None:
+        stage[name] = time.time() - t0
+        print(f"\n[flywheel] {name}: {stage[name]:.0f} s", flush=True)
     target = load_target("tiny")
     monkeypatch.setenv(KEY_ENV, SECRET)
     ray_cfg = RayConfig(address=local_stack.ray_gcs_address)
@@ -174,7 +176,7 @@ def test_flywheel_end_to_end(local_stack, tmp_path, caplog, monkeypatch):
     # ---- the first drafter: original rollouts (math + old-style code), memorised, registered @serving
     original = rollout_rows(target, MATH, "math") + rollout_rows(target, OLD_CODE, "code")
     write_parquet(f"{ROOT}/original/part-00000.parquet", original, ROLLOUT_SCHEMA)
-    v1 = register_first_version(overfit(target, original, steps=70), tmp_path)
+    v1 = register_first_version(overfit(target, original, steps=60), tmp_path)
     bench = {"math": write_jsonl(tmp_path / "math.jsonl", MATH), "code": write_jsonl(tmp_path / "code.jsonl", OLD_CODE)}
     tracking_cfg = {"experiment": EXPERIMENT}
     eval_base = {"target": "tiny", "benchmark_dir": None, "decode": {"greedy": True, "max_new_tokens": MAX_TOKENS},
@@ -183,8 +185,8 @@ def test_flywheel_end_to_end(local_stack, tmp_path, caplog, monkeypatch):
         "model": MODEL, "tracking": tracking_cfg, "eval": {**eval_base, "output": f"{ROOT}/eval-v1",
         "benchmarks": [{"path": p, "name": f"bench-{d}", "domain": d} for d, p in bench.items()]}}))
     baseline = registry.baseline(MODEL, v1)
-    assert set(baseline) == {"math", "code"} and min(baseline.values()) > 1.5, baseline
-    stage["first drafter + baseline"] = time.time() - t0
+    assert set(baseline) == {"math", "code"} and min(baseline.values()) > 2.0, baseline
+    mark("first drafter + baseline")
 
     # ---- serve it with capture on
     port = free_port()
@@ -209,7 +211,7 @@ def test_flywheel_end_to_end(local_stack, tmp_path, caplog, monkeypatch):
             sent = [(t, d) for _ in range(REPEATS) for d, texts in (("math", MATH), ("code", NEW_CODE)) for t in texts]
             for text, domain in sent:
                 assert chat(client, text, domain).status_code == 200
-        stage["serve + traffic"] = time.time() - t0
+        mark("serve + traffic")
 
         # ---- capture: every request exactly once; drift: code flagged, math not
         captured = wait_for("all captures committed",
@@ -227,7 +229,7 @@ def test_flywheel_end_to_end(local_stack, tmp_path, caplog, monkeypatch):
         assert found["drifted"] == ["code"], found
         assert any("domain 'code'" in r.getMessage() for r in caplog.records)
         assert registry.version_tags(MODEL, v1)["dspark.drift"] == "code"
-        stage["capture + drift"] = time.time() - t0
+        mark("capture + drift")
 
         # ---- retrain from the serving version on captured traffic + original rollouts
         data = retrain_data.run(retrain_data.RetrainDataConfig(
@@ -238,14 +240,14 @@ def test_flywheel_end_to_end(local_stack, tmp_path, caplog, monkeypatch):
             "run_name": "flywheel-retrain", "target": "tiny", "init_from": f"models:/{MODEL}@serving",
             "drafter": {"algo": "dspark", "anchors_per_seq": 32},
             "data": {"rollouts": f"{ROOT}/retrain", "max_seq_len": 128},
-            "optim": {"lr": 3e-3, "warmup_ratio": 0.0, "schedule": "constant", "micro_batch_size": 8,
-                      "global_batch_size": 8, "max_steps": 60},
+            "optim": {"lr": 1e-2, "warmup_ratio": 0.0, "schedule": "constant", "micro_batch_size": 8,
+                      "global_batch_size": 8, "max_steps": 40},
             "deepspeed": {"zero_stage": 2}, "scaling": {"num_workers": 1, "cpus_per_worker": 0.5},
             "checkpoint": {"storage_path": f"{ROOT}/checkpoints", "every_steps": 1000},
             "tracking": {"experiment": EXPERIMENT, "registered_model": MODEL, "alias": "candidate"}},
             tmp_path, local_stack.ray_gcs_address)
         v2 = summary["registered_model"]["version"]
-        stage["retrain"] = time.time() - t0
+        mark("retrain")
 
         # ---- evaluate, promote, roll the endpoint while requests keep coming
         failures, done = [], threading.Event()
@@ -266,7 +268,7 @@ def test_flywheel_end_to_end(local_stack, tmp_path, caplog, monkeypatch):
             "rollout": {"serve_config": str(serve_path), "timeout_s": 300}, "ray": ray_cfg.model_dump()}))
         done.set()
         background.join(300)
-        stage["evaluate + promote + rollout"] = time.time() - t0
+        mark("evaluate + promote + rollout")
         print(f"\n[flywheel] decision {json.dumps(decision['decision'])}\n[flywheel] τ {decision['tau']}\n"
               f"[flywheel] stages (cumulative s): {json.dumps({k: round(v) for k, v in stage.items()})}")
         assert decision["decision"]["promote"], decision

@@ -42,6 +42,39 @@ REPEATS = 3
 MAX_TOKENS = 16
 
 
+# Its own stack ports (not conftest.LOCAL_STACK_PORTS): the module runs alone, beside other suites' stacks.
+FLYWHEEL_STACK_PORTS = {"DSPARK_S3_PORT": "8733", "DSPARK_MLFLOW_PORT": "5400", "DSPARK_RAY_PORT": "6779",
+                        "DSPARK_DASHBOARD_PORT": "8665"}
+
+
+@pytest.fixture(scope="module")
+def local_stack():
+    """conftest's local_stack on this module's ports."""
+    import shutil
+    import tempfile
+
+    from types import SimpleNamespace
+
+    from dspark.devstack import stack
+
+    state_dir = Path(tempfile.mkdtemp(prefix="dspark-flywheel-stack-"))
+    with pytest.MonkeyPatch.context() as patch:
+        for key, value in {**FLYWHEEL_STACK_PORTS, "DSPARK_STATE_DIR": str(state_dir)}.items():
+            patch.setenv(key, value)
+        cfg = stack.StackConfig.from_env()
+        try:
+            env = stack.up(cfg, say=lambda msg: None)
+            for key, value in env.items():
+                if key != "RAY_ADDRESS":
+                    patch.setenv(key, value)
+            patch.delenv("RAY_ADDRESS", raising=False)
+            yield SimpleNamespace(state_dir=state_dir, env=env, ray_gcs_address=env["DSPARK_RAY_GCS_ADDRESS"])
+        finally:
+            stack.down(cfg, say=lambda msg: None)
+            shutil.rmtree(state_dir, ignore_errors=True)
+            shutil.rmtree(cfg.ray_temp_dir(), ignore_errors=True)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

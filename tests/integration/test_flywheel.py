@@ -63,7 +63,13 @@ def local_stack():
             patch.setenv(key, value)
         cfg = stack.StackConfig.from_env()
         try:
-            env = stack.up(cfg, say=lambda msg: None)
+            try:
+                env = stack.up(cfg, say=lambda msg: None)
+            except stack.StackError as err:  # `ray start` gives up when a loaded machine starves it: once more
+                if "timed out during startup" not in str(err):
+                    raise
+                stack.down(cfg, say=lambda msg: None)
+                env = stack.up(cfg, say=lambda msg: None)
             for key, value in env.items():
                 if key != "RAY_ADDRESS":
                     patch.setenv(key, value)

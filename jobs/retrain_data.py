@@ -29,7 +29,7 @@ class RetrainDataConfig(StrictModel):
 
 def run(cfg: RetrainDataConfig) -> dict:
     from dspark.flywheel import mix
-    from pipelines.schema import ROLLOUT_SCHEMA
+    from dspark.data.schema import ROLLOUT_SCHEMA
     from dspark.io import storage
 
     storage.check_writable(cfg.output)

@@ -34,8 +34,8 @@ import pyarrow as pa
 from dspark.flywheel.acceptance import AcceptanceStats
 from dspark.flywheel.config import FlywheelConfig
 from dspark.io import storage
-from pipelines import schema
-from pipelines.rollout_store import path_in, read_commits, write_parquet
+from dspark.data import schema
+from dspark.data.rollout_store import path_in, read_commits, write_parquet
 
 log = logging.getLogger("dspark.flywheel")
 

@@ -17,8 +17,8 @@ import pyarrow.parquet as pq
 
 from dspark.flywheel.capture import read_captures
 from dspark.io import storage
-from pipelines import schema
-from pipelines.rollout_store import path_in, rollout_files, write_parquet
+from dspark.data import schema
+from dspark.data.rollout_store import path_in, rollout_files, write_parquet
 
 
 def read_original(uri: str) -> pa.Table:

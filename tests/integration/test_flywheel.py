@@ -195,12 +195,12 @@ def test_flywheel_end_to_end(local_stack, tmp_path, caplog, monkeypatch):
     from dspark.flywheel import drift as drift_lib
     from dspark.flywheel.capture import read_captures
     from dspark.io import registry, storage
-    from dspark.target import load_target
+    from dspark.models.target import load_target
     from jobs import drift, promote, retrain_data
     from jobs.serve import ServeJobConfig, deploy
     from pipelines.ray_cluster import init_ray
-    from pipelines.rollout_store import write_parquet
-    from pipelines.schema import ROLLOUT_SCHEMA
+    from dspark.data.rollout_store import write_parquet
+    from dspark.data.schema import ROLLOUT_SCHEMA
 
     t0 = time.time()
     stage = {}

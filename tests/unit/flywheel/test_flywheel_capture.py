@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from dspark.drafters import DrafterConfig, build_drafter, save_drafter
-from dspark.engine import Engine
+from dspark.decoding.engine import Engine
 from dspark.flywheel import domain
 from dspark.flywheel.acceptance import AcceptanceStats, DomainAcceptance, expected_accept_len
 from dspark.flywheel.capture import FlywheelWriter, read_captures, writer_dirs
@@ -20,7 +20,7 @@ from dspark.flywheel.observer import Flywheel
 from dspark.serve.app import make_app
 from dspark.serve.config import ServeConfig
 from dspark.serve.service import OpenAIService
-from dspark.target import load_target
+from dspark.models.target import load_target
 
 KEY_ENV = "DSPARK_FLYWHEEL_TEST_KEY"
 SECRET = "sk-flywheel-secret-5f2b9c"
@@ -76,7 +76,7 @@ def test_engine_counts_acceptance_per_position(tiny):
 def test_capture_stores_each_opted_in_request_once_and_never_the_api_key(tiny, tmp_path, monkeypatch):
     from fastapi.testclient import TestClient
 
-    from pipelines.rollout_store import check_rollouts
+    from dspark.data.rollout_store import check_rollouts
 
     target, drafter = tiny
     drafter_dir = str(tmp_path / "drafter")

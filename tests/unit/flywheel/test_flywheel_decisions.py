@@ -13,7 +13,7 @@ from dspark.flywheel import drift, promotion
 from dspark.flywheel.acceptance import DomainAcceptance
 from dspark.flywheel.capture import CAPTURE_SCHEMA
 from dspark.flywheel.mix import mix, write_heldout_benchmarks
-from pipelines.schema import ROLLOUT_SCHEMA
+from dspark.data.schema import ROLLOUT_SCHEMA
 
 
 def acceptance(survival: list[float], rounds: int = 100) -> DomainAcceptance:
@@ -86,7 +86,7 @@ def test_mix_keeps_every_captured_train_row_and_sets_the_ratio(tmp_path):
 
 def test_init_from_takes_the_checkpoints_architecture_and_refuses_clashes(tmp_path):
     from dspark.drafters import DrafterConfig, build_drafter, save_drafter
-    from dspark.target import load_target
+    from dspark.models.target import load_target
     from dspark.training.config import TrainJobConfig
     from dspark.training.session import load_initial_weights
     from jobs.train import resolve_init_from

@@ -48,6 +48,34 @@ def check_target_spec(spec: str) -> None:
                           f"a model directory, an s3:// copy or a hub name reachable from the cluster") from None
 
 
+def resolve_init_from(cfg: TrainJobConfig) -> tuple[TrainJobConfig, str | None]:
+    """With `init_from`: (cfg whose drafter architecture is the checkpoint's, the reference pinned to a
+    version). Drafter fields set explicitly in the config must agree with the checkpoint; training-only
+    fields (losses, anchors, ...) stay the config's."""
+    if not cfg.init_from:
+        return cfg, None
+    from dspark.drafters import DrafterConfig
+    from dspark.drafters.checkpoint import read_checkpoint_config
+    from dspark.io.drafter_source import local_dir, resolve_ref
+    from dspark.training.config import TRAINING_ONLY_FIELDS
+
+    try:
+        pinned = resolve_ref(cfg.init_from).uri
+        saved = read_checkpoint_config(local_dir(pinned))["drafter_config"]
+    except (ValueError, FileNotFoundError) as err:
+        raise ConfigError(f"init_from {cfg.init_from!r}: {err}") from None
+    if saved.get("draft_vocab_size") is not None:
+        raise ConfigError(f"init_from {cfg.init_from!r}: drafters with a draft vocabulary cannot be retrained yet")
+    mine = config_to_dict(cfg.drafter)
+    clash = sorted(k for k in cfg.drafter.model_fields_set - TRAINING_ONLY_FIELDS
+                   if saved.get(k) is not None and mine.get(k) is not None and saved[k] != mine[k])
+    if clash:
+        raise ConfigError(f"init_from {pinned}: drafter fields {clash} differ from the checkpoint's "
+                          f"({ {k: saved[k] for k in clash} }); drop them from the config or match them")
+    merged = {**saved, **{k: v for k, v in mine.items() if k in TRAINING_ONLY_FIELDS}}
+    return cfg.model_copy(update={"drafter": DrafterConfig.model_validate(merged)}), pinned
+
+
 # ----------------------------------------------------------------------------- run record / MLflow
 def run_params(cfg: TrainJobConfig, num_rows: int, total_steps: int) -> dict:
     from dspark.io import lineage, tracking
@@ -264,12 +292,17 @@ def run(cfg: TrainJobConfig) -> dict:
     """Train (or resume) one run; returns a summary (checkpoint URI, final metrics, MLflow ids)."""
     from dspark.io import tracking
 
+    cfg, init_from = resolve_init_from(cfg)
     plan = prepare_run(cfg)
     if plan.get("already_complete"):
         print(f"[train] run {cfg.run_name!r} already completed {plan['total_steps']} steps: nothing to do "
               f"(raise optim.max_steps or optim.epochs to continue it)", file=sys.stderr)
         return {"run_name": cfg.run_name, "already_complete": True,
                 "mlflow_run_id": plan["record"].get("mlflow_run_id")}
+    if init_from:
+        plan["init_from"] = init_from
+        if cfg.tracking.enabled:
+            tracking.set_tags({"dspark.init_from": init_from})
     loop_config = {"job": config_to_dict(cfg), "plan": plan, "env": worker_env()}
     trainer = build_trainer(cfg, loop_config, read_rollouts(cfg, plan["files"]))
     start = time.perf_counter()

@@ -112,6 +112,9 @@ class RequestStats:
     proposed: int = 0  # draft tokens proposed
     verified: int = 0  # draft tokens sent to the target
     accepted: int = 0  # draft tokens accepted
+    # per draft position k (0-based): rounds that verified / accepted a draft there (flywheel metrics)
+    verified_per_pos: list[int] = field(default_factory=list)
+    accepted_per_pos: list[int] = field(default_factory=list)
 
     def spec_decode(self) -> dict:
         """OpenAI-response `spec_decode` object; mean_accepted_length = τ = (accepted + rounds) / rounds."""
@@ -569,6 +572,7 @@ class Engine:
         proposed = int(req.proposal.tokens.shape[0]) if req.proposal is not None else 0
         s.rounds, s.proposed, s.verified, s.accepted = s.rounds + 1, s.proposed + proposed, s.verified + n, \
             s.accepted + n_acc
+        _count_positions(s, n, n_acc)
         report.proposed, report.verified, report.accepted = (report.proposed + proposed, report.verified + n,
                                                               report.accepted + n_acc)
         req.proposal = None
@@ -728,6 +732,14 @@ def ragged_forward(target, store: KVSlots, first: int, ids: torch.Tensor, counts
     if logits_at == "all":
         return [(logits[s], None if feats is None else feats[s]) for s in slices]
     return [(logits[i: i + 1], None if feats is None else feats[s]) for i, s in enumerate(slices)]
+
+
+def _count_positions(s: RequestStats, verified: int, accepted: int) -> None:
+    """Position k was verified in this round iff k < verified, accepted iff k < accepted."""
+    for counts, n in ((s.verified_per_pos, verified), (s.accepted_per_pos, accepted)):
+        counts.extend([0] * (n - len(counts)))
+        for k in range(n):
+            counts[k] += 1
 
 
 def _fmt_table(table: SPSTable) -> str:

@@ -156,7 +156,7 @@ def make_app(service: OpenAIService):
 
     @app.get("/v1/stats", dependencies=[Depends(authorize)])
     async def stats():
-        return service.engine.stats()
+        return service.stats()
 
     @app.get("/healthz")
     async def healthz():

@@ -10,6 +10,7 @@ from pydantic import Field
 
 from dspark.config import StrictModel
 from dspark.decoding.engine import Engine, EngineConfig
+from dspark.flywheel.config import FlywheelConfig
 
 log = logging.getLogger("dspark.serve")
 
@@ -66,6 +67,7 @@ class ServeConfig(StrictModel):
     api: ApiSection = Field(default_factory=ApiSection, description="HTTP API limits and auth")
     deployment: DeploymentSection = Field(default_factory=DeploymentSection, description="Ray Serve deployment shape")
     http: HttpSection = Field(default_factory=HttpSection, description="where the Serve proxy listens")
+    flywheel: FlywheelConfig = Field(default_factory=FlywheelConfig, description="per-domain acceptance summaries and opt-in traffic capture (README: Keeping a drafter fresh)")
 
 
 def served_name(cfg: ServeConfig) -> str:

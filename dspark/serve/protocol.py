@@ -147,8 +147,10 @@ class RequestBody(BaseModel):
     include_stop_str_in_output: bool = Field(False, description=(
         "extension (as in vLLM): keep the stop string (or the stop token's text) at the end of the text"))
     skip_special_tokens: bool = Field(True, description="extension (as in vLLM): drop special tokens from the text")
-    user: str | None = Field(None, description="an end-user identifier: accepted, no effect")
-    metadata: dict | None = Field(None, description="accepted, no effect (nothing is stored)")
+    user: str | None = Field(None, description="an end-user id; the flywheel reads a domain from it when "
+                                                "metadata.domain is absent (dspark/flywheel/domain.py)")
+    metadata: dict[str, str] | None = Field(None, description="OpenAI's key-value tags; `domain` labels the "
+                                                              "request's acceptance metrics and capture")
     # OpenAI fields this server does not implement: 400 naming the field when a request asks for them
     frequency_penalty: float | None = Field(None, description="not supported (only 0)")
     presence_penalty: float | None = Field(None, description="not supported (only 0)")

@@ -182,8 +182,9 @@ class CompletionStream:
 class OpenAIService:
     """OpenAI protocol over an engine running in a background thread (`engine.start()`)."""
 
-    def __init__(self, engine: Engine, cfg: ServeConfig, metrics: MetricsSink | None = None):
+    def __init__(self, engine: Engine, cfg: ServeConfig, metrics: MetricsSink | None = None, flywheel=None):
         self.engine, self.cfg, self.metrics = engine, cfg, metrics
+        self.flywheel = flywheel  # dspark.flywheel.observer.Flywheel: per-domain acceptance and capture
         self.target = engine.target
         self.model_name = served_name(cfg)
         self.created = int(time.time())
@@ -307,9 +308,12 @@ class OpenAIService:
                 pass
 
         try:
-            return self.engine.submit(ids, body.sampling(), max_tokens, stop_ids=sorted(self.stop_ids(body)),
-                                      listener=listener, seed=self.choice_seed(body, index),
-                                      logprobs=body.top_logprobs_count())
+            req = self.engine.submit(ids, body.sampling(), max_tokens, stop_ids=sorted(self.stop_ids(body)),
+                                     listener=listener, seed=self.choice_seed(body, index),
+                                     logprobs=body.top_logprobs_count())
+            if self.flywheel is not None:
+                self.flywheel.submitted(req, body)
+            return req
         except QueueFullError as err:
             if self.metrics:
                 self.metrics.rejected()
@@ -371,6 +375,8 @@ class OpenAIService:
     def _done(self, req: Request) -> Request:
         if self.metrics:
             self.metrics.request_done(req)
+        if self.flywheel is not None:
+            self.flywheel.finished(req)
         return req
 
     def stream(self, jobs: list[tuple[list[int], int]], body: RequestBody, fmt: ChatStream | CompletionStream):
@@ -498,6 +504,14 @@ class OpenAIService:
 
     def models(self) -> ModelList:
         return ModelList(data=[self.model_card()])
+
+    def stats(self) -> dict:
+        """GET /v1/stats: the engine's snapshot, plus per-domain acceptance and capture counts."""
+        stats = self.engine.stats()
+        if self.flywheel is not None:
+            stats["acceptance_by_domain"] = self.flywheel.stats.snapshot()
+            stats["capture"] = self.flywheel.capture_counts()
+        return stats
 
     def health(self) -> tuple[int, dict]:
         stats = self.engine.stats()

@@ -34,7 +34,7 @@ sample, its drafts and its acceptance draws come from that generator only, so a 
 draws never depend on the other requests in the batch; but how many draws a round consumes depends
 on its verify length, which the dynamic/async_topk schedulers and the draft gate choose over the
 whole batch. So a request with a `seed` uses, by default (EngineConfig.seeded_sampling="keyed"),
-position-keyed randomness instead (`dspark.sampling.KeyedNoise`): the token at output position j is
+position-keyed randomness instead (`dspark.decoding.sampling.KeyedNoise`): the token at output position j is
 the target's Gumbel-max sample with noise keyed by (seed, j), whatever was drafted or verified, so a
 seeded request's output depends on its seed, prompt and settings alone (up to floating-point
 differences of the batched forward), under any load and scheduler — and stays exactly lossless.
@@ -42,7 +42,7 @@ differences of the batched forward), under any load and scheduler — and stays 
 
 Logprobs: a request asking for them (`logprobs` = number of alternatives, 0..) gets, per emitted
 token, the target's log-probability of it and the top alternatives, from the same verify-forward
-logits the token was accepted or drawn from (`dspark.sampling.to_logprobs`, EngineConfig.logprobs_mode).
+logits the token was accepted or drawn from (`dspark.decoding.sampling.to_logprobs`, EngineConfig.logprobs_mode).
 
 Invariant between steps, for each active request r in slot r: KV length == drafter context length +
 positions in ctx_pending == len(prompt) + len(tokens) - 1 (everything but the anchor, tokens[-1]);

@@ -191,14 +191,14 @@ def publish_drafter(drafter, new_uri: str, tmp: str, run_id: str | None, model_n
         if model_name:
             log.warning("tracking is disabled: the calibrated drafter was not registered as %s", model_name)
         return None
-    from dspark.io import tracking
+    from dspark.io import registry, tracking
 
     tracking.log_artifact(saved, DRAFTER_NAME)
     version = None
     if model_name:
         from dspark.io.drafter_model import version_tags
 
-        version = tracking.publish_drafter(run_id, model_name, saved, aliases,
+        version = registry.publish_drafter(run_id, model_name, saved, aliases,
                                            description=f"STS-calibrated from {source}",
                                            tags=version_tags(saved, tau, "calibration decode (mean accepted + 1)"))
     export.attach_exports(drafter, run_id, model_name, version)  # engine layouts, tagged on the version

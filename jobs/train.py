@@ -256,13 +256,13 @@ def register_drafter(run_id: str, name: str, alias: str, drafter_dir: str, metri
     """Log the drafter as an MLflow model and register it as a new version of `name` with `alias` (and
     the serving alias), tagged with what it is and its training-time expected τ; a failure keeps the
     trained drafter (checkpoint and run artifacts) and says how to register it."""
-    from dspark.io import tracking
+    from dspark.io import registry
     from dspark.io.drafter_model import version_tags
 
     tags = version_tags(drafter_dir, metrics.get("expected_accept_len"),
                         "training expected_accept_len (teacher-forced)")
     try:
-        return tracking.publish_drafter(run_id, name, drafter_dir, [alias], description="dspark drafter (jobs.train)",
+        return registry.publish_drafter(run_id, name, drafter_dir, [alias], description="dspark drafter (jobs.train)",
                                         tags=tags)
     except TrackingError as err:
         raise TrackingError(f"{err}; the drafter is logged under the run's 'drafter' artifacts — register it by "

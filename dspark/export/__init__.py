@@ -140,8 +140,8 @@ def log_exports(drafter: Drafter | str, run_id: str, target: str | None, formats
 
 
 def tag_version(name: str, version: str, results: dict[str, str]) -> None:
-    from dspark.io import tracking
+    from dspark.io import registry
 
-    tracking.set_model_version_tags(name, version, {
+    registry.set_model_version_tags(name, version, {
         f"dspark.export.{fmt}" + (".skipped" if value.startswith("skipped") else ""): value
         for fmt, value in results.items()})

@@ -153,20 +153,20 @@ def _cache_root() -> Path:
 
 
 def _mlflow_client():
-    from dspark.io import tracking
+    from dspark.io import registry
 
-    return tracking.registry_client()  # of MLFLOW_TRACKING_URI or the local default store
+    return registry.registry_client()  # of MLFLOW_TRACKING_URI or the local default store
 
 
 def _download_mlflow(uri: str, dest: Path, source: dict[str, str]) -> None:
     """Download into a temp dir next to `dest`, then rename (a half-downloaded dir is never visible).
     `source` is kept beside the files as _source.json (which server and run they came from)."""
-    from dspark.io import tracking
+    from dspark.io import registry
 
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = tempfile.mkdtemp(dir=dest.parent, prefix=".download-")
     try:
-        tracking.download_artifacts(uri, tmp)
+        registry.download_artifacts(uri, tmp)
         Path(tmp, "_source.json").write_text(json.dumps(source, indent=2))
         os.rename(tmp, dest)
     except OSError:

@@ -123,12 +123,12 @@ def overfit(target, rows: list[dict], steps: int):
 
 def register_first_version(drafter, tmp: Path) -> str:
     from dspark.drafters import save_drafter
-    from dspark.io import tracking
+    from dspark.io import registry, tracking
 
     run_id = tracking.start_run(EXPERIMENT, "first-drafter")
     save_drafter(drafter, str(tmp / "drafter"))
     tracking.log_artifact(str(tmp / "drafter"), "drafter")
-    version = tracking.register_model_version(run_id, MODEL, "drafter", ["serving"])
+    version = registry.register_model_version(run_id, MODEL, "drafter", ["serving"])
     tracking.end_run()
     return version
 

@@ -126,12 +126,12 @@ def test_end_to_end_jsonl_to_parquet_in_s3(stack_ray, tiny):
     assert {"samples.json", "manifest.json", "config.yaml"} <= artifacts
     assert storage.exists(storage.join(cfg.output, "config.yaml"))
     # lineage: the prompt file (content digest) in, the rollouts (manifest digest) out
-    from dspark.io import lineage, tracking
+    from dspark.io import lineage
 
     inputs = {d.dataset.name: d for d in logged.inputs.dataset_inputs}
     context = {name: {t.key: t.value for t in d.tags}["mlflow.data.context"] for name, d in inputs.items()}
     assert context == {"prompts.jsonl": "prompts", "rollouts": "generated"}
-    assert inputs["prompts.jsonl"].dataset.digest == tracking.dataset_digest(f"{prefix}/prompts.jsonl")
+    assert inputs["prompts.jsonl"].dataset.digest == storage.dataset_digest(f"{prefix}/prompts.jsonl")
     assert inputs["rollouts"].dataset.digest == lineage.rollouts_digest(cfg.output)
     assert f"{prefix}/out" in inputs["rollouts"].dataset.source and inputs["rollouts"].dataset.source_type == "s3"
 

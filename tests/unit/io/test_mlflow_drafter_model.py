@@ -1,4 +1,4 @@
-"""Drafters as MLflow models (dspark.io.tracking.publish_drafter + dspark.io.drafter_model), the serving
+"""Drafters as MLflow models (dspark.io.registry.publish_drafter + dspark.io.drafter_model), the serving
 alias, and system metrics through MLflow's public API; against a SQLite store in a temp dir.
 
 - a registered version's source is a LoggedModel (pyfunc flavor), not a bare artifact folder; the run's
@@ -16,6 +16,7 @@ import torch
 
 from dspark.drafters import DrafterConfig, build_drafter, save_drafter
 from dspark.io import tracking
+from dspark.io import registry
 from dspark.models.target import load_target
 
 
@@ -53,7 +54,7 @@ def test_a_registered_drafter_is_an_mlflow_model_with_linked_metrics_and_tags(st
 
     drafter, ckpt, run_id = trained_run(tiny, tmp_path, tau=2.75)
     tags = version_tags(ckpt, 2.75, "training expected_accept_len")
-    version = tracking.publish_drafter(run_id, "tiny-dspark-drafter", ckpt, ["trained"], tags=tags)
+    version = registry.publish_drafter(run_id, "tiny-dspark-drafter", ckpt, ["trained"], tags=tags)
     tracking.end_run()
     mv = store.get_model_version("tiny-dspark-drafter", version)
     assert mv.source.startswith("models:/m-")  # a LoggedModel (an MLflow model), not a bare artifact folder
@@ -61,7 +62,7 @@ def test_a_registered_drafter_is_an_mlflow_model_with_linked_metrics_and_tags(st
     assert {"dspark.algo": "dspark", "dspark.target": "tiny", "dspark.tau": "2.7500", "dspark.block_size": "4",
             "dspark.draft_vocab_size": str(tiny.vocab_size), "dspark.mask_token_id": "0"}.items() <= mv.tags.items()
     model = store.get_logged_model(model_id)
-    assert model.source_run_id == run_id and model.model_type == tracking.DRAFTER_MODEL_TYPE
+    assert model.source_run_id == run_id and model.model_type == registry.DRAFTER_MODEL_TYPE
     assert {m.key: m.value for m in model.metrics} == {"loss": 2.5, "expected_accept_len": 2.75}  # linked
     assert model.params["algo"] == "dspark" and model.tags["dspark.tau"] == "2.7500"
     for alias in ("trained", "champion"):
@@ -76,7 +77,7 @@ def test_pyfunc_load_model_proposes_the_drafters_own_block(store, tiny, tmp_path
     from dspark.decoding.sampling import SamplingParams
 
     drafter, ckpt, run_id = trained_run(tiny, tmp_path, tau=2.0)
-    tracking.publish_drafter(run_id, "tiny-dspark-drafter", ckpt, [])
+    registry.publish_drafter(run_id, "tiny-dspark-drafter", ckpt, [])
     tracking.end_run()
     model = mlflow.pyfunc.load_model("models:/tiny-dspark-drafter@champion")
     prompt = tiny.chat_ids([{"role": "user", "content": "count to five"}])
@@ -98,7 +99,7 @@ def test_champion_moves_to_each_new_version_and_latest_is_deprecated(store, tiny
 
     for tau in (1.5, 2.5):
         _, ckpt, run_id = trained_run(tiny, tmp_path, tau)
-        tracking.publish_drafter(run_id, "d", ckpt, ["latest", "trained"])  # "latest" is never set
+        registry.publish_drafter(run_id, "d", ckpt, ["latest", "trained"])  # "latest" is never set
         tracking.end_run()
     assert resolve_ref("models:/d@champion").model_version == "2"
     assert resolve_ref("models:/d/latest").model_version == "2"  # MLflow's own keyword

@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from dspark.io import tracking
+from dspark.io import storage, tracking
 from tests.paths import REPO
 
 ROOT = REPO
@@ -64,7 +64,7 @@ def test_dataset_inputs_record_name_source_digest_and_context(run_env, tmp_path,
     tracking.log_dataset_input("eval", "s3://bucket/eval/gsm8k.jsonl", "abc123", "evaluation")
     tracking.end_run()
 
-    assert computed == tracking.dataset_digest(str(prompts)) and len(computed) == 32
+    assert computed == storage.dataset_digest(str(prompts)) and len(computed) == 32
     assert given == "f" * 32, "a digest longer than MLflow's 36-char column keeps its first 32 chars"
     assert missing is None
     run = get_run(run_env, run_id)
@@ -82,15 +82,15 @@ def test_dataset_digest_changes_with_content_and_names(tmp_path):
     root = tmp_path / "d"
     root.mkdir()
     (root / "a.jsonl").write_text("1\n")
-    first = tracking.dataset_digest(str(root))
+    first = storage.dataset_digest(str(root))
     (root / "a.jsonl").write_text("2\n")
-    edited = tracking.dataset_digest(str(root))
+    edited = storage.dataset_digest(str(root))
     (root / "a.jsonl").rename(root / "b.jsonl")
-    renamed = tracking.dataset_digest(str(root))
+    renamed = storage.dataset_digest(str(root))
     assert len({first, edited, renamed}) == 3
-    assert tracking.dataset_digest(str(root)) == renamed  # deterministic
+    assert storage.dataset_digest(str(root)) == renamed  # deterministic
     with pytest.raises(FileNotFoundError, match="no file at"):
-        tracking.dataset_digest(str(tmp_path / "empty"))
+        storage.dataset_digest(str(tmp_path / "empty"))
 
 
 def test_git_commit_comes_from_the_submission_env_else_git(monkeypatch):
@@ -179,7 +179,7 @@ def test_logging_returns_at_once_when_the_server_hangs_or_is_down(server, hangin
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "3")  # frees the logging thread after the test
     monkeypatch.setattr(tracking, "BACKOFF_S", 0.0)
-    monkeypatch.setattr(tracking, "_background", tracking.BackgroundLogger(maxsize=50))
+    monkeypatch.setattr(tracking, "_background", tracking.new_background_logger(maxsize=50))
     monkeypatch.setattr(tracking, "_current", None)
     tracking.attach_run("0" * 32)  # a worker logging into the driver's run: no request needed
     caplog.set_level(logging.WARNING, logger="dspark.io.tracking")
@@ -222,7 +222,7 @@ def test_cli_runtime_env_carries_the_commit_and_stays_valid(tmp_path, monkeypatc
 def test_flush_gives_up_instead_of_deadlocking_when_its_thread_holds_the_queue():
     """A SIGTERM handler runs on the main thread, possibly while it is inside queue.put: flush must
     give up after its bound rather than wait on a lock its own thread holds."""
-    background = tracking.BackgroundLogger(maxsize=10)
+    background = tracking.new_background_logger(maxsize=10)
     background._queue.mutex.acquire()  # as if interrupted inside put()
     try:
         started = time.monotonic()

@@ -1,14 +1,11 @@
 """Distributed drafter training: `python -m jobs.train --config configs/train/tiny-dspark.yaml [--set k=v ...]`.
 
-The driver (this module) validates everything that can fail before training starts (config, rollouts
-schema and size, storage, MLflow), creates the MLflow run once, saves the run record, config and
-DeepSpeed JSON next to the checkpoints, and launches a Ray Train `TorchTrainer` whose workers run
-`jobs.train_worker.train_loop_per_worker` (DeepSpeed ZeRO, online target features). After training it
-logs the final drafter export and registers it as an MLflow model version with an alias.
-
-Resume: launching the same `run_name` with the same `checkpoint.storage_path` continues the run —
-Ray Train restores its checkpoint list from `<storage_path>/<run_name>/`, the workers reload the
-latest DeepSpeed state, and the run record (`dspark_run.json`) there gives back the MLflow run id.
+The driver validates everything that can fail before training (config, rollouts, storage, MLflow),
+creates the MLflow run once, saves the run record, config and DeepSpeed JSON beside the checkpoints
+(dspark.io.run_dir), runs a Ray Train `TorchTrainer` (workers: jobs.train_worker, DeepSpeed ZeRO,
+online target features), then logs the drafter and registers it as an MLflow model version.
+Relaunching the same `run_name` + `checkpoint.storage_path` resumes the run (checkpoints, DeepSpeed
+state and the MLflow run id from `<storage_path>/<run_name>/`).
 """
 from __future__ import annotations
 
@@ -25,7 +22,7 @@ from dspark.io.run_dir import RunDir
 from dspark.io.storage import StorageError
 from dspark.io.tracking import TrackingError
 from dspark.training.config import TrainJobConfig
-from dspark.training.plan import check_resume_matches, deepspeed_config, training_steps
+from dspark.training.plan import check_resume_matches, deepspeed_config, init_from_checkpoint, training_steps
 
 
 def check_target_spec(spec: str) -> None:
@@ -50,30 +47,18 @@ def check_target_spec(spec: str) -> None:
 
 def resolve_init_from(cfg: TrainJobConfig) -> tuple[TrainJobConfig, str | None]:
     """With `init_from`: (cfg whose drafter architecture is the checkpoint's, the reference pinned to a
-    version). Drafter fields set explicitly in the config must agree with the checkpoint; training-only
-    fields (losses, anchors, ...) stay the config's."""
+    version); see dspark.training.plan.init_from_checkpoint."""
     if not cfg.init_from:
         return cfg, None
-    from dspark.drafters import DrafterConfig
     from dspark.drafters.checkpoint import read_checkpoint_config
     from dspark.io.drafter_source import local_dir, resolve_ref
-    from dspark.training.config import TRAINING_ONLY_FIELDS
 
     try:
         pinned = resolve_ref(cfg.init_from).uri
         saved = read_checkpoint_config(local_dir(pinned))["drafter_config"]
     except (ValueError, FileNotFoundError) as err:
         raise ConfigError(f"init_from {cfg.init_from!r}: {err}") from None
-    if saved.get("draft_vocab_size") is not None:
-        raise ConfigError(f"init_from {cfg.init_from!r}: drafters with a draft vocabulary cannot be retrained yet")
-    mine = config_to_dict(cfg.drafter)
-    clash = sorted(k for k in cfg.drafter.model_fields_set - TRAINING_ONLY_FIELDS
-                   if saved.get(k) is not None and mine.get(k) is not None and saved[k] != mine[k])
-    if clash:
-        raise ConfigError(f"init_from {pinned}: drafter fields {clash} differ from the checkpoint's "
-                          f"({ {k: saved[k] for k in clash} }); drop them from the config or match them")
-    merged = {**saved, **{k: v for k, v in mine.items() if k in TRAINING_ONLY_FIELDS}}
-    return cfg.model_copy(update={"drafter": DrafterConfig.model_validate(merged)}), pinned
+    return init_from_checkpoint(cfg, saved, pinned), pinned
 
 
 # ----------------------------------------------------------------------------- run record / MLflow
@@ -173,28 +158,14 @@ def build_draft_vocab(cfg: TrainJobConfig, files: list[str]) -> dict:
     return {"draft_ids": ids.tolist(), "draft_vocab_coverage": cover}
 
 
-def check_cluster_fits(cfg: TrainJobConfig) -> None:
-    """Ray Data reads the rollouts beside the training workers: if the workers take every CPU of the
-    cluster the read never starts and training waits forever, so refuse that up front."""
-    if "ray" not in sys.modules:  # Ray not started here (importing it would freeze its auth settings)
-        return
-    import ray
-
-    if not ray.is_initialized():
-        return
-    total = ray.cluster_resources().get("CPU", 0.0)
-    taken = cfg.scaling.num_workers * cfg.scaling.cpus_per_worker
-    if total and total - taken < 0.5:
-        raise ConfigError(f"the training workers take {taken:g} of the cluster's {total:g} CPUs, leaving none for "
-                          f"Ray Data to read the rollouts; lower scaling.cpus_per_worker (e.g. "
-                          f"{max(0.25, (total - 1) / cfg.scaling.num_workers):g}) or add CPUs")
-
-
 def prepare_run(cfg: TrainJobConfig) -> dict:
     """Every check that can fail before training; returns the plan handed to the workers."""
     from dspark.io import storage, tracking
 
-    check_cluster_fits(cfg)
+    from pipelines.ray_cluster import check_cpus_left
+
+    check_cpus_left(cfg.scaling.num_workers, cfg.scaling.cpus_per_worker, "training workers",
+                    "Ray Data to read the rollouts", "scaling.cpus_per_worker")
     run_dir = RunDir.of(cfg)
     storage.check_writable(run_dir.uri)
     if cfg.tracking.enabled:

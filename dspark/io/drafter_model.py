@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import os
 
-import mlflow.pyfunc
+from dspark.io import tracking
 
 ARTIFACT_KEY = "drafter"  # context.artifacts key and the folder under artifacts/
 TARGET_ENV = "DSPARK_DRAFTER_TARGET"
 
 
-class DrafterModel(mlflow.pyfunc.PythonModel):
+class DrafterModel(tracking.python_model_base()):
     def load_context(self, context) -> None:
         from dspark.drafters import load_drafter
         from dspark.drafters.checkpoint import read_checkpoint_config

@@ -15,7 +15,8 @@ class SystemMetrics:
     deadline. An attached run (a worker logging into the driver's run) is ended with status RUNNING:
     the sampler stops and the driver keeps setting the final status."""
 
-    def __init__(self, run_id: str, owned: bool, node_id: str | None):
+    def __init__(self, mlflow, run_id: str, owned: bool, node_id: str | None):
+        self.mlflow = mlflow  # the configured module (dspark.io.tracking imports MLflow)
         self.run_id, self.owned, self.node_id = run_id, owned, node_id
         self.status = "FINISHED"
         self.started, self.stop_requested = threading.Event(), threading.Event()
@@ -23,9 +24,7 @@ class SystemMetrics:
         self.thread.start()
 
     def _run(self) -> None:
-        from dspark.io import tracking
-
-        mlflow = tracking.mlflow_module()
+        mlflow = self.mlflow
         try:
             mlflow.set_system_metrics_node_id(self.node_id)  # process-wide: set (or clear) it for this run
             mlflow.start_run(run_id=self.run_id, log_system_metrics=True)
@@ -44,9 +43,9 @@ class SystemMetrics:
         self.thread.join(timeout_s)
 
 
-def start_system_metrics(run_id: str, node_id: str | None, owned: bool) -> SystemMetrics:
+def start_system_metrics(mlflow, run_id: str, node_id: str | None, owned: bool) -> SystemMetrics:
     """Sample CPU/GPU/memory/disk/network into the run (see SystemMetrics)."""
-    monitor = SystemMetrics(run_id, owned=owned, node_id=node_id)
+    monitor = SystemMetrics(mlflow, run_id, owned=owned, node_id=node_id)
     monitor.started.wait(10.0)
     return monitor
 

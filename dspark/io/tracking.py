@@ -216,7 +216,7 @@ def start_run(experiment: str, run_name: str | None = None, run_id: str | None =
         set_tags(str_tags)
     _install_exit_hooks()
     if system_metrics:
-        _current.monitor = start_system_metrics(started, node_id=None, owned=True)
+        _current.monitor = start_system_metrics(_configure(), started, node_id=None, owned=True)
     return started
 
 
@@ -230,7 +230,7 @@ def attach_run(run_id: str, system_metrics: bool = False, node_id: str | None = 
     _current = _Run(run_id, owned=False)
     _install_exit_hooks()
     if system_metrics:
-        _current.monitor = start_system_metrics(run_id, node_id, owned=_current.owned)
+        _current.monitor = start_system_metrics(_configure(), run_id, node_id, owned=_current.owned)
 
 
 def _default_tags() -> dict[str, str]:

@@ -70,3 +70,21 @@ def check_resume_matches(record: dict, cfg: TrainJobConfig) -> None:
     if moved:
         raise ConfigError(f"run {cfg.run_name!r} was checkpointed with " + ", ".join(
             f"{k}={o}" for k, (o, _) in moved.items()) + "; resuming needs the same values (or use a new run_name)")
+
+
+def init_from_checkpoint(cfg: TrainJobConfig, saved: dict, pinned: str) -> TrainJobConfig:
+    """`cfg` retraining the drafter saved with config `saved` (from `pinned`): its architecture is the
+    checkpoint's; drafter fields set explicitly in the config must agree with it; training-only fields
+    (losses, anchors, ...) stay the config's."""
+    from dspark.drafters import DrafterConfig
+
+    if saved.get("draft_vocab_size") is not None:
+        raise ConfigError(f"init_from {pinned}: drafters with a draft vocabulary cannot be retrained yet")
+    mine = config_to_dict(cfg.drafter)
+    clash = sorted(k for k in cfg.drafter.model_fields_set - TRAINING_ONLY_FIELDS
+                   if saved.get(k) is not None and mine.get(k) is not None and saved[k] != mine[k])
+    if clash:
+        raise ConfigError(f"init_from {pinned}: drafter fields {clash} differ from the checkpoint's "
+                          f"({ {k: saved[k] for k in clash} }); drop them from the config or match them")
+    merged = {**saved, **{k: v for k, v in mine.items() if k in TRAINING_ONLY_FIELDS}}
+    return cfg.model_copy(update={"drafter": DrafterConfig.model_validate(merged)})

@@ -135,9 +135,11 @@ class LocalCluster:
                 "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0",
                 "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
 
-    def start_job(self, module: str, config: Path, overrides: list[str], log: Path) -> subprocess.Popen:
+    def start_job(self, module: str, config: Path, overrides: list[str], log: Path,
+                  extra_args: list[str] = ()) -> subprocess.Popen:
         """`python -m <module> --config <config> --set ray.address=<this cluster> ...`, stdout+stderr to `log`."""
-        cmd = [sys.executable, "-m", module, "--config", str(config), "--set", f"ray.address={self.address}"]
+        cmd = [sys.executable, "-m", module, "--config", str(config), "--set", f"ray.address={self.address}",
+               *extra_args]
         for item in overrides:
             cmd += ["--set", item]
         out = open(log, "ab")

@@ -37,6 +37,7 @@ REPO = Path(__file__).resolve().parents[2]
 HEAD_CPUS = 1.0      # drivers' own Ray Data tasks (reads, small maps); too little for a 1.5-CPU worker
 WORKER_CPUS = 2.0    # each worker node holds exactly one 1.5-CPU actor: two actors must spread
 OBJECT_STORE_BYTES = 200 * 1024 * 1024
+NODE_START_TIMEOUT_S = 180.0  # a node's raylet registering with the GCS (Ray's own limit: 30 s)
 
 
 def free_port() -> int:
@@ -273,11 +274,15 @@ def ray_cluster(stack_services):
         dashboard_port = free_port()
         local = None
         try:
-            cluster = Cluster(initialize_head=True, shutdown_at_exit=True, head_node_args=dict(
+            _patient_node_start(patch)
+            cluster = Cluster(initialize_head=False, shutdown_at_exit=True)
+            cluster._wait_for_node = lambda node, timeout=NODE_START_TIMEOUT_S: Cluster._wait_for_node(
+                cluster, node, timeout)
+            cluster.add_node(
                 num_cpus=HEAD_CPUS, resources={"head": 1.0}, node_ip_address="127.0.0.1",
                 object_store_memory=OBJECT_STORE_BYTES, temp_dir=str(root / "head" / "ray"),
                 env_vars={"TMPDIR": str(root / "head" / "tmp")}, include_dashboard=True,
-                dashboard_host="127.0.0.1", dashboard_port=dashboard_port, min_worker_port=0, max_worker_port=0))
+                dashboard_host="127.0.0.1", dashboard_port=dashboard_port, min_worker_port=0, max_worker_port=0)
             local = LocalCluster(root, cluster, f"http://127.0.0.1:{dashboard_port}")
             local.nodes["head"] = ClusterNode("head", cluster.head_node, root / "head", cluster.head_node.node_id)
             local.add_worker("worker-a")
@@ -288,6 +293,27 @@ def ray_cluster(stack_services):
             if local is not None:
                 local.shutdown()
             shutil.rmtree(root, ignore_errors=True)
+
+
+def _patient_node_start(patch: pytest.MonkeyPatch) -> None:
+    """Ray gives a starting raylet 30 s to register with the GCS (ray._private.node, not configurable);
+    on a shared 2-core machine under load (niced, as these tests run) that is not always enough. Let
+    the registration poll retry for NODE_START_TIMEOUT_S instead."""
+    import ray._private.services as services
+
+    real = services.get_node
+
+    def get_node(gcs_address, node_id):
+        deadline = time.monotonic() + NODE_START_TIMEOUT_S
+        while True:
+            try:
+                return real(gcs_address, node_id)
+            except RuntimeError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
+
+    patch.setattr(services, "get_node", get_node)
 
 
 def _alive_or_none(local: LocalCluster) -> set[str]:

@@ -70,7 +70,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 # ---- prompts and the drafter ------------------------------------------------------------------------------
 def load_prompts(data_dir: str) -> list[str]:
-    from dspark.evaluation import parse_benchmark
+    from dspark.eval.evaluation import parse_benchmark
 
     files = sorted(Path(data_dir).glob("*.jsonl")) if Path(data_dir).is_dir() else []
     prompts = [turns[0] for f in files for turns in parse_benchmark(f.read_text(), str(f))]
@@ -95,7 +95,7 @@ def resolve_drafter(args) -> tuple[str, str]:
     import torch
 
     from dspark.drafters import DrafterConfig, build_drafter, save_drafter
-    from dspark.target import load_target
+    from dspark.models.target import load_target
 
     torch.manual_seed(0)
     drafter = build_drafter(DrafterConfig(algo="dspark", block_size=args.gamma or 4, num_layers=1),

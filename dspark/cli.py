@@ -41,7 +41,7 @@ def _stack_status(args) -> int:
 
 
 def _target_prepare(args) -> int:
-    from dspark.target import load_target
+    from dspark.models.target import load_target
 
     target = load_target(args.name)
     path = getattr(target.model, "name_or_path", "") or getattr(target.model.config, "_name_or_path", "")

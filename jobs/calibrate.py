@@ -5,7 +5,7 @@
 1. Decode held-out prompts (rows with split == "holdout" of a jobs.generate output, or a
    {"turns": [...]} JSONL file) with real speculative decoding, every draft verified, the drafter's
    calibration switched off: each round gives raw confidences c_1..c_γ and its accepted length.
-2. Fit T_1..T_γ left to right (dspark.calibration.fit_sts: ECE of the cumulative product).
+2. Fit T_1..T_γ left to right (dspark.eval.calibration.fit_sts: ECE of the cumulative product).
 3. Save a NEW drafter checkpoint with the temperatures under `output`/drafter (the source is never
    written), log it to MLflow and, when the source is a registered model (or `registered_model` is
    set), register it as a new version with `aliases`.
@@ -23,9 +23,9 @@ import tempfile
 import numpy as np
 from pydantic import Field, field_validator, model_validator
 
-from dspark import calibration as cal
-from dspark import evaluation as ev
-from dspark import metrics
+from dspark.eval import calibration as cal
+from dspark.eval import evaluation as ev
+from dspark.eval import metrics
 from dspark.config import StrictModel
 from pipelines.ray_cluster import init_ray
 from jobs.common import load_job_config, tracked_run
@@ -76,7 +76,7 @@ class CalibrateConfig(StrictModel):
 # ---- held-out prompts ------------------------------------------------------------------------------
 def rollout_prompts(uri: str, split: str) -> list[tuple[str | None, list[str]]]:
     """(system, user turns) of every rollout row in `split`."""
-    from pipelines.rollout_store import read_rollouts
+    from dspark.data.rollout_store import read_rollouts
 
     rows = read_rollouts(uri).to_pylist()
     if not rows:
@@ -216,7 +216,7 @@ def log_calibration_data(data: CalibrationData) -> None:
 def run(cfg: CalibrateConfig) -> dict:
     from dspark.io import storage
     from dspark.io.drafter_source import load_drafter_ref, local_dir, resolve_ref
-    from dspark.target import load_target
+    from dspark.models.target import load_target
 
     storage.check_writable(cfg.output)
     new_uri = storage.join(cfg.output, DRAFTER_NAME)

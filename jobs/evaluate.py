@@ -23,8 +23,8 @@ from typing import Literal, Sequence
 
 from pydantic import Field, field_validator
 
-from dspark import evaluation as ev
-from dspark import report
+from dspark.eval import evaluation as ev
+from dspark.eval import report
 from dspark.config import StrictModel, config_to_dict
 from pipelines.ray_cluster import init_ray
 from jobs.common import load_job_config, tracked_run
@@ -213,7 +213,7 @@ def sweep_plan(cfg: EvalConfig, infos: dict[str, dict]) -> dict[str, list[float]
 
 def run(cfg: EvalConfig) -> dict:
     from dspark.io import storage
-    from dspark.target import load_target
+    from dspark.models.target import load_target
 
     storage.check_writable(cfg.output)  # fail fast, before any decoding
     benchmarks, problems = ev.load_benchmarks(cfg.benchmarks, cfg.benchmark_dir, cfg.max_prompts_per_benchmark)

@@ -10,7 +10,7 @@ blocks until Ctrl-C / SIGTERM and removes the app — or, with --detach, leaves 
 cluster (`serve status` / `serve shutdown` manage it; detaching needs a cluster that outlives this
 process, i.e. a ray.address). For `serve deploy` use infra/serve/serve_config.yaml.
 
-Every key is documented in dspark/serve/config.py (ServeConfig) and dspark/engine.py (EngineConfig).
+Every key is documented in dspark/serve/config.py (ServeConfig) and dspark/decoding/engine.py (EngineConfig).
 """
 from __future__ import annotations
 

@@ -24,13 +24,13 @@ from dspark.io.storage import StorageError
 from dspark.io.tracking import TrackingError
 from dspark.training.config import TrainJobConfig
 from dspark.training.plan import RunDir, check_resume_matches, deepspeed_config, training_steps
-from pipelines.rollout_store import check_rollouts, parquet_paths
+from dspark.data.rollout_store import check_rollouts, parquet_paths
 
 
 
 def check_target_spec(spec: str) -> None:
     """Fail in the driver, not in every worker, when the target cannot be found (reads its config only)."""
-    from dspark import models_builtin
+    from dspark.models import builtin as models_builtin
     from dspark.io import storage
 
     if spec in models_builtin.BUILTIN:
@@ -70,7 +70,7 @@ def open_mlflow_run(cfg: TrainJobConfig, record: dict | None, params: dict) -> s
     run_id = record.get("mlflow_run_id") if record else None
     run_id = tracking.start_run(cfg.tracking.experiment, cfg.mlflow_run_name, run_id=run_id,
                                 tags={"dspark.stage": "train", "dspark.algo": cfg.drafter.algo,
-                                      "dspark.target": cfg.target})
+                                      "dspark.models.target": cfg.target})
     if record is None or not record.get("mlflow_run_id"):
         tracking.log_params(params)
         lineage.log_rollouts(cfg.data.rollouts, lineage.TRAINING)
@@ -127,7 +127,7 @@ def read_rollouts(cfg: TrainJobConfig, files: list[str]):
 def build_draft_vocab(cfg: TrainJobConfig, files: list[str]) -> dict:
     """With drafter.draft_vocab_size = N: the N most frequent supervised (loss_mask = 1) tokens of the
     training rollouts, as ascending target ids for the workers' build_drafter (Eagle3's d2t/t2d)."""
-    from dspark import draft_vocab
+    from dspark.drafters import draft_vocab
 
     size = cfg.drafter.draft_vocab_size
     if size is None:

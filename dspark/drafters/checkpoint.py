@@ -6,7 +6,7 @@ DrafterConfig), "target_meta" (name, revision, hidden_size, vocab_size, num_laye
 the target's embedding and LM head are shared by reference and never written. A drafter with a
 draft vocabulary (drafter_config.draft_vocab_size = N) also stores its maps there as buffers, in the
 speculators layout: `d2t` [N] int64 offsets (target id = draft id + d2t) and `t2d` [V] bool; loading
-checks that they agree (dspark.draft_vocab.check_maps). Directories may be
+checks that they agree (dspark.drafters.draft_vocab.check_maps). Directories may be
 local or s3:// (through dspark.io.storage); a round trip reproduces the weights bit for bit.
 """
 from __future__ import annotations

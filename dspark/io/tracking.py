@@ -647,3 +647,13 @@ def download_artifacts(artifact_uri: str, dst_path: str) -> str:
     mlflow = _configure()
     return mlflow.artifacts.download_artifacts(artifact_uri=artifact_uri, dst_path=dst_path)
 
+
+
+def model_version_exists(name: str, version: str) -> bool:
+    """Whether registered model `name` still has `version` (False when the registry is wiped or
+    unreachable: callers treat that as "must be produced again")."""
+    try:
+        _client().get_model_version(name, str(version))
+    except Exception:  # noqa: BLE001 — any registry failure means "not there"
+        return False
+    return True

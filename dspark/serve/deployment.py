@@ -9,7 +9,7 @@ import os
 from typing import Any
 
 from dspark.config import config_to_dict
-from dspark.engine import Engine, Request, StepReport
+from dspark.decoding.engine import Engine, Request, StepReport
 from dspark.serve.app import make_app
 from dspark.serve.config import ServeConfig, build_engine
 from dspark.serve.service import OpenAIService

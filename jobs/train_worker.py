@@ -94,9 +94,6 @@ def train_loop_per_worker(loop_config: dict) -> None:
     plan = loop_config["plan"]
     ctx = ray.train.get_context()
     session = TrainSession(cfg, plan, ctx.get_world_rank(), ctx.get_world_size(), ray.train.torch.get_device())
-    # which node holds which rank: the first thing to know when a node is lost
-    print(f"[train] rank {session.rank}/{session.world} on node {ray.get_runtime_context().get_node_id()}",
-          file=sys.stderr, flush=True)
     session.setup()
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is not None:

@@ -87,7 +87,7 @@ class LocalCluster:
         node = self.cluster.add_node(
             num_cpus=num_cpus, resources={name: 1.0}, node_ip_address="127.0.0.1",
             object_store_memory=OBJECT_STORE_BYTES, temp_dir=str(root / "ray"),
-            env_vars={"TMPDIR": str(root / "tmp")})
+            env_vars={"TMPDIR": str(root / "tmp"), "RAY_ADDRESS": self.address})
         entry = ClusterNode(name, node, root, node.node_id)
         self.nodes[name] = entry
         return entry
@@ -121,11 +121,12 @@ class LocalCluster:
         return {n.node_id for n in list_nodes(address=self.dashboard_url, filters=[("state", "=", "ALIVE")],
                                               raise_on_missing_output=False)}
 
-    def actors(self, class_contains: str, state: str = "ALIVE") -> list:
-        """Actors whose class name contains `class_contains`, from Ray's state API."""
+    def actors(self, class_contains: str, state: str | None = "ALIVE") -> list:
+        """Actors whose class name contains `class_contains` (in `state`; None: any), from Ray's state API."""
         from ray.util.state import list_actors
 
-        return [a for a in list_actors(address=self.dashboard_url, filters=[("state", "=", state)], detail=True,
+        filters = [("state", "=", state)] if state else None
+        return [a for a in list_actors(address=self.dashboard_url, filters=filters, detail=True,
                                        limit=10000, raise_on_missing_output=False)
                 if class_contains in (a.class_name or "")]
 
@@ -278,10 +279,14 @@ def ray_cluster(stack_services):
             cluster = Cluster(initialize_head=False, shutdown_at_exit=True)
             cluster._wait_for_node = lambda node, timeout=NODE_START_TIMEOUT_S: Cluster._wait_for_node(
                 cluster, node, timeout)
+            gcs_port = free_port()
+            # RAY_ADDRESS on every node: Ray code that looks the cluster up without an address (e.g. Ray
+            # Train's placement-group cleaner) must find this one, not another Ray on the machine
             cluster.add_node(
-                num_cpus=HEAD_CPUS, resources={"head": 1.0}, node_ip_address="127.0.0.1",
+                num_cpus=HEAD_CPUS, resources={"head": 1.0}, node_ip_address="127.0.0.1", gcs_server_port=gcs_port,
                 object_store_memory=OBJECT_STORE_BYTES, temp_dir=str(root / "head" / "ray"),
-                env_vars={"TMPDIR": str(root / "head" / "tmp")}, include_dashboard=True,
+                env_vars={"TMPDIR": str(root / "head" / "tmp"), "RAY_ADDRESS": f"127.0.0.1:{gcs_port}"},
+                include_dashboard=True,
                 dashboard_host="127.0.0.1", dashboard_port=dashboard_port, min_worker_port=0, max_worker_port=0)
             local = LocalCluster(root, cluster, f"http://127.0.0.1:{dashboard_port}")
             local.nodes["head"] = ClusterNode("head", cluster.head_node, root / "head", cluster.head_node.node_id)

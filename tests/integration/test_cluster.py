@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster_fixture import REPO, job_result, log_tail, ray_cluster, stack_services, stop_job, wait_for  # noqa: F401
+from tests.integration.cluster_fixture import REPO, job_result, log_tail, ray_cluster, stack_services, stop_job, wait_for  # noqa: F401
 
 pytestmark = [pytest.mark.integration, pytest.mark.cluster, pytest.mark.slow]
 
@@ -66,7 +66,7 @@ def test_rollouts_spread_over_nodes_and_survive_losing_one(ray_cluster, tmp_path
     placement group once the survivor has drained the input) and every prompt is in the output
     exactly once."""
     from dspark.io import storage
-    from pipelines.rollout_store import read_commits, read_rollouts
+    from dspark.data.rollout_store import read_commits, read_rollouts
 
     output = f"s3://dspark/tests/cluster/rollouts-{uuid.uuid4().hex[:8]}"
     config = _generate_config(tmp_path, output)
@@ -112,7 +112,7 @@ def _upload_rollouts(uri: str, rows: int = 64) -> str:
     import pyarrow.parquet as pq
 
     from dspark.io import storage
-    from dspark.target import load_target
+    from dspark.models.target import load_target
 
     target = load_target("tiny")
     rng = np.random.default_rng(0)
@@ -148,15 +148,17 @@ def _train_config(tmp_path, run_name: str, rollouts: str, max_failures: int) -> 
     return path
 
 
-def _rank_nodes(log: Path) -> list[dict[int, str]]:
-    """Per worker-group start, {rank: node id}, from the workers' `[train] rank r/w on node N` lines."""
+def _rank_nodes(ray_cluster, log: Path) -> list[dict[int, str]]:
+    """Per worker-group start, {rank: node id}: ranks and PIDs from the Train controller's
+    "Started training worker group" lines in the driver log, nodes from Ray's state API."""
     import re
 
+    pids = {a.pid: a.node_id for a in ray_cluster.actors("RayTrainWorker", state=None)}
     groups: list[dict[int, str]] = []
-    for rank, node in re.findall(r"\[train\] rank (\d+)/\d+ on node ([0-9a-f]+)", log.read_text(errors="replace")):
+    for pid, rank in re.findall(r"pid=(\d+)\) world_rank=(\d+)", log.read_text(errors="replace")):
         if not groups or int(rank) in groups[-1]:
             groups.append({})
-        groups[-1][int(rank)] = node
+        groups[-1][int(rank)] = pids.get(int(pid), "?")
     return groups
 
 
@@ -184,7 +186,8 @@ def _train_until_rank1_node_dies(ray_cluster, tmp_path, max_failures: int):
     log = tmp_path / "train.log"
     proc = ray_cluster.start_job("jobs.train", config, [], log)
     run_dir = f"s3://dspark/tests/cluster/checkpoints/{run_name}"
-    first = wait_for(lambda: (g := _rank_nodes(log)) and len(g[0]) == 2 and g[0] or proc.poll() is not None,
+    first = wait_for(lambda: (g := _rank_nodes(ray_cluster, log)) and len(g[0]) == 2 and g[0]
+                     or proc.poll() is not None,
                      420, "both ranks placed", interval_s=1.0)
     assert proc.poll() is None, log_tail(log)
     step = wait_for(lambda: _latest_checkpoint_step(run_dir) or proc.poll() is not None, 420,
@@ -213,7 +216,7 @@ def test_zero3_training_resumes_after_losing_the_node_of_rank_1(ray_cluster, tmp
         summary = job_result(proc, log, 900)
     finally:
         stop_job(proc)
-    groups = _rank_nodes(log)
+    groups = _rank_nodes(ray_cluster, log)
     assert len(groups) >= 2, f"the worker group restarted: {groups}"
     assert set(groups[-1].values()) == {ray_cluster.nodes["worker-c"].node_id,
                                         ray_cluster.nodes[ray_cluster.node_name(first[0])].node_id}, groups
@@ -245,7 +248,7 @@ def _upload_drafter(uri: str) -> str:
 
     from dspark.drafters import DrafterConfig, build_drafter, save_drafter
     from dspark.io import storage
-    from dspark.target import load_target
+    from dspark.models.target import load_target
 
     torch.manual_seed(0)
     drafter = build_drafter(DrafterConfig(algo="dspark", block_size=4, num_layers=1, num_context_layers=2, rank=16),
@@ -335,7 +338,7 @@ def test_serving_keeps_answering_when_a_replica_node_dies(ray_cluster, tmp_path)
     Serve restarts the lost replica on worker-c once it joins (2 RUNNING replicas again)."""
     import time
 
-    from cluster_fixture import free_port
+    from tests.integration.cluster_fixture import free_port
 
     drafter = _upload_drafter(f"s3://dspark/tests/cluster/drafter-{uuid.uuid4().hex[:6]}")
     port = free_port()

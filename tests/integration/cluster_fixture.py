@@ -37,7 +37,7 @@ REPO = Path(__file__).resolve().parents[2]
 HEAD_CPUS = 1.0      # drivers' own Ray Data tasks (reads, small maps); too little for a 1.5-CPU worker
 WORKER_CPUS = 2.0    # each worker node holds exactly one 1.5-CPU actor: two actors must spread
 OBJECT_STORE_BYTES = 200 * 1024 * 1024
-NODE_START_TIMEOUT_S = 180.0  # a node's raylet registering with the GCS (Ray's own limit: 30 s)
+NODE_START_TIMEOUT_S = 300.0  # a node's raylet registering with the GCS (Ray's own limit: 30 s)
 
 
 def free_port() -> int:

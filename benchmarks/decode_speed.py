@@ -1,7 +1,7 @@
 """Batch-1 decode speed: target-only vs speculative decoding with each drafter, side by side.
 
     python benchmarks/decode_speed.py --target tiny --quick
-    python benchmarks/decode_speed.py --target smollm2-135m --drafter models:/smollm2-135m-dspark-drafter@latest \
+    python benchmarks/decode_speed.py --target smollm2-135m --drafter models:/smollm2-135m-dspark-drafter@champion \
         --drafter /path/to/dflash_ckpt --prompts 3 --max-new-tokens 128
     python benchmarks/decode_speed.py --target smollm2-135m --algo dspark --algo eagle3   # untrained drafters
 

@@ -1,6 +1,6 @@
 """Calibrate a DSpark drafter's confidence head with Sequential Temperature Scaling (paper §3.2.1).
 
-    python -m jobs.calibrate --config configs/calibrate/tiny.yaml [--set drafter=models:/x@latest ...]
+    python -m jobs.calibrate --config configs/calibrate/tiny.yaml [--set drafter=models:/x@champion ...]
 
 1. Decode held-out prompts (rows with split == "holdout" of a jobs.generate output, or a
    {"turns": [...]} JSONL file) with real speculative decoding, every draft verified, the drafter's
@@ -173,7 +173,7 @@ def log_report(paths: dict[str, str], result: cal.STSResult, n_rounds: int) -> N
 
 
 def publish_drafter(drafter, new_uri: str, tmp: str, run_id: str | None, model_name: str | None,
-                    aliases: list[str], source: str) -> dict | None:
+                    aliases: list[str], source: str, tau: float | None = None) -> dict | None:
     """Save the calibrated drafter to `new_uri`, log it to the run and register it (with its engine
     exports attached); returns the registration."""
     import shutil
@@ -196,8 +196,11 @@ def publish_drafter(drafter, new_uri: str, tmp: str, run_id: str | None, model_n
     tracking.log_artifact(saved, DRAFTER_NAME)
     version = None
     if model_name:
-        version = tracking.register_model_version(run_id, model_name, DRAFTER_NAME, aliases,
-                                                  description=f"STS-calibrated from {source}")
+        from dspark.io.drafter_model import version_tags
+
+        version = tracking.publish_drafter(run_id, model_name, saved, aliases,
+                                           description=f"STS-calibrated from {source}",
+                                           tags=version_tags(saved, tau, "calibration decode (mean accepted + 1)"))
     export.attach_exports(drafter, run_id, model_name, version)  # engine layouts, tagged on the version
     return {"name": model_name, "aliases": aliases, "version": version} if model_name else None
 
@@ -248,7 +251,8 @@ def run(cfg: CalibrateConfig) -> dict:
                 "prompts": len(prompts), "rounds": len(rounds), "failed_prompts": [c.error for c in convs if c.error],
                 "mlflow_run_id": run_id}
         with tempfile.TemporaryDirectory(prefix="dspark-calib-") as tmp:
-            info["registered"] = publish_drafter(drafter, new_uri, tmp, run_id, model_name, cfg.aliases, pinned.uri)
+            info["registered"] = publish_drafter(drafter, new_uri, tmp, run_id, model_name, cfg.aliases, pinned.uri,
+                                                 metrics.summarize(rounds)["tau"] if rounds else None)
             paths = write_report(result, curves, info, tmp, cfg.n_bins)
             for name, path in paths.items():
                 with open(path, "rb") as f:

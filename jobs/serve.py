@@ -23,6 +23,7 @@ import sys
 import threading
 
 from dspark.config import ConfigError, load_config
+from dspark.io import storage
 from dspark.serve.config import ServeConfig, served_name
 from dspark.serve.deployment import deployment_for
 from pipelines.ray_cluster import init_ray
@@ -73,7 +74,7 @@ def block_until_signal() -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        cfg = load_config(ServeJobConfig, args.config, args.overrides)
+        cfg = load_config(ServeJobConfig, args.config, args.overrides, read_text=storage.read_text)
     except ConfigError as err:
         sys.exit(f"error: {err}")
     address = init_ray(cfg.ray)

@@ -20,18 +20,18 @@ import time
 from pathlib import Path
 
 from dspark.config import ConfigError, config_to_dict, dump_config, flatten
+from dspark.data.rollout_store import check_rollouts, parquet_paths
+from dspark.io.run_dir import RunDir
 from dspark.io.storage import StorageError
 from dspark.io.tracking import TrackingError
 from dspark.training.config import TrainJobConfig
-from dspark.training.plan import RunDir, check_resume_matches, deepspeed_config, training_steps
-from dspark.data.rollout_store import check_rollouts, parquet_paths
-
+from dspark.training.plan import check_resume_matches, deepspeed_config, training_steps
 
 
 def check_target_spec(spec: str) -> None:
     """Fail in the driver, not in every worker, when the target cannot be found (reads its config only)."""
-    from dspark.models import builtin as models_builtin
     from dspark.io import storage
+    from dspark.models import builtin as models_builtin
 
     if spec in models_builtin.BUILTIN:
         return
@@ -46,6 +46,34 @@ def check_target_spec(spec: str) -> None:
     except (OSError, ValueError) as err:
         raise ConfigError(f"cannot load target {spec!r} ({str(err).splitlines()[0]}); use 'tiny', 'smollm2-135m', "
                           f"a model directory, an s3:// copy or a hub name reachable from the cluster") from None
+
+
+def resolve_init_from(cfg: TrainJobConfig) -> tuple[TrainJobConfig, str | None]:
+    """With `init_from`: (cfg whose drafter architecture is the checkpoint's, the reference pinned to a
+    version). Drafter fields set explicitly in the config must agree with the checkpoint; training-only
+    fields (losses, anchors, ...) stay the config's."""
+    if not cfg.init_from:
+        return cfg, None
+    from dspark.drafters import DrafterConfig
+    from dspark.drafters.checkpoint import read_checkpoint_config
+    from dspark.io.drafter_source import local_dir, resolve_ref
+    from dspark.training.config import TRAINING_ONLY_FIELDS
+
+    try:
+        pinned = resolve_ref(cfg.init_from).uri
+        saved = read_checkpoint_config(local_dir(pinned))["drafter_config"]
+    except (ValueError, FileNotFoundError) as err:
+        raise ConfigError(f"init_from {cfg.init_from!r}: {err}") from None
+    if saved.get("draft_vocab_size") is not None:
+        raise ConfigError(f"init_from {cfg.init_from!r}: drafters with a draft vocabulary cannot be retrained yet")
+    mine = config_to_dict(cfg.drafter)
+    clash = sorted(k for k in cfg.drafter.model_fields_set - TRAINING_ONLY_FIELDS
+                   if saved.get(k) is not None and mine.get(k) is not None and saved[k] != mine[k])
+    if clash:
+        raise ConfigError(f"init_from {pinned}: drafter fields {clash} differ from the checkpoint's "
+                          f"({ {k: saved[k] for k in clash} }); drop them from the config or match them")
+    merged = {**saved, **{k: v for k, v in mine.items() if k in TRAINING_ONLY_FIELDS}}
+    return cfg.model_copy(update={"drafter": DrafterConfig.model_validate(merged)}), pinned
 
 
 # ----------------------------------------------------------------------------- run record / MLflow
@@ -70,7 +98,7 @@ def open_mlflow_run(cfg: TrainJobConfig, record: dict | None, params: dict) -> s
     run_id = record.get("mlflow_run_id") if record else None
     run_id = tracking.start_run(cfg.tracking.experiment, cfg.mlflow_run_name, run_id=run_id,
                                 tags={"dspark.stage": "train", "dspark.algo": cfg.drafter.algo,
-                                      "dspark.models.target": cfg.target})
+                                      "dspark.target": cfg.target})
     if record is None or not record.get("mlflow_run_id"):
         tracking.log_params(params)
         lineage.log_rollouts(cfg.data.rollouts, lineage.TRAINING)
@@ -215,7 +243,8 @@ def finish_run(cfg: TrainJobConfig, plan: dict, result) -> dict:
         ds_path = os.path.join(tmp, "ds_config.json")
         Path(ds_path).write_text(json.dumps(plan["ds_config"], indent=2))
         tracking.log_artifact(ds_path)
-        version = register_drafter(plan["mlflow_run_id"], cfg.registered_model_name, cfg.tracking.alias)
+        version = register_drafter(plan["mlflow_run_id"], cfg.registered_model_name, cfg.tracking.alias, drafter_dir,
+                                   summary["metrics"])
         export.attach_exports(drafter_dir, plan["mlflow_run_id"], cfg.registered_model_name, version, target=cfg.target)
     summary["registered_model"] = {"name": cfg.registered_model_name, "version": version, "alias": cfg.tracking.alias}
     tracking.set_tags({"dspark.registered_model": cfg.registered_model_name, "dspark.registered_version": version})
@@ -223,14 +252,18 @@ def finish_run(cfg: TrainJobConfig, plan: dict, result) -> dict:
     return summary
 
 
-def register_drafter(run_id: str, name: str, alias: str) -> str:
-    """Register the run's `drafter` artifacts as a new version of `name` with `alias`; a failure keeps
-    the trained drafter (checkpoint and run artifacts) and says how to register it."""
+def register_drafter(run_id: str, name: str, alias: str, drafter_dir: str, metrics: dict) -> str:
+    """Log the drafter as an MLflow model and register it as a new version of `name` with `alias` (and
+    the serving alias), tagged with what it is and its training-time expected τ; a failure keeps the
+    trained drafter (checkpoint and run artifacts) and says how to register it."""
     from dspark.io import tracking
+    from dspark.io.drafter_model import version_tags
 
+    tags = version_tags(drafter_dir, metrics.get("expected_accept_len"),
+                        "training expected_accept_len (teacher-forced)")
     try:
-        return tracking.register_model_version(run_id, name, "drafter", [alias],
-                                               description="dspark drafter (jobs.train)")
+        return tracking.publish_drafter(run_id, name, drafter_dir, [alias], description="dspark drafter (jobs.train)",
+                                        tags=tags)
     except TrackingError as err:
         raise TrackingError(f"{err}; the drafter is logged under the run's 'drafter' artifacts — register it by "
                             f"hand or rerun the same run_name") from err
@@ -259,12 +292,17 @@ def run(cfg: TrainJobConfig) -> dict:
     """Train (or resume) one run; returns a summary (checkpoint URI, final metrics, MLflow ids)."""
     from dspark.io import tracking
 
+    cfg, init_from = resolve_init_from(cfg)
     plan = prepare_run(cfg)
     if plan.get("already_complete"):
         print(f"[train] run {cfg.run_name!r} already completed {plan['total_steps']} steps: nothing to do "
               f"(raise optim.max_steps or optim.epochs to continue it)", file=sys.stderr)
         return {"run_name": cfg.run_name, "already_complete": True,
                 "mlflow_run_id": plan["record"].get("mlflow_run_id")}
+    if init_from:
+        plan["init_from"] = init_from
+        if cfg.tracking.enabled:
+            tracking.set_tags({"dspark.init_from": init_from})
     loop_config = {"job": config_to_dict(cfg), "plan": plan, "env": worker_env()}
     trainer = build_trainer(cfg, loop_config, read_rollouts(cfg, plan["files"]))
     start = time.perf_counter()

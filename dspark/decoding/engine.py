@@ -12,8 +12,15 @@ requests. Each `step()`:
      over the SPS table profiled at start, threshold, fixed, off);
   4. verifies [anchor_r, drafts_r[:ℓ_r]] of ALL requests in ONE target forward: tokens are flattened
      into one row and each request attends to its own KV slot (dspark.decoding.batched_cache);
-  5. accepts losslessly per request (`accept_drafts`), keeps the accepted prefix in the KV slot and in
-     the drafter context, emits the new tokens; finished requests leave, their slots are recycled.
+  5. accepts losslessly per request (`accept_drafts`), keeps the accepted prefix in the KV slot, queues
+     its target features for the drafter context, emits the new tokens; finished requests leave, their
+     slots are recycled.
+The drafter context is caught up lazily: the target features of verified positions wait in
+`Request.ctx_pending` and the drafter reads them, for all requests in one `extend_contexts` pass, just
+before it next drafts (or when `context_catch_up_every` steps have piled up, which bounds the memory held).
+So a step where the draft gate skips drafting does the same work as mode `off` (plus keeping the
+features, which the target forward returns anyway), and a drafter that is rarely used costs nothing
+on the steps it sits out.
 Requests join and leave between steps. A request whose drafting, verification or acceptance fails
 is finished with an error; the others continue. `healthy` turns False when steps keep failing.
 
@@ -24,13 +31,22 @@ computes the same logits as a per-request forward with a KV cache.
 Randomness: every request draws from its own torch.Generator (on the target's device), seeded with
 the request's `seed` or, without one, from the engine's seed stream (EngineConfig.seed). Its prefill
 sample, its drafts and its acceptance draws come from that generator only, so a request's random
-draws never depend on the other requests in the batch. A seeded request is therefore reproducible
-whenever its verify lengths are: always for scheduler modes off/fixed/threshold (each ℓ_r depends
-on request r alone); under dynamic/async_topk, ℓ_r is chosen over the whole batch, so the same seed
-gives the same output under the same load, and the same distribution under any load.
+draws never depend on the other requests in the batch; but how many draws a round consumes depends
+on its verify length, which the dynamic/async_topk schedulers and the draft gate choose over the
+whole batch. So a request with a `seed` uses, by default (EngineConfig.seeded_sampling="keyed"),
+position-keyed randomness instead (`dspark.decoding.sampling.KeyedNoise`): the token at output position j is
+the target's Gumbel-max sample with noise keyed by (seed, j), whatever was drafted or verified, so a
+seeded request's output depends on its seed, prompt and settings alone (up to floating-point
+differences of the batched forward), under any load and scheduler — and stays exactly lossless.
+("stream": seeded requests use the stream too, and repeat only under the same load.)
 
-Invariant between steps, for each active request r in slot r: KV length == drafter context length ==
-len(prompt) + len(tokens) - 1 (everything but the anchor, which is tokens[-1]).
+Logprobs: a request asking for them (`logprobs` = number of alternatives, 0..) gets, per emitted
+token, the target's log-probability of it and the top alternatives, from the same verify-forward
+logits the token was accepted or drawn from (`dspark.decoding.sampling.to_logprobs`, EngineConfig.logprobs_mode).
+
+Invariant between steps, for each active request r in slot r: KV length == drafter context length +
+positions in ctx_pending == len(prompt) + len(tokens) - 1 (everything but the anchor, tokens[-1]);
+right after a catch-up ctx_pending is empty, so the drafter drafts from the full verified context.
 """
 from __future__ import annotations
 
@@ -42,14 +58,15 @@ import time
 import uuid
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Literal, Sequence
 
 import torch
 from pydantic import Field
 
 from dspark.decoding.batched_cache import KVSlots, enable_ragged
 from dspark.config import StrictModel
-from dspark.decoding.sampling import SamplingParams, accept_drafts, sample, to_probs
+from dspark.decoding.sampling import (KeyedNoise, LogprobsMode, SamplingParams, accept_drafts, accept_keyed, sample,
+                                      to_logprobs, to_probs)
 from dspark.decoding.scheduler import DraftGate, PrefixScheduler, SchedulerConfig, SPSTable, profile_sps
 from dspark.decoding.specdec import _keep, drafter_layer_ids
 
@@ -69,6 +86,16 @@ class EngineConfig(StrictModel):
     sps_table: dict[int, float] | None = Field(None, description="given table: skip profiling (tests, or a saved profile)")
     seed: int | None = Field(0, description="seeds the generators of requests without a seed of their own (None = nondeterministic)")
     max_consecutive_failures: int = Field(3, description="failed steps in a row before the engine reports unhealthy")
+    seeded_sampling: Literal["keyed", "stream"] = Field("keyed", description=(
+        "randomness of requests that carry a seed: keyed = noise keyed by (seed, output position) with a "
+        "Gumbel-max coupling of draft and target (output independent of the batch and scheduler; "
+        "acceptance P(draft == target sample) instead of Σ min(p, q)); stream = the request's generator "
+        "stream like unseeded requests (the same output only under the same load)"))
+    logprobs_mode: LogprobsMode = Field("processed", description=(
+        "which distribution reported logprobs come from: processed = the one the token is drawn from "
+        "(temperature, min_p, top_k, top_p applied; raw at temperature 0); raw = log_softmax of the target's "
+        "logits (vLLM's default)"))
+    context_catch_up_every: int = Field(64, ge=1, description="steps of target features a request may hold for its drafter before the drafter reads them even without drafting (bounds memory while the draft gate skips; the drafter always catches up before it drafts)")
 
 
 class QueueFullError(RuntimeError):
@@ -85,6 +112,9 @@ class RequestStats:
     proposed: int = 0  # draft tokens proposed
     verified: int = 0  # draft tokens sent to the target
     accepted: int = 0  # draft tokens accepted
+    # per draft position k (0-based): rounds that verified / accepted a draft there (flywheel metrics)
+    verified_per_pos: list[int] = field(default_factory=list)
+    accepted_per_pos: list[int] = field(default_factory=list)
 
     def spec_decode(self) -> dict:
         """OpenAI-response `spec_decode` object; mean_accepted_length = τ = (accepted + rounds) / rounds."""
@@ -94,6 +124,16 @@ class RequestStats:
 
 
 Listener = Callable[["Request", list[int], bool], None]  # (request, new tokens, finished)
+
+
+@dataclass
+class TokenLogprob:
+    """The target's log-probability of one emitted token and the `top` most likely alternatives
+    [(token id, logprob)], best first (EngineConfig.logprobs_mode says of which distribution)."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]
 
 
 @dataclass(eq=False)
@@ -107,7 +147,9 @@ class Request:
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     listener: Listener | None = None
     seed: int | None = None  # None: drawn from the engine's seed stream
+    logprobs: int | None = None  # None: no logprobs; k: each token's logprob and its top-k alternatives
     tokens: list[int] = field(default_factory=list)
+    token_logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token (when logprobs is set)
     finish_reason: str | None = None  # "stop" | "length" | "error" | "cancelled"
     error: str | None = None
     stats: RequestStats = field(default_factory=RequestStats)
@@ -119,7 +161,9 @@ class Request:
     # engine-private
     slot: int = -1
     generator: torch.Generator | None = None  # this request's own RNG (see the module docstring)
+    noise: KeyedNoise | None = None  # position-keyed randomness of a seeded request (seeded_sampling=keyed)
     draft_state: object = None
+    ctx_pending: list = field(default_factory=list)  # (features, token ids) of verified positions the drafter has not read yet
     proposal: object = None
     verify_len: int = 0
 
@@ -151,9 +195,10 @@ class StepReport:
     emitted: int = 0
     finished: int = 0
     failed: int = 0
-    draft_s: float = 0.0
+    draft_s: float = 0.0  # drafter time: the context catch-up and propose_batch (what the draft gate weighs)
     verify_s: float = 0.0
     step_s: float = 0.0
+    catch_up_tokens: int = 0  # verified positions the drafter context read this step (lazy catch-up)
     verify_lens: list[int] = field(default_factory=list)
     drafted: bool = False  # False: mode off, or the draft gate judged a target-only step faster
 
@@ -246,10 +291,14 @@ class Engine:
     # ---- public API --------------------------------------------------------------------------
     def submit(self, prompt_ids: Sequence[int], sampling: SamplingParams | None = None, max_new_tokens: int = 64,
                stop_ids: Sequence[int] | None = None, listener: Listener | None = None,
-               request_id: str | None = None, seed: int | None = None) -> Request:
+               request_id: str | None = None, seed: int | None = None, logprobs: int | None = None) -> Request:
         """Queue a request (thread-safe). Raises ValueError for bad input, QueueFullError when the queue
         is full, EngineUnavailableError when the engine cannot serve. stop_ids None = the target's EOS.
-        seed: the request's own generator seed (None: one from the engine's seed stream)."""
+        seed: the request's own seed (None: one from the engine's seed stream; with a seed and
+        seeded_sampling=keyed, position-keyed randomness). logprobs: None = none; k >= 0 = each emitted
+        token's logprob and its k most likely alternatives (`Request.token_logprobs`)."""
+        if logprobs is not None and not 0 <= logprobs <= self.target.vocab_size:
+            raise ValueError(f"logprobs must be in [0, {self.target.vocab_size}], got {logprobs}")
         self.check_request(len(prompt_ids), max_new_tokens)
         if seed is not None and not -2**63 <= seed < 2**64:
             raise ValueError(f"seed must be in [-2**63, 2**64), got {seed}")
@@ -259,7 +308,10 @@ class Engine:
                              f"max {max(ids)}")
         stops = frozenset(self.target.eos_token_ids if stop_ids is None else stop_ids)
         req = Request(ids, sampling or SamplingParams(), int(max_new_tokens), stops, listener=listener, seed=seed,
-                      **({"id": request_id} if request_id else {}))
+                      logprobs=logprobs, **({"id": request_id} if request_id else {}))
+        if seed is not None and self.cfg.seeded_sampling == "keyed":
+            req.noise = KeyedNoise(seed, self.target.vocab_size, self.target.device,
+                                   getattr(self.drafter, "draft_ids", None) if self.drafting else None)
         with self._lock:
             if not self.healthy or self._stop:
                 raise EngineUnavailableError(f"engine cannot serve: {self.health_error or 'stopped'}")
@@ -298,14 +350,14 @@ class Engine:
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams | None = None,
                  max_new_tokens: int = 64, stop_ids: Sequence[int] | None = None,
-                 seeds: Sequence[int | None] | None = None) -> list[Request]:
+                 seeds: Sequence[int | None] | None = None, logprobs: int | None = None) -> list[Request]:
         """Offline helper: run all prompts through the engine in this thread (no background loop).
         seeds: one per prompt (None entries: from the engine's seed stream)."""
         pending, out = deque(zip(prompts, seeds if seeds is not None else [None] * len(prompts))), []
         while pending or self.has_work():
             while pending and len(self.waiting) < self.cfg.max_waiting:
                 prompt, seed = pending.popleft()
-                out.append(self.submit(prompt, sampling, max_new_tokens, stop_ids, seed=seed))
+                out.append(self.submit(prompt, sampling, max_new_tokens, stop_ids, seed=seed, logprobs=logprobs))
             self.step()
         return out
 
@@ -360,10 +412,11 @@ class Engine:
         if self.active:
             drafted = self.drafting and (self.gate is None or self.gate.should_draft(len(self.active)))
             if drafted:
-                self._draft(report)
+                self._draft(report)  # catches the drafter context up first
                 self._retire()
             if self.active:
                 self._verify(report)
+                self._catch_up_overdue(report)
                 self._retire()
             if drafted and self.gate is not None:
                 self.gate.observe(report.rows, report.draft_s, report.verified, report.accepted)
@@ -401,33 +454,77 @@ class Engine:
                 logits, features = out
                 if self.drafting:
                     req.draft_state = self.drafter.new_state()
-                    self.drafter.extend_context(req.draft_state, features, ids)
+                    req.ctx_pending = [(features, ids)]  # read when the request first drafts
                 self.kv.set_length(req.slot, len(req.prompt_ids))
-                token = int(sample(to_probs(logits[-1], req.sampling), req.generator))
-                self._emit(req, [token], report)
+                probs = to_probs(logits[-1], req.sampling)
+                token = int(req.noise.argmax(probs[None], [0])[0]) if req.noise else int(sample(probs, req.generator))
+                self._emit(req, [token], report, logits[-1:])
             except Exception as err:
                 self._fail(req, f"prefill failed: {err}", report)
 
     def _draft(self, report: StepReport) -> None:
         """γ drafts per active request in one propose_batch call (per-request retry isolates a failure)."""
         t0 = time.perf_counter()
-        reqs = self.active
+        self._catch_up(self.active, report)
+        reqs = [r for r in self.active if not r.finished]
         args = ([r.draft_state for r in reqs], [r.anchor for r in reqs], self.gamma, [r.sampling for r in reqs])
+        for r in reqs:
+            if r.noise is not None:
+                r.noise.cursor = len(r.tokens)  # draft k (from 0) is for output position len(tokens) + k
         try:
-            proposals = self.drafter.propose_batch(*args, [r.generator for r in reqs])
+            proposals = self.drafter.propose_batch(*args, [r.noise or r.generator for r in reqs])
         except Exception:
             log.warning("propose_batch failed; drafting request by request to isolate the failure", exc_info=True)
             proposals = []
             for r in reqs:
                 try:
+                    if r.noise is not None:
+                        r.noise.cursor = len(r.tokens)
                     proposals.append(self.drafter.propose(r.draft_state, r.anchor, self.gamma, r.sampling,
-                                                          r.generator))
+                                                          r.noise or r.generator))
                 except Exception as err:
                     proposals.append(None)
                     self._fail(r, f"drafting failed: {err}", report)
         for r, p in zip(reqs, proposals):
             r.proposal = p
         report.draft_s = time.perf_counter() - t0
+
+    def _catch_up_overdue(self, report: StepReport) -> None:
+        """Catch up requests holding `context_catch_up_every` steps of features (bounds the memory the
+        pending features pin while the gate keeps skipping; amortised, it is 1/N of a catch-up per step)."""
+        if self.drafting:
+            every = self.cfg.context_catch_up_every
+            self._catch_up([r for r in self.active if len(r.ctx_pending) >= every], report)
+
+    def _catch_up(self, reqs: list[Request], report: StepReport) -> None:
+        """Feed the requests' pending target features to their drafter contexts: all verified positions
+        since each one's last catch-up, in order, in ONE `extend_contexts` pass over the requests (a
+        failure is retried request by request, so only a failing request fails)."""
+        todo = []
+        for r in reqs:
+            pending, r.ctx_pending = r.ctx_pending, []
+            if not pending or r.finished:
+                continue
+            if len(pending) == 1:
+                todo.append((r, *pending[0]))
+            else:
+                todo.append((r, torch.cat([f for f, _ in pending]), torch.cat([i for _, i in pending])))
+        if not todo:
+            return
+        before = [r.draft_state.length for r, _, _ in todo]
+        try:
+            self.drafter.extend_contexts([r.draft_state for r, _, _ in todo], [f for _, f, _ in todo],
+                                         [i for _, _, i in todo])
+        except Exception:
+            log.warning("extend_contexts failed; catching up request by request to isolate the failure", exc_info=True)
+            for (r, features, ids), length in zip(todo, before):
+                if r.draft_state.length != length:  # this one was extended before the failure
+                    continue
+                try:
+                    self.drafter.extend_context(r.draft_state, features, ids)
+                except Exception as err:
+                    self._fail(r, f"drafter context update failed: {err}", report)
+        report.catch_up_tokens += sum(int(i.shape[0]) for r, _, i in todo if not r.finished)
 
     def _schedule(self) -> list[int]:
         proposals = [r.proposal for r in self.active]
@@ -461,19 +558,25 @@ class Engine:
     def _accept(self, req: Request, ids: torch.Tensor, logits: torch.Tensor, features, report: StepReport) -> None:
         n = req.verify_len
         target_probs = to_probs(logits, req.sampling)  # row k scores draft k+1; row n is the bonus
-        draft_probs = req.proposal.probs[:n] if n else target_probs[:0]
-        n_acc, next_token = accept_drafts(ids[1:], draft_probs.to(target_probs.device), target_probs, req.generator)
+        if req.noise is not None:  # row k is output position len(tokens) + k (tokens[-1], the anchor, is before)
+            n_acc, next_token = accept_keyed(ids[1:], target_probs, req.noise, len(req.tokens))
+            req.noise.forget_before(len(req.tokens) + n_acc + 1)
+        else:
+            draft_probs = req.proposal.probs[:n] if n else target_probs[:0]
+            n_acc, next_token = accept_drafts(ids[1:], draft_probs.to(target_probs.device), target_probs,
+                                              req.generator)
         self.kv.set_length(req.slot, self.kv.lengths[req.slot] + 1 + n_acc)  # anchor + accepted drafts
-        if self.drafting:
-            self.drafter.extend_context(req.draft_state, features[: 1 + n_acc], ids[: 1 + n_acc])
+        if self.drafting:  # the drafter reads these when it next drafts (see _catch_up)
+            req.ctx_pending.append((features[: 1 + n_acc], ids[: 1 + n_acc]))
         s = req.stats
         proposed = int(req.proposal.tokens.shape[0]) if req.proposal is not None else 0
         s.rounds, s.proposed, s.verified, s.accepted = s.rounds + 1, s.proposed + proposed, s.verified + n, \
             s.accepted + n_acc
+        _count_positions(s, n, n_acc)
         report.proposed, report.verified, report.accepted = (report.proposed + proposed, report.verified + n,
                                                               report.accepted + n_acc)
         req.proposal = None
-        self._emit(req, ids[1: 1 + n_acc].tolist() + [next_token], report)
+        self._emit(req, ids[1: 1 + n_acc].tolist() + [next_token], report, logits[: 1 + n_acc])
 
     # ---- the batched target forward -----------------------------------------------------------
     def _forward_rows(self, reqs: list[Request], rows: list[torch.Tensor], logits_at: str,
@@ -500,16 +603,29 @@ class Engine:
         return ragged_forward(self.target, store, first, ids, counts, logits_at, self.layer_ids)
 
     # ---- emission and bookkeeping ---------------------------------------------------------------
-    def _emit(self, req: Request, new: list[int], report: StepReport) -> None:
+    def _emit(self, req: Request, new: list[int], report: StepReport, logits: torch.Tensor | None = None) -> None:
+        """Append the new tokens (up to a stop token or the limit); logits [len(new), V]: the target
+        logits each was drawn or accepted from (for logprobs)."""
         kept, finish = _keep(new, len(req.tokens), req.max_new_tokens, req.stop_ids)
         if req.first_token_at is None:
             req.first_token_at = time.perf_counter()
+        if req.logprobs is not None and kept:
+            req.token_logprobs += self._logprobs(req, kept, logits[: len(kept)])
         req.tokens += kept
         report.emitted += len(kept)
         if finish:
             req.finish_reason = finish
             report.finished += 1
         self._notify(req, kept)
+
+    def _logprobs(self, req: Request, tokens: list[int], logits: torch.Tensor) -> list[TokenLogprob]:
+        lp = to_logprobs(logits, req.sampling, self.cfg.logprobs_mode)  # [n, V]
+        chosen = lp.gather(-1, torch.tensor(tokens, device=lp.device)[:, None])[:, 0].tolist()
+        tops = [[] for _ in tokens]
+        if req.logprobs:
+            values, ids = lp.topk(min(req.logprobs, lp.shape[-1]), dim=-1)
+            tops = [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+        return [TokenLogprob(t, c, top) for t, c, top in zip(tokens, chosen, tops)]
 
     def _notify(self, req: Request, new: list[int]) -> None:
         if req.listener is not None:
@@ -549,7 +665,8 @@ class Engine:
             if moved is not None:
                 last.slot = slot
                 self.active[slot] = last
-            req.slot, req.draft_state, req.proposal, req.generator = -1, None, None, None
+            req.slot, req.draft_state, req.proposal, req.generator, req.noise = -1, None, None, None, None
+            req.ctx_pending = []
             self._finish(req, req.finish_reason)
 
     def _fail_all(self, message: str, reason: str = "error") -> None:
@@ -615,6 +732,14 @@ def ragged_forward(target, store: KVSlots, first: int, ids: torch.Tensor, counts
     if logits_at == "all":
         return [(logits[s], None if feats is None else feats[s]) for s in slices]
     return [(logits[i: i + 1], None if feats is None else feats[s]) for i, s in enumerate(slices)]
+
+
+def _count_positions(s: RequestStats, verified: int, accepted: int) -> None:
+    """Position k was verified in this round iff k < verified, accepted iff k < accepted."""
+    for counts, n in ((s.verified_per_pos, verified), (s.accepted_per_pos, accepted)):
+        counts.extend([0] * (n - len(counts)))
+        for k in range(n):
+            counts[k] += 1
 
 
 def _fmt_table(table: SPSTable) -> str:

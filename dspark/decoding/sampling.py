@@ -1,13 +1,20 @@
 """Token sampling and the lossless speculative acceptance rule (paper §2.1).
 
-`to_probs` turns logits into the exact distribution a token is drawn from (temperature, top-k,
-top-p); the target and every drafter use this same function, so the distributions compared in
+`to_probs` turns logits into the exact distribution a token is drawn from (temperature, min-p,
+top-k, top-p); the target and every drafter use this same function, so the distributions compared in
 `accept_drafts` are the ones the tokens were really sampled from. Temperature 0 is greedy: a
 one-hot at the argmax, and the acceptance rule then reduces to "accept iff argmax matches".
+`to_logprobs` gives the log-probabilities reported to clients (raw or processed).
+
+Two sources of randomness: a request's torch.Generator stream (draws consumed in order, so how
+many are consumed depends on how many drafts were verified), or `KeyedNoise` (the noise of output
+position j is a function of (seed, j) alone; tokens are drawn by Gumbel-max with that noise, so the
+target's token at j does not depend on what was drafted or verified — see `KeyedNoise`).
 """
 from __future__ import annotations
 
-from typing import Annotated, Sequence, Union
+import math
+from typing import Annotated, Literal, Sequence, Union
 
 import torch
 from pydantic import Field
@@ -21,6 +28,8 @@ Temperature = Annotated[float, Field(ge=0, allow_inf_nan=False, description="sof
 TopP = Annotated[float, Field(gt=0, le=1, allow_inf_nan=False,
                               description="nucleus sampling: smallest set of tokens with this mass; 1 = off")]
 TopK = Annotated[int, Field(ge=0, description="keep the k most likely tokens; 0 = off")]
+MinP = Annotated[float, Field(ge=0, le=1, allow_inf_nan=False,
+                              description="keep tokens with probability >= min_p × the top probability; 0 = off")]
 MaxNewTokens = Annotated[int, Field(ge=1, description="tokens generated per answer (assistant turn) at most")]
 
 
@@ -30,6 +39,7 @@ class SamplingParams(StrictModel):
     temperature: Temperature = 1.0
     top_p: TopP = 1.0
     top_k: TopK = 0
+    min_p: MinP = 0.0
 
     @property
     def greedy(self) -> bool:
@@ -37,11 +47,15 @@ class SamplingParams(StrictModel):
 
 
 def to_probs(logits: Tensor, sp: SamplingParams) -> Tensor:
-    """Logits [..., V] -> float32 probabilities [..., V] after temperature, top-k and top-p."""
+    """Logits [..., V] -> float32 probabilities [..., V] after temperature, min-p, top-k and top-p
+    (vLLM's order)."""
     logits = logits.float()
     if sp.greedy:
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
     logits = logits / sp.temperature
+    if sp.min_p > 0:  # p_x >= min_p * p_max  <=>  logit_x >= logit_max + log(min_p)
+        floor = logits.max(-1, keepdim=True).values + math.log(sp.min_p)
+        logits = logits.masked_fill(logits < floor, float("-inf"))
     if 0 < sp.top_k < logits.shape[-1]:
         kth = torch.topk(logits, sp.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -49,6 +63,25 @@ def to_probs(logits: Tensor, sp: SamplingParams) -> Tensor:
     if sp.top_p < 1.0:
         probs = _nucleus(probs, sp.top_p)
     return probs
+
+
+LogprobsMode = Literal["processed", "raw"]
+
+
+def to_logprobs(logits: Tensor, sp: SamplingParams, mode: LogprobsMode = "processed") -> Tensor:
+    """Logits [..., V] -> float32 log-probabilities [..., V] as reported to clients.
+    "raw": log_softmax of the model's logits (vLLM's default, `--logprobs-mode raw_logprobs`).
+    "processed": the distribution the token is drawn from, log(to_probs(logits, sp)) computed as a
+    log_softmax (no underflow): temperature applied, tokens that min-p/top-k/top-p remove at -inf and
+    the rest renormalised. At temperature 0 (greedy, a one-hot) both modes report the raw
+    log-probabilities, as vLLM does."""
+    logits = logits.float()
+    if mode == "raw" or sp.greedy:
+        return torch.log_softmax(logits, -1)
+    scaled = logits / sp.temperature
+    if sp.top_p < 1.0 or sp.top_k > 0 or sp.min_p > 0:
+        scaled = scaled.masked_fill(to_probs(logits, sp) == 0, float("-inf"))
+    return torch.log_softmax(scaled, -1)
 
 
 TOP_P_CANDIDATES = 1024  # nucleus search among the top-k first: a full sort of a 49k vocabulary is ~8x slower
@@ -69,8 +102,99 @@ def _nucleus(probs: Tensor, top_p: float) -> Tensor:
     return kept / kept.sum(-1, keepdim=True)
 
 
-# One generator for every row, or one per row (a list: per-request randomness in the batched engine).
-Generators = Union[torch.Generator, Sequence[torch.Generator], None]
+# ---- counter-based randomness keyed by output position ----------------------------------------------
+_MASK64 = 2**64 - 1
+
+
+def _mix64(x: int) -> int:
+    """splitmix64's finaliser: a bijection of 64-bit integers that scatters nearby inputs."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def derive_seed(seed: int, *keys: int) -> int:
+    """A seed in [0, 2**63) that is a function of (seed, keys) alone (e.g. (request seed, position))."""
+    x = _mix64(seed & _MASK64)
+    for key in keys:
+        x = _mix64(x ^ (key & _MASK64))
+    return x >> 1
+
+
+class KeyedNoise:
+    """Counter-based randomness of one request: the Gumbel noise g_j [V] of output position j comes
+    from a generator seeded with derive_seed(seed, j), a function of (seed, j) alone, never of how
+    many draws were made before.
+
+    Coupling (invariant): a token is drawn by Gumbel-max, x_j = argmax_x log p_j(x) + g_j(x), which is
+    distributed exactly as p_j (g_j i.i.d. standard Gumbel, independent of the prefix, which depends
+    on g_<j only). The drafter draws its token for position j with the SAME noise, x̂_j = argmax
+    log q_j + g_j; the engine accepts draft j iff x̂_j == x_j and, at the first mismatch (or after the
+    last draft), emits x_j. So the token at j is always the target's own Gumbel-max sample x_j,
+    whatever was drafted or verified: the output is target-only sampling (lossless) and a function of
+    (seed, prompt, settings) alone. The price: P(x̂ == x) <= Σ_x min(p, q), the rejection rule's rate.
+
+    `cursor` is the next position a drafter's `sample` call draws for (each keyed row advances it);
+    `columns` maps a draft vocabulary's columns to target ids (probs with fewer than V columns)."""
+
+    def __init__(self, seed: int, vocab_size: int, device, columns: Tensor | None = None):
+        self.seed, self.vocab_size = int(seed), int(vocab_size)
+        self.generator = torch.Generator(device=device)
+        self.device = self.generator.device
+        self.columns = None if columns is None else columns.to(self.device)
+        self.cursor = 0
+        self._noise: dict[int, Tensor] = {}  # position -> g [V] float64 (drafts and verify share it)
+
+    def gumbel(self, position: int) -> Tensor:
+        g = self._noise.get(position)
+        if g is None:
+            self.generator.manual_seed(derive_seed(self.seed, position))
+            u = torch.rand(self.vocab_size, generator=self.generator, device=self.device, dtype=torch.float64)
+            g = self._noise[position] = -torch.log(-torch.log(u))  # u = 0 -> -inf: never chosen
+        return g
+
+    def forget_before(self, position: int) -> None:
+        """Drop the noise of positions already emitted (they are never drawn again)."""
+        for p in [p for p in self._noise if p < position]:
+            del self._noise[p]
+
+    def argmax(self, probs: Tensor, positions: Sequence[int]) -> Tensor:
+        """Gumbel-max tokens of probs [n, V or N] at the given output positions -> LongTensor [n]
+        (target ids' columns when probs cover a draft vocabulary of N < V columns)."""
+        g = torch.stack([self.gumbel(p) for p in positions]) if positions else \
+            torch.empty(0, self.vocab_size, dtype=torch.float64, device=self.device)
+        if probs.shape[-1] != self.vocab_size:
+            if self.columns is None or self.columns.shape[0] != probs.shape[-1]:
+                raise ValueError(f"probs have {probs.shape[-1]} columns: not the vocabulary ({self.vocab_size}) "
+                                 "nor the draft vocabulary this noise was given")
+            g = g[:, self.columns]
+        return (probs.to(self.device, torch.float64).log() + g).argmax(-1)
+
+    def draw(self, probs: Tensor) -> Tensor:
+        """Rows of probs [n, ·] are consecutive positions from `cursor` on (a drafter's draws)."""
+        positions = list(range(self.cursor, self.cursor + probs.shape[0]))
+        self.cursor += probs.shape[0]
+        return self.argmax(probs, positions)
+
+
+def accept_keyed(draft_tokens: Tensor, target_probs: Tensor, noise: KeyedNoise, position: int) -> tuple[int, int]:
+    """The keyed counterpart of `accept_drafts` (see `KeyedNoise`): target_probs [n+1, V], row k the
+    distribution of output position `position + k`. Draft k is accepted iff it equals the target's
+    Gumbel-max token there; returns (n_accepted, the target's token at the first mismatch / bonus)."""
+    n = draft_tokens.shape[0]
+    xs = noise.argmax(target_probs, list(range(position, position + n + 1)))
+    n_acc = int((xs[:n] == draft_tokens.to(xs.device)).long().cumprod(0).sum()) if n else 0
+    return n_acc, int(xs[n_acc])
+
+
+# One generator for every row, or one per row (a list: per-request randomness in the batched engine);
+# a KeyedNoise draws by position instead of from a stream.
+Generators = Union[torch.Generator, KeyedNoise, Sequence[Union[torch.Generator, KeyedNoise]], None]
+
+
+def _single(generator) -> bool:
+    return generator is None or isinstance(generator, (torch.Generator, KeyedNoise))
 
 
 def _to_generator_device(t: Tensor, generator: torch.Generator | None) -> Tensor:
@@ -82,7 +206,7 @@ def rows_generators(generator: Generators, mask: Tensor) -> Generators:
     one per request, i.e. per row of mask [R] or [R, G]): request r's generator repeated once per
     selected entry of row r, request-major, as boolean indexing orders them. A single generator (or
     None) is returned as it is."""
-    if generator is None or isinstance(generator, torch.Generator):
+    if _single(generator):
         return generator
     counts = mask.reshape(mask.shape[0], -1).sum(-1).tolist()
     if len(counts) != len(generator):
@@ -109,16 +233,37 @@ def _row_uniforms(generators: Sequence[torch.Generator], rows: int, device) -> T
 
 def sample(probs: Tensor, generator: Generators = None) -> Tensor:
     """One token per row of probs [..., V] -> LongTensor [...]. generator: one for all rows (the result
-    is on its device), or a list with one per row (rows stay on probs' device)."""
-    per_row = generator is not None and not isinstance(generator, torch.Generator)
+    is on its device), or a list with one per row (rows stay on probs' device). A KeyedNoise row is
+    drawn by Gumbel-max at its next position (`KeyedNoise.draw`), a torch.Generator row by inverse CDF."""
+    if isinstance(generator, KeyedNoise):
+        flat = probs.reshape(-1, probs.shape[-1])
+        return generator.draw(flat).reshape(probs.shape[:-1])
+    per_row = not _single(generator)
     if not per_row:
         probs = _to_generator_device(probs, generator)
     flat = probs.reshape(-1, probs.shape[-1])
+    if per_row and any(isinstance(g, KeyedNoise) for g in generator):
+        return _sample_mixed(flat, list(generator)).reshape(probs.shape[:-1])
     if per_row:
         u = _row_uniforms(list(generator), flat.shape[0], flat.device)
     else:
         u = torch.rand(flat.shape[0], 1, generator=generator, device=flat.device, dtype=torch.float64)
     return inverse_cdf(flat, u).reshape(probs.shape[:-1])
+
+
+def _sample_mixed(flat: Tensor, generators: list) -> Tensor:
+    """Rows with a KeyedNoise drawn by position, in row order; the others from their streams."""
+    if len(generators) != flat.shape[0]:
+        raise ValueError(f"{len(generators)} generators for {flat.shape[0]} sampled rows; pass one per row")
+    out = torch.empty(flat.shape[0], dtype=torch.long, device=flat.device)
+    streamed = [i for i, g in enumerate(generators) if not isinstance(g, KeyedNoise)]
+    if streamed:
+        u = _row_uniforms([generators[i] for i in streamed], len(streamed), flat.device)
+        out[streamed] = inverse_cdf(flat[streamed], u)
+    for i, g in enumerate(generators):
+        if isinstance(g, KeyedNoise):
+            out[i] = g.draw(flat[i: i + 1]).to(flat.device)[0]
+    return out
 
 
 def inverse_cdf(probs: Tensor, u: Tensor) -> Tensor:

@@ -173,6 +173,12 @@ class Drafter(nn.Module):
     def extend_context(self, state: DraftState, features: Tensor, token_ids: Tensor) -> None:
         raise NotImplementedError
 
+    def extend_contexts(self, states: list[DraftState], features: list[Tensor], token_ids: list[Tensor]) -> None:
+        """`extend_context` for many requests (the engine's catch-up). Subclasses may do it in one pass;
+        the result must equal one extend_context call per request."""
+        for state, f, ids in zip(states, features, token_ids, strict=True):
+            self.extend_context(state, f, ids)
+
     def propose(self, state: DraftState, anchor: int, gamma: int, sampling: SamplingParams,
                 generator: torch.Generator | None = None) -> DraftProposal:
         """γ draft tokens for one request: `propose_batch` with a batch of one (same random draws)."""
@@ -193,7 +199,7 @@ class Drafter(nn.Module):
         proposal is exactly `propose` on its own with that generator, whatever else is in the batch.
         """
         gammas, sps = self._batch_args(states, anchors, gamma, sampling)
-        if generator is not None and not isinstance(generator, torch.Generator) and len(generator) != len(states):
+        if isinstance(generator, (list, tuple)) and len(generator) != len(states):
             raise ValueError(f"propose_batch got {len(states)} states but {len(generator)} generators; pass one "
                              "generator per state (or a single one)")
         if not states:

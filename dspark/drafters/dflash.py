@@ -104,6 +104,27 @@ class DFlashDrafter(Drafter):
         state.length += n
 
     @torch.no_grad()
+    def extend_contexts(self, states: list[DraftState], features: list[Tensor], token_ids: list[Tensor]) -> None:
+        """extend_context of R requests in ONE pass: the context projection works per position, so the
+        new positions of all requests are stacked (each with its own RoPE position) and split after."""
+        for f, ids in zip(features, token_ids, strict=True):
+            self._check_features(f, ids)
+        counts = [int(f.shape[0]) for f in features]
+        if len(states) != len(counts):
+            raise ValueError(f"extend_contexts got {len(states)} states but {len(counts)} feature blocks")
+        if sum(counts) == 0:
+            return
+        positions = torch.cat([torch.arange(s.length, s.length + n, device=self.device) for s, n in zip(states, counts)])
+        kv = self.context_kv(self.context_states(torch.cat(features)).unsqueeze(0), positions)
+        at = 0
+        for state, n in zip(states, counts):
+            for (k, v), buf in zip(kv, state.kv):
+                if n:
+                    buf.append(k[0, :, at:at + n], v[0, :, at:at + n])
+            state.length += n
+            at += n
+
+    @torch.no_grad()
     def block_hidden(self, state: DraftState, anchor: int) -> Tensor:
         """Final-normed hidden states [L, d] of ONE block anchored at position state.length, computed
         without padding: the single-request reference for `blocks_hidden` (tests, analysis)."""

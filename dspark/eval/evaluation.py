@@ -20,7 +20,9 @@ import hashlib
 import json
 import logging
 import math
+import posixpath
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
 import torch
@@ -100,14 +102,15 @@ def parse_benchmark(text: str, source: str) -> list[list[str]]:
     return prompts
 
 
-def load_benchmark(spec: BenchmarkSpec, base_dir: str | None = None, max_prompts: int | None = None) -> Benchmark:
-    from dspark.io import storage  # local import: keeps S3 dependencies out of the pure paths
-
+def load_benchmark(spec: BenchmarkSpec, base_dir: str | None = None, max_prompts: int | None = None,
+                   read_text: Callable[[str], str] | None = None) -> Benchmark:
+    """One benchmark file (relative paths under `base_dir`). `read_text` reads non-local sources
+    (jobs pass dspark.io.storage.read_text for s3://); default: the local file."""
     source = spec.path
-    if base_dir and not storage.is_s3(source) and not source.startswith("/"):
-        source = storage.join(base_dir, source)
+    if base_dir and "://" not in source and not source.startswith("/"):
+        source = posixpath.join(base_dir, source)
     try:
-        text = storage.read_text(source)
+        text = read_text(source) if read_text else Path(source).read_text()
     except FileNotFoundError:
         raise BenchmarkError(f"benchmark {spec.resolved_name()!r}: file not found: {source} "
                              f"(check benchmark_dir / the path)") from None
@@ -115,8 +118,8 @@ def load_benchmark(spec: BenchmarkSpec, base_dir: str | None = None, max_prompts
     return Benchmark(spec.resolved_name(), spec.resolved_domain(), source, prompts[:max_prompts])
 
 
-def load_benchmarks(specs: Sequence[BenchmarkSpec], base_dir: str | None = None,
-                    max_prompts: int | None = None) -> tuple[list[Benchmark], list[str]]:
+def load_benchmarks(specs: Sequence[BenchmarkSpec], base_dir: str | None = None, max_prompts: int | None = None,
+                    read_text: Callable[[str], str] | None = None) -> tuple[list[Benchmark], list[str]]:
     """Load every benchmark; a bad one becomes a warning, not a failure. Raises only if none loads."""
     benchmarks, problems = [], []
     names = [s.resolved_name() for s in specs]
@@ -125,7 +128,7 @@ def load_benchmarks(specs: Sequence[BenchmarkSpec], base_dir: str | None = None,
         raise BenchmarkError(f"benchmark names must be unique, repeated: {sorted(duplicates)}; set `name:` explicitly")
     for spec in specs:
         try:
-            benchmarks.append(load_benchmark(spec, base_dir, max_prompts))
+            benchmarks.append(load_benchmark(spec, base_dir, max_prompts, read_text))
         except BenchmarkError as err:
             log.warning("skipping benchmark: %s", err)
             problems.append(str(err))

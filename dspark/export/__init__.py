@@ -1,43 +1,81 @@
 """Export as a first-class step: one drafter -> the serving engines' checkpoint layouts.
 
     export_drafter(drafter, "out/vllm", "vllm")              # an in-memory drafter (target attached)
-    export_ref("models:/tiny-dspark@latest", "out/vllm", "vllm")  # any drafter reference
+    export_ref("models:/tiny-dspark@champion", "out/vllm", "vllm")  # any drafter reference
     attach_exports(drafter_or_dir, run_id, model_name, version)   # jobs: log + tag a registered version
 
-Formats (see dspark/export/vllm.py and sglang_export.py for the exact layouts):
+Formats (see dspark/export/vllm.py and dspark/export/sglang.py for the exact layouts):
   vllm         speculators-format config for vLLM's DFlash / DSpark / Eagle3 loaders
   speculators  the same layout as the `speculators` library loads it (MASK must be a vocab row)
-  sglang       SGLang's LlamaForCausalLMEagle3 / DFlashDraftModel layouts (no DSpark loader)
-A drafter whose shape a format cannot express raises ExportError naming the field.
+  sglang       SGLang's LlamaForCausalLMEagle3 / DFlashDraftModel / Qwen3DSparkModel layouts
+A drafter whose shape a format cannot express raises ExportError naming the field. Weights are
+written in `dtype` (default bf16; config.json records `torch_dtype`). Each export lists the engine
+features it needs in config.json `dspark_export.requires`; those that older engine builds misread
+without an error are also raised as EngineVersionWarning. `portable=True` refuses an export whose
+verifier is named by a path on this machine.
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import tempfile
+import warnings
 from typing import Literal
 
 import torch
 
 from dspark.drafters.base import Drafter
 from dspark.export.sglang import export_sglang
-from dspark.export.vllm import ExportError, export_vllm
+from dspark.export.vllm import ExportError, export_vllm, is_local_path
 
 log = logging.getLogger(__name__)
 
 Format = Literal["speculators", "vllm", "sglang"]
 FORMATS: tuple[str, ...] = ("vllm", "speculators", "sglang")
 EXPORTS_ARTIFACT = "exports"  # run artifact folder: exports/<format>/{config.json, model.safetensors}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-def export_drafter(drafter: Drafter, out_dir: str, fmt: str, *, dtype: torch.dtype | None = None,
-                   verifier: str | None = None) -> str:
+class EngineVersionWarning(UserWarning):
+    """The export needs an engine feature that older builds of that engine silently misread."""
+
+
+def export_drafter(drafter: Drafter, out_dir: str, fmt: str, *, dtype: str | torch.dtype = "bf16",
+                   verifier: str | None = None, portable: bool = False) -> str:
     """Write `drafter` to `out_dir` (local or s3://) in format `fmt`; returns out_dir."""
     if fmt not in FORMATS:
         raise ExportError(f"unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}")
+    check_portable(fmt, verifier, portable)
+    dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
     if fmt == "sglang":
-        return export_sglang(drafter, out_dir, dtype=dtype)
-    return export_vllm(drafter, out_dir, dtype=dtype, flavor=fmt, verifier_name=verifier)
+        export_sglang(drafter, out_dir, dtype=dtype)
+    else:
+        export_vllm(drafter, out_dir, dtype=dtype, flavor=fmt, verifier_name=verifier)
+    warn_requirements(out_dir)
+    return out_dir
+
+
+def check_portable(fmt: str, verifier: str | None, portable: bool) -> None:
+    """--portable: the config must name its verifier so that another machine can open it."""
+    if not portable or fmt == "sglang":  # SGLang's configs name no verifier (it is the served model)
+        return
+    if not verifier:
+        raise ExportError("--portable requires --verifier (the target's hub id, or its path on the serving "
+                          "machine): without it the export names this machine's copy of the target")
+    if is_local_path(verifier):
+        raise ExportError(f"--portable: --verifier {verifier!r} is a path on this machine; give the hub id")
+
+
+def warn_requirements(out_dir: str) -> None:
+    """Warn about each engine feature the written export needs that older engines misread silently."""
+    from dspark.io import storage
+
+    config = json.loads(storage.read_text(storage.join(str(out_dir), "config.json")))
+    for need in [n for n in config.get("dspark_export", {}).get("requires", []) if n.get("silent")]:
+        at_least = f" >= {need['min_version']}" if need.get("min_version") else ""
+        warnings.warn(f"this export needs {need['engine']}{at_least}: {need['feature']}. {need['older']}.",
+                      EngineVersionWarning, stacklevel=3)
 
 
 def load_for_export(ref: str, target: str | None = None) -> Drafter:
@@ -55,11 +93,13 @@ def load_for_export(ref: str, target: str | None = None) -> Drafter:
 
 
 def export_ref(ref: str, out_dir: str, fmt: str, *, target: str | None = None, verifier: str | None = None,
-               dtype: torch.dtype | None = None) -> str:
+               dtype: str | torch.dtype = "bf16", portable: bool = False) -> str:
     """`dspark export`: resolve `ref`, load it against its target and write the export."""
     if fmt not in FORMATS:
         raise ExportError(f"unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}")
-    return export_drafter(load_for_export(ref, target), out_dir, fmt, dtype=dtype, verifier=verifier)
+    check_portable(fmt, verifier, portable)
+    return export_drafter(load_for_export(ref, target), out_dir, fmt, dtype=dtype, verifier=verifier,
+                          portable=portable)
 
 
 def attach_exports(drafter: Drafter | str, run_id: str | None, model_name: str | None, version: str | None,

@@ -16,30 +16,53 @@ DFlash -> `DFlashDraftModel` (sglang/srt/models/dflash.py, config parsed by
   the hook adds 1), block_size = γ+1, mask_token_id}. Weights: layers.{i}.*, fc.weight,
   hidden_norm.weight, norm.weight; no embedding or LM head (the target's are used, so the MASK must
   be a target vocabulary row).
-DSpark: no SGLang loader carries the Markov/confidence heads this export could target; refused.
+DSpark -> `Qwen3DSparkModel` (sglang/srt/models/dspark.py, config parsed by
+  speculative/dspark_components/dspark_config.parse_dspark_draft_config; read at sgl-project/sglang
+  commit 01f47623): the DFlash layout above with architectures ["Qwen3DSparkModel"], block_size =
+  dflash_config.block_size = γ (the DeepSpec anchor-first block: [anchor, MASK × (γ-1)], slot k
+  predicts t+k+1, the first previous token of the Markov head is the anchor: our DSpark layout),
+  markov_rank (> 0: SGLang refuses a DSpark draft without a Markov head), markov_head_type
+  ("vanilla" = our head="markov"; "rnn" = ours: z = [s; W1[x]; h] -> [gate, cand, out], the same
+  recurrence), enable_confidence_head / confidence_head_with_markov, sample_from_anchor = true.
+  Weights: the DFlash ones plus markov_head.markov_w{1,2}.weight (V×r both), markov_head.joint_proj
+  (RNN) and confidence_head.proj.{weight,bias} ([h; W1[x]] -> 1). It must NOT carry
+  speculators_model_type: SGLang refuses such a config (speculators' slot convention). The MASK is
+  embedded with the target's embedding (a target row); the vocabulary must be the target's full one
+  (markov_w1/w2 are built with vocab_size and the base logits are cropped to the target's vocabulary).
+  With a ragged verify mode (SGLANG_RAGGED_VERIFY_MODE other than "static") SGLang builds a confidence
+  head regardless of enable_confidence_head and needs its weights.
 """
 from __future__ import annotations
 
 import torch
 
 from dspark.drafters.base import Drafter
-from dspark.export.vllm import (ExportError, check_layer_ids, draft_token_ids, layer_config, map_weights,
-                                         write_checkpoint)
+from dspark.export.vllm import (HEAD_TYPES, ExportError, check_layer_ids, draft_token_ids, layer_config,
+                                map_weights, write_checkpoint)
+
+ARCHITECTURES = {"dflash": "DFlashDraftModel", "dspark": "Qwen3DSparkModel"}
+SGLANG_DSPARK = {
+    "engine": "sglang", "min_version": None, "silent": False,
+    "feature": "Qwen3DSparkModel (python/sglang/srt/models/dspark.py; read at sgl-project/sglang commit "
+               "01f476234ab4ee99c7fb7cb31b68d31b6a7c54a8); the first release with it was not determined here",
+    "older": "SGLang builds without python/sglang/srt/models/dspark.py do not know the architecture and refuse "
+             "the checkpoint"}
 
 
 def check_sglang(drafter: Drafter) -> None:
     algo, c = drafter.algo, drafter.config
-    if algo == "dspark":
-        raise ExportError("algo='dspark': SGLang has no DSpark loader this export targets (its DFlash loader has no "
-                          "markov_head/confidence_head); export --format vllm, or train algo=dflash for SGLang")
+    if algo == "dspark" and drafter.markov_head is None:
+        raise ExportError("head='none': SGLang's Qwen3DSparkModel requires a Markov head (markov_rank > 0); "
+                          "export --format speculators, or train with head=markov")
     check_layer_ids(drafter, "SGLang")
     if algo == "eagle3" and len(drafter.layer_ids) != 3:
         raise ExportError(f"target_layer_ids: SGLang's LlamaForCausalLMEagle3 fuses exactly 3 target layers "
                           f"(fc is 3·hidden_size wide); this drafter uses {len(drafter.layer_ids)}")
-    if algo == "dflash" and c.mask_token_id is None:
-        raise ExportError("mask_token_id: SGLang's DFlash embeds the MASK with the target's embedding, so a learned "
+    if algo in ("dflash", "dspark") and c.mask_token_id is None:
+        model = "DSpark" if algo == "dspark" else "DFlash"
+        raise ExportError(f"mask_token_id: SGLang's {model} embeds the MASK with the target's embedding, so a learned "
                           "MASK vector (mask_token_id=None) cannot be carried; train with mask_token_id set to a "
-                          "reserved token id, or export --format vllm")
+                          "reserved token id (mask_token_id: reserved), or export --format vllm")
 
 
 def sglang_weights(drafter: Drafter) -> tuple[dict[str, torch.Tensor], int | None]:
@@ -50,7 +73,8 @@ def sglang_weights(drafter: Drafter) -> tuple[dict[str, torch.Tensor], int | Non
     if ids is None:
         return weights, None
     if drafter.algo != "eagle3":
-        raise ExportError(f"draft_vocab_size={ids.numel()}: SGLang's DFlash always uses the target's full LM head")
+        raise ExportError(f"draft_vocab_size={ids.numel()}: SGLang's DFlash/DSpark always use the target's full LM "
+                          "head (and DSpark's Markov head spans the full vocabulary)")
     weights["d2t"] = ids - torch.arange(ids.numel())
     weights["lm_head.weight"] = drafter.target.lm_head.weight.detach()[ids.to(drafter.target.device)]
     return weights, int(ids.numel())
@@ -69,10 +93,16 @@ def sglang_config(drafter: Drafter, draft_vocab_size: int | None) -> dict:
         if draft_vocab_size is not None:  # absent = share the target's LM head (the loader's rule)
             cfg["draft_vocab_size"] = draft_vocab_size
         return cfg
-    cfg.update(architectures=["DFlashDraftModel"], block_size=c.block_size + 1, num_target_layers=num_layers,
-               dflash_config={"target_layer_ids": drafter.layer_ids, "block_size": c.block_size + 1,
+    block = c.block_size + (1 if drafter.algo == "dflash" else 0)  # DFlash: anchor + γ masks; DSpark: γ slots
+    cfg.update(architectures=[ARCHITECTURES[drafter.algo]], block_size=block, num_target_layers=num_layers,
+               dflash_config={"target_layer_ids": drafter.layer_ids, "block_size": block,
                               "mask_token_id": c.mask_token_id},
                dspark_export=meta)
+    if drafter.algo == "dspark":
+        cfg.update(markov_rank=c.rank, markov_head_type=HEAD_TYPES[c.head], sample_from_anchor=True,
+                   enable_confidence_head=drafter.confidence_head is not None,
+                   confidence_head_with_markov=drafter.confidence_head is not None)
+        meta["requires"] = [SGLANG_DSPARK]
     return cfg
 
 

@@ -56,6 +56,7 @@ import json
 import os
 import re
 import tempfile
+import warnings
 from typing import Literal
 
 import torch
@@ -139,24 +140,33 @@ def reserved_mask_id(target) -> int | None:
     return len(tok) if len(tok) < rows else None
 
 
-def place_mask(drafter: Drafter, weights: dict[str, torch.Tensor]) -> tuple[int, int, str]:
-    """Where the MASK lives in the export -> (exported input vocab size, mask_token_id, how)."""
+MASK_EMBEDDING_FILE = "mask_embedding.pt"  # vLLM's DFlash override file (qwen3_dflash.py _read_mask_embedding)
+
+
+def place_mask(drafter: Drafter, weights: dict[str, torch.Tensor], algo: str,
+               flavor: Flavor) -> tuple[int, int, str, dict[str, object]]:
+    """Where the MASK lives in the export -> (exported input vocab size, mask_token_id, how, extra files).
+    A learned MASK vector of a DFlash drafter goes into vLLM's `mask_embedding.pt` override ({mask_token_id,
+    embedding}: vLLM substitutes it for the embedding of that id) when the tokenizer reserves an id; vLLM's
+    DSpark loader ignores that file, so DSpark (and a target without a reserved id) carries embed_tokens."""
     V = drafter.vocab_size
     if drafter.config.mask_token_id is not None:
-        return V, drafter.config.mask_token_id, "drafter_config.mask_token_id"
+        return V, drafter.config.mask_token_id, "drafter_config.mask_token_id", {}
     embedding = drafter.target.embed_tokens.weight.detach().to(drafter.mask_embedding.device)
     mask = drafter.mask_embedding.detach().to(embedding.dtype)
     reserved = reserved_mask_id(drafter.target)
+    if reserved is not None and algo == "dflash" and flavor == "vllm":
+        return V, reserved, MASK_EMBEDDING_FILE, {MASK_EMBEDDING_FILE: {"mask_token_id": reserved, "embedding": mask}}
     if reserved is not None:  # a row no text ever maps to: replacing it changes no real token's input
         table = embedding.clone()
         table[reserved] = mask
         weights["embed_tokens.weight"] = table
-        return V, reserved, "reserved tokenizer id"
+        return V, reserved, "reserved tokenizer id", {}
     weights["embed_tokens.weight"] = torch.cat([embedding, mask.unsqueeze(0)], dim=0)
     w1 = weights.get("markov_head.markov_w1.weight")
     if w1 is not None:  # the MASK id is never a previous token; its row is never read
         weights["markov_head.markov_w1.weight"] = torch.cat([w1, w1.new_zeros(1, w1.shape[1])], dim=0)
-    return V + 1, V, "added row"
+    return V + 1, V, "added row", {}
 
 
 def draft_token_ids(drafter: Drafter) -> torch.Tensor | None:
@@ -228,10 +238,24 @@ def verifier_path(drafter: Drafter) -> str:
     return name
 
 
+def is_local_path(name: str) -> bool:
+    """A verifier name only this machine can open (an absolute or existing local path), not a hub id."""
+    return os.path.isabs(name) or os.path.exists(name) or name.startswith(("./", "../", "~"))
+
+
+class LocalVerifierWarning(UserWarning):
+    """The export names its verifier by a path on this machine; another machine cannot open it."""
+
+
 def verifier(drafter: Drafter, name: str | None) -> dict:
     target = drafter._target
     archs = list(getattr(target.model.config, "architectures", None) or []) if target is not None else []
-    return {"name_or_path": name or verifier_path(drafter), "architectures": archs}
+    path = name or verifier_path(drafter)
+    if path and is_local_path(path):
+        warnings.warn(f"speculators_config.verifier.name_or_path is the local path {path!r}: vLLM/speculators on "
+                      "another machine cannot open it; pass --verifier <hub id or path there> (--portable makes "
+                      "that required)", LocalVerifierWarning, stacklevel=3)
+    return {"name_or_path": path, "architectures": archs}
 
 
 def export_config(drafter: Drafter, algo: str, vocab_size: int, mask: tuple[int, str] | None,
@@ -262,6 +286,38 @@ def export_config(drafter: Drafter, algo: str, vocab_size: int, mask: tuple[int,
     return cfg
 
 
+# ---- engine versions --------------------------------------------------------------------------------
+# What each layout needs from the engine that loads it, as read in the engines' source (README "Export").
+# "min_version" is the oldest release known to have the feature, not necessarily the first one with it;
+# "silent": older builds load the export without an error but misread it (dspark export warns).
+VLLM_SAMPLE_FROM_ANCHOR = {
+    "engine": "vllm", "min_version": "0.27.1", "silent": True,
+    "feature": "reads sample_from_anchor from speculators configs (vllm-project/vllm#48639, merged 2026-07-16; "
+               "0.27.1 reads it per vllm-project/vllm#56792)",
+    "older": "older vLLM builds load a speculators DSpark checkpoint in the bonus-anchor (DFlash 1+N) layout and "
+             "ignore sample_from_anchor: this anchor-first export then loads without error and accepts almost "
+             "nothing (tau ~ 1)"}
+VLLM_MASK_EMBEDDING = {
+    "engine": "vllm", "min_version": None, "silent": True,
+    "feature": "reads the DFlash mask_embedding.pt override (vllm-project/vllm#46104, merged 2026-06-18; "
+               "qwen3_dflash.py _read_mask_embedding); the first release with it was not determined here",
+    "older": "older vLLM builds ignore mask_embedding.pt and embed the MASK slots with the verifier's row "
+             "mask_token_id, which this drafter was not trained with (low acceptance, no error)"}
+SPECULATORS_ANCHOR = {
+    "engine": "speculators", "min_version": "0.9.0", "silent": False,
+    "feature": "sample_from_anchor in DFlash/DSpark configs (vllm-project/speculators#760); 0.9.0 is the "
+               "version tests/test_export_parity.py loads",
+    "older": "older speculators releases do not know sample_from_anchor"}
+
+
+def requirements(algo: str, flavor: Flavor, extras: dict[str, object]) -> list[dict]:
+    """The engine features this export depends on (written to dspark_export.requires)."""
+    if flavor == "speculators":
+        return [SPECULATORS_ANCHOR] if algo in ("dflash", "dspark") else []
+    out = [VLLM_SAMPLE_FROM_ANCHOR] if algo == "dspark" else []
+    return out + ([VLLM_MASK_EMBEDDING] if MASK_EMBEDDING_FILE in extras else [])
+
+
 # ---- entry point ------------------------------------------------------------------------------------
 def export_vllm(drafter: Drafter, out_dir: str, method: str | None = None, *, dtype: torch.dtype | None = None,
                 flavor: Flavor = "vllm", verifier_name: str | None = None) -> str:
@@ -278,35 +334,45 @@ def export_vllm(drafter: Drafter, out_dir: str, method: str | None = None, *, dt
     if flavor == "speculators" and algo == "eagle3" and "lm_head.weight" not in weights:
         # speculators' Eagle3 loads lm_head from the checkpoint (only DFlash/DSpark re-derive it)
         weights["lm_head.weight"] = drafter.target.lm_head.weight.detach()
-    vocab_size, mask = drafter.vocab_size, None
+    vocab_size, mask, extras = drafter.vocab_size, None, {}
     if algo != "eagle3":
-        vocab_size, mask_id, how = place_mask(drafter, weights)
+        vocab_size, mask_id, how, extras = place_mask(drafter, weights, algo, flavor)
         mask = (mask_id, how)
     if "t2d" in weights and weights["t2d"].numel() < vocab_size:  # an added MASK row is never a draft token
         pad = torch.zeros(vocab_size - weights["t2d"].numel(), dtype=torch.bool)
         weights["t2d"] = torch.cat([weights["t2d"], pad])
     config = export_config(drafter, algo, vocab_size, mask, draft_size, flavor, verifier_name)
-    write_checkpoint(out_dir, weights, config, dtype)
+    config["dspark_export"]["requires"] = requirements(algo, flavor, extras)
+    write_checkpoint(out_dir, weights, config, dtype, extras)
     return str(out_dir)
 
 
 def write_checkpoint(out_dir: str, weights: dict[str, torch.Tensor], config: dict,
-                     dtype: torch.dtype | None = None) -> None:
-    """config.json + model.safetensors to a local dir or an s3:// prefix (floating tensors cast to dtype)."""
-    tensors = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).detach().contiguous().cpu()
-               for k, v in weights.items()}
+                     dtype: torch.dtype | None = None, extras: dict[str, object] | None = None) -> None:
+    """config.json + model.safetensors (+ `extras`: torch.save'd files) to a local dir or an s3:// prefix.
+    Floating tensors (also inside extras) are cast to `dtype`; config.json records it as `torch_dtype`."""
+    def cast(v: torch.Tensor) -> torch.Tensor:
+        return (v.to(dtype) if dtype is not None and v.is_floating_point() else v).detach().contiguous().cpu()
+
+    tensors = {k: cast(v) for k, v in weights.items()}
+    files = {name: {k: cast(v) if isinstance(v, torch.Tensor) else v for k, v in obj.items()}
+             for name, obj in (extras or {}).items()}
+    floating = [t.dtype for t in tensors.values() if t.is_floating_point()]
+    config = {**config, "torch_dtype": str(floating[0] if floating else torch.float32).removeprefix("torch.")}
     if str(out_dir).startswith("s3://"):
         from dspark.io import storage
 
         with tempfile.TemporaryDirectory(prefix="dspark-export-") as tmp:
-            _write(tmp, tensors, config)
+            _write(tmp, tensors, config, files)
             storage.upload_dir(tmp, out_dir)
     else:
-        _write(str(out_dir), tensors, config)
+        _write(str(out_dir), tensors, config, files)
 
 
-def _write(out_dir: str, tensors: dict[str, torch.Tensor], config: dict) -> None:
+def _write(out_dir: str, tensors: dict[str, torch.Tensor], config: dict, files: dict[str, dict]) -> None:
     os.makedirs(out_dir, exist_ok=True)
     save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    for name, obj in files.items():
+        torch.save(obj, os.path.join(out_dir, name))
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(config, f, indent=2)

@@ -156,12 +156,15 @@ class Target:
         return self.lm_logits(picked)
 
     # ---- text ---------------------------------------------------------------------------
-    def chat_ids(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def chat_ids(self, messages: list[dict], add_generation_prompt: bool = True,
+                 template_kwargs: dict | None = None) -> list[int]:
+        """Token ids of the rendered chat; template_kwargs: extra template variables, over the defaults
+        (`chat_template_kwargs`)."""
         if self.tokenizer is None:
             raise ValueError(f"target {self.name} has no tokenizer")
         text = self.tokenizer.apply_chat_template(messages, tokenize=False,
                                                   add_generation_prompt=add_generation_prompt,
-                                                  **self.chat_template_kwargs)
+                                                  **{**self.chat_template_kwargs, **(template_kwargs or {})})
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     @property

@@ -10,6 +10,7 @@ from pydantic import Field
 
 from dspark.config import StrictModel
 from dspark.decoding.engine import Engine, EngineConfig
+from dspark.flywheel.config import FlywheelConfig
 
 log = logging.getLogger("dspark.serve")
 
@@ -33,6 +34,7 @@ class ApiSection(StrictModel):
     max_tokens_limit: int = Field(1024, description="largest max_tokens a request may ask for")
     default_max_tokens: int = Field(256, description="when a request gives none (capped by the room left in the context)")
     max_prompts: int = Field(16, description="prompts per /v1/completions request")
+    max_choices: int = Field(16, ge=1, description="choices per request at most: n × the number of prompts")
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024, description=(
         "largest request body in bytes; larger ones get 413 before they are read (by Content-Length) or "
         "as soon as they pass the limit, and are never parsed"))
@@ -69,6 +71,7 @@ class ServeConfig(StrictModel):
     api: ApiSection = Field(default_factory=ApiSection, description="HTTP API limits and auth")
     deployment: DeploymentSection = Field(default_factory=DeploymentSection, description="Ray Serve deployment shape")
     http: HttpSection = Field(default_factory=HttpSection, description="where the Serve proxy listens")
+    flywheel: FlywheelConfig = Field(default_factory=FlywheelConfig, description="per-domain acceptance summaries and opt-in traffic capture (README: Keeping a drafter fresh)")
 
 
 def served_name(cfg: ServeConfig) -> str:

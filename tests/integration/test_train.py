@@ -203,9 +203,14 @@ def test_relaunch_resumes_run_and_drafter_decodes_losslessly(local_stack, tiny_r
     client = mlflow.MlflowClient(tracking_uri=os.environ["MLFLOW_TRACKING_URI"])
     latest = client.get_model_version_by_alias("test-tiny-dspark", "trained")
     assert int(latest.version) == int(summary["registered_model"]["version"]) >= 2
+    champion = client.get_model_version_by_alias("test-tiny-dspark", "champion")  # the serving alias moved too
+    assert champion.version == latest.version and champion.source.startswith("models:/m-")  # an MLflow model
+    assert champion.tags["dspark.algo"] == "dspark" and champion.tags["dspark.target"] == "tiny"
+    logged = client.get_logged_model(champion.source.removeprefix("models:/"))
+    assert "loss" in {m.key for m in logged.metrics}  # the training metrics are linked to the model
 
     target = load_target("tiny")
-    drafter = load_drafter_ref("models:/test-tiny-dspark@latest", target=target)  # the newest version
+    drafter = load_drafter_ref("models:/test-tiny-dspark@champion", target=target)  # the newest version
     assert drafter.target_meta["name"] == "tiny"
     sp = SamplingParams(temperature=0.0)
     for words in (["the", "word", "is"], ["we", "can", "use", "this"]):

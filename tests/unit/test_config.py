@@ -85,3 +85,16 @@ def test_every_job_config_field_is_described_and_types_render_in_one_cell():
             cells = [c.strip() for c in row.replace("\\|", "¦").split("|")[1:-1]]
             assert len(cells) == 4, f"{cls_name}: {row} does not have 4 cells"
             assert cells[3], f"{cls_name}: {cells[0]} has no Field(description=...)"
+
+
+def test_a_config_extends_its_base_files(tmp_path):
+    """`base:` files are read first (relative to the overlay), nested mappings merge key by key,
+    lists and scalars are replaced, and a loop is an error naming the files."""
+    from dspark.config import ConfigError, read_yaml
+
+    (tmp_path / "target.yaml").write_text("model: {name: t, layers: 2}\nsources: [a, b]\nseed: 1\n")
+    (tmp_path / "algo.yaml").write_text("base: target.yaml\nmodel: {layers: 5}\nsources: [c]\n")
+    assert read_yaml(tmp_path / "algo.yaml") == {"model": {"name": "t", "layers": 5}, "sources": ["c"], "seed": 1}
+    (tmp_path / "loop.yaml").write_text("base: loop.yaml\n")
+    with pytest.raises(ConfigError, match="loop"):
+        read_yaml(tmp_path / "loop.yaml")

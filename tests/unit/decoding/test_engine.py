@@ -321,3 +321,59 @@ def test_seeded_request_is_reproducible_alone_and_in_any_batch(wide_target, mode
     assert batched[2] == alone
     pair = run([prompt, prompt], [1234, 99])
     assert pair[0] == alone and pair[1] != alone  # another seed: another sample (24 tokens from 64)
+
+
+class _ScriptedGate:
+    """Stands in for DraftGate: drafts on the given (1-based) steps only."""
+
+    def __init__(self, draft_steps):
+        self.draft_steps, self.calls = set(draft_steps), 0
+
+    def should_draft(self, n_active: int) -> bool:
+        self.calls += 1
+        return self.calls in self.draft_steps
+
+    def observe(self, *args) -> None:
+        pass
+
+
+@pytest.mark.parametrize("algo,mode", [("dspark", "dynamic"), ("eagle3", "fixed")])  # eagle3: no confidences
+def test_skipped_steps_do_no_drafter_work_and_the_context_catches_up_before_drafting(wide_target, algo, mode):
+    """While the gate skips, the drafter does nothing (a step is the same work as mode off); when it
+    drafts again, the requests' contexts read every position verified meanwhile in ONE extend_contexts
+    pass and end up as the contexts built eagerly from the same positions; requests holding
+    `context_catch_up_every` steps of features are caught up without drafting."""
+    drafter = _drafter(wide_target, algo=algo, gamma=3)
+    calls, extend, extend_all = [], drafter.extend_context, drafter.extend_contexts
+    drafter.extend_contexts = lambda states, fs, ids: (calls.append([int(i.shape[0]) for i in ids]),
+                                                       extend_all(states, fs, ids))[1]
+    engine = Engine(wide_target, drafter, EngineConfig(
+        scheduler=SchedulerConfig(mode=mode, draft_gate=True), sps_table=STEEP_SPS, context_catch_up_every=8))
+    engine.gate = _ScriptedGate(draft_steps=[6])  # the engine consults any gate it holds
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10]]
+    reqs = [engine.submit(p, GREEDY, max_new_tokens=40, stop_ids=[]) for p in prompts]
+    for _ in range(5):  # prefill + 5 target-only steps
+        assert not engine.step().drafted
+    assert calls == []
+    verified = [len(p) + len(r.tokens) - 1 for p, r in zip(prompts, reqs)]
+    assert verified == [engine.kv.lengths[r.slot] for r in reqs]
+    report = engine.step()  # step 6 drafts: catch-up first
+    assert report.drafted and calls == [verified] and report.catch_up_tokens == sum(verified)  # one pass
+    for p, r, n in zip(prompts, reqs, verified):
+        ids = torch.tensor([(p + r.tokens)[:n]])
+        eager = drafter.new_state()
+        extend(eager, wide_target.forward(ids, layer_ids=drafter.layer_ids, logits_at=None).features[0], ids[0])
+        for lazy_buf, eager_buf in zip(r.draft_state.kv, eager.kv):
+            torch.testing.assert_close(lazy_buf.k[..., :n, :], eager_buf.k[..., :n, :], atol=1e-5, rtol=1e-4)
+            torch.testing.assert_close(lazy_buf.v[..., :n, :], eager_buf.v[..., :n, :], atol=1e-5, rtol=1e-4)
+    calls.clear()
+    assert all(len(r.ctx_pending) == 1 for r in reqs)  # what step 6 verified waits for the next draft
+    for _ in range(6):  # 6 skipped steps: 7 pending, below the bound, nothing read
+        assert not engine.step().drafted
+    assert calls == []
+    report = engine.step()  # the 8th pending step reaches context_catch_up_every: read without drafting
+    assert not report.drafted and len(calls) == 1 and len(calls[0]) == 2 and all(not r.ctx_pending for r in reqs)
+    assert [r.draft_state.length for r in reqs] == [engine.kv.lengths[r.slot] for r in reqs]
+    engine.generate([], GREEDY)  # runs the requests to the end
+    for p, r in zip(prompts, reqs):
+        assert r.tokens == target_generate(wide_target, p, GREEDY, 40, stop_ids=[]).token_ids

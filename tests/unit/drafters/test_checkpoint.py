@@ -80,7 +80,10 @@ def test_load_rejects_a_different_target(tmp_path, target):
 
 
 def test_save_and_load_through_s3_uris(tmp_path, target, monkeypatch):
-    """s3:// goes through dspark.io.storage (upload_dir / local_copy); a local fake stands in for S3."""
+    """s3:// goes through dspark.io (drafter_source -> storage.upload_dir / local_copy; a local fake
+    stands in for S3); the drafters package itself only takes local directories."""
+    from dspark.io import drafter_source
+
     bucket = tmp_path / "bucket"
 
     def local(uri):
@@ -88,13 +91,17 @@ def test_save_and_load_through_s3_uris(tmp_path, target, monkeypatch):
 
     fake = types.SimpleNamespace(upload_dir=lambda src, uri: shutil.copytree(src, local(uri)),
                                  local_copy=local, is_s3=lambda uri: uri.startswith("s3://"))
-    monkeypatch.setitem(sys.modules, "dspark.io.storage", fake)
     monkeypatch.setattr("dspark.io.storage", fake, raising=False)
+    monkeypatch.setitem(sys.modules, "dspark.io.storage", fake)
     drafter = make(target, "dspark")
-    save_drafter(drafter, "s3://dspark/ckpts/run1")
+    drafter_source.save_drafter_to(drafter, "s3://dspark/ckpts/run1")
     assert (bucket / "dspark/ckpts/run1/model.safetensors").exists()
-    loaded = load_drafter("s3://dspark/ckpts/run1", target=target)
+    loaded = load_drafter(local("s3://dspark/ckpts/run1"), target=target)
     assert torch.equal(train_logits(loaded, target)[0], train_logits(drafter, target)[0])
+    with pytest.raises(ValueError, match="drafter_source.save_drafter_to"):
+        save_drafter(drafter, "s3://dspark/ckpts/run2")
+    with pytest.raises(ValueError, match="drafter_source.load_drafter_ref"):
+        load_drafter("s3://dspark/ckpts/run1", target=target)
 
 
 # ---------------------------------------------------------------- vLLM export

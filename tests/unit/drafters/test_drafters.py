@@ -108,6 +108,30 @@ def test_context_may_be_extended_in_any_chunks(target, algo):
     assert torch.equal(a.tokens, b.tokens) and torch.allclose(a.probs, b.probs, atol=1e-6)
 
 
+@pytest.mark.parametrize("algo", ["dflash", "dspark", "eagle3"])
+def test_extend_contexts_equals_one_extend_context_per_request(target, algo):
+    """The engine's batched catch-up: R requests (held contexts and new chunks of different lengths,
+    one empty) in one call give the same states as extend_context request by request."""
+    drafter = make(target, algo)
+    ids = torch.randint(0, 16, (3, 10), generator=torch.Generator().manual_seed(5))
+    feats = features(target, drafter, ids)
+    held, new = [2, 0, 5], [(2, 9), (0, 0), (5, 6)]
+    batched, single = [drafter.new_state() for _ in range(3)], [drafter.new_state() for _ in range(3)]
+    for r in range(3):
+        for states in (batched, single):
+            drafter.extend_context(states[r], feats[r, :held[r]], ids[r, :held[r]])
+    drafter.extend_contexts(batched, [feats[r, lo:hi] for r, (lo, hi) in enumerate(new)],
+                            [ids[r, lo:hi] for r, (lo, hi) in enumerate(new)])
+    for r, (lo, hi) in enumerate(new):
+        drafter.extend_context(single[r], feats[r, lo:hi], ids[r, lo:hi])
+    for a, b in zip(batched, single):
+        assert a.length == b.length
+        for buf_a, buf_b in zip(a.kv, b.kv):
+            like = torch.empty(drafter.config.num_kv_heads, 0, drafter.config.head_dim)
+            for x, y in zip(buf_a.view(like), buf_b.view(like)):
+                torch.testing.assert_close(x, y, atol=1e-6, rtol=1e-5)
+
+
 def test_dflash_cannot_see_the_anchor_position_or_later(target):
     """Changing target features at or after the anchor leaves the block's logits unchanged."""
     drafter = make(target, "dflash")

@@ -4,6 +4,7 @@ Numerical parity with the engines' model code is in tests/test_export_parity.py.
 from __future__ import annotations
 
 import json
+import warnings
 
 import pytest
 import torch
@@ -28,7 +29,7 @@ def tiny():
 
 def make(target, algo, draft_ids=None, **kw):
     torch.manual_seed(0)
-    base = dict(algo=algo, block_size=4, rank=8, ttt_steps=3)
+    base = dict(algo=algo, block_size=4, rank=8, ttt_steps=3) if "block_size" not in kw else dict(algo=algo)
     if algo != "eagle3":
         base["num_layers"] = 2
     return build_drafter(DrafterConfig(**{**base, **kw}), target, draft_ids=draft_ids)
@@ -67,7 +68,7 @@ def test_cli_resolves_a_registered_model_reference(tmp_path, tiny, monkeypatch, 
     client = mlflow.MlflowClient()
     client.create_registered_model("export-test")
     client.create_model_version("export-test", f"runs:/{run.info.run_id}/drafter", run.info.run_id)
-    assert main(["export", "--format", "vllm", "models:/export-test/1", str(tmp_path / "out")]) == 0
+    assert main(["export", "--format", "vllm", "--dtype", "fp32", "models:/export-test/1", str(tmp_path / "out")]) == 0
     cfg, weights = read(tmp_path / "out")
     assert cfg["speculators_model_type"] == "dspark" and cfg["mask_token_id"] == tiny.vocab_size  # added row
     assert torch.equal(weights["embed_tokens.weight"][-1], drafter.mask_embedding.detach())
@@ -79,7 +80,7 @@ def test_cli_refusal_names_the_field_and_exits_1(tmp_path, tiny, capsys):
     err = capsys.readouterr().err
     assert "error: mask_token_id: this drafter learned its own MASK" in err and not (tmp_path / "out").exists()
     assert main(["export", "--format", "sglang", src, str(tmp_path / "out")]) == 1
-    assert "algo='dspark'" in capsys.readouterr().err
+    assert "error: mask_token_id: SGLang's DSpark embeds" in capsys.readouterr().err
     assert main(["export", "--format", "vllm", str(tmp_path / "missing"), str(tmp_path / "out")]) == 1
     assert "drafter directory not found" in capsys.readouterr().err
 
@@ -118,7 +119,7 @@ def dflash_loader_shapes(cfg: dict, m: int) -> dict[str, tuple[int, ...]]:
 def test_sglang_eagle3_layout_is_what_its_loader_reads(tmp_path, tiny):
     drafter = make(tiny, "eagle3")
     drafter.calibration = None
-    export_drafter(drafter, str(tmp_path / "s"), "sglang")
+    export_drafter(drafter, str(tmp_path / "s"), "sglang", dtype="fp32")
     cfg, weights = read(tmp_path / "s")
     assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["model_type"] == "llama"
     assert cfg["num_hidden_layers"] == 1 and cfg["tie_word_embeddings"] is False
@@ -147,8 +148,8 @@ def test_sglang_refuses_what_its_loaders_cannot_express(tmp_path, tiny, micro):
         export_drafter(make(tiny, "dflash"), str(tmp_path / "a"), "sglang")
     with pytest.raises(ExportError, match="^target_layer_ids:.*exactly 3"):
         export_drafter(make(tiny, "eagle3", num_context_layers=2), str(tmp_path / "b"), "sglang")
-    with pytest.raises(ExportError, match="^algo='dspark'"):
-        export_drafter(make(tiny, "dspark", mask_token_id=0), str(tmp_path / "c"), "sglang")
+    with pytest.raises(ExportError, match="^head='none': SGLang's Qwen3DSparkModel requires a Markov head"):
+        export_drafter(make(tiny, "dspark", head="none", mask_token_id=0), str(tmp_path / "c"), "sglang")
     assert not any((tmp_path / x).exists() for x in "abc")
 
 
@@ -213,7 +214,7 @@ def test_learned_mask_takes_a_reserved_id_when_the_tokenizer_has_one(tmp_path, t
     target = build_tiny_model(vocab_size=16)
     target.tokenizer = tokenizer  # its mask token, else the first embedding row it never produces
     drafter = make(target, "dspark")
-    export_drafter(drafter, str(tmp_path / "v"), "vllm")
+    export_drafter(drafter, str(tmp_path / "v"), "vllm", dtype="fp32")
     cfg, weights = read(tmp_path / "v")
     assert cfg["mask_token_id"] == reserved and cfg["transformer_layer_config"]["vocab_size"] == 16
     assert cfg["dspark_export"]["mask"] == {"id": reserved, "placed_by": "reserved tokenizer id"}
@@ -240,7 +241,7 @@ def test_reduced_vocabulary_writes_speculators_d2t_t2d_and_lm_head(tmp_path, mic
     ids = [0, 2, 3, 7, 11, 15]
     algo = "eagle3" if fmt == "sglang" else "dspark"
     drafter = with_draft_vocab(micro, algo, ids, offsets)
-    export_drafter(drafter, str(tmp_path / "x"), fmt)
+    export_drafter(drafter, str(tmp_path / "x"), fmt, dtype="fp32")
     cfg, weights = read(tmp_path / "x")
     assert cfg["draft_vocab_size"] == len(ids)
     assert torch.equal(weights["d2t"] + torch.arange(len(ids)), torch.tensor(ids))  # target = draft + d2t
@@ -259,3 +260,143 @@ def test_inconsistent_draft_vocabulary_is_refused_naming_d2t(tmp_path, micro):
     full_bias.markov_head.markov_w2 = torch.nn.Linear(8, 16, bias=False)
     with pytest.raises(ExportError, match="^markov_head.markov_w2 has 16 rows but draft_vocab_size=3"):
         export_drafter(full_bias, str(tmp_path / "y"), "vllm")
+
+
+# ---------------------------------------------------------------- SGLang DSpark (Qwen3DSparkModel)
+def dspark_loader_shapes(cfg: dict, m: int) -> dict[str, tuple[int, ...]]:
+    """SGLang Qwen3DSparkModel's parameters (checkpoint names, sglang@01f47623 models/dspark.py): the
+    DFlash backbone + VanillaMarkov (markov_w1 Embedding(V, r), markov_w2 Linear(r, V)) or RNNHead (+
+    joint_proj Linear(2r + d, 3r)) + DSparkConfidenceHead (proj Linear(d [+ r], 1), bias)."""
+    d, r, V = cfg["hidden_size"], cfg["markov_rank"], cfg["vocab_size"]
+    out = dflash_loader_shapes(cfg, m)
+    out.update({"markov_head.markov_w1.weight": (V, r), "markov_head.markov_w2.weight": (V, r)})
+    if cfg["markov_head_type"] == "rnn":
+        out.update({"markov_head.joint_proj.weight": (3 * r, 2 * r + d), "markov_head.joint_proj.bias": (3 * r,)})
+    if cfg["enable_confidence_head"]:
+        width = d + (r if cfg["confidence_head_with_markov"] else 0)
+        out.update({"confidence_head.proj.weight": (1, width), "confidence_head.proj.bias": (1,)})
+    return out
+
+
+@pytest.mark.parametrize("head", ["markov", "rnn"])
+def test_sglang_dspark_layout_is_what_its_loader_reads(tmp_path, tiny, head):
+    drafter = make(tiny, "dspark", head=head, mask_token_id=tiny.pad_token_id)
+    export_drafter(drafter, str(tmp_path / "s"), "sglang", dtype="fp32")
+    cfg, weights = read(tmp_path / "s")
+    # what parse_dspark_draft_config / DSparkDraftMixin read (sglang@01f47623)
+    assert cfg["architectures"] == ["Qwen3DSparkModel"] and cfg["model_type"] == "qwen3"
+    assert "speculators_model_type" not in cfg  # SGLang refuses speculators-convention DSpark configs
+    assert cfg["block_size"] == cfg["dflash_config"]["block_size"] == 4  # γ slots: [anchor, MASK × (γ-1)]
+    assert cfg["dflash_config"]["target_layer_ids"] == drafter.layer_ids  # ours; SGLang's hook adds 1
+    assert 0 <= cfg["dflash_config"]["mask_token_id"] < tiny.vocab_size  # embedded with the target's table
+    assert cfg["markov_rank"] == 8 > 0 and cfg["markov_head_type"] == {"markov": "vanilla", "rnn": "rnn"}[head]
+    assert cfg["enable_confidence_head"] is True and cfg["confidence_head_with_markov"] is True
+    assert cfg["sample_from_anchor"] is True and cfg["vocab_size"] == tiny.vocab_size
+    assert cfg["dspark_export"]["requires"][0]["engine"] == "sglang"
+    assert {k: tuple(v.shape) for k, v in weights.items()} == dspark_loader_shapes(cfg, len(drafter.layer_ids))
+    own = drafter.state_dict()
+    assert all(torch.equal(weights[k], own[k]) for k in weights)
+
+
+def test_sglang_dspark_refuses_a_learned_mask_and_a_reduced_vocabulary(tmp_path, tiny, micro):
+    with pytest.raises(ExportError, match="^mask_token_id: SGLang's DSpark"):
+        export_drafter(make(tiny, "dspark"), str(tmp_path / "a"), "sglang")
+    with pytest.raises(ExportError, match="^draft_vocab_size=3: SGLang's DFlash/DSpark"):
+        export_drafter(with_draft_vocab(micro, "dspark", [0, 2, 3], offsets=True), str(tmp_path / "b"), "sglang")
+
+
+# ---------------------------------------------------------------- dtype, verifier, engine versions
+@pytest.mark.parametrize("fmt", ["vllm", "speculators", "sglang"])
+@pytest.mark.parametrize("dtype,expected", [(None, torch.bfloat16), ("fp16", torch.float16), ("fp32", torch.float32)])
+def test_export_dtype_defaults_to_bf16_and_is_recorded(tmp_path, tiny, fmt, dtype, expected):
+    drafter = make(tiny, "dspark", mask_token_id=tiny.pad_token_id)
+    kwargs = {} if dtype is None else {"dtype": dtype}
+    export_drafter(drafter, str(tmp_path / "x"), fmt, verifier="org/tiny", **kwargs)
+    cfg, weights = read(tmp_path / "x")
+    assert cfg["torch_dtype"] == str(expected).removeprefix("torch.")
+    assert {w.dtype for w in weights.values() if w.is_floating_point()} == {expected}
+
+
+def test_cli_dtype_halves_the_export(tmp_path, tiny):
+    src = save_drafter(make(tiny, "dflash", mask_token_id=tiny.pad_token_id), str(tmp_path / "ckpt"))
+    sizes = {}
+    for dtype in ("fp32", "bf16"):
+        assert main(["export", "--format", "vllm", "--dtype", dtype, "--verifier", "org/tiny", src,
+                     str(tmp_path / dtype)]) == 0
+        sizes[dtype] = (tmp_path / dtype / "model.safetensors").stat().st_size
+    assert sizes["bf16"] < 0.55 * sizes["fp32"]
+
+
+def test_a_local_verifier_path_is_warned_about_and_portable_refuses_it(tmp_path, tiny, capsys):
+    from dspark.export.vllm import LocalVerifierWarning
+
+    drafter = make(tiny, "dflash", mask_token_id=tiny.pad_token_id)
+    with pytest.warns(LocalVerifierWarning, match="local path"):
+        export_drafter(drafter, str(tmp_path / "a"), "vllm")  # the built-in target lives in the dspark cache
+    with pytest.raises(ExportError, match="^--portable requires --verifier"):
+        export_drafter(drafter, str(tmp_path / "b"), "vllm", portable=True)
+    with pytest.raises(ExportError, match="is a path on this machine"):
+        export_drafter(drafter, str(tmp_path / "c"), "speculators", verifier=str(tmp_path), portable=True)
+    export_drafter(drafter, str(tmp_path / "d"), "vllm", verifier="Qwen/Qwen3-4B", portable=True)
+    assert read(tmp_path / "d")[0]["speculators_config"]["verifier"]["name_or_path"] == "Qwen/Qwen3-4B"
+    src = save_drafter(drafter, str(tmp_path / "ckpt"))
+    assert main(["export", "--format", "vllm", "--portable", src, str(tmp_path / "e")]) == 1
+    assert "--portable requires --verifier" in capsys.readouterr().err and not (tmp_path / "e").exists()
+
+
+def test_dspark_export_states_and_warns_the_vllm_version_it_needs(tmp_path, tiny):
+    from dspark.export import EngineVersionWarning
+
+    drafter = make(tiny, "dspark", mask_token_id=tiny.pad_token_id)
+    with pytest.warns(EngineVersionWarning, match=r"vllm >= 0\.27\.1.*sample_from_anchor.*tau ~ 1"):
+        export_drafter(drafter, str(tmp_path / "v"), "vllm", verifier="org/tiny")
+    (need,) = read(tmp_path / "v")[0]["dspark_export"]["requires"]
+    assert need["engine"] == "vllm" and need["min_version"] == "0.27.1" and "48639" in need["feature"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", EngineVersionWarning)  # DFlash with a vocab-row MASK: nothing to warn
+        export_drafter(make(tiny, "dflash", mask_token_id=0), str(tmp_path / "f"), "vllm", verifier="org/tiny")
+    assert read(tmp_path / "f")[0]["dspark_export"]["requires"] == []
+
+
+def test_dflash_learned_mask_is_written_as_vllms_mask_embedding_override(tmp_path):
+    from dspark.export import EngineVersionWarning
+
+    target = build_tiny_model(vocab_size=16)
+    target.tokenizer = ReservingTokenizer(14)  # rows 14, 15 are padding: 14 is reserved
+    drafter = make(target, "dflash")
+    with pytest.warns(EngineVersionWarning, match="mask_embedding.pt"):
+        export_drafter(drafter, str(tmp_path / "v"), "vllm", dtype="fp32", verifier="org/t")
+    cfg, weights = read(tmp_path / "v")
+    assert "embed_tokens.weight" not in weights  # no V x d table: vLLM shares the target's embedding
+    assert cfg["mask_token_id"] == 14 and cfg["transformer_layer_config"]["vocab_size"] == 16
+    override = torch.load(tmp_path / "v" / "mask_embedding.pt", weights_only=True)
+    assert override["mask_token_id"] == 14 and torch.equal(override["embedding"], drafter.mask_embedding.detach())
+    assert cfg["dspark_export"]["mask"]["placed_by"] == "mask_embedding.pt"
+
+
+# ---------------------------------------------------------------- the shipped training configs
+def config_drafter(name: str, target):
+    import yaml
+
+    from tests.paths import REPO
+
+    return make(target, **yaml.safe_load((REPO / "configs" / "train" / f"{name}.yaml").read_text())["drafter"])
+
+
+@pytest.mark.parametrize("name", ["tiny-dspark", "tiny-dflash", "tiny-dflash-tv"])
+def test_tiny_training_configs_use_a_reserved_mask_and_export_to_every_format(tmp_path, tiny, name):
+    drafter = config_drafter(name, tiny)
+    assert drafter.config.mask_token_id == 0 and drafter.mask_embedding is None  # <|endoftext|>: never in chat text
+    for fmt in ("vllm", "speculators", "sglang"):
+        export_drafter(drafter, str(tmp_path / fmt), fmt, verifier="org/tiny")
+        assert read(tmp_path / fmt)[0]["dspark_export"]["algo"] == drafter.algo
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["smollm2-135m-dspark", "smollm2-135m-dflash", "smollm2-135m-dflash-tv"])
+def test_smollm2_training_configs_use_a_reserved_mask_and_export_to_every_format(tmp_path, name):
+    target = load_target("smollm2-135m")
+    drafter = config_drafter(name, target)
+    assert target.tokenizer.convert_ids_to_tokens(drafter.config.mask_token_id) == "<empty_output>"
+    for fmt in ("vllm", "speculators", "sglang"):
+        export_drafter(drafter, str(tmp_path / fmt), fmt, verifier="HuggingFaceTB/SmolLM2-135M-Instruct")

@@ -194,7 +194,7 @@ BLOCK_VARIANTS = {"dflash": dict(algo="dflash"),
 def test_block_drafter_matches_speculators(tmp_path, monkeypatch, speculators, target, batch, variant):
     kw = BLOCK_VARIANTS[variant]
     drafter = make(target, **kw)
-    export_drafter(drafter, str(tmp_path / "export"), "speculators")
+    export_drafter(drafter, str(tmp_path / "export"), "speculators", dtype="fp32")
     model = load_speculators(speculators, tmp_path / "export")
     assert type(model).__name__ == {"dflash": "DFlashDraftModel"}.get(kw["algo"], "DSparkDraftModel")
     assert_verifier_weights(model, target)
@@ -219,7 +219,7 @@ def test_block_drafter_matches_speculators(tmp_path, monkeypatch, speculators, t
 
 def test_eagle3_matches_speculators(tmp_path, monkeypatch, speculators, target, batch):
     drafter = make(target, "eagle3")
-    export_drafter(drafter, str(tmp_path / "export"), "speculators")
+    export_drafter(drafter, str(tmp_path / "export"), "speculators", dtype="fp32")
     model = load_speculators(speculators, tmp_path / "export")
     assert type(model).__name__ == "Eagle3DraftModel"
     assert_verifier_weights(model, target)
@@ -238,7 +238,7 @@ def test_eagle3_matches_speculators(tmp_path, monkeypatch, speculators, target, 
 def test_learned_mask_is_refused_for_speculators_naming_the_field(tmp_path, target):
     drafter = make(target, "dspark", mask_token_id=None)
     with pytest.raises(ValueError, match="mask_token_id"):
-        export_drafter(drafter, str(tmp_path / "x"), "speculators")
+        export_drafter(drafter, str(tmp_path / "x"), "speculators", dtype="fp32")
     assert not (tmp_path / "x").exists()
 
 
@@ -272,7 +272,7 @@ def test_learned_mask_vllm_export_matches_speculators_modules(tmp_path, monkeypa
                                                               algo):
     """The tiny tokenizer reserves no id, so the learned MASK becomes an added embedding row V."""
     drafter = make(target, algo, mask_token_id=None)
-    export_drafter(drafter, str(tmp_path / "export"), "vllm")
+    export_drafter(drafter, str(tmp_path / "export"), "vllm", dtype="fp32")
     model = load_like_vllm(tmp_path / "export", target)
     V = target.vocab_size
     assert model.config.mask_token_id == V and model.embed_tokens.weight.shape[0] == V + 1

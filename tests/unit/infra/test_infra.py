@@ -30,6 +30,7 @@ KUBERAY_FILES = ["raycluster.yaml", "rayjob-generate.yaml", "rayjob-train.yaml",
                  "rayjob-evaluate.yaml", "rayservice.yaml"]
 RAYJOB_STAGES = {"generate": "generate", "train": "train", "calibrate": "calibrate", "evaluate": "eval"}  # -> configs/<dir>
 SERVICES = "infra/services/k8s-mlflow-s3.yaml"
+SECRETS_EXAMPLE = "infra/services/k8s-secrets.example.yaml"
 CRD_SCHEMAS = ROOT / "tests" / "fixtures" / "kuberay"
 
 
@@ -95,7 +96,8 @@ def gpu_count(container: dict) -> int:
 
 def check_ray_cluster_spec(spec: dict, where: str) -> set[str]:
     """Head + at least one GPU worker group, same image everywhere, S3/MLflow env from the ConfigMap
-    and Secret of infra/services/k8s-mlflow-s3.yaml. Returns the images used."""
+    of infra/services/k8s-mlflow-s3.yaml and a Secret of infra/services/k8s-secrets.example.yaml.
+    Returns the images used."""
     assert spec["rayVersion"] == version("ray"), f"{where}: rayVersion {spec['rayVersion']} != installed ray"
     head = spec["headGroupSpec"]
     assert isinstance(head.get("rayStartParams"), dict), f"{where}: headGroupSpec.rayStartParams missing"
@@ -128,7 +130,7 @@ def check_ray_cluster_spec(spec: dict, where: str) -> set[str]:
 def k8s_env_sources() -> tuple[set[str], set[str]]:
     docs = load_all(SERVICES)
     config_maps = {d["metadata"]["name"] for d in docs if d["kind"] == "ConfigMap"}
-    secrets = {d["metadata"]["name"] for d in docs if d["kind"] == "Secret"}
+    secrets = {d["metadata"]["name"] for d in load_all(SECRETS_EXAMPLE) if d["kind"] == "Secret"}
     return config_maps, secrets
 
 
@@ -177,6 +179,53 @@ def test_dockerfile_builds_cuda_torch_ray_deepspeed_and_the_project():
         "the image must carry the source commit (build arg) for MLflow runs: it has no .git"
     ignore = (INFRA / "docker" / "Dockerfile.dockerignore").read_text().split()
     assert ".venv" in ignore and ".dspark" in ignore, "build context must exclude .venv and .dspark"
+
+
+# Debian/Ubuntu "Essential: yes" packages: present in every Debian-based base image.
+ESSENTIAL_TOOLS = {"bash", "grep", "sed", "cat", "sh", "test"}
+
+
+def apt_installed(runs: str) -> set[str]:
+    """Package names every `apt-get install` in the RUN lines installs."""
+    pkgs = set()
+    for chunk in re.findall(r"apt-get install ([^&;]+)", runs):
+        pkgs |= {w for w in chunk.replace("\\", " ").split() if not w.startswith("-")}
+    return pkgs
+
+
+def probe_tools() -> dict[str, str]:
+    """{tool: the KubeRay command that calls it}: the programs the vendored probe/health commands run."""
+    fixture = json.loads((CRD_SCHEMAS / "probe_commands.json").read_text())
+    tools = {fixture["exec_wrapper"][0]: "exec probe wrapper"}
+    for name, template in fixture["commands"].items():
+        command = template.replace("%d", "1").replace("%s", "x")
+        for segment in re.split(r"\|\||&&|\|", command):
+            tools[shlex.split(segment)[0]] = name
+    return tools
+
+
+def test_dockerfile_installs_every_tool_kuberays_probes_call():
+    """KubeRay's exec probes (RayService worker readiness on every Ray version) run `wget ... | grep
+    success` under `bash -c`; the RayJob submitter runs `python -c ...`. A tool the image lacks keeps
+    pods un-Ready forever, so each one must come from the base image's Essential set, an apt install
+    in the Dockerfile, or (python) the venv on PATH."""
+    instructions = dockerfile_instructions()
+    args = dict(rest.split("=", 1) for op, rest in instructions if op == "ARG" and "=" in rest)
+    base = re.sub(r"\$\{(\w+)\}", lambda m: args[m.group(1)],
+                  next(rest for op, rest in instructions if op == "FROM"))
+    runs = " ".join(rest for op, rest in instructions if op == "RUN")
+    env = " ".join(rest for op, rest in instructions if op == "ENV")
+    apt = apt_installed(runs)
+    tools = probe_tools()
+    assert {"wget", "grep", "bash", "python"} <= set(tools), f"fixture lost a probe tool: {tools}"
+    for tool, used_by in tools.items():
+        if tool == "python":
+            ok = "-m venv /opt/venv" in runs and "PATH=/opt/venv/bin" in env
+        elif tool in ESSENTIAL_TOOLS:
+            ok = re.search(r"ubuntu|debian", base) is not None
+        else:
+            ok = tool in apt
+        assert ok, f"{tool} (called by KubeRay's {used_by}) is not installed in the image built from {base}"
 
 
 def project_dependencies() -> list[str]:
@@ -413,7 +462,7 @@ def test_rayservice_autoscaling_fits_the_gpu_worker_groups():
 
 
 def test_api_key_comes_from_a_secret_on_the_serving_containers():
-    services = {d["metadata"]["name"]: d for d in load_all(SERVICES) if d["kind"] == "Secret"}
+    services = {d["metadata"]["name"]: d for d in load_all(SECRETS_EXAMPLE) if d["kind"] == "Secret"}
     doc = load_yaml("infra/kuberay/rayservice.yaml")
     cluster = doc["spec"]["rayClusterConfig"]
     groups = [cluster["headGroupSpec"]] + cluster["workerGroupSpecs"]
@@ -507,8 +556,10 @@ def test_compose_runs_mlflow_with_artifacts_in_seaweedfs():
     check_seaweedfs(s3["image"], s3["entrypoint"] + s3["command"], "compose seaweedfs")
     assert "/healthz" in " ".join(s3["healthcheck"]["test"])
     mlflow = services["mlflow"]
-    assert mlflow["image"].endswith(f"v{version('mlflow')}"), "MLflow server version != client version"
+    assert mlflow["image"] == f"ghcr.io/mlflow/mlflow:v{version('mlflow')}-full", \
+        "MLflow server: the -full image (S3 + PostgreSQL drivers) of the client's version"
     command = mlflow["command"]
+    assert "pip install" not in command, "the -full image has boto3/psycopg2: nothing to install at start"
     assert "--artifacts-destination s3://mlflow" in command and "--serve-artifacts" in command
     assert "--backend-store-uri postgresql://" in command, "MLflow needs a SQL backend"
     assert mlflow["environment"]["MLFLOW_S3_ENDPOINT_URL"] == "http://seaweedfs:8333"
@@ -525,7 +576,10 @@ def test_k8s_services_manifest_is_consistent():
     by_kind: dict[str, dict[str, dict]] = {}
     for d in docs:
         by_kind.setdefault(d["kind"], {})[d["metadata"]["name"]] = d
-    assert {"Namespace", "Secret", "ConfigMap", "Deployment", "Service", "PersistentVolumeClaim"} <= set(by_kind)
+    # re-applying the manifest must never reset real credentials to placeholders: no Secret in it
+    assert "Secret" not in by_kind, f"{SERVICES} ships Secrets {list(by_kind.get('Secret', {}))}"
+    by_kind["Secret"] = {d["metadata"]["name"]: d for d in load_all(SECRETS_EXAMPLE)}
+    assert {"Namespace", "ConfigMap", "Deployment", "Service", "PersistentVolumeClaim"} <= set(by_kind)
     deployments = by_kind["Deployment"]
     assert {"seaweedfs", "mlflow"} <= set(deployments)
     for name, dep in deployments.items():
@@ -552,10 +606,16 @@ def test_k8s_services_manifest_is_consistent():
         host = re.match(r"http://([^.:/]+)", env[var]).group(1)
         assert host in by_kind["Service"], f"{var} points at {host}, which is not a Service here"
     mlflow = deployments["mlflow"]["spec"]["template"]["spec"]["containers"][0]
-    assert mlflow["image"].endswith(f"v{version('mlflow')}")
+    assert mlflow["image"] == f"ghcr.io/mlflow/mlflow:v{version('mlflow')}-full"
     assert "--serve-artifacts" in mlflow["args"][0] and "s3://mlflow" in mlflow["args"][0]
+    assert "pip install" not in mlflow["args"][0]
     assert set(by_kind["Secret"]["dspark-s3"]["stringData"]) == {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"}
     assert set(by_kind["Secret"]["dspark-api"]["stringData"]) == {"DSPARK_API_KEY"}
+    example = (ROOT / SECRETS_EXAMPLE).read_text()
+    for name in by_kind["Secret"]:  # the example says how to create each one with real values
+        assert f"create secret generic {name}" in example, f"{SECRETS_EXAMPLE} does not show how to create {name}"
+    assert all("change-me" in str(v) or k in ("POSTGRES_USER", "POSTGRES_DB")
+               for d in by_kind["Secret"].values() for k, v in d["stringData"].items()), "only placeholders"
 
 
 # ----------------------------------------------------------------------------- runtime_env.yaml

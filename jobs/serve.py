@@ -56,7 +56,7 @@ def deploy(cfg: ServeJobConfig) -> tuple[str, dict]:
     """Start Serve's proxy, deploy the app, wait for health. Returns (base URL, /healthz JSON)."""
     from ray import serve
 
-    serve.start(http_options={"host": cfg.http.host, "port": cfg.http.port})
+    serve.start(proxy_location=cfg.http.proxy_location, http_options={"host": cfg.http.host, "port": cfg.http.port})
     serve.run(deployment_for(cfg), name=cfg.deployment.name, route_prefix=cfg.http.route_prefix, blocking=False)
     prefix = cfg.http.route_prefix.rstrip("/")
     url = f"http://{cfg.http.host}:{cfg.http.port}{prefix}"

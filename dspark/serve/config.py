@@ -59,6 +59,10 @@ class HttpSection(StrictModel):
     host: str = Field("127.0.0.1", description="address the Serve proxy listens on (127.0.0.1: this machine only)")
     port: int = Field(8000, description="HTTP port of the Serve proxy")
     route_prefix: str = Field("/", description="URL prefix of the app")
+    proxy_location: Literal["EveryNode", "HeadOnly"] = Field(
+        "EveryNode", description="where Serve runs HTTP proxies: EveryNode (a proxy per node, for a load "
+        "balancer in front; survives losing any worker node) or HeadOnly (one proxy on the head; needed when "
+        "several Ray nodes share one host address, e.g. a multi-node test cluster on 127.0.0.1)")
 
 
 class ServeConfig(StrictModel):

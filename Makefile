@@ -31,12 +31,12 @@ test: $(STAMP)  ## the full test suite, as CI runs it
 	$(PY) -m pytest -q --timeout=900 tests/unit
 	set -e; for module in tests/integration/test_*.py; do \
 	  echo "== $$module (integration)"; \
-	  $(PY) -m pytest -q --timeout=900 -m "integration and not cluster" $$module; \
+	  $(PY) -m pytest -q --timeout=900 -m integration $$module; \
 	done
 
-# A head + 2 worker Ray nodes on 127.0.0.1 (tests/integration/cluster_fixture.py); each test kills a node.
+# A head + 2 worker Ray nodes on 127.0.0.1 (tests/cluster/cluster_fixture.py); each test kills a node.
 test-cluster: $(STAMP)  ## multi-node Ray: rollouts, ZeRO-3 training and serving survive losing a node
-	$(PY) -m pytest -q --timeout=1800 -m cluster tests/integration/test_cluster.py
+	$(PY) -m pytest -q --timeout=1800 -m cluster tests/cluster
 
 test-fast: $(STAMP)  ## unit tests only (no servers, no slow tests)
 	$(PY) -m pytest -q -m "not slow" tests/unit

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.cluster_fixture import REPO, job_result, log_tail, ray_cluster, stack_services, stop_job, wait_for  # noqa: F401
+from tests.cluster.cluster_fixture import REPO, job_result, log_tail, ray_cluster, stack_services, stop_job, wait_for  # noqa: F401
 
 pytestmark = [pytest.mark.integration, pytest.mark.cluster, pytest.mark.slow]
 
@@ -338,7 +338,7 @@ def test_serving_keeps_answering_when_a_replica_node_dies(ray_cluster, tmp_path)
     Serve restarts the lost replica on worker-c once it joins (2 RUNNING replicas again)."""
     import time
 
-    from tests.integration.cluster_fixture import free_port
+    from tests.cluster.cluster_fixture import free_port
 
     drafter = _upload_drafter(f"s3://dspark/tests/cluster/drafter-{uuid.uuid4().hex[:6]}")
     port = free_port()

@@ -1,4 +1,4 @@
-"""A multi-node Ray cluster on 127.0.0.1 for the node-failure tests (tests/integration/test_cluster.py).
+"""A multi-node Ray cluster on 127.0.0.1 for the node-failure tests (tests/cluster/test_cluster.py).
 
 `stack_services` (module scope): the local stack's SeaweedFS S3 and MLflow server (dspark.devstack, no
 Ray head) on free ports in a temporary state dir; their client env is applied to os.environ.

@@ -134,6 +134,12 @@ def main(argv=None) -> int:
                   f"skipped {row['draft_skipped_step_fraction']}  skipped-step {row['mean_skipped_step_s']}  "
                   f"drafted-step {row['mean_drafted_step_s']}", file=sys.stderr, flush=True)
             ld.engine.stop()
+        write(args, modes, levels, tables, results)  # after every level: a long run killed midway keeps its levels
+    print(json.dumps(write(args, modes, levels, tables, results)))
+    return 0
+
+
+def write(args, modes: list[str], levels: list[int], tables: dict, results: list[dict]) -> dict:
     ratio, skipped_ratio = {}, {}
     for c in levels:
         by = {r["mode"]: r for r in results if r["concurrency"] == c}
@@ -150,8 +156,7 @@ def main(argv=None) -> int:
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(report, indent=2))
-    print(json.dumps(report))
-    return 0
+    return report
 
 
 if __name__ == "__main__":

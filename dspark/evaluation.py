@@ -245,7 +245,7 @@ def evaluate_round_robin(target, drafters: dict, benchmarks: Sequence[Benchmark]
              for b in benchmarks if i < len(b.prompts)]
     if queue and warmup_tokens:
         warm = settings.model_copy(update={"max_new_tokens": warmup_tokens})
-        for mode in modes:
+        for mode in (m for m in modes if stop is None or not stop()):
             _in_scope(failed, mode, lambda: evaluate_prompt(target, drafters, "warmup", 0, queue[0][0].prompts[0][:1],
                                                             [mode], warm, seed))
     convs: list[ConversationResult] = []

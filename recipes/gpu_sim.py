@@ -32,7 +32,8 @@ MiB = 2**20
 FIELDS = ("device", "rollout_tokens", "rollout_tok_per_s", "tau", "tau_mean", "tau_ci95", "speedup_batch1", "phases")
 # CPU budgets: the flow of the GPU profiles, shrunk to minutes on 2 shared cores
 SIM_RUNS = {
-    "tiny": ("configs/recipes/gpu-tiny.yaml", ["budget_s=300", "rollout.seconds=40", "eval.reserve_s=60"]),
+    "tiny": ("configs/recipes/gpu-tiny.yaml", ["budget_s=900", "rollout.seconds=60", "rollout.tokens=3000",
+                                              "train.max_steps=20", "eval.reserve_s=200"]),
     "smollm2-135m": ("configs/recipes/gpu-smollm2-135m.yaml", [
         "budget_s=900", "rollout.seconds=90", "rollout.tokens=6000", "rollout.sampling.max_new_tokens=64",
         "rollout.generator_cpu.max_batch=16", "train.batch_size=2", "train.max_seq_len=192", "train.log_every=1",

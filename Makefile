@@ -24,17 +24,18 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)  ## the whole lifecycle on the embedded local stack (PROFILE=smoke|default|full)
 	$(PY) -m jobs.demo --profile $(PROFILE)
 
-# Integration tests start real servers and Ray in-process; Ray and MLflow keep process-wide state
-# (auth token, tracking URI), so each integration module runs in a fresh interpreter.
+# Unit tests live in tests/unit/<package>/ (mirroring the code), integration tests in tests/integration/:
+# they start real servers and Ray in-process; Ray and MLflow keep process-wide state (auth token,
+# tracking URI), so each integration module runs in a fresh interpreter.
 test: $(STAMP)  ## the full test suite, as CI runs it
-	$(PY) -m pytest -q --timeout=900 -m "not integration"
-	set -e; for module in $$(grep -l "mark.integration" tests/test_*.py); do \
+	$(PY) -m pytest -q --timeout=900 tests/unit
+	set -e; for module in tests/integration/test_*.py; do \
 	  echo "== $$module (integration)"; \
 	  $(PY) -m pytest -q --timeout=900 -m integration $$module; \
 	done
 
 test-fast: $(STAMP)  ## unit tests only (no servers, no slow tests)
-	$(PY) -m pytest -q -m "not slow and not integration"
+	$(PY) -m pytest -q -m "not slow" tests/unit
 
 stack-up: $(STAMP)
 	$(VENV)/bin/dspark stack up

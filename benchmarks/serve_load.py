@@ -2,7 +2,7 @@
 
     python benchmarks/serve_load.py                                  # smollm2-135m + its trained DSpark drafter
     python benchmarks/serve_load.py --drafter /path/to/drafter_dir   # any drafter reference
-    python benchmarks/serve_load.py --tiny [--drafter models:/tiny-dspark-drafter@latest]
+    python benchmarks/serve_load.py --tiny [--drafter models:/tiny-dspark-drafter@champion]
     python benchmarks/serve_load.py --quick                          # tiny target, few requests (minutes)
 
 For each scheduler mode (off / fixed / threshold / dynamic) the app is (re)deployed on a local Ray
@@ -37,8 +37,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
 MODES = ("off", "fixed", "threshold", "dynamic")
-DEFAULT_DRAFTER = {"smollm2-135m": "models:/smollm2-135m-dspark-drafter@latest",
-                   "tiny": "models:/tiny-dspark-drafter@latest"}
+DEFAULT_DRAFTER = {"smollm2-135m": "models:/smollm2-135m-dspark-drafter@champion",
+                   "tiny": "models:/tiny-dspark-drafter@champion"}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -70,7 +70,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 # ---- prompts and the drafter ------------------------------------------------------------------------------
 def load_prompts(data_dir: str) -> list[str]:
-    from dspark.evaluation import parse_benchmark
+    from dspark.eval.evaluation import parse_benchmark
 
     files = sorted(Path(data_dir).glob("*.jsonl")) if Path(data_dir).is_dir() else []
     prompts = [turns[0] for f in files for turns in parse_benchmark(f.read_text(), str(f))]
@@ -95,7 +95,7 @@ def resolve_drafter(args) -> tuple[str, str]:
     import torch
 
     from dspark.drafters import DrafterConfig, build_drafter, save_drafter
-    from dspark.target import load_target
+    from dspark.models.target import load_target
 
     torch.manual_seed(0)
     drafter = build_drafter(DrafterConfig(algo="dspark", block_size=args.gamma or 4, num_layers=1),

@@ -20,18 +20,18 @@ import time
 from pathlib import Path
 
 from dspark.config import ConfigError, config_to_dict, dump_config, flatten
+from dspark.data.rollout_store import check_rollouts, parquet_paths
+from dspark.io.run_dir import RunDir
 from dspark.io.storage import StorageError
 from dspark.io.tracking import TrackingError
 from dspark.training.config import TrainJobConfig
-from dspark.training.plan import RunDir, check_resume_matches, deepspeed_config, training_steps
-from pipelines.rollout_store import check_rollouts, parquet_paths
-
+from dspark.training.plan import check_resume_matches, deepspeed_config, training_steps
 
 
 def check_target_spec(spec: str) -> None:
     """Fail in the driver, not in every worker, when the target cannot be found (reads its config only)."""
-    from dspark import models_builtin
     from dspark.io import storage
+    from dspark.models import builtin as models_builtin
 
     if spec in models_builtin.BUILTIN:
         return
@@ -127,7 +127,7 @@ def read_rollouts(cfg: TrainJobConfig, files: list[str]):
 def build_draft_vocab(cfg: TrainJobConfig, files: list[str]) -> dict:
     """With drafter.draft_vocab_size = N: the N most frequent supervised (loss_mask = 1) tokens of the
     training rollouts, as ascending target ids for the workers' build_drafter (Eagle3's d2t/t2d)."""
-    from dspark import draft_vocab
+    from dspark.drafters import draft_vocab
 
     size = cfg.drafter.draft_vocab_size
     if size is None:
@@ -215,7 +215,8 @@ def finish_run(cfg: TrainJobConfig, plan: dict, result) -> dict:
         ds_path = os.path.join(tmp, "ds_config.json")
         Path(ds_path).write_text(json.dumps(plan["ds_config"], indent=2))
         tracking.log_artifact(ds_path)
-        version = register_drafter(plan["mlflow_run_id"], cfg.registered_model_name, cfg.tracking.alias)
+        version = register_drafter(plan["mlflow_run_id"], cfg.registered_model_name, cfg.tracking.alias, drafter_dir,
+                                   summary["metrics"])
         export.attach_exports(drafter_dir, plan["mlflow_run_id"], cfg.registered_model_name, version, target=cfg.target)
     summary["registered_model"] = {"name": cfg.registered_model_name, "version": version, "alias": cfg.tracking.alias}
     tracking.set_tags({"dspark.registered_model": cfg.registered_model_name, "dspark.registered_version": version})
@@ -223,14 +224,18 @@ def finish_run(cfg: TrainJobConfig, plan: dict, result) -> dict:
     return summary
 
 
-def register_drafter(run_id: str, name: str, alias: str) -> str:
-    """Register the run's `drafter` artifacts as a new version of `name` with `alias`; a failure keeps
-    the trained drafter (checkpoint and run artifacts) and says how to register it."""
+def register_drafter(run_id: str, name: str, alias: str, drafter_dir: str, metrics: dict) -> str:
+    """Log the drafter as an MLflow model and register it as a new version of `name` with `alias` (and
+    the serving alias), tagged with what it is and its training-time expected τ; a failure keeps the
+    trained drafter (checkpoint and run artifacts) and says how to register it."""
     from dspark.io import tracking
+    from dspark.io.drafter_model import version_tags
 
+    tags = version_tags(drafter_dir, metrics.get("expected_accept_len"),
+                        "training expected_accept_len (teacher-forced)")
     try:
-        return tracking.register_model_version(run_id, name, "drafter", [alias],
-                                               description="dspark drafter (jobs.train)")
+        return tracking.publish_drafter(run_id, name, drafter_dir, [alias], description="dspark drafter (jobs.train)",
+                                        tags=tags)
     except TrackingError as err:
         raise TrackingError(f"{err}; the drafter is logged under the run's 'drafter' artifacts — register it by "
                             f"hand or rerun the same run_name") from err

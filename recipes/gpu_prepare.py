@@ -57,7 +57,7 @@ def travelling_files() -> list[Path]:
 
 
 def main() -> int:
-    from dspark import models_builtin
+    from dspark.models import builtin as models_builtin
 
     if BUNDLE.exists():
         shutil.rmtree(BUNDLE)

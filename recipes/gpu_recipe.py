@@ -3,12 +3,12 @@ the training time -> evaluation, on one device, inside ONE global deadline; a dr
 
     python -m recipes.gpu_recipe --profile configs/recipes/gpu-smollm2-135m.yaml [--out DIR] [--set key=value ...]
 
-Library pieces: prompts pipelines.prompts (sources) + dspark.prompt_filters.EvalIndex (the one
-decontamination rule); rollouts pipelines.rollout_engine.stream_rollouts (continuous batching,
-dspark.generator, sized per device, the stop check before every decoding step, prompts cycled with
+Library pieces: prompts dspark.data.prompts (sources) + dspark.data.prompt_filters.EvalIndex (the one
+decontamination rule); rollouts dspark.data.rollout_engine.stream_rollouts (continuous batching,
+dspark.decoding.generator, sized per device, the stop check before every decoding step, prompts cycled with
 fresh seeds); training dspark.training.budget.train_for over LocalTrainer (the shared step
 dspark.training.step, as the Ray Train workers run it, without DeepSpeed); evaluation
-dspark.evaluation (round robin, each drafter its own failure scope); plot dspark.report.plot_recipe;
+dspark.eval.evaluation (round robin, each drafter its own failure scope); plot dspark.eval.report.plot_recipe;
 drafters dspark.drafters.checkpoint.save_bundle. The profile (configs/recipes/*.yaml, `RecipeConfig`)
 names the target and, per drafter, the training config whose `drafter:` / `optim:` sections it uses.
 
@@ -36,11 +36,11 @@ from pydantic import Field
 
 from dspark.config import StrictModel, load_config, read_yaml
 from dspark.drafters import DrafterConfig
-from dspark.evaluation import DecodeSettings
-from dspark.generator import GeneratorConfig
+from dspark.eval.evaluation import DecodeSettings
+from dspark.decoding.generator import GeneratorConfig
 from dspark.training.config import OptimSection
-from pipelines.prompts import PromptSource
-from pipelines.rollout_engine import SamplingConfig
+from dspark.data.prompts import PromptSource
+from dspark.data.rollout_engine import SamplingConfig
 
 MiB = 2**20
 
@@ -149,7 +149,7 @@ def _json_default(x):
 def load(r: Recipe) -> None:
     import torch
 
-    from dspark.target import load_target
+    from dspark.models.target import load_target
     from dspark.training.step import precision_dtype, resolve_precision
 
     cfg = r.cfg
@@ -163,9 +163,9 @@ def load(r: Recipe) -> None:
 
 
 def prompts(r: Recipe) -> None:
-    from dspark.evaluation import BenchmarkSpec, load_benchmark
-    from dspark.prompt_filters import build_eval_index
-    from pipelines.prompts import load_prompts
+    from dspark.eval.evaluation import BenchmarkSpec, load_benchmark
+    from dspark.data.prompt_filters import build_eval_index
+    from dspark.data.prompts import load_prompts
 
     cfg = r.cfg
     files = {f"{b}.jsonl": Path(cfg.eval.dir, f"{b}.jsonl").read_text() for b in cfg.eval.benchmarks}
@@ -178,7 +178,7 @@ def prompts(r: Recipe) -> None:
 
 
 def rollouts(r: Recipe) -> None:
-    from pipelines.rollout_engine import stream_rollouts
+    from dspark.data.rollout_engine import stream_rollouts
 
     cfg = r.cfg
     n = len(cfg.drafters)
@@ -201,7 +201,7 @@ def rollouts(r: Recipe) -> None:
 def train_one(r: Recipe, name: str, share_s: float) -> None:
     import torch
 
-    from dspark.draft_vocab import count_token_frequencies, top_token_ids
+    from dspark.drafters.draft_vocab import count_token_frequencies, top_token_ids
     from dspark.drafters import build_drafter
     from dspark.training.budget import epoch_batches, probe_batches, train_for
     from dspark.training.loop import LocalTrainer, flops_rates
@@ -254,7 +254,7 @@ def save(r: Recipe) -> None:
 
 
 def evaluate(r: Recipe) -> None:
-    from dspark.evaluation import aggregate, evaluate_round_robin, tau_ci95
+    from dspark.eval.evaluation import aggregate, evaluate_round_robin, tau_ci95
 
     stop = r.deadline.within(r.deadline.left() - 5.0)
     convs, failed = evaluate_round_robin(r.target, r.drafters, r.benchmarks, r.cfg.eval.decode, r.cfg.seed,
@@ -272,7 +272,7 @@ def evaluate(r: Recipe) -> None:
 
 
 def plot(r: Recipe) -> None:
-    from dspark.report import plot_recipe
+    from dspark.eval.report import plot_recipe
 
     plot_recipe(r.results.get("eval"), r.curves, str(r.out / "recipe.png"))
 

@@ -5,7 +5,7 @@ block's queries attend over [W_K H_ctx(0..t-1) ; W_K h_block] (bidirectional ins
 H_ctx = RMSNorm(W_c [f_{l1}; ...; f_{lm}]) the fused target features. One forward pass gives logits
 for the γ MASK slots; slot j predicts token t+j.
 
-Training packs all anchor blocks of a sequence into one dense batch (dspark/anchors.py); inference
+Training packs all anchor blocks of a sequence into one dense batch (dspark/drafters/anchors.py); inference
 caches W_K H_ctx / W_V H_ctx per layer in the state and appends only newly verified positions, and
 drafts the blocks of many requests in one backbone pass (contexts right-padded, padding masked).
 """
@@ -14,12 +14,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from dspark.anchors import block_mask, block_positions
+from dspark.drafters.anchors import block_mask, block_positions
 from dspark.drafters.base import (DraftProposal, DraftState, DraftTrainOut, Drafter, RowSampling, drafting_mask,
                                   split_proposals)
 from dspark.drafters.config import DrafterConfig
 from dspark.drafters.layers import InjectedLayer, RMSNorm, batch_kv, init_weights, padding_mask
-from dspark.sampling import Generators, rows_generators, sample
+from dspark.decoding.sampling import Generators, rows_generators, sample
 
 
 class DFlashDrafter(Drafter):

@@ -20,7 +20,13 @@ This is the one module that talks to MLflow's tracking API.
   launchers set at submission (the uploaded working_dir has no .git), else `git rev-parse HEAD`.
 - `log_dataset_input` records lineage (name, source URI, digest, context) in MLflow's Inputs;
   `start_run(..., system_metrics=True)` / `attach_run(..., system_metrics=True)` sample CPU,
-  memory, disk, network (psutil) and GPU (pynvml, when installed) into `system/...` metrics.
+  memory, disk, network (psutil) and GPU (pynvml, when installed) into `system/...` metrics, through
+  MLflow's public `mlflow.start_run(run_id=..., log_system_metrics=True)`.
+- Drafters are MLflow models: `log_drafter_model` logs a checkpoint as a pyfunc model (a LoggedModel
+  of the run, dspark.io.drafter_model) with the run's metrics linked to it; `register_model_version`
+  registers it, tags the version and moves its aliases and the serving alias `champion`
+  (SERVING_ALIAS). MLflow reserves `latest`: `models:/<name>@latest` still resolves to the newest
+  version (dspark.io.drafter_source) with a deprecation warning.
 
 `start_run` and `check_reachable` raise TrackingError (one line with the fix): they run before any
 work is done.
@@ -371,7 +377,7 @@ def _close(status: str, flush_timeout_s: float, end_timeout_s: float | None) -> 
     run, _current = _current, None  # first: a signal arriving now finds nothing left to end
     if run is None:
         return
-    _stop_system_metrics(run.monitor, timeout_s=min(flush_timeout_s, 5.0))
+    _stop_system_metrics(run.monitor, timeout_s=min(flush_timeout_s, 5.0), status=status)
     _background.flush(flush_timeout_s)
     if not run.owned:
         return
@@ -423,26 +429,67 @@ def _on_signal(signum: int, frame, previous) -> None:
 
 
 # ---------------------------------------------------------------------------- system metrics
-def _start_system_metrics(run_id: str, node_id: str | None):
-    """Sample system metrics into the run on a daemon thread (MLflow's monitor; psutil, pynvml)."""
-    try:
-        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+class _SystemMetrics:
+    """MLflow's own system-metrics sampler for one run, through the public API: a helper thread makes the
+    run its active run with `mlflow.start_run(run_id=..., log_system_metrics=True)` (MLflow samples psutil
+    / pynvml into `system/...` on its own thread) and ends it with `mlflow.end_run` when stopped. Being on
+    a helper thread, it never touches the caller's thread-local MLflow run and can be stopped with a
+    deadline. An attached run (a worker logging into the driver's run) is ended with status RUNNING:
+    the sampler stops and the driver keeps setting the final status."""
 
-        monitor = SystemMetricsMonitor(run_id, resume_logging=True, node_id=node_id, tracking_uri=tracking_uri())
-        monitor.start()
-        return monitor
-    except Exception as err:  # noqa: BLE001 - metrics about the machine are never worth a failed run
-        logger.warning("MLflow system metrics are off: %s: %s", type(err).__name__, err)
-        return None
+    def __init__(self, run_id: str, owned: bool, node_id: str | None):
+        self.run_id, self.owned, self.node_id = run_id, owned, node_id
+        self.status = "FINISHED"
+        self.started, self.stop_requested = threading.Event(), threading.Event()
+        self.thread = threading.Thread(target=self._run, name="dspark-mlflow-sysmetrics", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        mlflow = _configure()
+        try:
+            mlflow.set_system_metrics_node_id(self.node_id)  # process-wide: set (or clear) it for this run
+            mlflow.start_run(run_id=self.run_id, log_system_metrics=True)
+        except Exception as err:  # noqa: BLE001 - metrics about the machine are never worth a failed run
+            logger.warning("MLflow system metrics are off: %s: %s", type(err).__name__, err)
+            return
+        finally:
+            self.started.set()
+        self.stop_requested.wait()
+        with _suppress_warning("stopping MLflow system metrics"):
+            mlflow.end_run(status=self.status if self.owned else "RUNNING")
+
+    def stop(self, status: str, timeout_s: float) -> None:
+        self.status = status
+        self.stop_requested.set()
+        self.thread.join(timeout_s)
 
 
-def _stop_system_metrics(monitor, timeout_s: float) -> None:
+def _start_system_metrics(run_id: str, node_id: str | None) -> _SystemMetrics:
+    """Sample CPU/GPU/memory/disk/network into the run (see _SystemMetrics)."""
+    monitor = _SystemMetrics(run_id, owned=_current is not None and _current.owned, node_id=node_id)
+    monitor.started.wait(10.0)
+    return monitor
+
+
+def _stop_system_metrics(monitor: _SystemMetrics | None, timeout_s: float, status: str = "FINISHED") -> None:
     """Stop sampling without waiting on a slow server for more than timeout_s."""
-    if monitor is None:
-        return
-    stopper = threading.Thread(target=monitor.finish, name="dspark-mlflow-sysmetrics-stop", daemon=True)
-    stopper.start()
-    stopper.join(timeout_s)
+    if monitor is not None:
+        monitor.stop(status, timeout_s)
+
+
+class _suppress_warning:
+    """Log (never raise) any error of the block."""
+
+    def __init__(self, what: str):
+        self.what = what
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, err, tb) -> bool:
+        if err is not None:
+            logger.warning("%s failed: %s: %s", self.what, kind.__name__, err)
+        return True
 
 
 # ---------------------------------------------------------------------------- logging
@@ -615,12 +662,58 @@ def set_model_version_tags(name: str, version: str, tags: dict[str, str]) -> Non
         client.set_model_version_tag(name, str(version), key, str(value)[:5000])
 
 
+SERVING_ALIAS = "champion"  # the version serving, evaluation and calibration use by default (configs/*)
+RESERVED_ALIAS = "latest"  # MLflow's own `models:/<name>/latest` keyword: not an alias we may set
+DRAFTER_MODEL_TYPE = "dspark-drafter"
+
+
+def log_drafter_model(run_id: str, checkpoint_dir: str, name: str = "drafter", tags: dict | None = None) -> str:
+    """Log a local drafter checkpoint as an MLflow model of the run: a LoggedModel (pyfunc flavor,
+    dspark.io.drafter_model.DrafterModel; the checkpoint under artifacts/drafter/) with the run's metrics
+    and the drafter config (as params) linked to it. Returns the model id. Raises TrackingError."""
+    import tempfile
+
+    def log() -> str:
+        mlflow, client = _configure(), _client()
+        from dspark.drafters.checkpoint import read_checkpoint_config
+        from dspark.io.drafter_model import ARTIFACT_KEY, DrafterModel, pip_requirements
+
+        params = {k: str(v)[:6000] for k, v in flatten(read_checkpoint_config(checkpoint_dir)).items()}
+        model = client.create_logged_model(client.get_run(run_id).info.experiment_id, name=name,
+                                           source_run_id=run_id, params=params, model_type=DRAFTER_MODEL_TYPE,
+                                           tags={k: str(v) for k, v in (tags or {}).items()})
+        with tempfile.TemporaryDirectory(prefix="dspark-mlflow-model-") as tmp:
+            mlflow.pyfunc.save_model(os.path.join(tmp, "model"), python_model=DrafterModel(),
+                                     artifacts={ARTIFACT_KEY: checkpoint_dir}, pip_requirements=pip_requirements())
+            client.log_model_artifacts(model.model_id, os.path.join(tmp, "model"))
+        client.finalize_logged_model(model.model_id, "READY")
+        link_run_metrics(run_id, model.model_id)
+        return model.model_id
+
+    return _retry(f"logging {checkpoint_dir} as an MLflow model of run {run_id}", log, raise_on_failure=True)
+
+
+def link_run_metrics(run_id: str, model_id: str) -> None:
+    """Attach the run's latest metric values (same step and timestamp) to the LoggedModel `model_id`,
+    so the Models tab shows the metrics the drafter was trained/calibrated with."""
+    from mlflow.entities import Metric
+
+    flush()
+    client = _client()
+    latest = client.get_run(run_id).data._metric_objs  # the latest point of every metric
+    points = [Metric(m.key, m.value, m.timestamp, m.step, model_id=model_id, run_id=run_id) for m in latest]
+    for batch in _batches(points, 1000):
+        client.log_batch(run_id, metrics=batch)
+
+
 def register_model_version(run_id: str, name: str, artifact_path: str, aliases: list[str],
-                           description: str = "") -> str:
-    """Register the run's `artifact_path` directory as a new version of model `name` (created when new)
-    and move every alias in `aliases` to it; returns the version. MLflow 3's register_model wants an
-    MLmodel; a plain checkpoint directory is registered with create_model_version on its artifact URI.
+                           description: str = "", model_id: str | None = None, tags: dict | None = None) -> str:
+    """Register a new version of model `name` (created when new) and move every alias in `aliases`, and
+    SERVING_ALIAS, to it; returns the version. Its source is the LoggedModel `model_id` (an MLflow model,
+    `log_drafter_model`) or, without one, the run's `artifact_path` directory. `tags` go on the version.
     Transient errors are retried; a final failure raises TrackingError."""
+    aliases = [a for a in dict.fromkeys([*aliases, SERVING_ALIAS]) if a.lower() != RESERVED_ALIAS]
+
     def register() -> str:
         client = _client()
         try:
@@ -628,13 +721,25 @@ def register_model_version(run_id: str, name: str, artifact_path: str, aliases: 
         except Exception as err:  # noqa: BLE001 - an existing model is fine
             if getattr(err, "error_code", None) not in ("RESOURCE_ALREADY_EXISTS", "ALREADY_EXISTS"):
                 raise
-        source = f"{client.get_run(run_id).info.artifact_uri.rstrip('/')}/{artifact_path}"
-        version = str(client.create_model_version(name, source, run_id=run_id, description=description).version)
+        source = (f"models:/{model_id}" if model_id else
+                  f"{client.get_run(run_id).info.artifact_uri.rstrip('/')}/{artifact_path}")
+        version = str(client.create_model_version(name, source, run_id=run_id, description=description,
+                                                  tags={k: str(v) for k, v in (tags or {}).items()},
+                                                  model_id=model_id).version)
         for alias in aliases:
             client.set_registered_model_alias(name, alias, version)
         return version
 
     return _retry(f"registering {artifact_path} of run {run_id} as {name!r}", register, raise_on_failure=True)
+
+
+def publish_drafter(run_id: str, name: str, checkpoint_dir: str, aliases: list[str], description: str = "",
+                    tags: dict | None = None) -> str:
+    """log_drafter_model + register_model_version: the checkpoint becomes an MLflow model, registered as
+    a new version of `name` with `tags` (on the version and the LoggedModel) and `aliases` + champion."""
+    model_id = log_drafter_model(run_id, checkpoint_dir, tags=tags)
+    return register_model_version(run_id, name, "drafter", aliases, description=description, model_id=model_id,
+                                  tags=tags)
 
 
 def registry_client():
@@ -647,3 +752,13 @@ def download_artifacts(artifact_uri: str, dst_path: str) -> str:
     mlflow = _configure()
     return mlflow.artifacts.download_artifacts(artifact_uri=artifact_uri, dst_path=dst_path)
 
+
+
+def model_version_exists(name: str, version: str) -> bool:
+    """Whether registered model `name` still has `version` (False when the registry is wiped or
+    unreachable: callers treat that as "must be produced again")."""
+    try:
+        _client().get_model_version(name, str(version))
+    except Exception:  # noqa: BLE001 — any registry failure means "not there"
+        return False
+    return True

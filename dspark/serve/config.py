@@ -9,7 +9,7 @@ from typing import Literal
 from pydantic import Field
 
 from dspark.config import StrictModel
-from dspark.engine import Engine, EngineConfig
+from dspark.decoding.engine import Engine, EngineConfig
 
 log = logging.getLogger("dspark.serve")
 
@@ -95,7 +95,7 @@ def build_engine(cfg: ServeConfig, device: str | None = None, has_gpus: bool | N
     import torch
 
     from dspark.io.drafter_source import load_drafter_ref
-    from dspark.target import load_target
+    from dspark.models.target import load_target
 
     has_gpus = cfg.deployment.num_gpus > 0 if has_gpus is None else has_gpus
     device = device or resolve_device(cfg.model.device, has_gpus)

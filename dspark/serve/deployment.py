@@ -9,7 +9,7 @@ import os
 from typing import Any
 
 from dspark.config import config_to_dict
-from dspark.engine import Engine, Request, StepReport
+from dspark.decoding.engine import Engine, Request, StepReport
 from dspark.serve.app import make_app
 from dspark.serve.config import ServeConfig, build_engine
 from dspark.serve.service import OpenAIService
@@ -140,13 +140,14 @@ def build_app(args: dict):
     "set": ["engine.max_batch=16", ...]}. A `ray:` section (used by jobs/serve.py) is ignored here:
     `serve deploy` targets a running cluster."""
     from dspark.config import apply_overrides, read_yaml, validate_config
+    from dspark.io import storage
 
     args = dict(args or {})
     overrides = args.pop("set", None) or []
     source = args.pop("config", None)
     if args:
         raise ValueError(f"unknown application args {sorted(args)}; use 'config' (path or mapping) and 'set'")
-    data = dict(source) if isinstance(source, dict) else (read_yaml(source) if source else {})
+    data = dict(source) if isinstance(source, dict) else (read_yaml(source, storage.read_text) if source else {})
     data.pop("ray", None)
     data = apply_overrides(data, [overrides] if isinstance(overrides, str) else list(overrides))
     return deployment_for(validate_config(ServeConfig, data, source=str(source or "<args>")), forward_api_key=False)

@@ -23,7 +23,7 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from openai.types.shared import ErrorObject
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from dspark.sampling import SamplingParams, Temperature, TopK, TopP
+from dspark.decoding.sampling import SamplingParams, Temperature, TopK, TopP
 
 # ---- errors ---------------------------------------------------------------------------------------------
 _ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 405: "invalid_request_error",

@@ -18,7 +18,7 @@ from openai.types.chat.chat_completion_chunk import Choice as ChunkChoice
 from openai.types.chat.chat_completion_chunk import ChoiceDelta
 from pydantic import BaseModel
 
-from dspark.engine import Engine, EngineUnavailableError, QueueFullError, Request
+from dspark.decoding.engine import Engine, EngineUnavailableError, QueueFullError, Request
 from dspark.serve.config import PROMPT_CHARS_PER_TOKEN, ServeConfig, served_name
 from dspark.serve.protocol import (ApiError, ChatBody, CompletionBody, DSparkChatCompletion, DSparkChatCompletionChunk,
                                    DSparkCompletion, DSparkCompletionChoice, ModelList, RequestBody, ServedModel,

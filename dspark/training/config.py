@@ -66,9 +66,10 @@ class CheckpointSection(StrictModel):
 class TrainTracking(TrackingConfig):
     experiment: str = Field("dspark-train", description="MLflow experiment")
     registered_model: str | None = Field(None, description='model registry name; None -> "drafter-<run_name>"')
-    # alias moved to each newly registered version. MLflow reserves "latest"; `models:/<name>@latest`
-    # still works in dspark (dspark.io.drafter_source resolves it to the newest version).
-    alias: str = Field("trained", description="alias moved to each newly registered version (`models:/<name>@latest` also resolves to the newest)")
+    # alias moved to each newly registered version, besides the serving alias `champion` (which
+    # serve/eval/calibrate configs use). MLflow reserves "latest"; `models:/<name>@latest` still
+    # resolves (to the newest version) with a deprecation warning.
+    alias: str = Field("trained", description="alias moved to each newly registered version (the serving alias `champion` always moves too)")
     log_every_steps: int = Field(1, ge=1, description="log step metrics every N optimizer steps")
 
 

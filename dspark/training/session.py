@@ -155,7 +155,7 @@ class TrainSession:
     _flops_model: object = None
 
     def setup(self) -> "TrainSession":
-        from dspark.target import load_target
+        from dspark.models.target import load_target
 
         self.plan = plan_precision(self.plan, self.cfg.deepspeed.precision, self.device)
         precision = self.plan["precision"]

@@ -256,7 +256,7 @@ def save(r: Recipe) -> None:
 def evaluate(r: Recipe) -> None:
     from dspark.eval.evaluation import aggregate, evaluate_round_robin, tau_ci95
 
-    stop = r.deadline.within(r.deadline.left() - 5.0)
+    stop = r.deadline.within(r.deadline.left() - r.cfg.output_reserve_s)  # the plot still fits
     convs, failed = evaluate_round_robin(r.target, r.drafters, r.benchmarks, r.cfg.eval.decode, r.cfg.seed,
                                          stop=stop.passed)
     algos = {n: d.algo for n, d in r.drafters.items() if n not in failed}

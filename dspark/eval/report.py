@@ -145,7 +145,8 @@ def plot_recipe(results: dict | None, curves: dict[str, list[dict]], path: str) 
     axes[1].set(xlabel="draft position k", ylabel="P(accept k | 1..k-1 accepted)", ylim=(0, 1.02),
                 title="acceptance by position")
     for name, points in curves.items():
-        axes[2].plot([p["seconds"] for p in points], [p.get("expected_accept_len") for p in points], label=name)
+        axes[2].plot([p["seconds"] for p in points], [p.get("expected_accept_len") for p in points], marker=".",
+                     label=name)
     axes[2].set(xlabel="training seconds", ylabel="E[accept length] (train batches)", title="training")
     for ax in axes:
         if ax.get_legend_handles_labels()[0]:

@@ -275,7 +275,7 @@ def unpack_model(pack_dir: Path, out: Path, name: str) -> None:
             scale = np.frombuffer(blob, np.float16, rows, off + n).astype(np.float32)[:, None]
             lo = np.frombuffer(blob, np.float16, rows, off + n + 2 * rows).astype(np.float32)[:, None]
             w = q * scale + lo
-        state[key] = torch.from_numpy(np.ascontiguousarray(w.reshape(t["shape"]), dtype=np.float32))
+        state[key] = torch.from_numpy(np.array(w.reshape(t["shape"]), dtype=np.float32))  # a writable copy
     out.mkdir(parents=True, exist_ok=True)
     for fname, content in files.items():
         (out / fname).write_bytes(content)

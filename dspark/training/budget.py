@@ -75,15 +75,20 @@ def probe_batches(rows: Sequence[dict], batch_size: int, max_len: int, pad_id: i
     return out
 
 
-def measure_step_s(trainer, batches: Sequence[dict], chunks: int = 1) -> float:
-    """Mean seconds of one step (forward + backward, no update) over `batches`, after one warm-up step."""
+def measure_step_s(trainer, batches: Sequence[dict], chunks: int = 1, stop: Deadline | None = None) -> float:
+    """Mean seconds of one step (forward + backward, no update) over `batches`, after one warm-up step;
+    `stop` is checked before each (a probe cut short is timed on what it ran, the warm-up at worst)."""
+    start = time.perf_counter()
     trainer.step(batches[0], seed=0, update=False, chunks=chunks)
     sync(trainer.target.device)
-    start = time.perf_counter()
+    warm, done, start = time.perf_counter() - start, 0, time.perf_counter()
     for i, batch in enumerate(batches):
+        if stop is not None and stop.passed():
+            break
         trainer.step(batch, seed=i + 1, update=False, chunks=chunks)
+        done += 1
     sync(trainer.target.device)
-    return (time.perf_counter() - start) / len(batches)
+    return (time.perf_counter() - start) / done if done else warm
 
 
 @dataclass
@@ -107,7 +112,7 @@ def train_for(trainer, batches: Iterator[dict], probe: Sequence[dict], seconds: 
     start = time.time()
     stop = deadline.within(seconds)
     report = TrainReport()
-    report.step_s = measure_step_s(trainer, probe, chunks)
+    report.step_s = measure_step_s(trainer, probe, chunks, stop)
     report.probe_s = time.time() - start
     report.planned_steps = max(1, int(stop.left() / max(report.step_s, 1e-6)))
     if max_steps:

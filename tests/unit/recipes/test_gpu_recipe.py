@@ -84,9 +84,9 @@ def test_the_deadline_stops_training_mid_phase(tiny):
     cfg = DrafterConfig(algo="dflash", block_size=3, num_layers=1, anchors_per_seq=4)
     trainer = LocalTrainer("dflash", tiny, build_drafter(cfg, tiny), OptimSection(lr=1e-2, warmup_ratio=0.0))
     before = [p.detach().clone() for p in trainer.params]
-    report = train_for(trainer, epoch_batches(rows, 4, 32, tiny.pad_token_id, 2, 0),
-                       probe_batches(rows, 4, 32, tiny.pad_token_id), seconds=1e9, deadline=CountingDeadline(3),
-                       max_steps=50)
+    probe = probe_batches(rows, 4, 32, tiny.pad_token_id)  # the probe checks the deadline before each batch too
+    report = train_for(trainer, epoch_batches(rows, 4, 32, tiny.pad_token_id, 2, 0), probe, seconds=1e9,
+                       deadline=CountingDeadline(len(probe) + 3), max_steps=50)
     assert report.planned_steps == 50 and report.steps == 3 and report.stopped_by == "deadline"
     assert any(not torch.equal(a, b) for a, b in zip(before, trainer.params))  # the 3 steps did update
     # a real clock: no time left after the probe -> no step starts

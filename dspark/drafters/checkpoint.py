@@ -117,6 +117,7 @@ def save_bundle(drafters: dict[str, Drafter], dest: str, part_bytes: int, dtype:
     `part_bytes` as fit; -> the part paths. `load_bundle` reverses it."""
     import io
     import tarfile
+    import tempfile
 
     buf = io.BytesIO()
     with tempfile.TemporaryDirectory() as tmp, tarfile.open(fileobj=buf, mode="w") as tar:
@@ -140,6 +141,7 @@ def load_bundle(src: str, target=None, device: str | torch.device | None = None)
     """The drafters of a bundle written by `save_bundle` (its parts joined in order), by name."""
     import io
     import tarfile
+    import tempfile
 
     parts = sorted(p for p in os.listdir(src) if p.startswith(BUNDLE_PREFIX))
     if not parts:

@@ -9,7 +9,7 @@ export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 export DS_ACCELERATOR := cpu
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: venv demo test test-fast test-cluster stack-up stack-down bench clean
+.PHONY: venv demo test test-fast test-cluster stack-up stack-down bench clean gpu-prepare gpu-sim
 
 venv: $(STAMP)
 
@@ -49,6 +49,12 @@ stack-down: $(STAMP)
 
 bench: $(STAMP)  ## every benchmark, JSON into benchmarks/report.json
 	$(PY) -m benchmarks.run_all
+
+gpu-prepare: $(STAMP)  ## .gpu-bundle/: wheels + compact target + launcher for a GPU machine (README "Running the GPU recipe")
+	$(PY) -m recipes.gpu_prepare
+
+gpu-sim: gpu-prepare  ## the GPU recipe on a simulated GPU machine (Python 3.12 + the image's torch/transformers), tiny and smollm2-135m
+	$(PY) -m recipes.gpu_sim $(SIM)
 
 clean:
 	-$(VENV)/bin/dspark stack down

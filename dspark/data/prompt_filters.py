@@ -8,7 +8,8 @@ a fixed order and the first one that rejects a prompt names the reason (see FILT
                  of repeated word n-grams), non-text (control characters, U+FFFD from broken byte
                  sequences, private-use or unassigned code points), or text that is mostly not letters;
 - `contaminated`: shares a word n-gram (n = 13 by default) with any evaluation prompt, or equals a
-                 short evaluation prompt (fewer than n words) after normalisation. Benchmark boilerplate
+                 short evaluation prompt (fewer than n words) after normalisation, or contains one (its
+                 whole word sequence, when it has at least 3 words). Benchmark boilerplate
                  ("... please reason step by step, and put your final answer within \\boxed{}") is no
                  evidence: word k-grams (k = ceil(n/2)) found in more than `decontam_max_ngram_prompts`
                  evaluation prompts are boilerplate, and a shared n-gram counts only if at least k of its
@@ -156,13 +157,19 @@ class EvalIndex:
     grams: dict[tuple[str, ...], str] = field(default_factory=dict)  # n-gram -> "file:line" of its first use
     half_prompts: Counter = field(default_factory=Counter)  # k-gram -> evaluation prompts containing it
     short: dict[str, str] = field(default_factory=dict)  # normalised_key -> "file:line"
+    # word tuples of short evaluation prompts with >= MIN_CONTAINED words, by length: caught inside a longer text
+    short_words: dict[int, dict[tuple[str, ...], str]] = field(default_factory=dict)
     prompts: int = 0
+
+    MIN_CONTAINED = 3  # a 1-2 word evaluation prompt ("Hello") inside a training prompt is no evidence
 
     def add(self, text: str, where: str) -> None:
         tokens = words(text)
         self.prompts += 1
         if len(tokens) < self.n:
             self.short.setdefault(normalised_key(text), where)
+            if len(tokens) >= self.MIN_CONTAINED:
+                self.short_words.setdefault(len(tokens), {}).setdefault(tuple(tokens), where)
         for gram in set(ngrams(tokens, self.n)):
             self.grams.setdefault(gram, where)
         self.half_prompts.update(set(ngrams(tokens, self.k)))
@@ -185,6 +192,10 @@ class EvalIndex:
         if hit:
             return f"equals the evaluation prompt at {hit}"
         tokens = words(text)
+        for length, short in self.short_words.items():  # a short evaluation prompt inside a longer text
+            for gram in ngrams(tokens, length):
+                if gram in short:
+                    return f"contains the evaluation prompt at {short[gram]}"
         mask = self._boilerplate_mask(tokens)
         for i, gram in enumerate(ngrams(tokens, self.n)):
             # invariant: a counted match has >= k words of specific (non-boilerplate) text

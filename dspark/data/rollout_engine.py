@@ -246,6 +246,40 @@ class RolloutEngine(ChatRollout):
         return [self.result(c) for c in convs]
 
 
+def stream_rollouts(target, prompts: list, sampling: SamplingConfig, engine: GeneratorConfig | None = None,
+                    stop=None, max_context_tokens: int | None = None):
+    """First-turn answers to `prompts` (pipelines.prompts.Prompt) by continuous batching, cycling through
+    the prompts with fresh seeds (cycle c: seed row_seed(sampling.seed + c, ...)), each cycle shortest
+    prompt first, until `stop()` (checked before every decoding step: a deadline, a token goal) — or for
+    one cycle when `stop` is None. Yields training rows {prompt_id ("<id>#c<cycle>"), input_ids,
+    loss_mask (1 on the answer), num_generated_tokens, finish_reason} as answers finish; answers cut by
+    `stop` are kept (a prefix of a target sample is a valid one)."""
+    import itertools
+
+    from dspark.decoding.generator import Request
+
+    limit = max_context_tokens or target.max_positions
+    ids = {}
+    for p in prompts:
+        chat = target.chat_ids(([{"role": "system", "content": p.system}] if p.system else [])
+                               + [{"role": "user", "content": p.turns[0]}])
+        if len(chat) < limit:
+            ids[p.prompt_id] = chat
+    order = sorted(ids, key=lambda pid: len(ids[pid]))
+    if not order:
+        raise ValueError(f"none of the {len(prompts)} prompts fits the context limit ({limit} tokens)")
+    cycles = itertools.count() if stop is not None else range(1)
+    requests = (Request(f"{pid}#c{c}", ids[pid], row_seed(sampling.seed + c, pid, 0),
+                        min(sampling.max_new_tokens, limit - len(ids[pid])))
+                for c in cycles for pid in order)
+    generator = BatchGenerator(target, engine)
+    for request, tokens, finish in generator.stream(requests, sampling.params(), sorted(target.eos_token_ids), stop):
+        if tokens:
+            yield {"prompt_id": request.key, "input_ids": list(request.prompt) + tokens,
+                   "loss_mask": [0] * len(request.prompt) + [1] * len(tokens), "num_generated_tokens": len(tokens),
+                   "finish_reason": finish}
+
+
 def results_table(results: list[dict]) -> pa.Table:
     return pa.Table.from_pylist(results, schema=schema.RESULT_SCHEMA)
 

@@ -18,13 +18,18 @@ ragged layout keeps rows apart), so each sequence is distributed exactly as targ
 
 Invariant between steps, for active sequence s in slot s: KV length == len(prompt) + len(tokens) - 1
 (everything but the last sampled token, which the next decode step feeds in).
+
+`BatchGenerator.stream(requests, ...)` is the same loop over an open-ended iterator of `Request`s
+(e.g. prompts cycled with fresh seeds), yielding each sequence as it finishes; `stop()` is asked before
+every step (a deadline, a token goal): when it says yes, the sequences still decoding are yielded with
+finish reason "stopped" (their tokens so far are a valid prefix of a target sample) and the stream ends.
 """
 from __future__ import annotations
 
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 from pydantic import Field, field_validator
@@ -34,6 +39,16 @@ from dspark.config import StrictModel
 from dspark.decoding.engine import ragged_forward
 from dspark.decoding.sampling import SamplingParams, inverse_cdf, to_probs
 from dspark.decoding.specdec import _keep
+
+
+@dataclass
+class Request:
+    """One prompt to answer: `key` is the caller's (returned with the answer)."""
+
+    key: Any
+    prompt: Sequence[int]
+    seed: int
+    max_new_tokens: int
 
 
 class GeneratorConfig(StrictModel):
@@ -56,7 +71,7 @@ class GeneratorConfig(StrictModel):
 class _Seq:
     """One prompt being generated (internal)."""
 
-    index: int  # position in the caller's list
+    index: Any  # the caller's key (position in its list, or a Request key)
     prompt: list[int]
     max_new_tokens: int
     rng: torch.Generator
@@ -99,26 +114,56 @@ class BatchGenerator:
         for i, (p, b) in enumerate(zip(prompts, budgets)):
             if not p or b < 1:
                 raise ValueError(f"prompt {i}: needs >= 1 prompt token and max_new_tokens >= 1 (got {len(p)}, {b})")
-        stops = set(self.target.eos_token_ids if stop_ids is None else stop_ids)
         seqs = [_Seq(i, [int(t) for t in p], int(b), torch.Generator().manual_seed(int(s)))
                 for i, (p, b, s) in enumerate(zip(prompts, budgets, seeds))]
         order = sorted(seqs, key=lambda s: len(s.prompt)) if self.cfg.bucket_by_length else seqs
-        waiting, active = deque(order), []
-        while waiting or active:
+        for _ in self._loop(iter(order), sampling, stop_ids, None):
+            pass
+        return [(s.tokens, s.finish_reason) for s in seqs]
+
+    @torch.no_grad()
+    def stream(self, requests: Iterable[Request], sampling: SamplingParams, stop_ids: Sequence[int] | None = None,
+               stop: Callable[[], bool] | None = None) -> Iterator[tuple[Request, list[int], str]]:
+        """(request, new tokens, finish reason) as sequences finish; requests are admitted in the given
+        order as slots free up (the caller orders them, e.g. by length); `stop()` is checked every step."""
+        def seqs():
+            for r in requests:
+                if not r.prompt or r.max_new_tokens < 1:
+                    raise ValueError(f"request {r.key!r}: needs >= 1 prompt token and max_new_tokens >= 1")
+                yield _Seq(r, [int(t) for t in r.prompt], int(r.max_new_tokens), torch.Generator().manual_seed(int(r.seed)))
+        for seq in self._loop(seqs(), sampling, stop_ids, stop):
+            yield seq.index, seq.tokens, seq.finish_reason
+
+    def _loop(self, source: Iterator[_Seq], sampling: SamplingParams, stop_ids, stop) -> Iterator[_Seq]:
+        """Admit / prefill / decode / retire until `source` is empty and nothing is active, or `stop()`."""
+        stops = set(self.target.eos_token_ids if stop_ids is None else stop_ids)
+        waiting, active = deque(), []
+        while True:
+            if stop is not None and stop():
+                for seq in active:
+                    seq.finish_reason = "stopped"
+                yield from self._retire(active)
+                return
+            while len(waiting) < self.cfg.max_batch:  # look ahead no further than one batch
+                nxt = next(source, None)
+                if nxt is None:
+                    break
+                waiting.append(nxt)
+            if not waiting and not active:
+                return
             newcomers = self._admit(waiting, active)
             t0 = time.perf_counter()
             if newcomers:
                 self._prefill(newcomers, sampling, stops)
-                self._retire(active)
+                yield from self._retire(active)
             t1 = time.perf_counter()
             if active:
                 self._decode(active, sampling, stops)
-                self._retire(active)
+                yield from self._retire(active)
                 self.stats.decode_steps += 1
             self.stats.steps += 1
             self.stats.prefill_s += t1 - t0
             self.stats.decode_s += time.perf_counter() - t1
-        return [(s.tokens, s.finish_reason) for s in seqs]
 
     # ---- one step ------------------------------------------------------------------------------
     def _admit(self, waiting: deque, active: list) -> list[_Seq]:
@@ -166,12 +211,15 @@ class BatchGenerator:
             seq.finish_reason = finish
         self.stats.generated_tokens += len(tokens)
 
-    def _retire(self, active: list[_Seq]) -> None:
-        """Drop finished sequences; slots stay contiguous (the last slot moves into the hole)."""
+    def _retire(self, active: list[_Seq]) -> list[_Seq]:
+        """Drop finished sequences (-> them); slots stay contiguous (the last slot moves into the hole)."""
+        done = []
         for slot in range(len(active) - 1, -1, -1):
             if active[slot].finish_reason is None:
                 continue
+            done.append(active[slot])
             moved = self.kv.release(slot)
             last = active.pop()
             if moved is not None:
                 active[slot] = last
+        return done

@@ -105,3 +105,50 @@ def load_drafter(path_or_uri: str, target=None, *, device: str | torch.device | 
     if target is not None:
         drafter.attach_target(target)
     return drafter
+
+
+# ---------------------------------------------------------------- bundles (a few files that travel)
+BUNDLE_PREFIX = "drafters.tar."
+
+
+def save_bundle(drafters: dict[str, Drafter], dest: str, part_bytes: int, dtype: torch.dtype = torch.bfloat16) -> list[str]:
+    """Every drafter's checkpoint (floating weights cast to `dtype`; the frozen target parts are never in
+    a drafter's state) in one tar under `<name>/`, cut into as few `drafters.tar.NN` parts of at most
+    `part_bytes` as fit; -> the part paths. `load_bundle` reverses it."""
+    import io
+    import tarfile
+    import tempfile
+
+    buf = io.BytesIO()
+    with tempfile.TemporaryDirectory() as tmp, tarfile.open(fileobj=buf, mode="w") as tar:
+        for name, drafter in drafters.items():
+            drafter = getattr(drafter, "module", drafter)
+            write_local(drafter, os.path.join(tmp, name))
+            path = os.path.join(tmp, name, WEIGHTS_FILE)
+            state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in load_file(path).items()}
+            save_file(state, path, metadata={"format": "pt", "dspark": FORMAT})
+            tar.add(os.path.join(tmp, name), arcname=name)
+    data, parts = buf.getvalue(), []
+    os.makedirs(dest, exist_ok=True)
+    for i in range(0, len(data), part_bytes):
+        parts.append(os.path.join(dest, f"{BUNDLE_PREFIX}{i // part_bytes:02d}"))
+        with open(parts[-1], "wb") as f:
+            f.write(data[i:i + part_bytes])
+    return parts
+
+
+def load_bundle(src: str, target=None, device: str | torch.device | None = None) -> dict[str, Drafter]:
+    """The drafters of a bundle written by `save_bundle` (its parts joined in order), by name."""
+    import io
+    import tarfile
+    import tempfile
+
+    parts = sorted(p for p in os.listdir(src) if p.startswith(BUNDLE_PREFIX))
+    if not parts:
+        raise FileNotFoundError(f"{src} holds no {BUNDLE_PREFIX}NN parts")
+    data = b"".join(open(os.path.join(src, p), "rb").read() for p in parts)
+    with tempfile.TemporaryDirectory() as tmp:
+        with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+            tar.extractall(tmp, filter="data")
+        return {name: load_drafter(os.path.join(tmp, name), target=target, device=device)
+                for name in sorted(os.listdir(tmp))}

@@ -42,9 +42,12 @@ class DrafterConfig(StrictModel):
     ce_target: Literal["hard", "soft"] = Field(
         "hard", description="cross-entropy labels: 'hard' the rollout token, 'soft' the target's full "
                             "next-token distribution (the Eagle3 reference)")
-    loss_norm: Literal["token", "block"] = Field(
-        "token", description="loss normaliser: 'token' a weighted mean over supervised tokens (Σ w_k; LR and "
-                             "clipping transfer between block sizes), 'block' the paper's per-block sum / blocks")
+    loss_norm: Literal["token", "block", "sequence_step"] | None = Field(
+        None, description="loss normaliser: 'token' a weighted mean over supervised tokens (Σ w_k; LR and "
+                          "clipping transfer between block sizes), 'block' the paper's per-block sum / blocks, "
+                          "'sequence_step' the Eagle3 references' mean per (sequence, step k) averaged over "
+                          "sequences, then Σ_k w_k·mean_k / Σ_k w_k (long sequences weigh no more than short "
+                          "ones); None = 'sequence_step' for eagle3, 'token' otherwise")
     dense_ttt: bool = Field(False, description="eagle3 only: training-time test from every eligible position "
                                                "of every sequence (anchors_per_seq is then ignored)")
     loss_ce: float = Field(0.1, description="weight of the cross-entropy term (paper: 0.1)")
@@ -70,6 +73,10 @@ class DrafterConfig(StrictModel):
     def train_steps(self) -> int:
         """Predictions per anchor during training: γ for block drafters, ttt_steps for eagle3."""
         return self.ttt_steps if self.algo == "eagle3" else self.block_size
+
+    @property
+    def resolved_loss_norm(self) -> str:
+        return self.loss_norm or ("sequence_step" if self.algo == "eagle3" else "token")
 
     @property
     def depth(self) -> int:

@@ -236,6 +236,68 @@ def evaluate_prompt(target, drafters: dict, benchmark: str, index: int, turns: S
     return results
 
 
+def evaluate_round_robin(target, drafters: dict, benchmarks: Sequence[Benchmark], settings: DecodeSettings,
+                         seed: int, stop: Callable[[], bool] | None = None, warmup_tokens: int = 16
+                         ) -> tuple[list[ConversationResult], dict[str, str]]:
+    """Every prompt in target-only mode and with each drafter, prompt i of every benchmark before prompt
+    i+1 of any (a `stop()` — checked before each prompt — cuts every benchmark alike). Each drafter is
+    its own failure scope: one that raises is recorded in the returned {drafter: error} and skipped for
+    the remaining prompts, the others go on. One warm-up decode per mode first (kernels, allocator)."""
+    modes = [Mode()] + [Mode(name) for name in drafters]
+    failed: dict[str, str] = {}
+    queue = [(b, i) for i in range(max((len(b.prompts) for b in benchmarks), default=0))
+             for b in benchmarks if i < len(b.prompts)]
+    if queue and warmup_tokens:
+        warm = settings.model_copy(update={"max_new_tokens": warmup_tokens})
+        for mode in (m for m in modes if stop is None or not stop()):
+            _in_scope(failed, mode, lambda: evaluate_prompt(target, drafters, "warmup", 0, queue[0][0].prompts[0][:1],
+                                                            [mode], warm, seed))
+    convs: list[ConversationResult] = []
+    for bench, index in queue:
+        if stop is not None and stop():
+            break
+        for mode in modes:
+            if mode.drafter not in failed:
+                convs += _in_scope(failed, mode, lambda: evaluate_prompt(target, drafters, bench.name, index,
+                                                                         bench.prompts[index], [mode], settings, seed))
+    return convs, failed
+
+
+def _in_scope(failed: dict, mode: Mode, fn) -> list:
+    """fn() -> results; an exception of a drafter's mode is recorded against that drafter (target-only
+    failures are everyone's: they propagate)."""
+    if mode.drafter is None:
+        return fn()
+    try:
+        return fn()
+    except Exception as err:  # noqa: BLE001 — the drafter's own failure scope
+        failed[mode.drafter] = f"{type(err).__name__}: {err}"
+        log.warning("drafter %s failed during evaluation: %s", mode.drafter, failed[mode.drafter])
+        return []
+
+
+def tau_ci95(convs: Sequence[ConversationResult], mode: str) -> list[float] | None:
+    """95% confidence interval of the macro-average τ over benchmarks for one mode, prompts as the
+    sampling units: per benchmark τ_b = ΣA_i / ΣR_i (A_i tokens per round summed, R_i rounds of prompt
+    i) with the ratio estimator's variance Σ(A_i − τ_b R_i)² / (n(n−1) R̄²), benchmarks independent.
+    None when some benchmark has fewer than 2 prompts with rounds."""
+    per: dict[str, list[tuple[float, int]]] = {}
+    for c in convs:
+        rounds = [r for t in c.turns for r in t.rounds]
+        if c.mode == mode and c.error is None and rounds:
+            per.setdefault(c.benchmark, []).append((sum(r.accepted + 1 for r in rounds), len(rounds)))
+    if not per or any(len(v) < 2 for v in per.values()):
+        return None
+    means, variances = [], []
+    for pairs in per.values():
+        n, a_sum, r_sum = len(pairs), sum(a for a, _ in pairs), sum(r for _, r in pairs)
+        tau, r_bar = a_sum / r_sum, r_sum / len(pairs)
+        means.append(tau)
+        variances.append(sum((a - tau * r) ** 2 for a, r in pairs) / (n * (n - 1) * r_bar ** 2))
+    mean, half = sum(means) / len(means), 1.96 * math.sqrt(sum(variances)) / len(means)
+    return [mean - half, mean + half]
+
+
 # ---- aggregation --------------------------------------------------------------------------------
 def summarize_conversations(convs: Sequence[ConversationResult]) -> dict:
     """Pool rounds over all turns of all prompts; add token counts and decode throughput.

@@ -125,6 +125,35 @@ def _save(fig, path: str) -> str:
 
 
 
+def plot_recipe(results: dict | None, curves: dict[str, list[dict]], path: str) -> str:
+    """One figure for a recipe run: τ by benchmark (bars per drafter), conditional acceptance by draft
+    position (pooled over benchmarks) and the training curves (E[accept length] on the training batches
+    against training seconds). `results` is dspark.evaluation.aggregate's dict, or None before evaluation."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 3, figsize=(15, 3.8))
+    drafters = (results or {}).get("drafters") or {}
+    benches = list((results or {}).get("benchmarks") or {})
+    width = 0.8 / max(len(drafters), 1)
+    for i, (name, block) in enumerate(drafters.items()):
+        values = [block["per_benchmark"].get(b, {}).get("tau") or 0.0 for b in benches]
+        axes[0].bar([x + i * width for x in range(len(benches))], values, width, label=name)
+        curve = block.get("pooled_positions", {}).get("cond_accept", {})
+        ks = sorted((int(k) for k, v in curve.items() if v is not None))
+        axes[1].plot(ks, [curve.get(k, curve.get(str(k))) for k in ks], marker="o", label=name)
+    axes[0].set_xticks([x + width * (len(drafters) - 1) / 2 for x in range(len(benches))], benches, fontsize=8)
+    axes[0].set(ylabel="τ (tokens per verify round)", title="τ by benchmark")
+    axes[1].set(xlabel="draft position k", ylabel="P(accept k | 1..k-1 accepted)", ylim=(0, 1.02),
+                title="acceptance by position")
+    for name, points in curves.items():
+        axes[2].plot([p["seconds"] for p in points], [p.get("expected_accept_len") for p in points], marker=".",
+                     label=name)
+    axes[2].set(xlabel="training seconds", ylabel="E[accept length] (train batches)", title="training")
+    for ax in axes:
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
 # ---- demo summary tables ---------------------------------------------------------------------------
 def eval_tables(results: dict) -> tuple[dict, dict]:
     """(tau[drafter][benchmark], speedup[drafter][benchmark]) from jobs.evaluate's results.json, with

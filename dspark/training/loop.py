@@ -1,10 +1,9 @@
-"""The single-device training step (no Ray, no DeepSpeed) and the throughput accounting shared with the
-DeepSpeed session (jobs/train_worker.TrainSession).
+"""Single-device training around the shared step (dspark.training.step) and the throughput accounting
+shared with the DeepSpeed session (dspark.training.session.TrainSession).
 
-`LocalTrainer` is what benchmarks/gpu_drafter_compare.py (the GPU recipe) and
-benchmarks/train_throughput.py train with: the library loss (dspark.training.loss.drafter_loss), AdamW with
-the training job's optimiser section and schedule, gradient clipping, and bf16 autocast on CUDA
-(fp32 master weights; the frozen target is loaded in bf16 by the caller). On CPU it runs in fp32.
+`LocalTrainer` is what recipes/gpu_recipe.py and benchmarks/train_throughput.py train with: the one
+step (DrafterStep: the library loss, AdamW with the training job's optimiser section and schedule,
+gradient clipping, bf16 autocast on CUDA with fp32 master weights; fp32 on CPU) on one device.
 
 FLOPs model (`train_flops`, for tokens/s -> MFU; attention scores are not counted, as in the usual
 6·N·D estimate):
@@ -17,33 +16,17 @@ devices, CPUs included, report FLOPs/s only).
 """
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import dataclass, field
 
 import torch
 
+from dspark.training.step import DrafterStep, LossModule, TorchUpdate, autocast, resolve_precision  # noqa: F401
+
 # Dense (no sparsity) peak FLOPs/s by GPU name fragment: bf16 tensor-core and fp32 (TF32 off) figures
 # from the vendors' data sheets. Matched case-insensitively, first hit wins.
 PEAK_FLOPS = (("h200", 989e12, 67e12), ("h100", 989e12, 67e12), ("a100", 312e12, 19.5e12),
               ("l40s", 362e12, 91.6e12), ("a10", 125e12, 31.2e12), ("l4", 121e12, 30.3e12))
-
-
-def resolve_precision(device: str | torch.device, precision: str = "auto") -> str:
-    """'auto' -> bf16 on CUDA (when supported), fp32 elsewhere; 'bf16' / 'fp32' as asked."""
-    if precision not in ("auto", "bf16", "fp32"):
-        raise ValueError(f"precision must be 'auto', 'bf16' or 'fp32', got {precision!r}")
-    if precision != "auto":
-        return precision
-    dev = torch.device(device)
-    return "bf16" if dev.type == "cuda" and torch.cuda.is_bf16_supported() else "fp32"
-
-
-def autocast(device: str | torch.device, precision: str):
-    """bf16 autocast context for `precision` == 'bf16' (CUDA or CPU), a no-op for fp32."""
-    if precision != "bf16":
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16)
 
 
 def peak_flops(device: str | torch.device, precision: str) -> float | None:
@@ -96,59 +79,49 @@ class FlopsModel:
 
 @dataclass
 class LocalTrainer:
-    """One drafter, its AdamW optimiser and schedule on one device. `step` = forward, backward, clip,
-    optimiser and schedule step; `update=False` measures a step without changing the weights."""
+    """One drafter on one device through the shared step (dspark.training.step: DrafterStep over a plain
+    torch AdamW backend). `step` = one optimizer step (forward, backward, clip, AdamW, schedule);
+    `update=False` measures a step without changing the weights."""
 
     algo: str
     target: object
     drafter: torch.nn.Module
-    optim: object  # jobs.train.OptimSection (lr, betas, eps, weight_decay, warmup_ratio, schedule, grad_clip)
+    optim: object  # dspark.training.config.OptimSection (lr, betas, eps, weight_decay, warmup_ratio, schedule, grad_clip)
     precision: str = "fp32"
     curve: list = field(default_factory=list)
 
     def __post_init__(self):
         self.drafter.train()
-        self.params = [p for p in self.drafter.parameters() if p.requires_grad]
-        o = self.optim
-        self.opt = torch.optim.AdamW(self.params, lr=o.lr, betas=tuple(o.betas), eps=o.eps,
-                                     weight_decay=o.weight_decay)
-        self.sched = None
+        self.backend = TorchUpdate(LossModule(self.drafter, self.target), self.optim)
+        self.core = DrafterStep(self.backend, self.target.device, self.precision)
         self.flops_model = FlopsModel.of(self.target, self.drafter)
 
-    def set_schedule(self, total_steps: int) -> None:
-        from dspark.training.lr_schedule import build_scheduler
+    @property
+    def params(self) -> list:
+        return self.backend.params
 
-        o = self.optim
-        self.sched = build_scheduler(self.opt, total_steps, o.warmup_ratio, o.schedule, o.min_lr_ratio)
+    @property
+    def opt(self):
+        return self.backend.opt
+
+    def set_schedule(self, total_steps: int) -> None:
+        self.backend.set_schedule(total_steps)
 
     def step(self, batch: dict[str, torch.Tensor], seed: int, update: bool = True, chunks: int = 1) -> dict[str, float]:
         """One optimiser step on `batch`. chunks > 1 splits its rows into that many micro batches whose
         gradients accumulate (each loss scaled by its share of the rows): the same update in less memory
-        (exactly the same with loss_norm='block' and equal chunks; per-chunk token means otherwise)."""
-        from dspark.training.loss import drafter_loss
-
-        device, n = self.target.device, batch["input_ids"].shape[0]
+        (exactly the same with loss_norm='block' and equal chunks; per-chunk means otherwise)."""
+        n = batch["input_ids"].shape[0]
+        chunks = max(1, min(chunks, n))
         bounds = [round(i * n / chunks) for i in range(chunks + 1)]
+        self.backend.accum, self.backend.micro_done = chunks, 0
         sums: dict[str, float] = {}
         for c, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
-            if hi <= lo:
-                continue
-            part = {k: v[lo:hi] for k, v in batch.items()}
-            with autocast(device, self.precision):
-                out = drafter_loss(self.drafter, self.target, part["input_ids"], part["loss_mask"],
-                                   part["attention_mask"], torch.Generator().manual_seed(seed * 1009 + c))
             share = (hi - lo) / n
-            (out.loss * share).backward()
-            for k, v in out.metrics.items():
-                add = v if k in ("n_anchors", "n_supervised", "n_blocks") else v * share
-                sums[k] = sums.get(k, 0.0) + add
-        if update:
-            if self.optim.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(self.params, self.optim.grad_clip)
-            self.opt.step()
-            if self.sched is not None:
-                self.sched.step()
-        self.opt.zero_grad(set_to_none=True)
+            part = {k: v[lo:hi] for k, v in batch.items()}
+            metrics = self.core.micro(part, torch.Generator().manual_seed(seed * 1009 + c), share, update)
+            for k, v in metrics.items():
+                sums[k] = sums.get(k, 0.0) + (v if k in DrafterStep.COUNTS else v * share)
         tokens = float(batch["attention_mask"].sum())
         return {**sums, "tokens": tokens,
                 "flops": self.flops_model.train_flops(tokens, sums.get("n_anchors", 0.0), sums.get("n_supervised", 0.0))}

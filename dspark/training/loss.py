@@ -21,7 +21,7 @@ from torch import Tensor
 from dspark.drafters.anchors import all_anchors, sample_anchors
 from dspark.drafters.draft_vocab import draft_labels, extend_to_vocab
 from dspark.training.losses import (acceptance_label, acceptance_metrics, ce_loss, conf_loss, loss_denominator,
-                           position_weights, soft_ce_loss, tv_loss)
+                           position_weights, sequence_step_weights, soft_ce_loss, tv_loss)
 
 
 @dataclass
@@ -88,9 +88,13 @@ def drafter_loss(drafter, target, input_ids: Tensor, loss_mask: Tensor, attentio
     ce_labels, predicted = labels, draft.logits.argmax(-1)
     if draft_ids is not None:
         ce_labels, predicted = draft_labels(labels, model.t2d), draft_ids[predicted]
-    weights = position_weights(K, cfg.position_weight, device, cfg.position_decay).expand_as(select)[select]
+    step_w = position_weights(K, cfg.position_weight, device, cfg.position_decay)
     n_blocks = int(select.any(-1).sum())
-    denom = loss_denominator(weights, n_blocks, cfg.loss_norm)
+    if cfg.resolved_loss_norm == "sequence_step":
+        weights, denom = sequence_step_weights(select, step_w)
+    else:
+        weights = step_w.expand_as(select)[select]
+        denom = loss_denominator(weights, n_blocks, cfg.resolved_loss_norm)
 
     if cfg.ce_target == "soft":  # soft CE against the target distribution, on the draft vocabulary if any
         l_ce = soft_ce_loss(draft.logits, soft_targets(p_target, draft_ids), weights, denom)

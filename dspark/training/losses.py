@@ -40,7 +40,19 @@ def loss_denominator(weights: Tensor, n_blocks: int, kind: str = "token") -> flo
         return max(float(weights.sum()), 1e-12)
     if kind == "block":
         return float(max(n_blocks, 1))
-    raise ValueError(f"loss_norm must be 'token' or 'block', got {kind!r}")
+    raise ValueError(f"loss_norm must be 'token' or 'block' here, got {kind!r} (sequence_step: sequence_step_weights)")
+
+
+def sequence_step_weights(select: Tensor, w: Tensor) -> tuple[Tensor, float]:
+    """loss_norm 'sequence_step' (the Eagle3 references): select [B, N, K] supervised pairs, w [K] step
+    weights -> (weight of each supervised pair [M], denominator) such that
+        Σ_pairs weight · term / denom = Σ_k w_k · mean_{b having step k} mean_{n} term_{b,n,k} / Σ_{k present} w_k,
+    i.e. every sequence counts the same at every step, however many positions it supervises."""
+    per_seq = select.sum(1)  # [B, K] pairs of sequence b at step k
+    seqs = (per_seq > 0).sum(0)  # [K] sequences with step k
+    per_pair = w / (per_seq.clamp_min(1) * seqs.clamp_min(1))  # [B, K]
+    denom = float(w[seqs > 0].sum())
+    return per_pair.unsqueeze(1).expand_as(select)[select], max(denom, 1e-12)
 
 
 def tv_l1(p_draft: Tensor, p_target: Tensor) -> Tensor:

@@ -1,11 +1,11 @@
-"""One worker's training session, usable without Ray (a single process in tests, the GPU recipe's
-lockstep trainer uses the same loss): the frozen target, a DeepSpeed engine around the drafter and its
-loss, checkpoints, and the step loop with exact resume.
+"""One worker's training session, usable without Ray (a single process in tests): the frozen target, the
+shared training step (dspark.training.step.DrafterStep, the same one the GPU recipe runs without
+DeepSpeed) over a DeepSpeed engine as its update backend, checkpoints, and the step loop with exact resume.
 
 Per micro batch `dspark.training.loss.drafter_loss` runs the target to get the context features and the
 target distributions at the supervised positions only (online: nothing is cached on disk), then the
-drafter loss; DeepSpeed accumulates gradients to the global batch, clips, steps AdamW (a plain torch
-optimizer: no JIT-compiled ops on CPU) and the warmup+cosine schedule.
+drafter loss; DeepSpeed (`DeepSpeedUpdate`) accumulates gradients to the global batch, clips, steps AdamW
+(a plain torch optimizer: no JIT-compiled ops on CPU) and the warmup+cosine schedule.
 
 Why online features: a precomputed target cache (what the public reference does) stores the fused
 hidden states of every training token, ~30 KB per token for a 4B target (5 layers x 2560 x bf16), i.e.
@@ -34,6 +34,7 @@ from torch import nn
 
 from dspark.training.batching import collate
 from dspark.training.loop import flops_rates
+from dspark.training.step import DrafterStep, LossModule, precision_dtype, resolve_precision
 
 
 DS_TAG = "deepspeed"  # DeepSpeed checkpoint tag (sub-folder) inside each Ray checkpoint
@@ -46,36 +47,52 @@ STATE_FILE = "train_state.json"
 
 
 # ----------------------------------------------------------------------------- engine
-class LossModule(nn.Module):
-    """Wraps drafter + loss so the DeepSpeed engine's forward sees a tensor loss (its backward hooks and
-    ZeRO-3 parameter gathering need the forward to go through the engine). The target is held by
-    reference, outside the module tree: DeepSpeed never sees (or partitions) its weights."""
-
-    def __init__(self, drafter: nn.Module, target):
-        super().__init__()
-        self.drafter = drafter
-        object.__setattr__(self, "target", target)
-
-    def forward(self, input_ids, loss_mask, attention_mask, generator):
-        from dspark.training.loss import drafter_loss
-
-        out = drafter_loss(self.drafter, self.target, input_ids, loss_mask, attention_mask, generator)
-        return out.loss, out.metrics
-
-
-def precision_dtype(precision: str) -> torch.dtype:
-    return torch.bfloat16 if precision == "bf16" else torch.float32
-
-
-def resolve_precision(plan: dict, requested: str, device: torch.device) -> dict:
-    """bf16 needs hardware support: "auto" falls back to fp32 on GPUs without it, an explicit "bf16" fails."""
-    if plan["precision"] != "bf16" or device.type != "cuda" or torch.cuda.is_bf16_supported():
+def plan_precision(plan: dict, requested: str, device: torch.device) -> dict:
+    """The plan under the one precision rule (dspark.training.step.resolve_precision): a bf16 plan on a GPU
+    without bf16 falls back to fp32 (and its DeepSpeed JSON with it) when "auto", and fails when "bf16"."""
+    if plan["precision"] != "bf16" or device.type != "cuda" or resolve_precision(device, requested) == "bf16":
         return plan
-    if requested == "bf16":
-        raise RuntimeError(f"bf16 is not supported on {torch.cuda.get_device_name(device)}; "
-                           f"set deepspeed.precision=fp32 (or auto)")
-    ds_config = {**plan["ds_config"], "bf16": {"enabled": False}}
-    return {**plan, "precision": "fp32", "ds_config": ds_config}
+    return {**plan, "precision": "fp32", "ds_config": {**plan["ds_config"], "bf16": {"enabled": False}}}
+
+
+class DeepSpeedUpdate:
+    """The DeepSpeed engine as the shared step's update backend (dspark.training.step): the engine scales
+    each loss by its accumulation steps, reduces gradients over ranks, clips and steps AdamW and the
+    schedule at accumulation boundaries by itself."""
+
+    def __init__(self, engine, plan: dict):
+        self.engine, self.plan = engine, plan
+        self.micro_done = 0
+        self.grad_norm: float | None = None
+        self.lr = 0.0  # lr of the last optimizer step (DeepSpeed steps the schedule right after it)
+
+    @property
+    def module(self) -> LossModule:
+        return self.engine.module
+
+    def forward(self, *args):
+        return self.engine(*args)
+
+    def backward(self, loss, scale: float) -> None:
+        self.engine.backward(loss)  # scale is the engine's own (1 / gradient_accumulation_steps)
+
+    def boundary(self) -> bool:
+        return (self.micro_done + 1) % self.plan["grad_accum"] == 0
+
+    def step(self, update: bool = True) -> None:
+        if not update:
+            raise ValueError("a DeepSpeed step always updates; measure steps with the torch backend")
+        if self.boundary():
+            self.grad_norm, self.lr = self._manual_grad_norm(), float(self.engine.get_lr()[0])
+        self.engine.step()
+        self.micro_done += 1
+
+    def _manual_grad_norm(self) -> float | None:
+        """ZeRO stage 0 in fp32 does not record the clipped norm: compute it (grads are reduced by now)."""
+        if self.plan["ds_config"]["zero_optimization"]["stage"] != 0:
+            return None
+        sq = [p.grad.detach().float().pow(2).sum() for p in self.engine.module.parameters() if p.grad is not None]
+        return float(torch.stack(sq).sum().sqrt()) if sq else 0.0
 
 
 def init_engine(cfg, plan: dict, target):
@@ -144,8 +161,7 @@ class TrainSession:
     _metric_sums: dict = field(default_factory=dict)
     _micro: int = 0
     _t_last: float = 0.0
-    _grad_norm: float | None = None
-    _lr: float = 0.0  # lr of the last optimizer step (DeepSpeed steps the schedule right after it)
+    _step: object = None  # the shared DrafterStep over this session's DeepSpeedUpdate
     _steps_here: int = 0  # optimizer steps taken since this process started (or resumed)
     _timed: tuple = (0.0, 0)  # (time of this launch's first step, tokens since then)
     _flops: float = 0.0  # model FLOPs of the micro batches since the last step_metrics (training_loop.FlopsModel)
@@ -154,12 +170,13 @@ class TrainSession:
     def setup(self) -> "TrainSession":
         from dspark.models.target import load_target
 
-        self.plan = resolve_precision(self.plan, self.cfg.deepspeed.precision, self.device)
+        self.plan = plan_precision(self.plan, self.cfg.deepspeed.precision, self.device)
         precision = self.plan["precision"]
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.target = load_target(self.cfg.target, dtype=precision_dtype(precision), device=str(self.device))
         self.engine = init_engine(self.cfg, self.plan, self.target)
+        self._step = DrafterStep(DeepSpeedUpdate(self.engine, self.plan), self.device, precision)
         from dspark.training.loop import FlopsModel
 
         self._flops_model = FlopsModel.of(self.target, drafter_of(self.engine))
@@ -204,29 +221,14 @@ class TrainSession:
 
     # ---- training ------------------------------------------------------------------------
     def micro_step(self, batch: dict[str, torch.Tensor], generator: torch.Generator) -> None:
-        """Forward + backward one micro batch; DeepSpeed steps the optimizer at accumulation boundaries."""
-        batch = {k: v.to(self.device) for k, v in batch.items()}
-        loss, metrics = self.engine(batch["input_ids"], batch["loss_mask"], batch["attention_mask"], generator)
-        self.engine.backward(loss)
-        if self._boundary():
-            self._grad_norm, self._lr = self._manual_grad_norm(), float(self.engine.get_lr()[0])
-        self.engine.step()
+        """The shared step on one micro batch; DeepSpeed steps the optimizer at accumulation boundaries."""
+        metrics = self._step.micro(batch, generator)
         self._micro += 1
         tokens = int(batch["attention_mask"].sum())
         self._tokens += tokens
         self._flops += self._flops_model.train_flops(tokens, metrics["n_anchors"], metrics["n_supervised"])
-        for key, value in {"loss": float(loss.detach()), **metrics}.items():
+        for key, value in metrics.items():
             self._metric_sums[key] = self._metric_sums.get(key, 0.0) + float(value)
-
-    def _boundary(self) -> bool:
-        return (self._micro + 1) % self.plan["grad_accum"] == 0
-
-    def _manual_grad_norm(self) -> float | None:
-        """ZeRO stage 0 in fp32 does not record the clipped norm: compute it (grads are reduced by now)."""
-        if self.plan["ds_config"]["zero_optimization"]["stage"] != 0:
-            return None
-        sq = [p.grad.detach().float().pow(2).sum() for p in self.engine.module.parameters() if p.grad is not None]
-        return float(torch.stack(sq).sum().sqrt()) if sq else 0.0
 
     def step_metrics(self) -> dict[str, float]:
         """Metrics of the micro batches since the last call, averaged over micro batches and ranks
@@ -245,8 +247,8 @@ class TrainSession:
         out = average_dicts([g["metrics"] for g in gathered])
         tokens = sum(g["tokens"] for g in gathered)
         norm = self.engine.get_global_grad_norm()
-        norm = self._grad_norm if norm is None else norm
-        out.update({"lr": self._lr, "tokens": float(tokens), "tokens_per_s": tokens / max(1e-9, now - self._t_last),
+        norm = self._step.update.grad_norm if norm is None else norm
+        out.update({"lr": self._step.update.lr, "tokens": float(tokens), "tokens_per_s": tokens / max(1e-9, now - self._t_last),
                     "step_time_s": now - self._t_last, "peak_mem_gb": max(g["mem"] for g in gathered)})
         if norm is not None:
             out["grad_norm"] = float(norm)

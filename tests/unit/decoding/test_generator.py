@@ -88,3 +88,27 @@ def test_bad_input_is_named(tiny):
         gen.generate([[1, 2], [3]], SamplingParams(), seeds=[0], max_new_tokens=4)
     with pytest.raises(ValueError, match="max_batch"):
         GeneratorConfig(max_batch=0)
+
+
+def test_stream_cycles_requests_and_stops_mid_batch_with_valid_prefixes(tiny):
+    """An endless request stream (prompts cycled with fresh seeds) stopped by a token goal checked every
+    step: finished answers equal generate() for the same seeds, stopped ones are prefixes of them."""
+    import itertools
+
+    from dspark.generator import Request
+
+    prompts = [_chat(tiny, t) for t in ("what is 2 + 3", "def f(x): return x", "list the primes")]
+    sp = SamplingParams(temperature=1.0)
+    requests = (Request((c, i), p, seed=1000 * c + i, max_new_tokens=24)
+                for c in itertools.count() for i, p in enumerate(prompts))
+    gen = BatchGenerator(tiny, GeneratorConfig(max_batch=4))
+    steps = []
+    out = list(gen.stream(requests, sp, stop=lambda: steps.append(1) or gen.stats.generated_tokens >= 150))
+    assert gen.stats.generated_tokens >= 150 and len(steps) == gen.stats.steps + 1  # asked before every step
+    assert {r.key[0] for r, _, _ in out} >= {0, 1, 2}  # the prompts came round again, with new seeds
+    stopped = [o for o in out if o[2] == "stopped"]
+    assert 1 <= len(stopped) <= 4 and gen.kv.used == 0
+    ref = BatchGenerator(tiny, GeneratorConfig(max_batch=4))
+    for r, tokens, finish in out:
+        (full, _), = ref.generate([r.prompt], sp, [r.seed], 24)
+        assert (tokens == full) if finish != "stopped" else full[:len(tokens)] == tokens

@@ -211,3 +211,13 @@ def test_config_and_eval_file_errors_are_named(tmp_path):
         SynthesizeConfig(output=str(tmp_path), magpie={"num_prompts": 1}, filters={"near_dup": 0.5})
     with pytest.raises(FileNotFoundError, match="no-such-dir.*eval_files"):
         eval_files_text([str(tmp_path / "no-such-dir")])
+
+
+def test_decontamination_catches_a_training_prompt_containing_a_short_eval_prompt():
+    files = {"humaneval.jsonl": json.dumps({"turns": ["Reverse a string."]}) + "\n" + json.dumps({"turns": ["Hi!"]})}
+    index = build_eval_index(files, n=13)
+    f = PromptFilter(FilterConfig(near_dedup=False), index)
+    hit = f.check("a", ["Here is my homework. Reverse a string, then print it twice please"])
+    assert hit.reason == "contaminated" and "contains the evaluation prompt at humaneval.jsonl:1" in hit.detail
+    assert f.check("b", ["Reverse the string order of the words in this sentence"]).reason is None  # not contiguous
+    assert f.check("c", ["Hi! Write a haiku about autumn leaves falling slowly"]).reason is None  # 1 word: no evidence

@@ -138,3 +138,25 @@ def test_drafter_loss_without_anchors_is_zero_with_grad():
                        torch.tensor([[0, 0, 1]]), None, torch.Generator().manual_seed(0))
     assert out.loss.item() == 0.0 and out.metrics["n_anchors"] == 0.0
     out.loss.backward()
+
+
+def test_sequence_step_weights_average_per_sequence_then_over_sequences():
+    """Sequence 0 supervises 3 positions at step 1 and 1 at step 2, sequence 1 one position at step 1:
+    the loss is (w1·(mean_seq0 + mean_seq1)/2 + w2·seq0) / (w1 + w2), whatever the position counts."""
+    import torch
+
+    from dspark.drafters import DrafterConfig
+    from dspark.losses import sequence_step_weights
+
+    select = torch.zeros(2, 3, 2, dtype=torch.bool)
+    select[0, :, 0] = True
+    select[0, 0, 1] = True
+    select[1, 0, 0] = True
+    w = torch.tensor([1.0, 0.5])
+    terms = torch.tensor([[[1.0, 7.0], [2.0, 0.0], [3.0, 0.0]], [[10.0, 0.0], [0.0, 0.0], [0.0, 0.0]]])
+    weights, denom = sequence_step_weights(select, w)
+    got = float((weights * terms[select]).sum() / denom)
+    want = (1.0 * ((1 + 2 + 3) / 3 + 10) / 2 + 0.5 * 7) / 1.5
+    assert abs(got - want) < 1e-6
+    assert DrafterConfig(algo="eagle3").resolved_loss_norm == "sequence_step"
+    assert DrafterConfig(algo="dspark").resolved_loss_norm == "token"

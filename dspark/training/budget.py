@@ -1,0 +1,142 @@
+"""Training inside a wall-clock budget (single process): a deadline checked before every step, the step
+time measured over batches from several length buckets, and the schedule sized from it.
+
+`train_for(trainer, batches, seconds, deadline)` trains one drafter (a dspark.training.loop.LocalTrainer,
+i.e. the shared step) for its own share of the time: it measures the step time first (one warm-up, then
+forward + backward without an update on a short, a median and a long batch: a single random batch
+mis-sizes the run by the length spread), sets the learning-rate schedule to the steps that fit, then
+steps until the planned steps are done or `min(start + seconds, deadline)` passes — whichever is first,
+checked before every step, so a slow step overruns by at most one step.
+"""
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Sequence
+
+import torch
+
+from dspark.training.batching import bucketed_batches, collate
+
+
+@dataclass(frozen=True)
+class Deadline:
+    """An absolute wall-clock time (time.time()); `within(s)` is the earlier of it and now + s."""
+
+    at: float
+
+    @classmethod
+    def after(cls, seconds: float) -> "Deadline":
+        return cls(time.time() + seconds)
+
+    def left(self) -> float:
+        return self.at - time.time()
+
+    def passed(self) -> bool:
+        return time.time() >= self.at
+
+    def within(self, seconds: float) -> "Deadline":
+        return Deadline(min(self.at, time.time() + max(0.0, seconds)))
+
+
+def sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def epoch_batches(rows: Sequence[dict], batch_size: int, max_len: int, pad_id: int, window: int,
+                  seed: int) -> Iterator[dict]:
+    """Endless collated batches: a new permutation per epoch, length-bucketed in windows of `window`
+    batches (dspark.training.batching), each with its epoch number under "epoch"."""
+    if not rows:
+        raise ValueError("no training rows (the rollouts produced nothing)")
+    batch_size = min(batch_size, len(rows))
+    lengths = [min(len(r["input_ids"]), max_len) for r in rows]
+    epoch = 0
+    while True:
+        order = list(range(len(rows)))
+        random.Random(seed + epoch).shuffle(order)
+        for pick in bucketed_batches(order, lengths, batch_size, window, seed + epoch):
+            batch = collate({"input_ids": [rows[j]["input_ids"] for j in pick],
+                             "loss_mask": [rows[j]["loss_mask"] for j in pick]}, max_len, pad_id)
+            yield {**batch, "epoch": epoch}
+        epoch += 1
+
+
+def probe_batches(rows: Sequence[dict], batch_size: int, max_len: int, pad_id: int) -> list[dict]:
+    """A short, a median and a long batch (rows sorted by length; `batch_size` rows around each point)."""
+    order = sorted(range(len(rows)), key=lambda j: len(rows[j]["input_ids"]))
+    n, out = len(order), []
+    for start in sorted({0, max(0, n // 2 - batch_size // 2), max(0, n - batch_size)}):
+        pick = order[start:start + batch_size]
+        out.append(collate({"input_ids": [rows[j]["input_ids"] for j in pick],
+                            "loss_mask": [rows[j]["loss_mask"] for j in pick]}, max_len, pad_id))
+    return out
+
+
+def measure_step_s(trainer, batches: Sequence[dict], chunks: int = 1, stop: Deadline | None = None) -> float:
+    """Mean seconds of one step (forward + backward, no update) over `batches`, after one warm-up step;
+    `stop` is checked before each (a probe cut short is timed on what it ran, the warm-up at worst)."""
+    start = time.perf_counter()
+    trainer.step(batches[0], seed=0, update=False, chunks=chunks)
+    sync(trainer.target.device)
+    warm, done, start = time.perf_counter() - start, 0, time.perf_counter()
+    for i, batch in enumerate(batches):
+        if stop is not None and stop.passed():
+            break
+        trainer.step(batch, seed=i + 1, update=False, chunks=chunks)
+        done += 1
+    sync(trainer.target.device)
+    return (time.perf_counter() - start) / done if done else warm
+
+
+@dataclass
+class TrainReport:
+    planned_steps: int = 0
+    steps: int = 0
+    epochs: int = 0
+    tokens: float = 0.0
+    flops: float = 0.0
+    step_s: float = 0.0  # measured (probe) seconds per step
+    train_s: float = 0.0  # wall time of the steps (probe excluded)
+    probe_s: float = 0.0
+    stopped_by: str = ""  # "steps" (the plan) or "deadline"
+    curve: list = field(default_factory=list)
+
+
+def train_for(trainer, batches: Iterator[dict], probe: Sequence[dict], seconds: float, deadline: Deadline,
+              seed: int = 0, chunks: int = 1, log_every: int = 50, max_steps: int | None = None,
+              on_log: Callable[[dict], None] | None = None) -> TrainReport:
+    """Train `trainer` for `seconds` of wall clock (its share), never past `deadline`; see the module doc."""
+    start = time.time()
+    stop = deadline.within(seconds)
+    report = TrainReport()
+    report.step_s = measure_step_s(trainer, probe, chunks, stop)
+    report.probe_s = time.time() - start
+    report.planned_steps = max(1, int(stop.left() / max(report.step_s, 1e-6)))
+    if max_steps:
+        report.planned_steps = min(report.planned_steps, max_steps)
+    trainer.set_schedule(report.planned_steps)
+    t0 = time.time()
+    report.stopped_by = "steps"
+    for step in range(report.planned_steps):
+        if stop.passed():  # invariant: no step starts after the deadline
+            report.stopped_by = "deadline"
+            break
+        batch = next(batches)
+        epoch = batch.pop("epoch", 0)
+        m = trainer.step(batch, seed * 1_000_003 + step, chunks=chunks)
+        report.steps, report.epochs = step + 1, epoch + 1
+        report.tokens += m["tokens"]
+        report.flops += m["flops"]
+        if step % log_every == 0 or step == report.planned_steps - 1:
+            point = {"step": step + 1, "epoch": epoch, "seconds": round(time.time() - t0, 2),
+                     **{k: round(v, 5) for k, v in m.items() if k != "flops"}}
+            report.curve.append(point)
+            if on_log:
+                on_log(point)
+    sync(trainer.target.device)
+    report.train_s = time.time() - t0
+    trainer.drafter.eval()
+    return report

@@ -1,0 +1,131 @@
+"""The one drafter training step, shared by the Ray Train workers (dspark.training.session, through a
+DeepSpeed engine) and every single-process caller (the GPU recipe, benchmarks, LocalTrainer).
+
+`DrafterStep.micro(batch, generator)` runs the library loss (dspark.training.loss.drafter_loss) on one
+micro batch through an *update backend* and returns its metrics; the backend owns the weights' update:
+- `TorchUpdate`: plain torch AdamW, gradient accumulation over `accum` micro batches (each loss scaled
+  by `scale`), clipping at the boundary, the learning-rate schedule stepped per optimizer step;
+- `dspark.training.session.DeepSpeedUpdate`: the same calls on a DeepSpeed engine (ZeRO, data
+  parallel), which scales, accumulates, clips and steps by itself. DeepSpeed is optional: nothing
+  here imports it.
+Precision: `resolve_precision` decides bf16 / fp32 once for both; with bf16 the forward runs under
+autocast (fp32 master weights; the frozen target is loaded in bf16 by the caller).
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+
+
+def resolve_precision(device: str | torch.device, requested: str = "auto") -> str:
+    """'auto' -> bf16 on CUDA devices that support it, fp32 elsewhere; an explicit 'bf16' on a CUDA
+    device without bf16 fails; 'bf16' on CPU is allowed (autocast), 'fp32' always."""
+    if requested not in ("auto", "bf16", "fp32"):
+        raise ValueError(f"precision must be 'auto', 'bf16' or 'fp32', got {requested!r}")
+    dev = torch.device(device)
+    cuda_bf16 = dev.type == "cuda" and torch.cuda.is_bf16_supported()
+    if requested == "auto":
+        return "bf16" if cuda_bf16 else "fp32"
+    if requested == "bf16" and dev.type == "cuda" and not cuda_bf16:
+        raise RuntimeError(f"bf16 is not supported on {torch.cuda.get_device_name(dev)}; use precision fp32 or auto")
+    return requested
+
+
+def precision_dtype(precision: str) -> torch.dtype:
+    return torch.bfloat16 if precision == "bf16" else torch.float32
+
+
+def autocast(device: str | torch.device, precision: str):
+    """bf16 autocast context for `precision` == 'bf16' (CUDA or CPU), a no-op for fp32."""
+    if precision != "bf16":
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16)
+
+
+class LossModule(nn.Module):
+    """drafter + loss as one module whose forward returns (loss tensor, metrics): what an engine such as
+    DeepSpeed must see (its hooks and ZeRO-3 gathering need the forward to go through it). The target
+    is held by reference, outside the module tree: no optimizer or engine ever sees its weights."""
+
+    def __init__(self, drafter: nn.Module, target):
+        super().__init__()
+        self.drafter = drafter
+        object.__setattr__(self, "target", target)
+
+    def forward(self, input_ids, loss_mask, attention_mask, generator):
+        from dspark.training.loss import drafter_loss
+
+        out = drafter_loss(self.drafter, self.target, input_ids, loss_mask, attention_mask, generator)
+        return out.loss, out.metrics
+
+
+class TorchUpdate:
+    """AdamW + clipping + schedule on one device, gradients accumulated over `accum` micro batches."""
+
+    def __init__(self, module: LossModule, optim, accum: int = 1):
+        self.module, self.optim, self.accum = module, optim, accum
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        self.opt = torch.optim.AdamW(self.params, lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps,
+                                     weight_decay=optim.weight_decay)
+        self.sched = None
+        self.micro_done = 0
+        self.last_grad_norm: float | None = None
+
+    def set_schedule(self, total_steps: int) -> None:
+        from dspark.training.lr_schedule import build_scheduler
+
+        o = self.optim
+        self.sched = build_scheduler(self.opt, total_steps, o.warmup_ratio, o.schedule, o.min_lr_ratio)
+
+    def forward(self, *args):
+        return self.module(*args)
+
+    def backward(self, loss: torch.Tensor, scale: float) -> None:
+        (loss * scale).backward()
+
+    def boundary(self) -> bool:
+        return (self.micro_done + 1) % self.accum == 0
+
+    def lr(self) -> float:
+        return float(self.opt.param_groups[0]["lr"])
+
+    def step(self, update: bool = True) -> None:
+        """After each micro batch: at an accumulation boundary clip, step AdamW and the schedule (or, with
+        update=False, drop the gradients: a measured step that leaves the weights unchanged)."""
+        if self.boundary():
+            if update:
+                norm = torch.nn.utils.clip_grad_norm_(self.params, self.optim.grad_clip if self.optim.grad_clip > 0
+                                                      else float("inf"))
+                self.last_grad_norm = float(norm)
+                self.opt.step()
+                if self.sched is not None:
+                    self.sched.step()
+            self.opt.zero_grad(set_to_none=True)
+        self.micro_done += 1
+
+
+class DrafterStep:
+    """The training step: loss on one micro batch through `update` (TorchUpdate or DeepSpeedUpdate)."""
+
+    COUNTS = ("n_anchors", "n_supervised", "n_blocks")  # summed over micro batches, never averaged
+
+    def __init__(self, update, device: str | torch.device, precision: str):
+        self.update, self.device, self.precision = update, torch.device(device), precision
+
+    @property
+    def drafter(self) -> nn.Module:
+        return self.update.module.drafter
+
+    def micro(self, batch: dict[str, torch.Tensor], generator: torch.Generator, scale: float = 1.0,
+              update: bool = True) -> dict[str, float]:
+        """Forward + backward one micro batch (loss scaled by `scale` for a torch backend; DeepSpeed
+        scales by its accumulation steps itself), then the backend's step; -> loss and loss metrics."""
+        batch = {k: v.to(self.device) for k, v in batch.items()}
+        with autocast(self.device, self.precision):
+            loss, metrics = self.update.forward(batch["input_ids"], batch["loss_mask"], batch["attention_mask"],
+                                                generator)
+        self.update.backward(loss, scale)
+        self.update.step(update)
+        return {"loss": float(loss.detach()), **metrics}

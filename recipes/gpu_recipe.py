@@ -1,0 +1,304 @@
+"""The GPU recipe: prompts -> rollouts -> DSpark, DFlash and Eagle3 each trained for an equal share of
+the training time -> evaluation, on one device, inside ONE global deadline; a driver over library calls.
+
+    python -m recipes.gpu_recipe --profile configs/recipes/gpu-smollm2-135m.yaml [--out DIR] [--set key=value ...]
+
+Library pieces: prompts dspark.data.prompts (sources) + dspark.data.prompt_filters.EvalIndex (the one
+decontamination rule); rollouts dspark.data.rollout_engine.stream_rollouts (continuous batching,
+dspark.decoding.generator, sized per device, the stop check before every decoding step, prompts cycled with
+fresh seeds); training dspark.training.budget.train_for over LocalTrainer (the shared step
+dspark.training.step, as the Ray Train workers run it, without DeepSpeed); evaluation
+dspark.eval.evaluation (round robin, each drafter its own failure scope); plot dspark.eval.report.plot_recipe;
+drafters dspark.drafters.checkpoint.save_bundle. The profile (configs/recipes/*.yaml, `RecipeConfig`)
+names the target and, per drafter, the training config whose `drafter:` / `optim:` sections it uses.
+
+Time: the deadline (`budget_s` from the start, model loading included) is checked before every
+decoding step, training step and evaluated prompt. Rollouts get `rollout.seconds` (less if the rest
+would not fit); training gets what is left minus the evaluation and output reserves, split into equal
+WALL-CLOCK shares, one per drafter, trained one after the other (each sizes its schedule from its own
+measured step time); evaluation gets the rest. Output (`--out`, default benchmarks/results/<run>/), at
+most 8 files: recipe.json (the summary, rewritten after every phase, so a stopped run leaves a valid
+one), results.json, recipe.png, drafters.tar.NN (bf16, in as few parts as fit). Last stdout line: the
+summary JSON. Exit status 1 when a phase failed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+from pydantic import Field
+
+from dspark.config import StrictModel, load_config, read_yaml
+from dspark.drafters import DrafterConfig
+from dspark.eval.evaluation import DecodeSettings
+from dspark.decoding.generator import GeneratorConfig
+from dspark.training.config import OptimSection
+from dspark.data.prompts import PromptSource
+from dspark.data.rollout_engine import SamplingConfig
+
+MiB = 2**20
+
+
+class DrafterEntry(StrictModel):
+    train_config: str = Field(description="training config (configs/train/*.yaml) whose drafter/optim sections are used")
+    drafter: dict = Field(default_factory=dict, description="overrides of its drafter section")
+    optim: dict = Field(default_factory=dict, description="overrides of its optim section")
+    chunks: int = Field(1, ge=1, description="micro batches per step (gradient accumulation; memory)")
+
+
+class RolloutSection(StrictModel):
+    seconds: float = Field(150, gt=0, description="wall-clock budget of the rollout phase")
+    tokens: int = Field(5_000_000, ge=1, description="stop once this many tokens are generated")
+    sampling: SamplingConfig = Field(default_factory=lambda: SamplingConfig(temperature=1.0, top_p=1.0, max_new_tokens=320),
+                                     description="the target's sampling (temperature 1: the evaluation's)")
+    generator_cuda: GeneratorConfig = Field(default_factory=lambda: GeneratorConfig(max_batch=768, max_prefill_tokens=32768),
+                                            description="continuous batching on a GPU (>= 512 rows at 135M)")
+    generator_cpu: GeneratorConfig = Field(default_factory=lambda: GeneratorConfig(max_batch=32),
+                                           description="continuous batching on a CPU")
+    max_context_tokens: int = Field(2048, ge=8, description="prompt + answer limit")
+
+
+class TrainSection(StrictModel):
+    batch_size: int = Field(32, ge=1, description="sequences per optimizer step")
+    max_seq_len: int = Field(1024, ge=8, description="sequences are cut to this many tokens")
+    bucket_window: int = Field(16, ge=0, description="length-bucketing window in batches")
+    max_steps: int | None = Field(None, ge=1, description="cap on steps per drafter (None: as many as fit)")
+    log_every: int = Field(50, ge=1, description="a training-curve point every N steps")
+
+
+class EvalSection(StrictModel):
+    dir: str = Field("data/eval", description="benchmark JSONL folder (also the decontamination reference)")
+    benchmarks: list[str] = Field(["gsm8k", "math500", "humaneval", "mbpp", "mt-bench"], description="file stems")
+    prompts_per_benchmark: int = Field(8, ge=1, description="first-turn prompts per benchmark at most")
+    reserve_s: float = Field(90, ge=0, description="seconds kept for evaluation when the other phases are planned")
+    decode: DecodeSettings = Field(default_factory=lambda: DecodeSettings(max_new_tokens=128), description="sampling")
+
+
+class RecipeConfig(StrictModel):
+    run: str = Field(description="run name: default output benchmarks/results/<run>/")
+    target: str = Field(description="load_target spec (built-in name, local dir)")
+    device: str = Field("auto", description="auto (cuda when available), cuda, cpu")
+    precision: str = Field("auto", description="auto | bf16 | fp32 (dspark.training.step.resolve_precision)")
+    seed: int = Field(0, description="seed of everything")
+    budget_s: float = Field(540, gt=0, description="the one global deadline, from the start, loading included")
+    output_reserve_s: float = Field(20, ge=0, description="seconds kept for writing drafters and the plot")
+    prompts: list[PromptSource] = Field(description="training prompt sources (decontaminated against eval.dir)")
+    decontam_ngram: int = Field(13, ge=1, description="word n-gram size of the decontamination rule")
+    rollout: RolloutSection = Field(default_factory=RolloutSection, description="rollout phase")
+    train: TrainSection = Field(default_factory=TrainSection, description="training phase")
+    eval: EvalSection = Field(default_factory=EvalSection, description="evaluation phase")
+    drafters: dict[str, DrafterEntry] = Field(description="name -> training config (+ overrides), in bundle priority order")
+    max_files: int = Field(8, ge=4, description="files the run may write (a device run brings back 8)")
+    max_file_mib: float = Field(16, gt=0, description="size of one output file at most")
+    max_total_mib: float = Field(64, gt=0, description="all output files together at most")
+
+
+class Recipe:
+    """The run's state and its summary file: `phase(name, fn)` runs one phase in its failure scope and
+    rewrites recipe.json afterwards, whatever happened."""
+
+    def __init__(self, cfg: RecipeConfig, out: Path):
+        from dspark.training.budget import Deadline
+
+        self.cfg, self.out, self.t0 = cfg, out, time.time()
+        self.deadline = Deadline(self.t0 + cfg.budget_s)
+        self.summary = {"run": cfg.run, "target": cfg.target, "device": None, "rollout_tokens": 0,
+                        "rollout_tok_per_s": None, "tau": {}, "tau_mean": {}, "tau_ci95": {}, "speedup_batch1": {},
+                        "train_share": "equal wall-clock per drafter", "train": {}, "phases": {}, "errors": {}}
+        self.results: dict = {"config": json.loads(cfg.model_dump_json())}
+        out.mkdir(parents=True, exist_ok=True)
+
+    def phase(self, name: str, fn, fatal: bool = True) -> bool:
+        start = time.time()
+        self.summary["phases"][name] = {"status": "running", "seconds": 0.0}
+        ok = True
+        try:
+            fn()
+        except Exception as err:  # noqa: BLE001 — recorded in the summary; fatal phases end the run
+            ok = False
+            self.summary["errors"][name] = f"{type(err).__name__}: {err}"
+            self.results.setdefault("tracebacks", {})[name] = traceback.format_exc()
+        self.summary["phases"][name] = {"status": "ok" if ok else "failed", "seconds": round(time.time() - start, 2)}
+        self.summary["total_s"] = round(time.time() - self.t0, 2)
+        self.write()
+        log(f"phase {name}: {self.summary['phases'][name]}")
+        return ok or not fatal
+
+    def write(self) -> None:
+        for name, data in (("results.json", self.results), ("recipe.json", self.summary)):
+            tmp = self.out / f".{name}.tmp"
+            tmp.write_text(json.dumps(data, indent=1, default=_json_default))
+            os.replace(tmp, self.out / name)  # atomic: a reader never sees half a summary
+
+
+def log(msg: str) -> None:
+    print(f"[recipe {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def _json_default(x):
+    return None if isinstance(x, float) and math.isnan(x) else str(x)
+
+
+# ---------------------------------------------------------------- phases
+def load(r: Recipe) -> None:
+    import torch
+
+    from dspark.models.target import load_target
+    from dspark.training.step import precision_dtype, resolve_precision
+
+    cfg = r.cfg
+    device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    r.precision = resolve_precision(device, cfg.precision)
+    if device.startswith("cuda"):
+        torch.backends.cuda.matmul.allow_tf32 = True
+    r.target = load_target(cfg.target, device=device, dtype=precision_dtype(r.precision))
+    r.summary.update(device=torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
+                     precision=r.precision, torch=torch.__version__)
+
+
+def prompts(r: Recipe) -> None:
+    from dspark.eval.evaluation import BenchmarkSpec, load_benchmark
+    from dspark.data.prompt_filters import build_eval_index
+    from dspark.data.prompts import load_prompts
+
+    cfg = r.cfg
+    files = {f"{b}.jsonl": Path(cfg.eval.dir, f"{b}.jsonl").read_text() for b in cfg.eval.benchmarks}
+    index = build_eval_index(files, cfg.decontam_ngram)
+    loaded = load_prompts(cfg.prompts).prompts
+    r.prompts = [p for p in loaded if index.match("\n".join(p.turns)) is None]
+    r.benchmarks = [load_benchmark(BenchmarkSpec(path=name), cfg.eval.dir, cfg.eval.prompts_per_benchmark)
+                    for name in files]
+    r.results["prompts"] = {"loaded": len(loaded), "kept": len(r.prompts), "contaminated": len(loaded) - len(r.prompts)}
+
+
+def rollouts(r: Recipe) -> None:
+    from dspark.data.rollout_engine import stream_rollouts
+
+    cfg = r.cfg
+    n = len(cfg.drafters)
+    reserve = cfg.eval.reserve_s + cfg.output_reserve_s + 10.0 * n  # the later phases' minimum
+    stop_at = r.deadline.within(min(cfg.rollout.seconds, r.deadline.left() - reserve))
+    gen = cfg.rollout.generator_cuda if r.target.device.type == "cuda" else cfg.rollout.generator_cpu
+    r.rows, tokens, start = [], 0, time.time()
+    for row in stream_rollouts(r.target, r.prompts, cfg.rollout.sampling, gen,
+                               stop=lambda: stop_at.passed() or tokens >= cfg.rollout.tokens,
+                               max_context_tokens=cfg.rollout.max_context_tokens):
+        r.rows.append(row)
+        tokens += row["num_generated_tokens"]
+    wall = time.time() - start
+    if not r.rows:
+        raise RuntimeError(f"no rollouts within the budget ({stop_at.at - start:.0f} s left for them)")
+    r.summary.update(rollout_tokens=tokens, rollout_tok_per_s=round(tokens / max(wall, 1e-9), 1),
+                     rollout_sequences=len(r.rows), rollout_batch=gen.max_batch)
+
+
+def train_one(r: Recipe, name: str, share_s: float) -> None:
+    import torch
+
+    from dspark.drafters.draft_vocab import count_token_frequencies, top_token_ids
+    from dspark.drafters import build_drafter
+    from dspark.training.budget import epoch_batches, probe_batches, train_for
+    from dspark.training.loop import LocalTrainer, flops_rates
+
+    entry, tc = r.cfg.drafters[name], r.cfg.train
+    base = read_yaml(entry.train_config)
+    drafter_cfg = DrafterConfig(**{**base["drafter"], **entry.drafter})
+    optim = OptimSection(**{**base.get("optim", {}), **entry.optim})
+    draft_ids = None
+    if drafter_cfg.draft_vocab_size:  # the most frequent answer tokens of the rollouts (as jobs.train)
+        counts = count_token_frequencies(((x["input_ids"], x["loss_mask"]) for x in r.rows), r.target.vocab_size)
+        draft_ids = top_token_ids(counts, drafter_cfg.draft_vocab_size)
+    torch.manual_seed(r.cfg.seed)
+    drafter = build_drafter(drafter_cfg, r.target, draft_ids=draft_ids)
+    trainer = LocalTrainer(drafter_cfg.algo, r.target, drafter, optim, r.precision)
+    pad = r.target.pad_token_id
+    batches = epoch_batches(r.rows, tc.batch_size, tc.max_seq_len, pad, tc.bucket_window, r.cfg.seed)
+    probe = probe_batches(r.rows, min(tc.batch_size, len(r.rows)), tc.max_seq_len, pad)
+    rep = train_for(trainer, batches, probe, share_s, r.deadline, r.cfg.seed, entry.chunks, tc.log_every,
+                    tc.max_steps, on_log=lambda p: log(f"{name} step {p['step']}: loss {p['loss']:.3f}"))
+    r.drafters[name] = trainer.drafter
+    r.curves[name] = rep.curve
+    r.summary["train"][name] = {
+        "algo": drafter_cfg.algo, "share_s": round(share_s, 1), "steps": rep.steps, "planned_steps": rep.planned_steps,
+        "stopped_by": rep.stopped_by, "epochs": rep.epochs, "measured_step_s": round(rep.step_s, 4),
+        "tokens_per_s": round(rep.tokens / max(rep.train_s, 1e-9), 1),
+        **flops_rates(rep.flops, rep.train_s, r.target.device, r.precision)}
+
+
+def save(r: Recipe) -> None:
+    """Drafters in priority order while they fit the file budget; the rest are named in the summary."""
+    from dspark.drafters.checkpoint import save_bundle
+
+    cfg = r.cfg
+    part = int(min(cfg.max_file_mib, 15.9) * MiB)
+    room = int(cfg.max_total_mib * MiB) - 2 * MiB  # recipe.json, results.json and the plot
+    free_files = cfg.max_files - 3
+    chosen, skipped = {}, {}
+    for name, drafter in r.drafters.items():
+        size = sum(t.numel() * (2 if t.is_floating_point() else t.element_size()) for t in drafter.state_dict().values())
+        need = size + 64 * 1024 * (len(chosen) + 1)  # tar headers and config.json
+        if need <= room and math.ceil((sum(chosen.values()) + need) / part) <= free_files:
+            chosen[name] = need
+            room -= need
+        else:
+            skipped[name] = f"{size / MiB:.1f} MiB bf16 does not fit the output budget"
+    parts = save_bundle({n: r.drafters[n] for n in chosen}, str(r.out), part) if chosen else []
+    r.summary.update(drafters_returned=list(chosen), drafters_not_returned=skipped,
+                     drafter_parts=[os.path.basename(p) for p in parts])
+
+
+def evaluate(r: Recipe) -> None:
+    from dspark.eval.evaluation import aggregate, evaluate_round_robin, tau_ci95
+
+    stop = r.deadline.within(r.deadline.left() - r.cfg.output_reserve_s)  # the plot still fits
+    convs, failed = evaluate_round_robin(r.target, r.drafters, r.benchmarks, r.cfg.eval.decode, r.cfg.seed,
+                                         stop=stop.passed)
+    algos = {n: d.algo for n, d in r.drafters.items() if n not in failed}
+    res = aggregate(convs, r.benchmarks, algos)
+    r.results["eval"] = res
+    for name, block in res["drafters"].items():
+        r.summary["tau"][name] = {b: s.get("tau") for b, s in block["per_benchmark"].items()}
+        r.summary["tau_mean"][name] = block["overall"].get("tau")
+        r.summary["tau_ci95"][name] = tau_ci95(convs, name)
+        r.summary["speedup_batch1"][name] = block["overall"].get("speedup")
+    r.summary["eval_prompts"] = len({(c.benchmark, c.index) for c in convs})
+    r.summary["errors"].update({f"eval:{n}": e for n, e in failed.items()})
+
+
+def plot(r: Recipe) -> None:
+    from dspark.eval.report import plot_recipe
+
+    plot_recipe(r.results.get("eval"), r.curves, str(r.out / "recipe.png"))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--profile", required=True, help="configs/recipes/<name>.yaml")
+    p.add_argument("--out", default=None, help="output folder (default benchmarks/results/<run>/)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], help="dotted override key=value")
+    args = p.parse_args(argv)
+    cfg = load_config(RecipeConfig, args.profile, args.overrides)
+    r = Recipe(cfg, Path(args.out or f"benchmarks/results/{cfg.run}"))
+    r.drafters, r.curves = {}, {}
+    ok = r.phase("load", lambda: load(r)) and r.phase("prompts", lambda: prompts(r)) \
+        and r.phase("rollouts", lambda: rollouts(r))
+    if ok:
+        share = max(0.0, r.deadline.left() - cfg.eval.reserve_s - cfg.output_reserve_s) / len(cfg.drafters)
+        for name in cfg.drafters:  # each drafter its own share and failure scope
+            ok &= r.phase(f"train:{name}", lambda name=name: train_one(r, name, share), fatal=False)
+        ok &= r.phase("save", lambda: save(r), fatal=False)
+        ok &= r.phase("eval", lambda: evaluate(r), fatal=False)
+        ok &= r.phase("plot", lambda: plot(r), fatal=False)
+    ok &= not r.summary["errors"]
+    print(json.dumps(r.summary, default=_json_default))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -3,7 +3,7 @@
 - wheels/: what the recipe imports and the GPU image lacks (recipes.gpu_image.MISSING: pydantic and its
   dependencies, pydantic-settings, python-dotenv), for CPython 3.12 on manylinux x86-64, at the
   versions this checkout's environment runs (pydantic-core is a binary cp312 wheel; the rest is pure Python);
-- target/: the smollm2-135m target as a compact pack (dspark.models_builtin.pack_model) in parts of at
+- target/: the smollm2-135m target as a compact pack (dspark.models.builtin.pack_model) in parts of at
   most 60 MiB, from which the run builds its HF directory with no package index;
 - run.sh: the one-line launcher: `bash .gpu-bundle/run.sh [PROFILE] [--set key=value ...]` installs the
   wheels into a private folder, points the target at the pack and runs recipes.gpu_recipe with the

@@ -248,7 +248,7 @@ class RolloutEngine(ChatRollout):
 
 def stream_rollouts(target, prompts: list, sampling: SamplingConfig, engine: GeneratorConfig | None = None,
                     stop=None, max_context_tokens: int | None = None):
-    """First-turn answers to `prompts` (pipelines.prompts.Prompt) by continuous batching, cycling through
+    """First-turn answers to `prompts` (dspark.data.prompts.Prompt) by continuous batching, cycling through
     the prompts with fresh seeds (cycle c: seed row_seed(sampling.seed + c, ...)), each cycle shortest
     prompt first, until `stop()` (checked before every decoding step: a deadline, a token goal) — or for
     one cycle when `stop` is None. Yields training rows {prompt_id ("<id>#c<cycle>"), input_ids,

@@ -95,7 +95,7 @@ def test_stream_cycles_requests_and_stops_mid_batch_with_valid_prefixes(tiny):
     step: finished answers equal generate() for the same seeds, stopped ones are prefixes of them."""
     import itertools
 
-    from dspark.generator import Request
+    from dspark.decoding.generator import Request
 
     prompts = [_chat(tiny, t) for t in ("what is 2 + 3", "def f(x): return x", "list the primes")]
     sp = SamplingParams(temperature=1.0)

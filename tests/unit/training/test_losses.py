@@ -146,7 +146,7 @@ def test_sequence_step_weights_average_per_sequence_then_over_sequences():
     import torch
 
     from dspark.drafters import DrafterConfig
-    from dspark.losses import sequence_step_weights
+    from dspark.training.losses import sequence_step_weights
 
     select = torch.zeros(2, 3, 2, dtype=torch.bool)
     select[0, :, 0] = True

@@ -28,11 +28,11 @@ import time
 from pathlib import Path
 
 import torch
-import yaml
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
+from dspark.config import read_yaml  # noqa: E402
 from dspark.drafters import draft_vocab  # noqa: E402
 from dspark.drafters import DrafterConfig, build_drafter  # noqa: E402
 from dspark.drafters.base import RowSampling  # noqa: E402
@@ -69,7 +69,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def drafter_config(args) -> dict:
-    section = yaml.safe_load(Path(args.drafter_config).read_text()).get("drafter")
+    section = read_yaml(args.drafter_config).get("drafter")
     if not section:
         raise SystemExit(f"{args.drafter_config} has no `drafter:` section")
     if args.layers:

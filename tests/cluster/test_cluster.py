@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from tests.cluster.cluster_fixture import REPO, job_result, log_tail, ray_cluster, stack_services, stop_job, wait_for  # noqa: F401
+from dspark.config import read_yaml
 
 pytestmark = [pytest.mark.integration, pytest.mark.cluster, pytest.mark.slow]
 
@@ -134,7 +135,7 @@ def _train_config(tmp_path, run_name: str, rollouts: str, max_failures: int) -> 
     on the head), SPREAD placement, checkpoints to S3 every 4 steps."""
     import yaml
 
-    cfg = yaml.safe_load((REPO / "configs/train/tiny-dspark.yaml").read_text())
+    cfg = read_yaml(REPO / "configs/train/tiny-dspark.yaml")
     cfg.update(run_name=run_name, ray={})
     cfg["data"] = {"rollouts": rollouts, "max_seq_len": 128}
     cfg["optim"].update(max_steps=TRAIN_STEPS, micro_batch_size=2, global_batch_size=8)

@@ -15,6 +15,7 @@ from dspark.drafters import DrafterConfig, build_drafter, save_drafter
 from dspark.export.vllm import ExportError
 from dspark.export import export_drafter
 from dspark.models.target import build_tiny_model, load_target
+from dspark.config import read_yaml
 
 
 @pytest.fixture(scope="module")
@@ -376,11 +377,10 @@ def test_dflash_learned_mask_is_written_as_vllms_mask_embedding_override(tmp_pat
 
 # ---------------------------------------------------------------- the shipped training configs
 def config_drafter(name: str, target):
-    import yaml
 
     from tests.paths import REPO
 
-    return make(target, **yaml.safe_load((REPO / "configs" / "train" / f"{name}.yaml").read_text())["drafter"])
+    return make(target, **read_yaml(REPO / "configs" / "train" / f"{name}.yaml")["drafter"])
 
 
 @pytest.mark.parametrize("name", ["tiny-dspark", "tiny-dflash", "tiny-dflash-tv"])

@@ -33,11 +33,14 @@ _DRAFTER = {"block_size": 7, "num_layers": 2, "num_context_layers": 3, "rank": 6
 PROFILES = {
     # cpu: 2 shared cores, smollm2-135m. gpu: the same pipeline with bigger sizes (one accelerator).
     # anchors_per_seq 512 >= every eligible position of a 384-token row: dense anchors.
+    # On the shared 2-core machine (load average 20-40 during this run) the sizes are fractions of
+    # whatever the rollout phase committed: 4 points, each 3x the previous (27x span).
     "cpu": {"target": "smollm2-135m", "device": "cpu", "device_label": "2 CPU cores (shared)", "dtype": "float32",
-            "threads": 1, "passes": 8, "chunk_prompts": 32, "max_new_tokens": 256, "max_batch": 32,
-            "point_tokens": [4_000, 12_000, 36_000, 100_000], "drafter": _DRAFTER, "epochs": 2, "batch_size": 8,
-            "lr": 1e-3, "max_len": 384, "eval_max_len": 512, "seed": 0, "log_every": 10,
-            "cache_rows_per_shard": 64, "cache_batch": 4, "decode_prompts": 2, "decode_max_new_tokens": 128},
+            "threads": 1, "passes": 8, "chunk_prompts": 24, "max_new_tokens": 128, "max_batch": 24,
+            "point_tokens": [], "point_fractions": [1 / 27, 1 / 9, 1 / 3, 1.0],
+            "drafter": {**_DRAFTER, "anchors_per_seq": 32}, "epochs": 1, "batch_size": 8,
+            "lr": 1e-3, "max_len": 384, "eval_max_len": 384, "eval_rows": 20, "seed": 0, "log_every": 5,
+            "cache_rows_per_shard": 32, "cache_batch": 4, "decode_prompts": 1, "decode_max_new_tokens": 40},
     "gpu": {"target": "smollm2-135m", "device": "cuda", "device_label": "1 GPU", "dtype": "bfloat16", "threads": 8,
             "passes": 64, "chunk_prompts": 2048, "max_new_tokens": 512, "max_batch": 512,
             "point_tokens": [100_000, 400_000, 1_600_000, 6_400_000, 25_600_000],
@@ -49,7 +52,7 @@ PROFILES = {
              "passes": 2, "chunk_prompts": 4, "max_new_tokens": 12, "max_batch": 8,
              "point_tokens": [20, 60], "drafter": {**_DRAFTER, "block_size": 3, "num_layers": 1, "rank": 8,
                                                    "num_context_layers": 2, "draft_vocab_size": 64},
-             "epochs": 1, "batch_size": 2, "lr": 1e-3, "max_len": 96, "eval_max_len": 96, "seed": 0,
+             "epochs": 1, "batch_size": 2, "lr": 1e-3, "max_len": 320, "eval_max_len": 320, "seed": 0,
              "log_every": 1, "cache_rows_per_shard": 3, "cache_batch": 2, "decode_prompts": 1,
              "decode_max_new_tokens": 8},
 }
@@ -66,9 +69,9 @@ def train_prompts(decontam_ngram: int = 13, max_ngram_prompts: int = 3) -> tuple
     """(kept, dropped) first-turn prompts of data/train; dropped = overlap with any data/eval prompt."""
     from dspark.prompt_filters import build_eval_index
     from pipelines.prompts import PromptSource, load_prompts
-    from pipelines.synthesize import eval_files_text
 
-    index = build_eval_index(eval_files_text([str(REPO / EVAL_DIR)]), decontam_ngram, max_ngram_prompts)
+    texts = {str(f): f.read_text(encoding="utf-8") for f in sorted((REPO / EVAL_DIR).glob("*.jsonl"))}
+    index = build_eval_index(texts, decontam_ngram, max_ngram_prompts)  # every eval file, as jobs.synthesize
     sources = [PromptSource(uri=str(REPO / f), domain=Path(f).stem, user_turns="first") for f in TRAIN_FILES]
     kept, dropped = [], []
     for p in load_prompts(sources).prompts:
@@ -92,12 +95,17 @@ def _fingerprint(obj) -> str:
 
 
 def rollout_plan(prompts: list, passes: int, chunk_prompts: int, settings: dict):
-    """Chunks in commit order: pass 0 over every prompt, then pass 1, ... (so any committed prefix is
-    spread over all prompts before it repeats any). Prompt ids get `~p<k>` suffixes."""
+    """Chunks in commit order: pass 0 over every prompt (in a fixed shuffled order), then pass 1, ... (so
+    any committed prefix mixes the domains and covers all prompts before repeating any). Prompt ids get
+    `~p<k>` suffixes."""
     from dataclasses import replace
 
     from pipelines.rollout_store import Plan
 
+    import random
+
+    prompts = sorted(prompts, key=lambda p: p.prompt_id)
+    random.Random(0).shuffle(prompts)  # domains interleaved: any committed prefix mixes math, code and chat
     chunks = []
     for k in range(passes):
         rows = [replace(p, prompt_id=f"{p.prompt_id}~p{k}") for p in prompts]
@@ -178,7 +186,17 @@ def cmd_rollouts(args, prof: dict) -> None:
 
 
 # ---------------------------------------------------------------- shared: target, rows, caches
+_TARGETS: dict = {}  # one load per process (the after-rollouts run chains phases)
+
+
 def load_target_of(prof: dict):
+    key = (prof["target"], prof["device"], prof["dtype"])
+    if key not in _TARGETS:
+        _TARGETS[key] = _load_target(prof)
+    return _TARGETS[key]
+
+
+def _load_target(prof: dict):
     import torch
 
     from dspark import models_builtin
@@ -230,6 +248,12 @@ def train_cache(target, prof: dict, out: Path):
     else:
         frozen.write_text(json.dumps({"rows": len(rows), "generated_tokens": sum(r["num_generated_tokens"] for r in rows)}))
     return rows, ensure_cache(target, prof, rows, out / "features-train", prof["max_len"])
+
+
+def wanted_sizes(rows: list[dict], prof: dict) -> list[int]:
+    """Point sizes in rollout tokens: the profile's fixed sizes, or fractions of what was committed."""
+    total = sum(r["num_generated_tokens"] for r in rows)
+    return [int(f * total) for f in prof.get("point_fractions", [])] or list(prof["point_tokens"])
 
 
 def point_sizes(rows: list[dict], wanted: list[int]) -> list[tuple[int, int]]:
@@ -313,7 +337,7 @@ def train_one(target, prof: dict, cache, n_rows: int, algo: str, folder: Path) -
     steps = per_epoch * prof["epochs"]
     trainer.set_schedule(steps)
     lengths = [min(len(x), prof["max_len"]) for x in cache.input_ids[:n_rows]]
-    log(f"{folder.name}/{algo}: {n_rows} rows, {steps} steps of {batch} ({prof['epochs']} epochs), draft vocab "
+    log(f"{folder.parent.name}/{algo}: {n_rows} rows, {steps} steps of {batch} ({prof['epochs']} epochs), draft vocab "
         f"{cfg.draft_vocab_size} (coverage {cov if cov is None else round(cov, 4)})")
     t0, tokens, flops, step, curve, last = time.perf_counter(), 0.0, 0.0, 0, [], []
     for epoch in range(prof["epochs"]):
@@ -351,7 +375,7 @@ def cmd_train(args, prof: dict) -> None:
     out = Path(args.out)
     target = load_target_of(prof)
     rows, cache = train_cache(target, prof, out)
-    sizes = point_sizes(rows, prof["point_tokens"])
+    sizes = point_sizes(rows, wanted_sizes(rows, prof))
     log(f"points (rollout tokens, rows): {sizes}")
     for tokens, n in sizes:
         train_one(target, prof, cache, n, "dspark", out / "points" / f"{tokens:09d}" / "dspark")
@@ -361,7 +385,7 @@ def cmd_baselines(args, prof: dict) -> None:
     out = Path(args.out)
     target = load_target_of(prof)
     rows, cache = train_cache(target, prof, out)
-    tokens, n = point_sizes(rows, prof["point_tokens"])[-1]
+    tokens, n = point_sizes(rows, wanted_sizes(rows, prof))[-1]
     for algo in ("dflash_tv", "dflash", "eagle3"):
         train_one(target, prof, cache, n, algo, out / "points" / f"{tokens:09d}" / algo)
 
@@ -380,6 +404,7 @@ def cmd_evaluate(args, prof: dict) -> None:
     out = Path(args.out)
     target = load_target_of(prof)
     rows = committed_rows(out / "rollouts-eval")
+    rows = interleave(rows, "domain")[:prof.get("eval_rows") or len(rows)]
     cache = ensure_cache(target, prof, rows, out / "features-eval", prof["eval_max_len"])
     outs = [TargetOutput(features=f[None], final_hidden=h[None], logits=None, cache=None)
             for f, h in zip(cache.features, cache.final)]
@@ -394,9 +419,22 @@ def cmd_evaluate(args, prof: dict) -> None:
         result = estimate(drafter, target, rows, gamma, sp, max_len=prof["eval_max_len"], target_outs=outs)
         result["gamma"], result["wall_s"] = gamma, time.perf_counter() - t0
         dest.write_text(json.dumps(result, indent=1))
-        log(f"{folder.parent.name}/{folder.name}: expected τ {result['alpha']['expected_tau']:.3f} "
-            f"{[round(x, 3) for x in result['alpha']['expected_tau_ci95']]} (alpha), "
-            f"{result['iw']['expected_tau']:.3f} (iw) in {result['wall_s']:.0f} s")
+        log(f"{folder.parent.name}/{folder.name}: expected τ {result['alpha']['expected_tau']} "
+            f"{result['alpha']['expected_tau_ci95']} (alpha), {result['iw']['expected_tau']} (iw) "
+            f"in {result['wall_s']:.0f} s")
+
+
+def interleave(rows: list[dict], key: str) -> list[dict]:
+    """Round-robin over the groups of `key` (each in its own order): a prefix is balanced across groups."""
+    groups: dict[str, list[dict]] = {}
+    for r in rows:
+        groups.setdefault(r[key], []).append(r)
+    out, queues = [], [list(g) for _, g in sorted(groups.items())]
+    while any(queues):
+        for q in queues:
+            if q:
+                out.append(q.pop(0))
+    return out
 
 
 # ---------------------------------------------------------------- real decoding: τ and batch-1 speed
@@ -447,7 +485,8 @@ def cmd_decode(args, prof: dict) -> None:
             wall = time.perf_counter() - t0
             st = req.stats
             rec = {"benchmark": bench, "index": index, "mode": mode, "tokens": len(req.tokens), "wall_s": wall,
-                   "rounds": st.rounds, "accepted": st.accepted, "proposed": st.proposed}
+                   "rounds": st.rounds, "accepted": st.accepted, "proposed": st.proposed,
+                   "finish_reason": req.finish_reason, "error": req.error}
             with dest.open("a") as fh:
                 fh.write(json.dumps(rec) + "\n")
             log(f"decode {bench}[{index}] {mode}: {rec['tokens']} tokens in {wall:.1f} s"
@@ -550,10 +589,27 @@ def cmd_report(args, prof: dict) -> dict:
     }
     results = Path(args.results)
     results.mkdir(parents=True, exist_ok=True)
+    dspark_largest = out / "points" / largest / "dspark" / "drafter" if largest else None
+    if dspark_largest is not None and dspark_largest.exists():
+        report["drafter"] = export_bf16(dspark_largest, results / f"drafter-{args.profile}")
     (results / f"{args.profile}.json").write_text(json.dumps(report, indent=1))
     plot(report, results / f"{args.profile}.png")
     print(json.dumps({k: report[k] for k in ("device", "points", "baselines", "fit")}, default=str))
     return report
+
+
+def export_bf16(src: Path, dest: Path) -> dict:
+    """The drafter as a bf16 checkpoint (its own weights + draft-vocabulary maps; the frozen target's
+    embedding and LM head are never saved), loadable by path with dspark.drafters.load_drafter."""
+    import torch
+
+    from dspark.drafters import load_drafter, save_drafter
+
+    drafter = load_drafter(str(src)).to(torch.bfloat16)
+    save_drafter(drafter, str(dest))
+    size = sum(f.stat().st_size for f in dest.iterdir())
+    return {"path": str(dest.relative_to(REPO)) if dest.is_relative_to(REPO) else str(dest), "bytes": size,
+            "params": sum(p.numel() for p in drafter.parameters())}
 
 
 def plot(report: dict, path: Path) -> None:
@@ -595,11 +651,14 @@ def plot(report: dict, path: Path) -> None:
 # ---------------------------------------------------------------- CLI
 PHASES = {"rollouts": cmd_rollouts, "train": cmd_train, "baselines": cmd_baselines, "evaluate": cmd_evaluate,
           "decode": cmd_decode, "report": cmd_report}
+# `after-rollouts`: everything after the rollouts in ONE process (imports and the target load once), the
+# curve first (train, evaluate) so that it exists even if the baselines or decoding do not finish.
+AFTER_ROLLOUTS = ["train", "evaluate", "report", "baselines", "evaluate", "report", "decode", "report"]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("phase", choices=[*PHASES, "all"])
+    p.add_argument("phase", choices=[*PHASES, "after-rollouts", "all"])
     p.add_argument("--profile", choices=sorted(PROFILES), default="cpu")
     p.add_argument("--out", default=None, help="output folder (default /work/learn-runs/<profile>)")
     p.add_argument("--which", choices=["eval", "train", "both"], default="both", help="rollouts: which set")
@@ -615,7 +674,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> None:
     args = parse_args(argv)
     prof = PROFILES[args.profile]
-    for phase in (list(PHASES) if args.phase == "all" else [args.phase]):
+    phases = {"all": ["rollouts", *AFTER_ROLLOUTS], "after-rollouts": AFTER_ROLLOUTS}.get(args.phase, [args.phase])
+    for phase in phases:
         log(f"phase {phase}")
         PHASES[phase](args, prof)
 

@@ -39,7 +39,8 @@ PROFILES = {
             "threads": 1, "passes": 8, "chunk_prompts": 24, "max_new_tokens": 128, "max_batch": 24,
             "point_tokens": [], "point_fractions": [1 / 27, 1 / 9, 1 / 3, 1.0],
             "drafter": {**_DRAFTER, "anchors_per_seq": 32}, "epochs": 1, "batch_size": 8,
-            "lr": 1e-3, "max_len": 384, "eval_max_len": 384, "eval_rows": 20, "seed": 0, "log_every": 5,
+            "lr": 1e-3, "max_len": 384, "eval_max_len": 384, "eval_rows": 20, "anchor_stride": 4, "seed": 0,
+            "log_every": 5,
             "cache_rows_per_shard": 32, "cache_batch": 4, "decode_prompts": 1, "decode_max_new_tokens": 40},
     "gpu": {"target": "smollm2-135m", "device": "cuda", "device_label": "1 GPU", "dtype": "bfloat16", "threads": 8,
             "passes": 64, "chunk_prompts": 2048, "max_new_tokens": 512, "max_batch": 512,
@@ -409,6 +410,7 @@ def cmd_evaluate(args, prof: dict) -> None:
     outs = [TargetOutput(features=f[None], final_hidden=h[None], logits=None, cache=None)
             for f, h in zip(cache.features, cache.final)]
     sp = SamplingParams(temperature=1.0, top_p=1.0, top_k=0)
+    p_cache: dict = {}  # the target's distributions per held-out row, shared by every drafter
     for folder in trained_drafters(out):
         dest = folder / "estimate.json"
         if dest.exists():
@@ -416,8 +418,10 @@ def cmd_evaluate(args, prof: dict) -> None:
         t0 = time.perf_counter()
         drafter = load_drafter(str(folder / "drafter"), target)
         gamma = drafter.config.block_size
-        result = estimate(drafter, target, rows, gamma, sp, max_len=prof["eval_max_len"], target_outs=outs)
-        result["gamma"], result["wall_s"] = gamma, time.perf_counter() - t0
+        stride = prof.get("anchor_stride", 1)
+        result = estimate(drafter, target, rows, gamma, sp, max_len=prof["eval_max_len"], target_outs=outs,
+                          anchor_stride=stride, p_cache=p_cache)
+        result["gamma"], result["wall_s"], result["anchor_stride"] = gamma, time.perf_counter() - t0, stride
         dest.write_text(json.dumps(result, indent=1))
         log(f"{folder.parent.name}/{folder.name}: expected τ {result['alpha']['expected_tau']} "
             f"{result['alpha']['expected_tau_ci95']} (alpha), {result['iw']['expected_tau']} (iw) "
@@ -652,8 +656,9 @@ def plot(report: dict, path: Path) -> None:
 PHASES = {"rollouts": cmd_rollouts, "train": cmd_train, "baselines": cmd_baselines, "evaluate": cmd_evaluate,
           "decode": cmd_decode, "report": cmd_report}
 # `after-rollouts`: everything after the rollouts in ONE process (imports and the target load once), the
-# curve first (train, evaluate) so that it exists even if the baselines or decoding do not finish.
-AFTER_ROLLOUTS = ["train", "evaluate", "report", "baselines", "evaluate", "report", "decode", "report"]
+# curve first (train, evaluate), then real decoding of what exists (DSpark at the largest point: the
+# estimator's check), then the baselines and their decoding; a stop at any point leaves valid results.
+AFTER_ROLLOUTS = ["train", "evaluate", "report", "decode", "report", "baselines", "evaluate", "decode", "report"]
 
 
 def parse_args(argv=None) -> argparse.Namespace:

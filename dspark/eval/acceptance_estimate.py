@@ -69,10 +69,14 @@ def _anchors(model, loss_mask: Tensor, attention_mask: Tensor) -> tuple[Tensor, 
 
 @torch.no_grad()
 def sequence_acceptance(drafter, target, input_ids: Tensor, loss_mask: Tensor, sampling: SamplingParams,
-                        rows_per_chunk: int = 2048, target_out=None) -> SequenceAcceptance:
+                        rows_per_chunk: int = 2048, target_out=None, anchor_stride: int = 1,
+                        p_pos: Tensor | None = None) -> SequenceAcceptance:
     """α, w and the supported pairs for ONE sequence (input_ids, loss_mask: [T]); see the module doc.
     `target_out`: the target's features [1, T, m·d] and final hidden [1, T, d] for this sequence,
-    precomputed (dspark/training/feature_cache.py); None runs the target here."""
+    precomputed (dspark/training/feature_cache.py); None runs the target here. `anchor_stride` k > 1
+    keeps every k-th eligible anchor (a uniform subsample: the estimate stays unbiased, k times cheaper;
+    not for dense-layout drafters such as Eagle3's TTT, which always use every position). `p_pos`: the
+    target's processed distributions [T, V] (`target_probs`), shared between drafters."""
     from dspark.training.loss import supervised_pairs
 
     model = getattr(drafter, "module", drafter)
@@ -84,6 +88,8 @@ def sequence_acceptance(drafter, target, input_ids: Tensor, loss_mask: Tensor, s
     out = target_out if target_out is not None else target.forward(
         ids, attention_mask=attn, layer_ids=model.layer_ids, logits_at=None)
     anchors, valid = _anchors(model, mask, attn)
+    if anchor_stride > 1 and not model.trains_every_position:
+        anchors, valid = anchors[:, ::anchor_stride], valid[:, ::anchor_stride]
     label_pos, select = supervised_pairs(mask, attn, anchors, valid, K)
     if not bool(select.any()):
         empty = torch.zeros(int(valid.sum()), K)
@@ -93,7 +99,9 @@ def sequence_acceptance(drafter, target, input_ids: Tensor, loss_mask: Tensor, s
     draft_ids = getattr(model, "draft_ids", None)
     pos = label_pos[select]  # [M] position of each predicted token; p comes from position pos - 1
     tokens = ids[0, pos]
-    p_pos = to_probs(target.lm_logits(out.final_hidden[0].to(device, target.dtype)).float(), sampling)  # [T, V], once per position
+    if p_pos is None:
+        p_pos = target_probs(target, out.final_hidden[0], sampling)  # [T, V], once per position
+    p_pos = p_pos.to(device, torch.float32)
     p_tok = p_pos[pos - 1, tokens]  # p_k(x_k) of the trajectory token
     if draft_ids is None:
         q_tok = q.gather(1, tokens.unsqueeze(1)).squeeze(1)
@@ -109,6 +117,12 @@ def sequence_acceptance(drafter, target, input_ids: Tensor, loss_mask: Tensor, s
     full_a, full_w = torch.zeros(select.shape, device=device), torch.zeros(select.shape, device=device)
     full_a[select], full_w[select] = alpha, weight
     return SequenceAcceptance(full_a[0][valid[0]].cpu(), full_w[0][valid[0]].cpu(), sel.cpu())
+
+
+@torch.no_grad()
+def target_probs(target, final_hidden: Tensor, sampling: SamplingParams) -> Tensor:
+    """The target's processed next-token distributions [T, V] from its final hidden states [T, d]."""
+    return to_probs(target.lm_logits(final_hidden.to(target.device, target.dtype)).float(), sampling)
 
 
 def _overlap(p_pos: Tensor, q: Tensor, rows: Tensor, start: int, size: int, draft_ids: Tensor | None) -> Tensor:
@@ -175,10 +189,12 @@ def summarize(stats: Sequence[PromptStats], resamples: int = 2000, seed: int = 0
 
 def estimate(drafter, target, rows: Iterable[dict], gamma: int, sampling: SamplingParams,
              estimators: Sequence[str] = ESTIMATORS, group_key: str = "domain", max_len: int | None = None,
-             resamples: int = 2000, target_outs: Sequence | None = None) -> dict:
+             resamples: int = 2000, target_outs: Sequence | None = None, anchor_stride: int = 1,
+             p_cache: dict | None = None) -> dict:
     """rows: dicts with prompt_id, input_ids, loss_mask (+ `group_key`) -> {estimator: summarize(...)}.
     One target and one drafter pass per row; `max_len` cuts long rows. `target_outs`: precomputed
-    target outputs, one per row (already cut to max_len), instead of running the target."""
+    target outputs, one per row (already cut to max_len), instead of running the target. `p_cache`: a
+    dict kept by the caller across drafters, row index -> the target's distributions (bf16)."""
     was_training = drafter.training
     drafter.eval()
     per: dict[str, list[PromptStats]] = {e: [] for e in estimators}
@@ -186,8 +202,14 @@ def estimate(drafter, target, rows: Iterable[dict], gamma: int, sampling: Sampli
         for i, row in enumerate(rows):
             ids = torch.as_tensor(list(row["input_ids"])[:max_len], dtype=torch.long)
             mask = torch.as_tensor(list(row["loss_mask"])[:max_len], dtype=torch.long)
-            acc = sequence_acceptance(drafter, target, ids, mask, sampling,
-                                      target_out=None if target_outs is None else target_outs[i])
+            out = None if target_outs is None else target_outs[i]
+            p = None
+            if p_cache is not None and out is not None:
+                if i not in p_cache:
+                    p_cache[i] = target_probs(target, out.final_hidden[0], sampling).to(torch.bfloat16)
+                p = p_cache[i]
+            acc = sequence_acceptance(drafter, target, ids, mask, sampling, target_out=out,
+                                      anchor_stride=anchor_stride, p_pos=p)
             for e in estimators:
                 per[e].append(prompt_stats(str(row["prompt_id"]), str(row.get(group_key, "")), acc, gamma, e))
     finally:

@@ -120,3 +120,17 @@ def test_estimate_summary_and_bootstrap(target):
         assert set(s["per_group"]) == {"a", "b"} and len(s["acceptance_per_position"]) == 3
     lo, hi = bootstrap_ratio(np.array([2.0, 2.0, 2.0]), np.array([1.0, 1.0, 1.0]), 100)
     assert lo == hi == 2.0  # identical prompts: no spread
+
+
+@torch.no_grad()
+def test_anchor_stride_keeps_every_kth_anchor_unchanged(target):
+    """Blocks attend to the context and to themselves only: a subsample of anchors gives exactly the
+    same per-anchor values (so the strided estimate is an unbiased, cheaper estimate)."""
+    drafter = make_drafter(target)
+    ids = torch.tensor([1, 2, 3] + [(5 * j) % V for j in range(9)])
+    mask = torch.tensor([0, 0, 0] + [1] * 9)
+    full = sequence_acceptance(drafter, target, ids, mask, SP)
+    half = sequence_acceptance(drafter, target, ids, mask, SP, anchor_stride=2)
+    assert half.alpha.shape[0] == (full.alpha.shape[0] + 1) // 2
+    assert torch.allclose(half.alpha, full.alpha[::2], atol=1e-6)
+    assert torch.equal(half.select, full.select[::2])

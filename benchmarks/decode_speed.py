@@ -1,7 +1,7 @@
 """Batch-1 decode speed: target-only vs speculative decoding with each drafter, side by side.
 
     python benchmarks/decode_speed.py --target tiny --quick
-    python benchmarks/decode_speed.py --target smollm2-135m --drafter models:/smollm2-135m-dspark-drafter@latest \
+    python benchmarks/decode_speed.py --target smollm2-135m --drafter models:/smollm2-135m-dspark-drafter@champion \
         --drafter /path/to/dflash_ckpt --prompts 3 --max-new-tokens 128
     python benchmarks/decode_speed.py --target smollm2-135m --algo dspark --algo eagle3   # untrained drafters
 
@@ -28,11 +28,11 @@ import torch
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
-from dspark import metrics  # noqa: E402
-from dspark.evaluation import parse_benchmark  # noqa: E402
-from dspark.sampling import SamplingParams  # noqa: E402
-from dspark.scheduler import PrefixScheduler, SchedulerConfig, profile_sps, target_verify_fn  # noqa: E402
-from dspark.specdec import speculative_generate, target_generate  # noqa: E402
+from dspark.eval import metrics  # noqa: E402
+from dspark.eval.evaluation import parse_benchmark  # noqa: E402
+from dspark.decoding.sampling import SamplingParams  # noqa: E402
+from dspark.decoding.scheduler import PrefixScheduler, SchedulerConfig, profile_sps, target_verify_fn  # noqa: E402
+from dspark.decoding.specdec import speculative_generate, target_generate  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -108,7 +108,7 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    from dspark.target import load_target
+    from dspark.models.target import load_target
 
     t0 = time.perf_counter()
     target = load_target(args.target, device=args.device)

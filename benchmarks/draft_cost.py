@@ -33,11 +33,11 @@ import yaml
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
-from dspark import draft_vocab  # noqa: E402
+from dspark.drafters import draft_vocab  # noqa: E402
 from dspark.drafters import DrafterConfig, build_drafter  # noqa: E402
 from dspark.drafters.base import RowSampling  # noqa: E402
-from dspark.evaluation import parse_benchmark  # noqa: E402
-from dspark.sampling import SamplingParams  # noqa: E402
+from dspark.eval.evaluation import parse_benchmark  # noqa: E402
+from dspark.decoding.sampling import SamplingParams  # noqa: E402
 
 GOAL = 0.25
 
@@ -70,8 +70,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def drafter_config(args) -> dict:
     section = yaml.safe_load(Path(args.drafter_config).read_text()).get("drafter")
-    if not section or section.get("algo", "dspark") != "dspark":
-        raise SystemExit(f"{args.drafter_config} has no dspark `drafter:` section")
+    if not section:
+        raise SystemExit(f"{args.drafter_config} has no `drafter:` section")
     if args.layers:
         section["num_layers"] = args.layers
     return section
@@ -156,7 +156,7 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    from dspark.target import load_target
+    from dspark.models.target import load_target
 
     target = load_target(args.target)
     section = drafter_config(args)

@@ -9,9 +9,9 @@ the device, in one command that fits a single <= 9 minute run on one H200 (model
 No Ray, DeepSpeed or MLflow (a bare accelerator VM has torch + transformers only). Phases, each with
 its own wall-clock budget so the whole run stays inside the limit:
 1. prompts: the synthesis hook (`--synthesis-hook module:function`, default dspark.synthesis, called as
-   fn(target=, limit=, seed=) -> list[pipelines.prompts.Prompt]) when that module exists, else the
+   fn(target=, limit=, seed=) -> list[dspark.data.prompts.Prompt]) when that module exists, else the
    repo's data/train prompts; every prompt sharing content n-grams with an evaluation prompt is
-   dropped (dspark.decontamination);
+   dropped (dspark.data.decontamination);
 2. rollouts: the target answers the prompts (temperature 1, batched, one sampling draw per step for
    the whole batch) until `--rollout-tokens` generated tokens or the rollout budget;
 3. training: the three drafters (configs/train/<target>-<algo>.yaml `drafter:`/`optim:` sections, the
@@ -81,7 +81,7 @@ def load_hook(spec: str):
 
 
 def repo_prompts(limit: int | None) -> list:
-    from pipelines.prompts import PromptSource, load_prompts
+    from dspark.data.prompts import PromptSource, load_prompts
 
     cfg = yaml.safe_load(open("configs/generate/smollm2-135m.yaml"))
     sources = [PromptSource(**{**s, "limit": limit}) for s in cfg["sources"]]
@@ -90,14 +90,14 @@ def repo_prompts(limit: int | None) -> list:
 
 
 def eval_benchmarks(per_benchmark: int | None) -> list:
-    from dspark.evaluation import BenchmarkSpec, load_benchmark
+    from dspark.eval.evaluation import BenchmarkSpec, load_benchmark
 
     return [load_benchmark(BenchmarkSpec(path=f"{name}.jsonl"), "data/eval", per_benchmark) for name in BENCHMARKS]
 
 
 def train_prompts(target, args) -> tuple[list, dict]:
     """Synthesised (hook) or repo prompts, minus those contaminated by ANY evaluation prompt."""
-    from dspark.decontamination import Decontaminator
+    from dspark.data.decontamination import Decontaminator
 
     hook = None if args.synthesis_hook in ("", "none") else load_hook(args.synthesis_hook)
     if hook is not None:
@@ -119,8 +119,8 @@ def fast_engine(target, sampling):
     step, which dominates at batch 1024; training data needs no per-row reproducibility."""
     from transformers import LogitsProcessor
 
-    from dspark.sampling import to_probs
-    from pipelines.rollout_engine import RolloutEngine
+    from dspark.decoding.sampling import to_probs
+    from dspark.data.rollout_engine import RolloutEngine
 
     class BatchSampler(LogitsProcessor):
         def __init__(self, sp, generators):
@@ -139,7 +139,7 @@ def generate_rollouts(target, prompts: list, args, deadline: float) -> list[dict
     """Answer passes over the prompts (pass s: seed s, prompt ids suffixed so rows differ) until
     `--rollout-tokens` generated tokens, `--max-samples` passes or the deadline; batches sorted by
     prompt length (less left padding)."""
-    from pipelines.rollout_engine import SamplingConfig
+    from dspark.data.rollout_engine import SamplingConfig
 
     rows, generated = [], 0
     ordered = sorted(prompts, key=lambda p: sum(len(t) for t in p.turns))
@@ -272,9 +272,9 @@ def evaluate(target, drafters: dict, args, deadline: float) -> dict:
     """τ per benchmark and per-position acceptance at temperature 1, batch-1 tokens/s against
     target-only decoding (same prompts, same seeds, after one warm-up run per mode); prompts are taken
     round-robin over the benchmarks so a deadline cuts every benchmark alike."""
-    from dspark import metrics
-    from dspark.sampling import SamplingParams
-    from dspark.specdec import speculative_generate, target_generate
+    from dspark.eval import metrics
+    from dspark.decoding.sampling import SamplingParams
+    from dspark.decoding.specdec import speculative_generate, target_generate
 
     benches = eval_benchmarks(args.eval_prompts)
     queue = [(b.name, i, target.chat_ids([{"role": "user", "content": b.prompts[i][0]}], add_generation_prompt=True))
@@ -465,7 +465,7 @@ def main(argv=None) -> int:
     if args.unpack:
         unpack(args.out, args.unpack)
         return 0
-    from dspark.target import load_target
+    from dspark.models.target import load_target
     from dspark.training.loop import resolve_precision
 
     t0 = time.time()

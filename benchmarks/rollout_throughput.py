@@ -8,7 +8,7 @@ vary) and the same sampling parameters for the three generators, all in this pro
   sequential  one prompt at a time through `Target.generate` (HF generate, batch 1, KV cache);
   hf_batched  `RolloutEngine(backend="transformers")`: HF generate on fixed left-padded batches of
               --batch-size (the rollout job's previous path);
-  engine      `RolloutEngine(backend="engine")`: dspark.generator continuous batching, up to
+  engine      `RolloutEngine(backend="engine")`: dspark.decoding.generator continuous batching, up to
               --max-batch sequences decoding together, finished ones replaced at once.
 Each generator loads its own copy of the target. Steady state = generated tokens / generation wall
 time (model loading excluded); end to end = generated tokens / (loading + generation).
@@ -50,7 +50,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def pick_prompts(args) -> list:
     """An even mix of the sources, each taken evenly spaced through its file (mixed lengths)."""
-    from pipelines.prompts import PromptSource, load_prompts
+    from dspark.data.prompts import PromptSource, load_prompts
 
     per_source = -(-args.num_prompts // len(args.sources))
     picked = []
@@ -79,7 +79,7 @@ def _dtype(args) -> str:
 def _load(args):
     import torch
 
-    from dspark.target import load_target
+    from dspark.models.target import load_target
 
     dtype = _dtype(args)
     t0 = time.perf_counter()
@@ -101,8 +101,8 @@ def run_sequential(args, prompts) -> dict:
 
 
 def run_rollout_engine(args, prompts, backend: str) -> dict:
-    from dspark.generator import GeneratorConfig
-    from pipelines.rollout_engine import RolloutEngine, SamplingConfig
+    from dspark.decoding.generator import GeneratorConfig
+    from dspark.data.rollout_engine import RolloutEngine, SamplingConfig
 
     target, load_s, _ = _load(args)
     sampling = SamplingConfig(temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
@@ -133,7 +133,7 @@ def _ratios(runs: dict, key: str) -> dict:
 def main(argv=None) -> dict:
     import torch
 
-    from dspark import models_builtin
+    from dspark.models import builtin as models_builtin
 
     args = parse_args(argv)
     torch.set_num_threads(args.threads)

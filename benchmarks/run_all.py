@@ -44,7 +44,7 @@ class ScriptArgs:
 # Full settings use the smollm2-135m drafters registered by `python -m jobs.demo --profile full` (or
 # the configs/train/smollm2-135m-*.yaml runs), found through MLflow (the stack's .dspark/env.sh).
 TRAINED = [arg for algo in ("dspark", "dflash", "eagle3")
-           for arg in ("--drafter", f"models:/smollm2-135m-{algo}-drafter@latest")]
+           for arg in ("--drafter", f"models:/smollm2-135m-{algo}-drafter@champion")]
 SCRIPT_ARGS: dict[str, ScriptArgs] = {
     "decode_speed": ScriptArgs(full=["--target", "smollm2-135m", *TRAINED, "--prompts", "3",
                                      "--max-new-tokens", "128"],

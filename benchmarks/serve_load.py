@@ -2,7 +2,7 @@
 
     python benchmarks/serve_load.py                                  # smollm2-135m + its trained DSpark drafter
     python benchmarks/serve_load.py --drafter /path/to/drafter_dir   # any drafter reference
-    python benchmarks/serve_load.py --tiny [--drafter models:/tiny-dspark-drafter@latest]
+    python benchmarks/serve_load.py --tiny [--drafter models:/tiny-dspark-drafter@champion]
     python benchmarks/serve_load.py --quick                          # tiny target, few requests (minutes)
 
 For each scheduler mode (off / fixed / threshold / dynamic) the app is (re)deployed on a local Ray
@@ -17,6 +17,12 @@ per-user tokens/s (mean over requests of completion tokens / request latency), m
 (drafts verified per request per round, from the responses' spec_decode), τ (mean accepted length)
 and the engine's mean tokens per verify forward (B). A PNG plots aggregate vs per-user speed, one
 line per mode (the paper's Fig. 7). The last stdout line is one JSON object.
+
+With --interleave every mode is deployed at once (one Serve app per mode, each at /<mode>; the idle
+ones wait without using the CPUs) and each concurrency level runs in `--requests-per-user` rounds: in
+each round every user sends one request to each mode in turn, the order of the modes reversed from one
+round to the next (ABBA). On a machine shared with other work a drift in background load then hits
+every mode alike instead of whichever mode happened to run last; a mode's figures sum its rounds.
 
 With --quick and no --drafter (or when the tiny drafter cannot be resolved), an untrained DSpark
 drafter is built: τ ≈ 1, so the numbers only exercise the machinery (expect dynamic ≈ off there).
@@ -37,8 +43,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
 MODES = ("off", "fixed", "threshold", "dynamic")
-DEFAULT_DRAFTER = {"smollm2-135m": "models:/smollm2-135m-dspark-drafter@latest",
-                   "tiny": "models:/tiny-dspark-drafter@latest"}
+DEFAULT_DRAFTER = {"smollm2-135m": "models:/smollm2-135m-dspark-drafter@champion",
+                   "tiny": "models:/tiny-dspark-drafter@champion"}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -59,6 +65,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--out", default="results/serve_load", help="directory for the PNG and the JSON")
     ap.add_argument("--no-draft-gate", action="store_true",
                     help="dynamic mode without the draft gate (Algorithm 1 alone: always draft)")
+    ap.add_argument("--interleave", action="store_true",
+                    help="deploy all modes at once and alternate them round by round within each level (shared machines)")
+    ap.add_argument("--sps-max-batch", type=int, default=512,
+                    help="largest verify batch profiled for the SPS table (the table extrapolates beyond it)")
     ap.add_argument("--quick", action="store_true", help="tiny target, 24 tokens, 1 request per user")
     args = ap.parse_args(argv)
     if args.quick or args.tiny:
@@ -70,7 +80,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 # ---- prompts and the drafter ------------------------------------------------------------------------------
 def load_prompts(data_dir: str) -> list[str]:
-    from dspark.evaluation import parse_benchmark
+    from dspark.eval.evaluation import parse_benchmark
 
     files = sorted(Path(data_dir).glob("*.jsonl")) if Path(data_dir).is_dir() else []
     prompts = [turns[0] for f in files for turns in parse_benchmark(f.read_text(), str(f))]
@@ -95,7 +105,7 @@ def resolve_drafter(args) -> tuple[str, str]:
     import torch
 
     from dspark.drafters import DrafterConfig, build_drafter, save_drafter
-    from dspark.target import load_target
+    from dspark.models.target import load_target
 
     torch.manual_seed(0)
     drafter = build_drafter(DrafterConfig(algo="dspark", block_size=args.gamma or 4, num_layers=1),
@@ -106,7 +116,10 @@ def resolve_drafter(args) -> tuple[str, str]:
 
 
 # ---- deployment ------------------------------------------------------------------------------------------
-def serve_config(args, drafter_dir: str, mode: str, max_users: int):
+def serve_config(args, drafter_dir: str, mode: str, max_users: int, replicas_at_once: int = 1):
+    """One mode's app. With `replicas_at_once` > 1 (--interleave) the app is named after its mode and
+    reserves its share of the local Ray's CPUs (a logical reservation: each replica still runs
+    `num_cpus` torch threads, and only one of them is under load at a time)."""
     from dspark.serve.config import ServeConfig
 
     return ServeConfig.model_validate({
@@ -115,14 +128,17 @@ def serve_config(args, drafter_dir: str, mode: str, max_users: int):
                                  "draft_gate": mode == "dynamic" and not args.no_draft_gate}, "gamma": args.gamma,
                    "max_batch": max_users, "max_waiting": 4 * max_users, "max_model_len": 2048,
                    "sps_repeats": 1 if args.quick else 3,
-                   "sps_batch_sizes": [1, 2, 4, 8, 16, 32, 64, 128, 256, 512][: 8 if args.quick else 10]},
+                   "sps_batch_sizes": [b for b in [1, 2, 4, 8, 16, 32, 64, 128, 256, 512][: 8 if args.quick else 10]
+                                       if b <= args.sps_max_batch]},
         "api": {"max_tokens_limit": max(args.max_tokens, 16), "api_key_env": "DSPARK_BENCH_UNUSED_KEY"},
-        "deployment": {"name": "dspark-bench", "num_cpus": args.num_cpus, "torch_threads": args.num_cpus,
+        "deployment": {"name": "dspark-bench" if replicas_at_once == 1 else f"dspark-bench-{mode}",
+                       "num_cpus": args.num_cpus / replicas_at_once, "torch_threads": args.num_cpus,
                        "max_ongoing_requests": 8 * max_users, "max_queued_requests": 8 * max_users},
     })
 
 
-def deploy(cfg, url: str) -> dict:
+def deploy(cfg, url: str, route_prefix: str = "/") -> dict:
+    """Deploy one app at `route_prefix` (`url` is the app's base URL) and wait until it serves."""
     from ray import serve
 
     from dspark.io.http import wait_healthy
@@ -131,7 +147,7 @@ def deploy(cfg, url: str) -> dict:
 
     if cfg.deployment.name in serve.status().applications:  # free the CPUs before the next replica starts
         serve.delete(cfg.deployment.name)
-    serve.run(deployment_for(cfg), name=cfg.deployment.name, route_prefix="/", blocking=False)
+    serve.run(deployment_for(cfg), name=cfg.deployment.name, route_prefix=route_prefix, blocking=False)
     mode = cfg.engine.scheduler.mode
     try:
         return wait_healthy(f"{url}/healthz", 900, ready=lambda resp: resp.json().get("mode") == mode).json()
@@ -140,14 +156,22 @@ def deploy(cfg, url: str) -> dict:
 
 
 # ---- closed-loop load --------------------------------------------------------------------------------------
-async def closed_loop(url: str, prompts: list[str], users: int, per_user: int, max_tokens: int) -> dict:
+async def closed_loop(url: str, prompts: list[str], users: int, per_user: int, max_tokens: int,
+                      first: int = 0) -> dict:
+    """Summary of one closed-loop load (see summarize)."""
+    return summarize(*await load_once(url, prompts, users, per_user, max_tokens, first), users)
+
+
+async def load_once(url: str, prompts: list[str], users: int, per_user: int, max_tokens: int, first: int = 0):
+    """(records, errors, wall, stats before, stats after) of `users` users each sending `per_user`
+    requests back to back; user u's k-th request uses prompt u * per_user + k + first."""
     import httpx
 
     records, errors = [], []
 
     async def user(u: int, client: httpx.AsyncClient) -> None:
         for k in range(per_user):
-            prompt = prompts[(u * per_user + k) % len(prompts)]
+            prompt = prompts[(u * per_user + k + first) % len(prompts)]
             body = {"model": "bench", "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
                     "temperature": 1.0, "ignore_eos": True}
             t0 = time.perf_counter()
@@ -166,10 +190,29 @@ async def closed_loop(url: str, prompts: list[str], users: int, per_user: int, m
         await asyncio.gather(*(user(u, client) for u in range(users)))
         wall = time.perf_counter() - t0
         after = (await client.get("/v1/stats")).json()["totals"]
-    return summarize(records, errors, wall, users, before, after)
+    return records, errors, wall, before, after
 
 
-def summarize(records: list[dict], errors: list[str], wall: float, users: int, before: dict, after: dict) -> dict:
+def interleaved_level(args, urls: dict[str, str], prompts: list[str], modes: list[str], users: int) -> list[dict]:
+    """--interleave: `requests_per_user` rounds of one request per user for each mode, the mode order
+    reversed every round (ABBA); each mode's rounds are summed (wall times add up, the engine's
+    counters span its first to last round: its own engine served nothing else meanwhile)."""
+    raw = {m: ([], [], 0.0, None, None) for m in modes}
+    for k in range(args.requests_per_user):
+        for mode in (modes if k % 2 == 0 else modes[::-1]):
+            records, errors, wall, before, after = asyncio.run(load_once(urls[mode], prompts, users, 1,
+                                                                         args.max_tokens, first=k * users))
+            r = raw[mode]
+            raw[mode] = (r[0] + records, r[1] + errors, r[2] + wall, r[3] or before, after)
+    rows = []
+    for mode in modes:
+        row = {"mode": mode, **summarize(*raw[mode], users), "rounds": args.requests_per_user}
+        print_row(row)
+        rows.append(row)
+    return rows
+
+
+def summarize(records: list[dict], errors: list[str], wall: float, before: dict, after: dict, users: int) -> dict:
     tokens = sum(r["tokens"] for r in records)
     rounds = sum(r["rounds"] for r in records)
     verified = sum(r["draft_tokens_verified"] for r in records)
@@ -216,6 +259,21 @@ def plot(results: list[dict], path: Path, title: str) -> str:
     return str(path)
 
 
+def run_level(args, url: str, prompts: list[str], mode: str, users: int) -> dict:
+    row = {"mode": mode, **asyncio.run(closed_loop(url, prompts, users, args.requests_per_user, args.max_tokens))}
+    print_row(row)
+    return row
+
+
+def print_row(row: dict) -> None:
+    mode, users = row["mode"], row["concurrency"]
+    print(f"[serve_load] {mode:>9} c={users:<3} agg {row['agg_tokens_per_s'] or 0:7.1f} tok/s  "
+          f"per-user {row['per_user_tokens_per_s'] or 0:6.2f} tok/s  budget "
+          f"{row['mean_verify_budget'] if row['mean_verify_budget'] is not None else float('nan'):.2f}  "
+          f"tau {row['mean_accepted_length'] or float('nan'):.2f}  "
+          f"skipped {row['draft_skipped_step_fraction'] or 0:.2f}  errors {row['errors']}", file=sys.stderr, flush=True)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -242,19 +300,22 @@ def main(argv=None) -> int:
     url = f"http://127.0.0.1:{port}"
     results, tables = [], {}
     try:
-        for mode in modes:
-            health = deploy(serve_config(args, drafter_dir, mode, max(levels)), url)
-            tables[mode] = health.get("sps_table")
-            asyncio.run(closed_loop(url, prompts, 2, 1, min(8, args.max_tokens)))  # warm-up
+        if args.interleave:
+            urls = {}
+            for mode in modes:
+                urls[mode] = f"{url}/{mode}"
+                health = deploy(serve_config(args, drafter_dir, mode, max(levels), len(modes)), urls[mode], f"/{mode}")
+                tables[mode] = health.get("sps_table")
+                asyncio.run(closed_loop(urls[mode], prompts, 2, 1, min(8, args.max_tokens)))  # warm-up
             for users in levels:
-                row = {"mode": mode, **asyncio.run(closed_loop(url, prompts, users, args.requests_per_user,
-                                                               args.max_tokens))}
-                results.append(row)
-                print(f"[serve_load] {mode:>9} c={users:<3} agg {row['agg_tokens_per_s'] or 0:7.1f} tok/s  "
-                      f"per-user {row['per_user_tokens_per_s'] or 0:6.2f} tok/s  budget "
-                      f"{row['mean_verify_budget'] if row['mean_verify_budget'] is not None else float('nan'):.2f}  "
-                      f"tau {row['mean_accepted_length'] or float('nan'):.2f}  errors {row['errors']}",
-                      file=sys.stderr, flush=True)
+                results += interleaved_level(args, urls, prompts, modes, users)
+        else:
+            for mode in modes:
+                health = deploy(serve_config(args, drafter_dir, mode, max(levels)), url)
+                tables[mode] = health.get("sps_table")
+                asyncio.run(closed_loop(url, prompts, 2, 1, min(8, args.max_tokens)))  # warm-up
+                for users in levels:
+                    results.append(run_level(args, url, prompts, mode, users))
     finally:
         serve.shutdown()
         import ray
@@ -263,17 +324,20 @@ def main(argv=None) -> int:
     out = Path(args.out)
     png = plot(results, out / "serve_load.png",
                f"{args.target} + {drafter_label}: closed-loop load, {args.max_tokens} tokens/request")
-    best_other = {}
+    best_other, vs_off = {}, {}
     for users in levels:
         by_mode = {r["mode"]: r["agg_tokens_per_s"] or 0.0 for r in results if r["concurrency"] == users}
         if "dynamic" in by_mode:
             others = {m: v for m, v in by_mode.items() if m != "dynamic"}
             best_other[str(users)] = {"dynamic": by_mode["dynamic"], "best_other": max(others.values(), default=None),
                                       "best_other_mode": max(others, key=others.get) if others else None}
+            if by_mode.get("off"):
+                vs_off[str(users)] = by_mode["dynamic"] / by_mode["off"]  # the "never slower" ratio (>= 0.95 wanted)
     report = {"benchmark": "serve_load", "target": args.target, "drafter": drafter_label, "modes": modes,
               "concurrency": levels, "max_tokens": args.max_tokens, "requests_per_user": args.requests_per_user,
-              "num_cpus": args.num_cpus, "sps_tables": tables, "results": results,
-              "dynamic_vs_best_other": best_other, "plot": png}
+              "num_cpus": args.num_cpus, "interleave": args.interleave, "draft_gate": not args.no_draft_gate,
+              "sps_tables": tables, "results": results, "dynamic_vs_best_other": best_other,
+              "dynamic_over_off": vs_off, "plot": png}
     (out / "serve_load.json").write_text(json.dumps(report, indent=2))
     print(json.dumps(report))
     return 0

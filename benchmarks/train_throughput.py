@@ -69,7 +69,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def vocab_size(target: str) -> int:
     from transformers import AutoConfig
 
-    from dspark import models_builtin
+    from dspark.models import builtin as models_builtin
 
     path = models_builtin.prepare(target) if target in models_builtin.BUILTIN else target
     return int(AutoConfig.from_pretrained(path).vocab_size)
@@ -89,19 +89,20 @@ def write_rollouts(path: str, rows: int, seq_len: int, vocab: int, seed: int = 0
     return path
 
 
-def stage_config(args, stage: int, rollouts: str, storage: str, cpus_per_worker: float):
-    from dspark.config import load_config
-    from dspark.training.config import TrainJobConfig
+def stage_overrides(args, stage: int, rollouts: str, storage: str, cpus_per_worker: float) -> list[str]:
+    """`--set` overrides of one ZeRO stage's jobs.train run (the job is run as users run it: a subprocess
+    attached to this benchmark's Ray)."""
+    import ray
 
     global_batch = args.micro_batch * args.workers * args.accum
-    overrides = [f"run_name=bench-zero{stage}-{uuid.uuid4().hex[:8]}", f"data.rollouts={rollouts}",
-                 f"data.max_seq_len={args.seq_len}", f"optim.micro_batch_size={args.micro_batch}",
-                 f"optim.global_batch_size={global_batch}", f"optim.max_steps={args.steps}", "optim.warmup_ratio=0",
-                 f"deepspeed.zero_stage={stage}", f"scaling.num_workers={args.workers}",
-                 f"scaling.use_gpu={str(args.gpu).lower()}", f"scaling.cpus_per_worker={cpus_per_worker}",
-                 f"checkpoint.storage_path={storage}", f"checkpoint.every_steps={args.steps}",
-                 "checkpoint.max_failures=0", "tracking.enabled=false", "fault=null"]
-    return load_config(TrainJobConfig, REPO_ROOT / args.config, overrides)
+    return [f"run_name=bench-zero{stage}-{uuid.uuid4().hex[:8]}", f"data.rollouts={rollouts}",
+            f"data.max_seq_len={args.seq_len}", f"optim.micro_batch_size={args.micro_batch}",
+            f"optim.global_batch_size={global_batch}", f"optim.max_steps={args.steps}", "optim.warmup_ratio=0",
+            f"deepspeed.zero_stage={stage}", f"scaling.num_workers={args.workers}",
+            f"scaling.use_gpu={str(args.gpu).lower()}", f"scaling.cpus_per_worker={cpus_per_worker}",
+            f"checkpoint.storage_path={storage}", f"checkpoint.every_steps={args.steps}",
+            "checkpoint.max_failures=0", "tracking.enabled=false", "fault=null",
+            f"ray.address={ray.get_runtime_context().gcs_address}"]
 
 
 def cpus_per_worker(args) -> float:
@@ -113,11 +114,15 @@ def cpus_per_worker(args) -> float:
 
 
 def measure(args, stage: int, rollouts: str, workdir: str, cpus: float) -> dict:
-    from jobs.train import run
+    import subprocess
 
-    cfg = stage_config(args, stage, rollouts, os.path.join(workdir, f"ckpt-{stage}"), cpus)
+    overrides = stage_overrides(args, stage, rollouts, os.path.join(workdir, f"ckpt-{stage}"), cpus)
+    cmd = [sys.executable, "-m", "jobs.train", "--config", str(REPO_ROOT / args.config)]
+    for item in overrides:
+        cmd += ["--set", item]
     start = time.perf_counter()
-    summary = run(cfg)
+    done = subprocess.run(cmd, cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True, check=True)
+    summary = json.loads(done.stdout.strip().splitlines()[-1])  # the job's summary: its last stdout line
     m = summary["metrics"]
     tokens_per_s = float(m.get("mean_tokens_per_s", m.get("tokens_per_s", 0.0)))
     tokens_per_step = float(m.get("tokens", 0.0))
@@ -185,7 +190,7 @@ def compare(args) -> dict:
     import torch
 
     from dspark.config import load_config
-    from dspark.target import load_target
+    from dspark.models.target import load_target
     from dspark.training.loop import resolve_precision
     from dspark.training.config import TrainJobConfig
 

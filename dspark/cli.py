@@ -42,7 +42,7 @@ def _stack_status(args) -> int:
 
 
 def _target_prepare(args) -> int:
-    from dspark.target import load_target
+    from dspark.models.target import load_target
 
     target = load_target(args.name)
     path = getattr(target.model, "name_or_path", "") or getattr(target.model.config, "_name_or_path", "")
@@ -53,7 +53,8 @@ def _target_prepare(args) -> int:
 def _export(args) -> int:
     from dspark.export import export_ref
 
-    print(export_ref(args.ref, args.out, args.format, target=args.target, verifier=args.verifier))
+    print(export_ref(args.ref, args.out, args.format, target=args.target, verifier=args.verifier, dtype=args.dtype,
+                     portable=args.portable))
     return 0
 
 
@@ -113,10 +114,16 @@ def build_parser() -> argparse.ArgumentParser:
     export = groups.add_parser("export", help="write a drafter in a serving engine's checkpoint layout")
     export.add_argument("--format", required=True, choices=("speculators", "vllm", "sglang"),
                         help="vllm: vLLM's speculators loaders; speculators: the speculators library; "
-                             "sglang: SGLang's Eagle3/DFlash loaders")
+                             "sglang: SGLang's Eagle3/DFlash/DSpark loaders")
     export.add_argument("--target", default=None, help="target spec to load (default: the one the checkpoint names)")
     export.add_argument("--verifier", default=None,
-                        help="verifier name_or_path written into the config (default: the target's hub id or dir)")
+                        help="verifier name_or_path written into the config (default: the target's hub id or dir; "
+                             "a local dir is warned about: another machine cannot open it)")
+    export.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"),
+                        help="weight dtype of the export (recorded as torch_dtype in config.json)")
+    export.add_argument("--portable", action="store_true",
+                        help="refuse to write an export that names its verifier by a path on this machine "
+                             "(requires --verifier with a hub id)")
     export.add_argument("ref", help="drafter: a local dir, s3://..., runs:/<run>/<path> or "
                                     "models:/<name>/<version|@alias>")
     export.add_argument("out", help="output directory (local or s3://)")

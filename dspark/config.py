@@ -6,8 +6,9 @@ applies the overrides and validates. Errors name the offending key and how to fi
 from __future__ import annotations
 
 import json
+import posixpath
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Callable, TypeVar
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -85,22 +86,43 @@ def validate_config(model: type[M], data: dict, source: str = "") -> M:
         raise ConfigError(_format_validation_error(err, source)) from None
 
 
-def read_yaml(path: str | Path) -> dict:
-    from dspark.io import storage  # local import: storage pulls optional S3 deps
+BASE_KEY = "base"  # a config file may name the file(s) it extends: `base: smollm2-135m.yaml`
 
+
+def read_yaml(path: str | Path, read_text: Callable[[str], str] | None = None, _seen: tuple = ()) -> dict:
+    """A config file as a mapping, its `base:` file(s) (relative to it, read first, in order) merged
+    under it key by key (mappings merge, anything else is replaced). `read_text` reads other sources
+    (the jobs pass dspark.io.storage.read_text for s3:// configs); default: the local file."""
+    path = str(path)
+    if path in _seen:
+        raise ConfigError(f"config files extend each other in a loop: {' -> '.join(_seen + (path,))}")
     try:
-        text = storage.read_text(str(path))
+        text = read_text(path) if read_text else Path(path).read_text()
     except FileNotFoundError:
         raise ConfigError(f"config file not found: {path}") from None
     data = yaml.safe_load(text) or {}
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path} must hold a mapping at the top level")
-    return data
+    bases = data.pop(BASE_KEY, None) or []
+    merged: dict = {}
+    for base in [bases] if isinstance(bases, str) else bases:
+        base_path = base if "://" in base or base.startswith("/") else posixpath.join(posixpath.dirname(path), base)
+        merged = deep_merge(merged, read_yaml(base_path, read_text, _seen + (path,)))
+    return deep_merge(merged, data)
 
 
-def load_config(model: type[M], path: str | Path | None = None, overrides: list[str] | None = None) -> M:
-    """Load YAML (optional), apply dotted overrides, validate into `model`."""
-    data = read_yaml(path) if path else {}
+def deep_merge(base: dict, overlay: dict) -> dict:
+    """`overlay` over `base`: nested mappings merge key by key; lists and scalars replace."""
+    out = dict(base)
+    for key, value in overlay.items():
+        out[key] = deep_merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def load_config(model: type[M], path: str | Path | None = None, overrides: list[str] | None = None,
+                read_text: Callable[[str], str] | None = None) -> M:
+    """Load YAML (optional; `base:` files merged under it), apply dotted overrides, validate into `model`."""
+    data = read_yaml(path, read_text) if path else {}
     data = apply_overrides(data, overrides)
     return validate_config(model, data, source=str(path or "<defaults>"))
 

@@ -1,11 +1,11 @@
 """Calibrate a DSpark drafter's confidence head with Sequential Temperature Scaling (paper §3.2.1).
 
-    python -m jobs.calibrate --config configs/calibrate/tiny.yaml [--set drafter=models:/x@latest ...]
+    python -m jobs.calibrate --config configs/calibrate/tiny.yaml [--set drafter=models:/x@champion ...]
 
 1. Decode held-out prompts (rows with split == "holdout" of a jobs.generate output, or a
    {"turns": [...]} JSONL file) with real speculative decoding, every draft verified, the drafter's
    calibration switched off: each round gives raw confidences c_1..c_γ and its accepted length.
-2. Fit T_1..T_γ left to right (dspark.calibration.fit_sts: ECE of the cumulative product).
+2. Fit T_1..T_γ left to right (dspark.eval.calibration.fit_sts: ECE of the cumulative product).
 3. Save a NEW drafter checkpoint with the temperatures under `output`/drafter (the source is never
    written), log it to MLflow and, when the source is a registered model (or `registered_model` is
    set), register it as a new version with `aliases`.
@@ -23,9 +23,9 @@ import tempfile
 import numpy as np
 from pydantic import Field, field_validator, model_validator
 
-from dspark import calibration as cal
-from dspark import evaluation as ev
-from dspark import metrics
+from dspark.eval import calibration as cal
+from dspark.eval import evaluation as ev
+from dspark.eval import metrics
 from dspark.config import StrictModel
 from pipelines.ray_cluster import init_ray
 from jobs.common import load_job_config, tracked_run
@@ -76,7 +76,7 @@ class CalibrateConfig(StrictModel):
 # ---- held-out prompts ------------------------------------------------------------------------------
 def rollout_prompts(uri: str, split: str) -> list[tuple[str | None, list[str]]]:
     """(system, user turns) of every rollout row in `split`."""
-    from pipelines.rollout_store import read_rollouts
+    from dspark.data.rollout_store import read_rollouts
 
     rows = read_rollouts(uri).to_pylist()
     if not rows:
@@ -173,7 +173,7 @@ def log_report(paths: dict[str, str], result: cal.STSResult, n_rounds: int) -> N
 
 
 def publish_drafter(drafter, new_uri: str, tmp: str, run_id: str | None, model_name: str | None,
-                    aliases: list[str], source: str) -> dict | None:
+                    aliases: list[str], source: str, tau: float | None = None) -> dict | None:
     """Save the calibrated drafter to `new_uri`, log it to the run and register it (with its engine
     exports attached); returns the registration."""
     import shutil
@@ -191,13 +191,16 @@ def publish_drafter(drafter, new_uri: str, tmp: str, run_id: str | None, model_n
         if model_name:
             log.warning("tracking is disabled: the calibrated drafter was not registered as %s", model_name)
         return None
-    from dspark.io import tracking
+    from dspark.io import registry, tracking
 
     tracking.log_artifact(saved, DRAFTER_NAME)
     version = None
     if model_name:
-        version = tracking.register_model_version(run_id, model_name, DRAFTER_NAME, aliases,
-                                                  description=f"STS-calibrated from {source}")
+        from dspark.io.drafter_model import version_tags
+
+        version = registry.publish_drafter(run_id, model_name, saved, aliases,
+                                           description=f"STS-calibrated from {source}",
+                                           tags=version_tags(saved, tau, "calibration decode (mean accepted + 1)"))
     export.attach_exports(drafter, run_id, model_name, version)  # engine layouts, tagged on the version
     return {"name": model_name, "aliases": aliases, "version": version} if model_name else None
 
@@ -216,7 +219,7 @@ def log_calibration_data(data: CalibrationData) -> None:
 def run(cfg: CalibrateConfig) -> dict:
     from dspark.io import storage
     from dspark.io.drafter_source import load_drafter_ref, local_dir, resolve_ref
-    from dspark.target import load_target
+    from dspark.models.target import load_target
 
     storage.check_writable(cfg.output)
     new_uri = storage.join(cfg.output, DRAFTER_NAME)
@@ -248,7 +251,8 @@ def run(cfg: CalibrateConfig) -> dict:
                 "prompts": len(prompts), "rounds": len(rounds), "failed_prompts": [c.error for c in convs if c.error],
                 "mlflow_run_id": run_id}
         with tempfile.TemporaryDirectory(prefix="dspark-calib-") as tmp:
-            info["registered"] = publish_drafter(drafter, new_uri, tmp, run_id, model_name, cfg.aliases, pinned.uri)
+            info["registered"] = publish_drafter(drafter, new_uri, tmp, run_id, model_name, cfg.aliases, pinned.uri,
+                                                 metrics.summarize(rounds)["tau"] if rounds else None)
             paths = write_report(result, curves, info, tmp, cfg.n_bins)
             for name, path in paths.items():
                 with open(path, "rb") as f:

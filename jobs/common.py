@@ -36,7 +36,9 @@ def load_job_config(model: type[M], argv: list[str] | None, description: str) ->
     """Parse `--config/--set` and validate; a bad config exits with its one-line message."""
     args = parse_args(description, argv)
     try:
-        return load_config(model, args.config, args.overrides)
+        from dspark.io import storage
+
+        return load_config(model, args.config, args.overrides, read_text=storage.read_text)
     except ConfigError as err:
         sys.exit(f"error: {err}")
 

@@ -19,6 +19,9 @@ JOB_CONFIGS = [
     ("jobs.calibrate", "CalibrateConfig", "python -m jobs.calibrate"),
     ("jobs.evaluate", "EvalConfig", "python -m jobs.evaluate"),
     ("jobs.serve", "ServeJobConfig", "python -m jobs.serve"),
+    ("jobs.drift", "DriftConfig", "python -m jobs.drift"),
+    ("jobs.retrain_data", "RetrainDataConfig", "python -m jobs.retrain_data"),
+    ("jobs.promote", "PromoteConfig", "python -m jobs.promote"),
 ]
 
 

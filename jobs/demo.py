@@ -29,7 +29,7 @@ import sys
 import time
 from pathlib import Path
 
-from dspark import report
+from dspark.eval import report
 from dspark.io.lineage import write_runtime_env
 from dspark.settings import settings
 from jobs.demo_runner import (JOB_PREFIX, PROFILES, REPO, RUNTIME_ENV, SERVE_PORT, Demo, DemoError, banner,
@@ -46,7 +46,7 @@ STEPS = ("generate", "train", "calibrate", "evaluate", "serve", "chat")
 
 
 def check_disk(demo: Demo) -> None:
-    from dspark.models_builtin import cache_root
+    from dspark.models.builtin import cache_root
 
     for where in {demo.state_dir.parent, cache_root()}:
         probe = next((p for p in [where, *where.parents] if p.exists()), Path("/"))
@@ -111,7 +111,7 @@ def stack_up(demo: Demo, cfg, was_healthy: bool) -> None:
 
 
 def prepare_target(demo: Demo) -> None:
-    from dspark.models_builtin import cache_root, prepare
+    from dspark.models.builtin import cache_root, prepare
 
     banner(f"target {demo.profile.target!r} — built/converted once into the model cache")
     start = time.monotonic()

@@ -56,12 +56,10 @@ def registered_version(stage: dict) -> str | None:
     reg = (stage.get("summary") or {}).get("registered_model") or {}
     if not reg.get("name") or not reg.get("version"):
         return None
-    try:
-        from mlflow import MlflowClient
+    from dspark.io import registry
 
-        MlflowClient().get_model_version(reg["name"], str(reg["version"]))
-    except Exception:  # noqa: BLE001 — registry wiped or unreachable: the stage must run again
-        return None
+    if not registry.model_version_exists(reg["name"], reg["version"]):
+        return None  # registry wiped or unreachable: the stage must run again
     return f"models:/{reg['name']}/{reg['version']}"
 
 

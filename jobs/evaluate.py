@@ -2,7 +2,7 @@
 
     python -m jobs.evaluate --config configs/eval/tiny.yaml [--set decode.max_new_tokens=64 ...]
     python -m jobs.evaluate --config configs/eval/smollm2-135m.yaml \
-        --set 'drafters=[{ref: "models:/drafter-dspark@latest"}, {ref: "runs:/<id>/drafter", name: dflash}]'
+        --set 'drafters=[{ref: "models:/drafter-dspark@champion"}, {ref: "runs:/<id>/drafter", name: dflash}]'
 
 Each prompt is decoded target-only (the speedup baseline) and with every drafter, on the same worker
 back to back; prompts are spread over a pool of Ray actors (`workers.num_workers`, 0 = in this
@@ -23,8 +23,8 @@ from typing import Literal, Sequence
 
 from pydantic import Field, field_validator
 
-from dspark import evaluation as ev
-from dspark import report
+from dspark.eval import evaluation as ev
+from dspark.eval import report
 from dspark.config import StrictModel, config_to_dict
 from pipelines.ray_cluster import init_ray
 from jobs.common import load_job_config, tracked_run
@@ -72,7 +72,7 @@ class EvalConfig(StrictModel):
     @field_validator("drafters", mode="before")
     @classmethod
     def _refs(cls, value):
-        """Accept bare references: drafters: [path1, "models:/x@latest"]."""
+        """Accept bare references: drafters: [path1, "models:/x@champion"]."""
         if isinstance(value, (str, dict)):
             value = [value]
         return [{"ref": v} if isinstance(v, str) else v for v in value or []]
@@ -213,10 +213,11 @@ def sweep_plan(cfg: EvalConfig, infos: dict[str, dict]) -> dict[str, list[float]
 
 def run(cfg: EvalConfig) -> dict:
     from dspark.io import storage
-    from dspark.target import load_target
+    from dspark.models.target import load_target
 
     storage.check_writable(cfg.output)  # fail fast, before any decoding
-    benchmarks, problems = ev.load_benchmarks(cfg.benchmarks, cfg.benchmark_dir, cfg.max_prompts_per_benchmark)
+    benchmarks, problems = ev.load_benchmarks(cfg.benchmarks, cfg.benchmark_dir, cfg.max_prompts_per_benchmark,
+                                              read_text=storage.read_text)
     target = load_target(cfg.target)
     infos = load_drafter_infos(cfg.drafters, target)
     del target  # the workers load their own

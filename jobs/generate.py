@@ -5,7 +5,7 @@
 
 Runs against the Ray cluster in $RAY_ADDRESS (or `ray.address`), else a local Ray on 127.0.0.1.
 Rerunning the same command resumes an interrupted run (and continues its MLflow run).
-The output layout and row schema are documented in pipelines/schema.py.
+The output layout and row schema are documented in dspark/data/schema.py.
 """
 from __future__ import annotations
 
@@ -17,13 +17,13 @@ from pathlib import Path
 
 from pydantic import Field
 
-from dspark import report
+from dspark.eval import report
 from dspark.config import RayConfig, TrackingConfig
 from dspark.io.storage import StorageError
 from dspark.io.tracking import TrackingError
 from jobs.common import load_job_config, resumable_stage_run
 from pipelines.rollout import RolloutConfig, RolloutResult, run_rollouts
-from pipelines.rollout_store import read_rollouts
+from dspark.data.rollout_store import read_rollouts
 
 
 class GenerateConfig(RolloutConfig):

@@ -10,7 +10,7 @@ blocks until Ctrl-C / SIGTERM and removes the app — or, with --detach, leaves 
 cluster (`serve status` / `serve shutdown` manage it; detaching needs a cluster that outlives this
 process, i.e. a ray.address). For `serve deploy` use infra/serve/serve_config.yaml.
 
-Every key is documented in dspark/serve/config.py (ServeConfig) and dspark/engine.py (EngineConfig).
+Every key is documented in dspark/serve/config.py (ServeConfig) and dspark/decoding/engine.py (EngineConfig).
 """
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ import sys
 import threading
 
 from dspark.config import ConfigError, load_config
+from dspark.io import storage
 from dspark.serve.config import ServeConfig, served_name
 from dspark.serve.deployment import deployment_for
 from pipelines.ray_cluster import init_ray
@@ -55,7 +56,7 @@ def deploy(cfg: ServeJobConfig) -> tuple[str, dict]:
     """Start Serve's proxy, deploy the app, wait for health. Returns (base URL, /healthz JSON)."""
     from ray import serve
 
-    serve.start(http_options={"host": cfg.http.host, "port": cfg.http.port})
+    serve.start(proxy_location=cfg.http.proxy_location, http_options={"host": cfg.http.host, "port": cfg.http.port})
     serve.run(deployment_for(cfg), name=cfg.deployment.name, route_prefix=cfg.http.route_prefix, blocking=False)
     prefix = cfg.http.route_prefix.rstrip("/")
     url = f"http://{cfg.http.host}:{cfg.http.port}{prefix}"
@@ -73,7 +74,7 @@ def block_until_signal() -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        cfg = load_config(ServeJobConfig, args.config, args.overrides)
+        cfg = load_config(ServeJobConfig, args.config, args.overrides, read_text=storage.read_text)
     except ConfigError as err:
         sys.exit(f"error: {err}")
     address = init_ray(cfg.ray)

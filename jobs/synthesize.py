@@ -18,12 +18,13 @@ from pathlib import Path
 
 from pydantic import Field
 
-from dspark import report
+from dspark.eval import report
 from dspark.config import RayConfig, TrackingConfig
 from dspark.io.storage import StorageError
 from dspark.io.tracking import TrackingError
 from jobs.common import load_job_config, resumable_stage_run
-from pipelines.synthesize import (DROP_REASONS, SynthesisResult, SynthesizeConfig, eval_files_text, read_prompts,
+from dspark.data.magpie import DROP_REASONS
+from pipelines.synthesize import (SynthesisResult, SynthesizeConfig, eval_files_text, read_prompts,
                                   run_synthesis)
 
 

@@ -1,14 +1,11 @@
 """Distributed drafter training: `python -m jobs.train --config configs/train/tiny-dspark.yaml [--set k=v ...]`.
 
-The driver (this module) validates everything that can fail before training starts (config, rollouts
-schema and size, storage, MLflow), creates the MLflow run once, saves the run record, config and
-DeepSpeed JSON next to the checkpoints, and launches a Ray Train `TorchTrainer` whose workers run
-`jobs.train_worker.train_loop_per_worker` (DeepSpeed ZeRO, online target features). After training it
-logs the final drafter export and registers it as an MLflow model version with an alias.
-
-Resume: launching the same `run_name` with the same `checkpoint.storage_path` continues the run —
-Ray Train restores its checkpoint list from `<storage_path>/<run_name>/`, the workers reload the
-latest DeepSpeed state, and the run record (`dspark_run.json`) there gives back the MLflow run id.
+The driver validates everything that can fail before training (config, rollouts, storage, MLflow),
+creates the MLflow run once, saves the run record, config and DeepSpeed JSON beside the checkpoints
+(dspark.io.run_dir), runs a Ray Train `TorchTrainer` (workers: jobs.train_worker, DeepSpeed ZeRO,
+online target features), then logs the drafter and registers it as an MLflow model version.
+Relaunching the same `run_name` + `checkpoint.storage_path` resumes the run (checkpoints, DeepSpeed
+state and the MLflow run id from `<storage_path>/<run_name>/`).
 """
 from __future__ import annotations
 
@@ -20,18 +17,18 @@ import time
 from pathlib import Path
 
 from dspark.config import ConfigError, config_to_dict, dump_config, flatten
+from dspark.data.rollout_store import check_rollouts, parquet_paths
+from dspark.io.run_dir import RunDir
 from dspark.io.storage import StorageError
 from dspark.io.tracking import TrackingError
 from dspark.training.config import TrainJobConfig
-from dspark.training.plan import RunDir, check_resume_matches, deepspeed_config, training_steps
-from pipelines.rollout_store import check_rollouts, parquet_paths
-
+from dspark.training.plan import check_resume_matches, deepspeed_config, init_from_checkpoint, training_steps
 
 
 def check_target_spec(spec: str) -> None:
     """Fail in the driver, not in every worker, when the target cannot be found (reads its config only)."""
-    from dspark import models_builtin
     from dspark.io import storage
+    from dspark.models import builtin as models_builtin
 
     if spec in models_builtin.BUILTIN:
         return
@@ -46,6 +43,22 @@ def check_target_spec(spec: str) -> None:
     except (OSError, ValueError) as err:
         raise ConfigError(f"cannot load target {spec!r} ({str(err).splitlines()[0]}); use 'tiny', 'smollm2-135m', "
                           f"a model directory, an s3:// copy or a hub name reachable from the cluster") from None
+
+
+def resolve_init_from(cfg: TrainJobConfig) -> tuple[TrainJobConfig, str | None]:
+    """With `init_from`: (cfg whose drafter architecture is the checkpoint's, the reference pinned to a
+    version); see dspark.training.plan.init_from_checkpoint."""
+    if not cfg.init_from:
+        return cfg, None
+    from dspark.drafters.checkpoint import read_checkpoint_config
+    from dspark.io.drafter_source import local_dir, resolve_ref
+
+    try:
+        pinned = resolve_ref(cfg.init_from).uri
+        saved = read_checkpoint_config(local_dir(pinned))["drafter_config"]
+    except (ValueError, FileNotFoundError) as err:
+        raise ConfigError(f"init_from {cfg.init_from!r}: {err}") from None
+    return init_from_checkpoint(cfg, saved, pinned), pinned
 
 
 # ----------------------------------------------------------------------------- run record / MLflow
@@ -127,7 +140,7 @@ def read_rollouts(cfg: TrainJobConfig, files: list[str]):
 def build_draft_vocab(cfg: TrainJobConfig, files: list[str]) -> dict:
     """With drafter.draft_vocab_size = N: the N most frequent supervised (loss_mask = 1) tokens of the
     training rollouts, as ascending target ids for the workers' build_drafter (Eagle3's d2t/t2d)."""
-    from dspark import draft_vocab
+    from dspark.drafters import draft_vocab
 
     size = cfg.drafter.draft_vocab_size
     if size is None:
@@ -145,28 +158,14 @@ def build_draft_vocab(cfg: TrainJobConfig, files: list[str]) -> dict:
     return {"draft_ids": ids.tolist(), "draft_vocab_coverage": cover}
 
 
-def check_cluster_fits(cfg: TrainJobConfig) -> None:
-    """Ray Data reads the rollouts beside the training workers: if the workers take every CPU of the
-    cluster the read never starts and training waits forever, so refuse that up front."""
-    if "ray" not in sys.modules:  # Ray not started here (importing it would freeze its auth settings)
-        return
-    import ray
-
-    if not ray.is_initialized():
-        return
-    total = ray.cluster_resources().get("CPU", 0.0)
-    taken = cfg.scaling.num_workers * cfg.scaling.cpus_per_worker
-    if total and total - taken < 0.5:
-        raise ConfigError(f"the training workers take {taken:g} of the cluster's {total:g} CPUs, leaving none for "
-                          f"Ray Data to read the rollouts; lower scaling.cpus_per_worker (e.g. "
-                          f"{max(0.25, (total - 1) / cfg.scaling.num_workers):g}) or add CPUs")
-
-
 def prepare_run(cfg: TrainJobConfig) -> dict:
     """Every check that can fail before training; returns the plan handed to the workers."""
     from dspark.io import storage, tracking
 
-    check_cluster_fits(cfg)
+    from pipelines.ray_cluster import check_cpus_left
+
+    check_cpus_left(cfg.scaling.num_workers, cfg.scaling.cpus_per_worker, "training workers",
+                    "Ray Data to read the rollouts", "scaling.cpus_per_worker")
     run_dir = RunDir.of(cfg)
     storage.check_writable(run_dir.uri)
     if cfg.tracking.enabled:
@@ -215,7 +214,8 @@ def finish_run(cfg: TrainJobConfig, plan: dict, result) -> dict:
         ds_path = os.path.join(tmp, "ds_config.json")
         Path(ds_path).write_text(json.dumps(plan["ds_config"], indent=2))
         tracking.log_artifact(ds_path)
-        version = register_drafter(plan["mlflow_run_id"], cfg.registered_model_name, cfg.tracking.alias)
+        version = register_drafter(plan["mlflow_run_id"], cfg.registered_model_name, cfg.tracking.alias, drafter_dir,
+                                   summary["metrics"])
         export.attach_exports(drafter_dir, plan["mlflow_run_id"], cfg.registered_model_name, version, target=cfg.target)
     summary["registered_model"] = {"name": cfg.registered_model_name, "version": version, "alias": cfg.tracking.alias}
     tracking.set_tags({"dspark.registered_model": cfg.registered_model_name, "dspark.registered_version": version})
@@ -223,14 +223,18 @@ def finish_run(cfg: TrainJobConfig, plan: dict, result) -> dict:
     return summary
 
 
-def register_drafter(run_id: str, name: str, alias: str) -> str:
-    """Register the run's `drafter` artifacts as a new version of `name` with `alias`; a failure keeps
-    the trained drafter (checkpoint and run artifacts) and says how to register it."""
-    from dspark.io import tracking
+def register_drafter(run_id: str, name: str, alias: str, drafter_dir: str, metrics: dict) -> str:
+    """Log the drafter as an MLflow model and register it as a new version of `name` with `alias` (and
+    the serving alias), tagged with what it is and its training-time expected τ; a failure keeps the
+    trained drafter (checkpoint and run artifacts) and says how to register it."""
+    from dspark.io import registry
+    from dspark.io.drafter_model import version_tags
 
+    tags = version_tags(drafter_dir, metrics.get("expected_accept_len"),
+                        "training expected_accept_len (teacher-forced)")
     try:
-        return tracking.register_model_version(run_id, name, "drafter", [alias],
-                                               description="dspark drafter (jobs.train)")
+        return registry.publish_drafter(run_id, name, drafter_dir, [alias], description="dspark drafter (jobs.train)",
+                                        tags=tags)
     except TrackingError as err:
         raise TrackingError(f"{err}; the drafter is logged under the run's 'drafter' artifacts — register it by "
                             f"hand or rerun the same run_name") from err
@@ -259,12 +263,17 @@ def run(cfg: TrainJobConfig) -> dict:
     """Train (or resume) one run; returns a summary (checkpoint URI, final metrics, MLflow ids)."""
     from dspark.io import tracking
 
+    cfg, init_from = resolve_init_from(cfg)
     plan = prepare_run(cfg)
     if plan.get("already_complete"):
         print(f"[train] run {cfg.run_name!r} already completed {plan['total_steps']} steps: nothing to do "
               f"(raise optim.max_steps or optim.epochs to continue it)", file=sys.stderr)
         return {"run_name": cfg.run_name, "already_complete": True,
                 "mlflow_run_id": plan["record"].get("mlflow_run_id")}
+    if init_from:
+        plan["init_from"] = init_from
+        if cfg.tracking.enabled:
+            tracking.set_tags({"dspark.init_from": init_from})
     loop_config = {"job": config_to_dict(cfg), "plan": plan, "env": worker_env()}
     trainer = build_trainer(cfg, loop_config, read_rollouts(cfg, plan["files"]))
     start = time.perf_counter()

@@ -92,6 +92,10 @@ def train_loop_per_worker(loop_config: dict) -> None:
 
     cfg = TrainJobConfig.model_validate(loop_config["job"])
     plan = loop_config["plan"]
+    if plan.get("init_from"):  # the driver pinned it; each worker reads it from its local cache
+        from dspark.io.drafter_source import local_dir
+
+        plan = {**plan, "init_dir": local_dir(plan["init_from"])}
     ctx = ray.train.get_context()
     session = TrainSession(cfg, plan, ctx.get_world_rank(), ctx.get_world_size(), ray.train.torch.get_device())
     session.setup()

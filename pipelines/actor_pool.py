@@ -11,8 +11,8 @@ whoever waits on it (ray.util.ActorPool, a Ray Data actor pool) waits forever. S
 3. `map_unordered` (plain actors) only hands items to workers that are up, and puts the item of a
    worker that dies back in the queue for the others (each item at most `MAX_ATTEMPTS` times).
    `data_pool` is the same contract for a Ray Data actor pool (`ActorPoolStrategy`): the pool's
-   resources are reserved as a placement group with a timeout; Ray Data retries a dead actor's
-   tasks itself.
+   resources are reserved as a placement group with a timeout (then released for the pool); Ray Data
+   restarts a dead actor and retries its tasks itself.
 """
 from __future__ import annotations
 
@@ -241,15 +241,20 @@ def _first_line(err: BaseException) -> str:
 # ---- Ray Data actor pools --------------------------------------------------------------------------
 @contextmanager
 def data_pool(ask: WorkerAsk, start_timeout_s: float = DEFAULT_START_TIMEOUT_S) -> Iterator[dict]:
-    """Yields `map_batches` keyword arguments (`compute`, `scheduling_strategy`) for an actor pool of
-    the workers that fit, placed in a placement group reserved first: if the group is not placed
-    within `start_timeout_s`, WorkersUnavailable names asked / free / holders and nothing is left
-    pending (a Ray Data actor left pending would start later and hold its CPUs). The group, and
-    with it every pool actor, is removed when the block ends."""
+    """Yields `map_batches` keyword arguments (`compute`) for an actor pool of the workers that fit.
+    Their resources are first reserved as a placement group: if it is not placed within
+    `start_timeout_s`, WorkersUnavailable names asked / free / holders and nothing is left pending (a
+    Ray Data actor left pending would start later and hold its CPUs). Once placed, the group is
+    released and Ray Data places the actors itself, with `wait_for_min_actors_s` = the start timeout
+    covering a race for the freed resources. The actors do not run inside the group: a group whose
+    node dies reserves its lost bundle again before anything may use the group, so a replica lost with
+    its node could only restart once a whole bundle fits again, and its in-flight batches (and, with
+    ordered output, every batch behind them) would wait for that — forever on a fixed cluster. Outside
+    a group the lost replica restarts wherever it fits (on a surviving node once the others drain the
+    input, or on a replacement node) and Ray Data retries its batches there."""
     import ray
     import ray.data
     from ray.util.placement_group import placement_group, remove_placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     size = check_fit(ask)
     group = placement_group([ask.per_worker() or {"CPU": 0.001}] * size, strategy="PACK")
@@ -259,13 +264,12 @@ def data_pool(ask: WorkerAsk, start_timeout_s: float = DEFAULT_START_TIMEOUT_S) 
             free, total = cluster_free()
             raise WorkersUnavailable(shortage_message(ask, free, total, resource_holders(),
                                                       detail=f"Not placed after {start_timeout_s:g} s. "))
-        ctx = ray.data.DataContext.get_current()
-        saved = ctx.wait_for_min_actors_s
-        ctx.wait_for_min_actors_s = max(1, math.ceil(start_timeout_s))  # the group is placed: loading only
-        try:
-            yield {"compute": ray.data.ActorPoolStrategy(size=size),
-                   "scheduling_strategy": PlacementGroupSchedulingStrategy(group)}
-        finally:
-            ctx.wait_for_min_actors_s = saved
     finally:
         remove_placement_group(group)
+    ctx = ray.data.DataContext.get_current()
+    saved = ctx.wait_for_min_actors_s
+    ctx.wait_for_min_actors_s = max(1, math.ceil(start_timeout_s))
+    try:
+        yield {"compute": ray.data.ActorPoolStrategy(size=size)}
+    finally:
+        ctx.wait_for_min_actors_s = saved

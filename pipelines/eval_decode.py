@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from dspark import evaluation as ev
+from dspark.eval import evaluation as ev
 from dspark.config import StrictModel
 from pipelines.actor_pool import DEFAULT_START_TIMEOUT_S, START_TIMEOUT_DESCRIPTION
 
@@ -34,7 +34,7 @@ class EvalWorker:
         import torch
 
         from dspark.io.drafter_source import load_drafter_ref
-        from dspark.target import load_target
+        from dspark.models.target import load_target
 
         if spec.get("threads"):
             torch.set_num_threads(spec["threads"])

@@ -4,9 +4,10 @@ clusters on one machine cannot be confused ("Found multiple active Ray instances
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
-from dspark.config import RayConfig
+from dspark.config import ConfigError, RayConfig
 
 # Ray on one machine must bind to loopback (PLATFORM-NOTES); set before Ray starts any process.
 LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0", "DS_ACCELERATOR": "cpu"}
@@ -72,3 +73,20 @@ def _refresh_ray_auth() -> None:
         return
     Config.initialize("")
     AuthenticationTokenLoader.instance().reset_cache()
+
+
+def check_cpus_left(workers: int, cpus_per_worker: float, who: str, beside: str, knob: str) -> None:
+    """Refuse up front when `workers` × `cpus_per_worker` take every CPU of the connected cluster: the
+    work that must run beside them (`beside`, e.g. a Ray Data read) would never start and the job would
+    wait forever. No-op when Ray is not started in this process."""
+    if "ray" not in sys.modules:  # importing Ray here would freeze its auth settings
+        return
+    import ray
+
+    if not ray.is_initialized():
+        return
+    total = ray.cluster_resources().get("CPU", 0.0)
+    taken = workers * cpus_per_worker
+    if total and total - taken < 0.5:
+        raise ConfigError(f"the {who} take {taken:g} of the cluster's {total:g} CPUs, leaving none for {beside}; "
+                          f"lower {knob} (e.g. {max(0.25, (total - 1) / workers):g}) or add CPUs")

@@ -1,7 +1,7 @@
 """Rollout generation: prompts → the target's own answers, as a resumable Ray Data job.
 
 Pipeline (driver side in `run_rollouts`):
-1. read and normalise the prompt sources (pipelines/prompts.py), collapse duplicates, split;
+1. read and normalise the prompt sources (dspark/data/prompts.py), collapse duplicates, split;
 2. plan: sort the unique prompts by id and cut them into fixed chunks; the plan's fingerprint
    (prompts + generation settings) is stored in `_plan.json`, so a rerun with the same config
    resumes and a rerun with a different one is refused (or wiped with `overwrite: true`);
@@ -13,10 +13,10 @@ Pipeline (driver side in `run_rollouts`):
    overwritten on the rerun. The final dataset therefore holds every prompt_id exactly once;
 5. write `manifest.json` from the commit markers.
 
-The target side (chat template, generation, the Ray Data callable) is pipelines/rollout_engine.py;
-the on-disk format and its readers are pipelines/rollout_store.py.
+The target side (chat template, generation, the Ray Data callable) is dspark/data/rollout_engine.py;
+the on-disk format and its readers are dspark/data/rollout_store.py.
 
-Backends (`backend`): `engine` (default) generates with dspark.generator.BatchGenerator, continuous
+Backends (`backend`): `engine` (default) generates with dspark.decoding.generator.BatchGenerator, continuous
 batching over the serving engine's ragged KV store; `transformers` runs HF `generate` on fixed
 left-padded batches (kept for comparison); `vllm` hands generation to Ray Data's vLLM processor
 (pipelines/rollout_vllm.py; GPU clusters only, untested here).
@@ -35,13 +35,14 @@ from typing import Callable, Literal
 from pydantic import Field, field_validator
 
 from dspark.config import StrictModel, config_to_dict
-from dspark.generator import GeneratorConfig
+from dspark.decoding.generator import GeneratorConfig
 from dspark.io import storage
-from pipelines import rollout_vllm, schema
+from dspark.data import schema
+from pipelines import rollout_vllm
 from pipelines.actor_pool import DEFAULT_START_TIMEOUT_S, START_TIMEOUT_DESCRIPTION, WorkerAsk, data_pool
-from pipelines.prompts import LoadResult, PromptSource, load_prompts
-from pipelines.rollout_engine import RolloutActor, SamplingConfig
-from pipelines.rollout_store import Plan, add_counts, commit_chunk, path_in, prepare_output, read_commits, write_parquet
+from dspark.data.prompts import LoadResult, PromptSource, load_prompts
+from dspark.data.rollout_engine import RolloutActor, SamplingConfig
+from dspark.data.rollout_store import Plan, add_counts, commit_chunk, path_in, prepare_output, read_commits, write_parquet
 from pipelines.rollout_vllm import VllmConfig
 
 FAIL_AFTER_ENV = "DSPARK_FAIL_AFTER_CHUNKS"  # test hook: raise after this many chunk commits
@@ -66,14 +67,14 @@ class ComputeConfig(StrictModel):
 class RolloutConfig(StrictModel):
     target: str = Field("tiny", description='"tiny" | "smollm2-135m" | model dir | s3:// dir | hub name')
     sources: list[PromptSource] = Field(description="prompt sources (JSONL, Parquet, datasets save, a jobs.synthesize output; local or s3://)")
-    output: str = Field(description="local dir or s3://bucket/prefix (layout: pipelines/schema.py)")
+    output: str = Field(description="local dir or s3://bucket/prefix (layout: dspark/data/schema.py)")
     holdout_fraction: float = Field(0.05, description="share of prompts (by id hash) in the `holdout` split, for calibration")
     sampling: SamplingConfig = Field(default_factory=SamplingConfig, description="how the target answers")
     max_context_tokens: int | None = Field(None, description="default: the target's max positions")
     chunk_size: int = Field(256, description="prompts per committed shard")
     overwrite: bool = Field(False, description="if the output holds a different plan: delete it (else refuse)")
     backend: Literal["engine", "transformers", "vllm"] = Field(
-        "engine", description="engine: continuous batching (dspark.generator, the serving engine's "
+        "engine", description="engine: continuous batching (dspark.decoding.generator, the serving engine's "
         "target-only path); transformers: HF generate on fixed batches of compute.batch_size; vllm: Ray "
         "Data's vLLM batch processor (needs vllm and GPUs; untested in this project).")
     compute: ComputeConfig = Field(default_factory=ComputeConfig, description="the actor pool of target replicas")

@@ -45,14 +45,14 @@ def model_source(target: str) -> str:
     if target.startswith("s3://"):
         raise ValueError(f"backend 'vllm' cannot load target {target!r} from S3: use a hub name or a model "
                          f"directory present on every GPU node")
-    from dspark.target import resolve_model_path
+    from dspark.models.target import resolve_model_path
 
     return resolve_model_path(target)
 
 
 def processor_kwargs(cfg) -> dict:
     """RolloutConfig -> keyword arguments of `ray.data.llm.vLLMEngineProcessorConfig`. Tokenization and
-    the chat template stay with us (the exact prompt ids and loss masks of pipelines/schema.py), so
+    the chat template stay with us (the exact prompt ids and loss masks of dspark/data/schema.py), so
     the processor's own chat-template, tokenize and detokenize stages are off."""
     v = cfg.vllm
     engine = {"dtype": cfg.compute.resolved_dtype(), "seed": cfg.sampling.seed}
@@ -82,7 +82,7 @@ class TokenizerTarget:
     def __init__(self, spec: str):
         from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
-        from dspark.target import Target
+        from dspark.models.target import Target
 
         path = model_source(spec)
         self.name, self.revision = spec, ""
@@ -106,7 +106,7 @@ class TokenizerTarget:
 @functools.lru_cache(maxsize=4)
 def _chat(spec_json: str):
     """One ChatRollout per worker process and spec (tokenizer loads once)."""
-    from pipelines.rollout_engine import ChatRollout, SamplingConfig
+    from dspark.data.rollout_engine import ChatRollout, SamplingConfig
 
     spec = json.loads(spec_json)
     return ChatRollout(TokenizerTarget(spec["target"]), SamplingConfig(**spec["sampling"]), spec["max_context_tokens"])
@@ -118,7 +118,7 @@ def _dump(conv, todo: bool) -> str:
 
 
 def _load(state: str):
-    from pipelines.rollout_engine import Conversation
+    from dspark.data.rollout_engine import Conversation
 
     s = json.loads(state)
     return Conversation(s["row"], s["ids"], s["mask"], s["messages"], s["finish"],
@@ -134,7 +134,7 @@ def open_row(spec_json: str, turn: int, rec: dict) -> dict:
     """Open user turn `turn` and ask vLLM for its answer. Rows with nothing to do (fewer turns, or an
     error) still pass through the processor with a 1-token dummy request whose output is ignored, so
     the chain streams without filter/union (which would recompute earlier turns)."""
-    from pipelines.rollout_engine import row_seed
+    from dspark.data.rollout_engine import row_seed
 
     chat = _chat(spec_json)
     conv, _ = _load(rec["state"])
@@ -161,7 +161,7 @@ def absorb_row(spec_json: str, rec: dict) -> dict:
 
 def finish_batch(spec_json: str, batch):
     """pyarrow batch of states -> RESULT_SCHEMA rows."""
-    from pipelines.rollout_engine import results_table
+    from dspark.data.rollout_engine import results_table
 
     chat = _chat(spec_json)
     return results_table([chat.result(_load(s)[0]) for s in batch.column("state").to_pylist()])

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 from scipy import stats
 
-from dspark.sampling import SamplingParams, to_probs
+from dspark.decoding.sampling import SamplingParams, to_probs
 
 
 def exact_joint(target, prompt: list[int], n_tokens: int, sp: SamplingParams, vocab: int) -> np.ndarray:

@@ -297,9 +297,10 @@ def _reuse_or_start(cfg: StackConfig, creds: dict, service: str, say) -> tuple[S
     return record, True
 
 
-def up(cfg: StackConfig | None = None, say=print) -> dict[str, str]:
-    """Start (or reuse) S3, MLflow and Ray; return the client env. On failure, stop whatever this
-    call started and raise StackError."""
+def up(cfg: StackConfig | None = None, say=print, services: tuple[str, ...] = SERVICES) -> dict[str, str]:
+    """Start (or reuse) S3, MLflow and Ray (or only `services`, e.g. ("s3", "mlflow") beside a Ray
+    cluster started elsewhere); return the client env. On failure, stop whatever this call started
+    and raise StackError."""
     cfg = cfg or StackConfig.from_env()
     with _state_lock(cfg):
         creds = load_credentials(cfg)
@@ -307,7 +308,7 @@ def up(cfg: StackConfig | None = None, say=print) -> dict[str, str]:
             find_weed()  # fail before starting anything
         started: list[ServiceRecord] = []
         try:
-            for service in SERVICES:
+            for service in [s for s in SERVICES if s in services]:
                 record, started_now = _reuse_or_start(cfg, creds, service, say)
                 if started_now:
                     started.append(record)
@@ -325,7 +326,8 @@ def up(cfg: StackConfig | None = None, say=print) -> dict[str, str]:
         env_path = write_env_file(cfg, env)
     say(f"S3 endpoint:    {cfg.s3_url}  (buckets: {', '.join(BUCKETS)})")
     say(f"MLflow UI:      {cfg.mlflow_url}")
-    say(f"Ray dashboard:  {cfg.dashboard_url}  (GCS {cfg.gcs_address})")
+    if "ray" in services:
+        say(f"Ray dashboard:  {cfg.dashboard_url}  (GCS {cfg.gcs_address})")
     say(f"Client env:     source {env_path}")
     return env
 

@@ -20,7 +20,7 @@ from dspark.drafters.registry import DRAFTER_CLASSES, build_drafter, drafter_fro
 
 
 def export_vllm(drafter: Drafter, out_dir: str, method: str | None = None, **kwargs) -> str:
-    from dspark.drafters.vllm_export import export_vllm as _export
+    from dspark.export.vllm import export_vllm as _export
 
     return _export(drafter, out_dir, method=method, **kwargs)
 

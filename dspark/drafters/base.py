@@ -1,7 +1,7 @@
 """What every drafter shares: the frozen target's embedding and LM head (held by reference, never
 saved), the per-request drafting state, proposals, and calibrated confidences.
 
-Inference contract (used by dspark/specdec.py and dspark/engine.py):
+Inference contract (used by dspark/decoding/specdec.py and dspark/decoding/engine.py):
     state = drafter.new_state()
     drafter.extend_context(state, features[n, m*d], token_ids[n])   # verified positions only, in order
     proposal = drafter.propose(state, anchor, gamma, sampling, generator)
@@ -13,15 +13,16 @@ the newly verified positions, so no rollback is needed.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dspark import draft_vocab
+from dspark.drafters import draft_vocab
 from dspark.drafters.config import DrafterConfig
 from dspark.drafters.layers import KVBuffer, Rotary
-from dspark.sampling import Generators, SamplingParams, to_probs
+from dspark.decoding.sampling import Generators, SamplingParams, to_probs
 
 
 @dataclass
@@ -102,7 +103,7 @@ class Drafter(nn.Module):
         return self.config.draft_vocab_size or self.vocab_size
 
     def set_draft_vocab(self, draft_ids: Tensor) -> None:
-        """Fix the draft vocabulary: ascending target ids (dspark.draft_vocab.top_token_ids)."""
+        """Fix the draft vocabulary: ascending target ids (dspark.drafters.draft_vocab.top_token_ids)."""
         if self.draft_ids is None:
             raise ValueError("this drafter was built without draft_vocab_size; set DrafterConfig.draft_vocab_size")
         ids = draft_vocab.check_draft_ids(draft_ids, self.vocab_size, self.config.draft_vocab_size)
@@ -172,6 +173,12 @@ class Drafter(nn.Module):
     def extend_context(self, state: DraftState, features: Tensor, token_ids: Tensor) -> None:
         raise NotImplementedError
 
+    def extend_contexts(self, states: list[DraftState], features: list[Tensor], token_ids: list[Tensor]) -> None:
+        """`extend_context` for many requests (the engine's catch-up). Subclasses may do it in one pass;
+        the result must equal one extend_context call per request."""
+        for state, f, ids in zip(states, features, token_ids, strict=True):
+            self.extend_context(state, f, ids)
+
     def propose(self, state: DraftState, anchor: int, gamma: int, sampling: SamplingParams,
                 generator: torch.Generator | None = None) -> DraftProposal:
         """γ draft tokens for one request: `propose_batch` with a batch of one (same random draws)."""
@@ -192,7 +199,7 @@ class Drafter(nn.Module):
         proposal is exactly `propose` on its own with that generator, whatever else is in the batch.
         """
         gammas, sps = self._batch_args(states, anchors, gamma, sampling)
-        if generator is not None and not isinstance(generator, torch.Generator) and len(generator) != len(states):
+        if isinstance(generator, (list, tuple)) and len(generator) != len(states):
             raise ValueError(f"propose_batch got {len(states)} states but {len(generator)} generators; pass one "
                              "generator per state (or a single one)")
         if not states:
@@ -225,6 +232,9 @@ class Drafter(nn.Module):
         if features.dim() != 2 or features.shape[1] != width or features.shape[0] != token_ids.shape[0]:
             raise ValueError(f"extend_context needs features [n, {width}] and token_ids [n], got "
                              f"{tuple(features.shape)} and {tuple(token_ids.shape)}")
+
+    # The algorithm the others are compared against in evaluation tables (ratios X/other).
+    comparison_reference: ClassVar[bool] = False
 
     @property
     def slots_per_anchor(self) -> int:

@@ -6,14 +6,13 @@ DrafterConfig), "target_meta" (name, revision, hidden_size, vocab_size, num_laye
 the target's embedding and LM head are shared by reference and never written. A drafter with a
 draft vocabulary (drafter_config.draft_vocab_size = N) also stores its maps there as buffers, in the
 speculators layout: `d2t` [N] int64 offsets (target id = draft id + d2t) and `t2d` [V] bool; loading
-checks that they agree (dspark.draft_vocab.check_maps). Directories may be
+checks that they agree (dspark.drafters.draft_vocab.check_maps). Directories may be
 local or s3:// (through dspark.io.storage); a round trip reproduces the weights bit for bit.
 """
 from __future__ import annotations
 
 import json
 import os
-import tempfile
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -43,17 +42,17 @@ def write_local(drafter: Drafter, out_dir: str) -> None:
 
 
 def save_drafter(drafter: Drafter, out_dir: str) -> str:
-    """Write the checkpoint to a local dir or an s3:// prefix; returns out_dir."""
-    drafter = getattr(drafter, "module", drafter)  # unwrap DDP / DeepSpeed engines
-    if str(out_dir).startswith("s3://"):
-        from dspark.io import storage
-
-        with tempfile.TemporaryDirectory(prefix="dspark-ckpt-") as tmp:
-            write_local(drafter, tmp)
-            storage.upload_dir(tmp, out_dir)
-    else:
-        write_local(drafter, str(out_dir))
+    """Write the checkpoint to a local dir; returns out_dir. (Object storage is an io concern:
+    dspark.io.drafter_source.save_drafter_to writes here, then uploads.)"""
+    _require_local(out_dir, "save_drafter", "save_drafter_to")
+    write_local(getattr(drafter, "module", drafter), str(out_dir))  # unwrap DDP / DeepSpeed engines
     return str(out_dir)
+
+
+def _require_local(path: str, what: str, io_function: str) -> None:
+    if "://" in str(path):
+        raise ValueError(f"{what}({path!r}): a local directory is expected here; for object storage use "
+                         f"dspark.io.drafter_source.{io_function}")
 
 
 def read_checkpoint_config(local_dir: str) -> dict:
@@ -91,12 +90,9 @@ def check_target(meta: dict, target, source: str, check_name: bool = True) -> No
 
 def load_drafter(path_or_uri: str, target=None, *, device: str | torch.device | None = None,
                  dtype: torch.dtype | None = None, check_name: bool = True) -> Drafter:
-    """Load a checkpoint dir (local or s3://). With `target`, verify it matches and attach it."""
+    """Load a local checkpoint dir. With `target`, verify it matches and attach it."""
     local = str(path_or_uri)
-    if local.startswith("s3://"):
-        from dspark.io import storage
-
-        local = storage.local_copy(local)
+    _require_local(local, "load_drafter", "load_drafter_ref")
     data = read_checkpoint_config(local)
     cfg = DrafterConfig.model_validate(data["drafter_config"])
     if target is not None:

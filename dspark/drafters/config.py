@@ -29,7 +29,10 @@ class DrafterConfig(StrictModel):
     intermediate_size: int | None = Field(None, description="MLP width; None -> from the target config")
     rms_norm_eps: float | None = Field(None, description="None -> target's")
     rope_theta: float | None = Field(None, description="None -> target's")
-    mask_token_id: int | None = Field(None, description="None -> a learned MASK vector; else this (frozen) target vocab row")
+    mask_token_id: int | Literal["reserved"] | None = Field(
+        None, description="MASK input of the γ-1 slots after the anchor: a (frozen) target vocab row id; 'reserved' -> "
+        "the row the target's tokenizer reserves (mask token, first padding row, else an unused special token; "
+        "dspark.drafters.mask_token), which every engine can load; None -> a learned MASK vector (vLLM only)")
     init_std: float = Field(0.02, description="std of the normal init of new drafter weights")
     position_weight: Literal["paper", "reference", "geometric"] = Field(
         "paper", description="per-position loss weight w_k: 'paper' exp(-(k-1)/γ), 'reference' exp(-(k-1)/4) "
@@ -79,6 +82,16 @@ def _target_rope_theta(hf_config) -> float:
     return float(theta or getattr(hf_config, "rope_theta", None) or 10000.0)
 
 
+def _reserved_mask(target) -> int:
+    from dspark.drafters.mask_token import reserved_token_id
+
+    token = reserved_token_id(target)
+    if token is None:
+        raise ValueError(f"mask_token_id: reserved: target {target.name!r} reserves no token (no mask token, padding "
+                         "row or unused special token); set mask_token_id to an id, or None for a learned MASK")
+    return token
+
+
 def resolve_config(cfg: DrafterConfig, target) -> DrafterConfig:
     """Fill every `None` architecture field from the target; check the layer ids fit the target."""
     hf = target.model.config
@@ -97,6 +110,8 @@ def resolve_config(cfg: DrafterConfig, target) -> DrafterConfig:
     }
     if cfg.algo == "eagle3":
         update["num_layers"] = 1
+    if cfg.mask_token_id == "reserved":
+        update["mask_token_id"] = _reserved_mask(target)
     ids = update["target_layer_ids"]
     if len(ids) != cfg.num_context_layers:  # default_layer_ids dedups on shallow targets
         update["num_context_layers"] = len(ids)
@@ -104,8 +119,9 @@ def resolve_config(cfg: DrafterConfig, target) -> DrafterConfig:
     if bad:
         raise ValueError(f"target_layer_ids {bad} do not exist in target {target.name!r} "
                          f"({target.num_layers} layers, ids 0..{target.num_layers - 1})")
-    if cfg.mask_token_id is not None and not 0 <= cfg.mask_token_id < target.vocab_size:
-        raise ValueError(f"mask_token_id={cfg.mask_token_id} is outside the target vocabulary "
+    mask = update.get("mask_token_id", cfg.mask_token_id)
+    if mask is not None and not 0 <= mask < target.vocab_size:
+        raise ValueError(f"mask_token_id={mask} is outside the target vocabulary "
                          f"(size {target.vocab_size})")
     if cfg.draft_vocab_size is not None and cfg.draft_vocab_size > target.vocab_size:
         raise ValueError(f"draft_vocab_size={cfg.draft_vocab_size} exceeds the target vocabulary "

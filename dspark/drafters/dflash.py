@@ -5,7 +5,7 @@ block's queries attend over [W_K H_ctx(0..t-1) ; W_K h_block] (bidirectional ins
 H_ctx = RMSNorm(W_c [f_{l1}; ...; f_{lm}]) the fused target features. One forward pass gives logits
 for the γ MASK slots; slot j predicts token t+j.
 
-Training packs all anchor blocks of a sequence into one dense batch (dspark/anchors.py); inference
+Training packs all anchor blocks of a sequence into one dense batch (dspark/drafters/anchors.py); inference
 caches W_K H_ctx / W_V H_ctx per layer in the state and appends only newly verified positions, and
 drafts the blocks of many requests in one backbone pass (contexts right-padded, padding masked).
 """
@@ -14,12 +14,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from dspark.anchors import block_mask, block_positions
+from dspark.drafters.anchors import block_mask, block_positions
 from dspark.drafters.base import (DraftProposal, DraftState, DraftTrainOut, Drafter, RowSampling, drafting_mask,
                                   split_proposals)
 from dspark.drafters.config import DrafterConfig
 from dspark.drafters.layers import InjectedLayer, RMSNorm, batch_kv, init_weights, padding_mask
-from dspark.sampling import Generators, rows_generators, sample
+from dspark.decoding.sampling import Generators, rows_generators, sample
 
 
 class DFlashDrafter(Drafter):
@@ -102,6 +102,27 @@ class DFlashDrafter(Drafter):
         for (k, v), buf in zip(self.context_kv(self.context_states(features).unsqueeze(0), positions), state.kv):
             buf.append(k[0], v[0])
         state.length += n
+
+    @torch.no_grad()
+    def extend_contexts(self, states: list[DraftState], features: list[Tensor], token_ids: list[Tensor]) -> None:
+        """extend_context of R requests in ONE pass: the context projection works per position, so the
+        new positions of all requests are stacked (each with its own RoPE position) and split after."""
+        for f, ids in zip(features, token_ids, strict=True):
+            self._check_features(f, ids)
+        counts = [int(f.shape[0]) for f in features]
+        if len(states) != len(counts):
+            raise ValueError(f"extend_contexts got {len(states)} states but {len(counts)} feature blocks")
+        if sum(counts) == 0:
+            return
+        positions = torch.cat([torch.arange(s.length, s.length + n, device=self.device) for s, n in zip(states, counts)])
+        kv = self.context_kv(self.context_states(torch.cat(features)).unsqueeze(0), positions)
+        at = 0
+        for state, n in zip(states, counts):
+            for (k, v), buf in zip(kv, state.kv):
+                if n:
+                    buf.append(k[0, :, at:at + n], v[0, :, at:at + n])
+            state.length += n
+            at += n
 
     @torch.no_grad()
     def block_hidden(self, state: DraftState, anchor: int) -> Tensor:

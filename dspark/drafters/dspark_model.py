@@ -19,7 +19,7 @@ from dspark.drafters.config import DrafterConfig
 from dspark.drafters.dflash import DFlashDrafter
 from dspark.drafters.heads import ConfidenceHead, build_sequential_head
 from dspark.drafters.layers import init_weights
-from dspark.sampling import Generators, rows_generators, sample
+from dspark.decoding.sampling import Generators, rows_generators, sample
 
 
 class DSparkDrafter(DFlashDrafter):
@@ -34,6 +34,8 @@ class DSparkDrafter(DFlashDrafter):
         for head in (self.markov_head, self.confidence_head):
             if head is not None:
                 init_weights(head, config.init_std)
+
+    comparison_reference = True  # the paper's method: evaluation ratios are DSpark / other
 
     @property
     def has_confidences(self) -> bool:

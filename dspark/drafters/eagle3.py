@@ -21,12 +21,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dspark.anchors import is_dense, packed_mask
+from dspark.drafters.anchors import is_dense, packed_mask
 from dspark.drafters.base import (DraftProposal, DraftState, DraftTrainOut, Drafter, RowSampling, drafting_mask,
                                   split_proposals)
 from dspark.drafters.config import DrafterConfig
 from dspark.drafters.layers import MLP, Attention, RMSNorm, batch_kv, init_weights, padding_mask
-from dspark.sampling import Generators, rows_generators, sample
+from dspark.decoding.sampling import Generators, rows_generators, sample
 
 
 class Eagle3Layer(nn.Module):
@@ -105,7 +105,7 @@ class Eagle3Drafter(Drafter):
         return DraftTrainOut(logits=self.lm_logits(h[select]), conf_logits=None)
 
     def _forward_dense(self, features: Tensor, input_ids: Tensor, ctx_valid: Tensor, select: Tensor) -> DraftTrainOut:
-        """TTT from every position n (anchors = 0..T-1, dspark.anchors.all_anchors): step k+1 of anchor n
+        """TTT from every position n (anchors = 0..T-1, dspark.drafters.anchors.all_anchors): step k+1 of anchor n
         sits at position n+k with token x_{n+k}, attends to context positions < n and to anchor n's own
         steps 0..k. Same values as the packed path with every position drawn as an anchor."""
         T, K, layer, attn = input_ids.shape[1], select.shape[2], self.midlayer, self.midlayer.self_attn

@@ -1,7 +1,7 @@
 """Building blocks shared by the drafters: RMSNorm, RoPE, attention with KV injection, SwiGLU MLP,
 and a growable per-layer K/V buffer for the inference state.
 
-Attention masks are boolean (True = may attend) and built from indices (see dspark/anchors.py), so
+Attention masks are boolean (True = may attend) and built from indices (see dspark/drafters/anchors.py), so
 many anchor blocks of one sequence run as one dense batch without padding each block to the context.
 Module and parameter names follow the Qwen3 / vLLM draft checkpoints (q_proj, k_norm, mlp.gate_proj,
 input_layernorm, ...), which keeps the vLLM export a plain rename table.
@@ -91,7 +91,7 @@ class Attention(nn.Module):
         """Dense training-time test: query n (the block anchored at position n) attends to the context
         keys ctx_mask[b, n] allows and to its OWN block's earlier steps (own_k[i][:, :, n], i = 0..k),
         never to another anchor's steps. Equivalent to `attend` over [ctx ; all blocks' steps] with the
-        packed block mask (dspark/anchors.py), in O(T·(T + k)) scores instead of O(T·(T + T·k)).
+        packed block mask (dspark/drafters/anchors.py), in O(T·(T + k)) scores instead of O(T·(T + T·k)).
 
         q [B, H, T, hd]; ctx_k/ctx_v [B, KV, T, hd]; ctx_mask bool [B, T, T]; own_k/own_v lists of
         [B, KV, T, hd] -> [B, T, hidden]. Every query sees at least its own step, so no row is empty."""

@@ -20,12 +20,12 @@ def drafter_from_config(cfg: DrafterConfig, target_meta: dict) -> Drafter:
 def build_drafter(cfg: DrafterConfig, target, dtype: torch.dtype = torch.float32,
                   draft_ids: torch.Tensor | None = None) -> Drafter:
     """A freshly initialised drafter for `target` (architecture fields filled from the target), attached.
-    With cfg.draft_vocab_size, `draft_ids` (ascending target ids, e.g. dspark.draft_vocab.top_token_ids
+    With cfg.draft_vocab_size, `draft_ids` (ascending target ids, e.g. dspark.drafters.draft_vocab.top_token_ids
     of the rollout token counts) fixes the draft vocabulary."""
     cfg = resolve_config(cfg, target)
     if (cfg.draft_vocab_size is None) != (draft_ids is None):
         raise ValueError("draft_vocab_size and draft_ids go together: pass draft_ids=top_token_ids(counts, N) "
-                         "(dspark.draft_vocab) with DrafterConfig.draft_vocab_size=N, or neither")
+                         "(dspark.drafters.draft_vocab) with DrafterConfig.draft_vocab_size=N, or neither")
     meta = {**target.meta(), "layer_ids": list(cfg.target_layer_ids)}
     drafter = drafter_from_config(cfg, meta).to(device=target.device, dtype=dtype)
     if draft_ids is not None:

@@ -5,9 +5,13 @@ Accepted references (the same everywhere a job or the server takes a drafter):
   s3://bucket/prefix               copied once into the storage cache (dspark.io.storage.local_copy)
   runs:/<run_id>/<artifact_path>   an MLflow run artifact directory
   models:/<name>/<version>         a registered model version
-  models:/<name>@<alias>           a registered model alias (`@latest` without such an alias = newest)
+  models:/<name>@<alias>           a registered model alias (jobs move `@champion` to each new version)
+  models:/<name>/latest            MLflow's own keyword: the newest version
+A registered version is an MLflow model (dspark.io.drafter_model): its checkpoint is the model's
+artifacts/drafter/ folder. `models:/<name>@latest` (MLflow reserves "latest": no such alias can exist)
+still resolves to the newest version, with a DeprecationWarning; write `@champion` or `/latest`.
 
-Usage:  drafter = load_drafter_ref("models:/tiny-dspark@latest", target)
+Usage:  drafter = load_drafter_ref("models:/tiny-dspark@champion", target)
 MLflow references are downloaded once into $DSPARK_CACHE/drafters/<key>, where <key> names the bytes,
 not just the reference: the tracking server URI, the reference and, for a model version, the run id
 and artifact source it was registered from. Two servers (two stacks, a wiped and recreated stack, a
@@ -22,6 +26,7 @@ import os
 import re
 import shutil
 import tempfile
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,16 +66,21 @@ def resolve_ref(ref: str | DrafterRef) -> DrafterRef:
         return ref
     client = _mlflow_client()
     alias = ref.model_version.lstrip("@")
-    try:
-        version = str(client.get_model_version_by_alias(ref.model_name, alias).version)
-    except Exception as err:  # noqa: BLE001 - MLflow raises RestException / MlflowException
-        if alias != "latest":
-            raise ValueError(f"drafter reference {ref.uri!r}: {err}") from None
+    if ref.model_version == "@latest":
+        warnings.warn(f"drafter reference {ref.uri!r}: MLflow reserves 'latest', so other MLflow tools cannot "
+                      f"resolve @latest; use models:/{ref.model_name}@champion (the serving alias jobs move to "
+                      f"each new version) or models:/{ref.model_name}/latest", DeprecationWarning, stacklevel=3)
+    if alias == "latest":  # MLflow's `models:/<name>/latest`, and the deprecated `@latest`
         versions = client.search_model_versions(f"name='{ref.model_name}'")
         if not versions:
             raise ValueError(f"drafter reference {ref.uri!r}: registered model {ref.model_name!r} "
-                             f"has no versions") from None
-        version = str(max(int(v.version) for v in versions))  # no `latest` alias: the newest version
+                             f"has no versions")
+        version = str(max(int(v.version) for v in versions))
+    else:
+        try:
+            version = str(client.get_model_version_by_alias(ref.model_name, alias).version)
+        except Exception as err:  # noqa: BLE001 - MLflow raises RestException / MlflowException
+            raise ValueError(f"drafter reference {ref.uri!r}: {err}") from None
     suffix = _MODEL_URI.match(ref.uri)["path"] or ""
     return DrafterRef("model", f"models:/{ref.model_name}/{version}{suffix}", ref.model_name, version)
 
@@ -121,6 +131,20 @@ def load_drafter_ref(ref: str, target=None, device=None):
         raise ValueError(f"drafter {ref}: {err}") from None
 
 
+def save_drafter_to(drafter, uri: str) -> str:
+    """Save a drafter checkpoint to a local dir or an s3:// prefix (written locally, then uploaded)."""
+    import tempfile
+
+    from dspark.drafters import save_drafter
+    from dspark.io import storage
+
+    if not storage.is_s3(uri):
+        return save_drafter(drafter, uri)
+    with tempfile.TemporaryDirectory(prefix="dspark-ckpt-") as tmp:
+        storage.upload_dir(save_drafter(drafter, tmp), uri)
+    return uri
+
+
 # ---- helpers ---------------------------------------------------------------------------------------
 def _cache_root() -> Path:
     from dspark.settings import settings
@@ -129,20 +153,20 @@ def _cache_root() -> Path:
 
 
 def _mlflow_client():
-    from dspark.io import tracking
+    from dspark.io import registry
 
-    return tracking.registry_client()  # of MLFLOW_TRACKING_URI or the local default store
+    return registry.registry_client()  # of MLFLOW_TRACKING_URI or the local default store
 
 
 def _download_mlflow(uri: str, dest: Path, source: dict[str, str]) -> None:
     """Download into a temp dir next to `dest`, then rename (a half-downloaded dir is never visible).
     `source` is kept beside the files as _source.json (which server and run they came from)."""
-    from dspark.io import tracking
+    from dspark.io import registry
 
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = tempfile.mkdtemp(dir=dest.parent, prefix=".download-")
     try:
-        tracking.download_artifacts(uri, tmp)
+        registry.download_artifacts(uri, tmp)
         Path(tmp, "_source.json").write_text(json.dumps(source, indent=2))
         os.rename(tmp, dest)
     except OSError:
@@ -155,10 +179,12 @@ def _download_mlflow(uri: str, dest: Path, source: dict[str, str]) -> None:
 
 
 def _checkpoint_dir(path: str, label: str) -> str:
-    """The directory that holds config.json: `path` itself or its single sub-directory that does."""
+    """The directory that holds config.json: `path` itself, its single sub-directory that does, or (an
+    MLflow model directory, with an MLmodel file) its artifacts/drafter/ folder."""
     if os.path.isfile(os.path.join(path, "config.json")):
         return path
-    found = sorted(str(p.parent) for p in Path(path).glob("*/config.json"))
+    pattern = "artifacts/*/config.json" if os.path.isfile(os.path.join(path, "MLmodel")) else "*/config.json"
+    found = sorted(str(p.parent) for p in Path(path).glob(pattern))
     if len(found) == 1:
         return found[0]
     raise FileNotFoundError(f"drafter {label}: no config.json in {path} (expected a dir saved by save_drafter)")

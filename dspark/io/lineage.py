@@ -41,14 +41,14 @@ def log_rollouts(uri: str, context: str, name: str = "rollouts") -> str | None:
 
 
 def log_prompt_sources(sources: Iterable, context: str = PROMPTS) -> None:
-    """Log each prompt source (pipelines.prompts.PromptSource: uri, optional name) of a run."""
+    """Log each prompt source (dspark.data.prompts.PromptSource: uri, optional name) of a run."""
     for source in sources:
         name = source.name or source.uri.rstrip("/").rsplit("/", 1)[-1]
         tracking.log_dataset_input(name, source.uri, None, context)
 
 
 def log_benchmarks(benchmarks: Iterable, context: str = EVALUATION) -> None:
-    """Log each loaded evaluation set (dspark.evaluation.Benchmark: name, source) of a run."""
+    """Log each loaded evaluation set (dspark.eval.evaluation.Benchmark: name, source) of a run."""
     for bench in benchmarks:
         tracking.log_dataset_input(bench.name, bench.source, None, context)
 

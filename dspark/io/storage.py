@@ -392,3 +392,18 @@ def check_writable(uri: str | os.PathLike) -> None:
 def content_hash(uri: str | os.PathLike) -> str:
     """sha256 of a file's/object's bytes (for manifests and tests)."""
     return hashlib.sha256(read_bytes(uri)).hexdigest()
+
+
+def dataset_digest(uri: str) -> str:
+    """Content digest of a file, or of every file under a directory/prefix: sha256 over each file's
+    path relative to `uri` and the sha256 of its bytes (so renames and edits both change it).
+    Reads the data: give large datasets' digest explicitly (e.g. from their manifest)."""
+    files = list_files(uri)
+    if not files:
+        raise FileNotFoundError(f"no file at {uri}")
+    total = hashlib.sha256()
+    base = uri.rstrip("/")
+    for file in files:
+        relative = file[len(base):].lstrip("/") if file.startswith(base) else file
+        total.update(f"{relative}\0{content_hash(file)}\n".encode())
+    return total.hexdigest()[:32]

@@ -1,8 +1,5 @@
 """Thin MLflow wrapper that never kills — and never stalls — a training run.
 
-(Over 400 lines on purpose: the project keeps every MLflow call in this one module — runs, the
-background queue, lineage inputs and the model registry.)
-
 The tracking server comes from MLFLOW_TRACKING_URI; when unset, runs go to a local SQLite store
 under `<repo>/.dspark/mlruns/` (mlflow.db + artifacts/; MLflow 3 refuses plain file stores).
 This is the one module that talks to MLflow's tracking API.
@@ -20,7 +17,10 @@ This is the one module that talks to MLflow's tracking API.
   launchers set at submission (the uploaded working_dir has no .git), else `git rev-parse HEAD`.
 - `log_dataset_input` records lineage (name, source URI, digest, context) in MLflow's Inputs;
   `start_run(..., system_metrics=True)` / `attach_run(..., system_metrics=True)` sample CPU,
-  memory, disk, network (psutil) and GPU (pynvml, when installed) into `system/...` metrics.
+  memory, disk, network (psutil) and GPU (pynvml, when installed) into `system/...` metrics, through
+  MLflow's public `mlflow.start_run(run_id=..., log_system_metrics=True)`.
+- The model registry (drafters as MLflow models, versions, aliases) is dspark.io.registry, system
+  metrics dspark.io.system_metrics; this module is still the one that imports MLflow.
 
 `start_run` and `check_reachable` raise TrackingError (one line with the fix): they run before any
 work is done.
@@ -28,13 +28,10 @@ work is done.
 from __future__ import annotations
 
 import atexit
-import hashlib
 import logging
 import math
 import os
-import queue
 import signal
-import subprocess
 import threading
 import time
 import urllib.error
@@ -45,6 +42,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 from dspark.config import flatten
+from dspark.io.background_logger import QUEUE_SIZE, BackgroundLogger
+from dspark.io.system_metrics import start_system_metrics, stop_system_metrics, suppress_warning  # noqa: F401
+from dspark.io.source_version import GIT_COMMIT_ENV, GIT_COMMIT_TAG, git_commit, submission_env  # noqa: F401 (re-exported)
 
 logger = logging.getLogger("dspark.io.tracking")
 
@@ -54,12 +54,9 @@ BACKOFF_S = 1.0
 # (RESOURCE_ALREADY_EXISTS is not among them: a retry finds an experiment created concurrently.)
 PERMANENT_CODES = {"INVALID_PARAMETER_VALUE", "RESOURCE_DOES_NOT_EXIST",
                    "PERMISSION_DENIED", "INVALID_STATE", "BAD_REQUEST"}
-QUEUE_SIZE = 10_000  # pending logging calls; beyond this, calls are dropped (with a warning)
 FLUSH_TIMEOUT_S = float(os.environ.get("DSPARK_MLFLOW_FLUSH_TIMEOUT_S", "30"))  # end_run's wait for the queue
 RAY_STOP_GRACE_S = 3.0  # `ray job stop` sends SIGKILL this long after SIGTERM (RAY_JOB_STOP_WAIT_TIME_S)
 SIGNAL_FLUSH_S, SIGNAL_END_S = 0.5, 2.0  # the signal handler's budget: both fit in RAY_STOP_GRACE_S
-GIT_COMMIT_ENV = "DSPARK_GIT_COMMIT"
-GIT_COMMIT_TAG = "mlflow.source.git.commit"  # the tag MLflow's UI shows as the run's source version
 DIGEST_MAX = 36  # MLflow stores a dataset digest in a 36-character column
 
 
@@ -157,75 +154,12 @@ def _client():
     return _clients[uri]
 
 
-# ---------------------------------------------------------------------------- background queue
-class BackgroundLogger:
-    """A bounded FIFO of logging calls drained by one daemon thread.
-
-    Invariant: `submit` never blocks — it enqueues, or drops the call when QUEUE_SIZE calls are
-    already pending (the server is slow or down) and warns. Calls run in submission order, each
-    through `_retry`, so a failure costs that call only. `flush` waits at most `timeout_s`."""
-
-    def __init__(self, maxsize: int = QUEUE_SIZE):
-        self.maxsize = maxsize
-        self.dropped = 0
-        self._queue: queue.Queue = queue.Queue()  # bounded by `maxsize` in submit (end_run may exceed it)
-        self._thread: threading.Thread | None = None
-        self._lock = threading.Lock()
-
-    def submit(self, what: str, fn: Callable[[], Any], force: bool = False) -> bool:
-        """Queue fn; False (and a warning) if it was dropped. `force` ignores the bound."""
-        if not force and self._queue.unfinished_tasks >= self.maxsize:
-            self.dropped += 1
-            if self.dropped == 1 or self.dropped % 1000 == 0:
-                logger.warning("MLflow is not keeping up (%d logging calls pending): dropped %s (%d dropped so "
-                               "far); training continues", self.maxsize, what, self.dropped)
-            return False
-        self._ensure_thread()
-        self._queue.put((what, fn))
-        return True
-
-    def _ensure_thread(self) -> None:
-        with self._lock:
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._drain, name="dspark-mlflow-logger", daemon=True)
-                self._thread.start()
-
-    def _drain(self) -> None:
-        while True:
-            what, fn = self._queue.get()
-            try:
-                _retry(what, fn)
-            except BaseException as err:  # noqa: BLE001 - the drain thread must survive anything
-                logger.warning("MLflow %s failed: %s", what, err)
-            finally:
-                self._queue.task_done()
-
-    def pending(self) -> int:
-        return self._queue.unfinished_tasks
-
-    def flush(self, timeout_s: float) -> bool:
-        """Wait until every queued call ran, at most timeout_s; False (with a warning) if some did not."""
-        deadline = time.monotonic() + timeout_s
-        # The queue's mutex with a timeout, not `with all_tasks_done`: a signal handler may run while
-        # this very thread is inside queue.put holding it (a plain acquire would deadlock).
-        if not self._queue.mutex.acquire(timeout=max(timeout_s, 0.0)):
-            logger.warning("MLflow: logging queue busy; not waiting for its %d pending calls", self.pending())
-            return False
-        try:
-            while self._queue.unfinished_tasks:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    logger.warning("MLflow: %d logging calls still pending after %.1f s (tracking server %s slow "
-                                   "or down); not waiting longer", self._queue.unfinished_tasks, timeout_s,
-                                   tracking_uri())
-                    return False
-                self._queue.all_tasks_done.wait(remaining)  # all_tasks_done's lock is the queue's mutex
-        finally:
-            self._queue.mutex.release()
-        return True
+def new_background_logger(maxsize: int = QUEUE_SIZE) -> BackgroundLogger:
+    """A logging queue whose calls run through `_retry` (the process uses one: `_background`)."""
+    return BackgroundLogger(run=lambda what, fn: _retry(what, fn), server=lambda: tracking_uri(), maxsize=maxsize)
 
 
-_background = BackgroundLogger()
+_background = new_background_logger()
 
 
 def flush(timeout_s: float = FLUSH_TIMEOUT_S) -> bool:
@@ -239,32 +173,6 @@ def _submit(what: str, fn: Callable[[], Any], force: bool = False) -> None:
 
 def _batches(items: list, size: int) -> list[list]:
     return [items[i:i + size] for i in range(0, len(items), size)]
-
-
-# ---------------------------------------------------------------------------- provenance
-def git_commit() -> str | None:
-    """The source commit: $DSPARK_GIT_COMMIT (set by launchers at submission: a Ray job's uploaded
-    working_dir and the image have no .git), else `git rev-parse HEAD` of this checkout (+ "-dirty"
-    when it has uncommitted changes), else None."""
-    commit = os.environ.get(GIT_COMMIT_ENV, "").strip()
-    if commit:
-        return commit
-    root = Path(__file__).resolve().parents[2]  # the checkout (dspark/io/tracking.py)
-    try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
-        if sha.returncode != 0:
-            return None
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                               capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return sha.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
-
-
-def submission_env() -> dict[str, str]:
-    """Env vars a launcher adds to a job's runtime env so the job can record its provenance."""
-    commit = git_commit()
-    return {GIT_COMMIT_ENV: commit} if commit else {}
 
 
 # ---------------------------------------------------------------------------- runs
@@ -308,7 +216,7 @@ def start_run(experiment: str, run_name: str | None = None, run_id: str | None =
         set_tags(str_tags)
     _install_exit_hooks()
     if system_metrics:
-        _current.monitor = _start_system_metrics(started, node_id=None)
+        _current.monitor = start_system_metrics(_configure(), started, node_id=None, owned=True)
     return started
 
 
@@ -322,7 +230,7 @@ def attach_run(run_id: str, system_metrics: bool = False, node_id: str | None = 
     _current = _Run(run_id, owned=False)
     _install_exit_hooks()
     if system_metrics:
-        _current.monitor = _start_system_metrics(run_id, node_id)
+        _current.monitor = start_system_metrics(_configure(), run_id, node_id, owned=_current.owned)
 
 
 def _default_tags() -> dict[str, str]:
@@ -371,7 +279,7 @@ def _close(status: str, flush_timeout_s: float, end_timeout_s: float | None) -> 
     run, _current = _current, None  # first: a signal arriving now finds nothing left to end
     if run is None:
         return
-    _stop_system_metrics(run.monitor, timeout_s=min(flush_timeout_s, 5.0))
+    stop_system_metrics(run.monitor, timeout_s=min(flush_timeout_s, 5.0), status=status)
     _background.flush(flush_timeout_s)
     if not run.owned:
         return
@@ -420,29 +328,6 @@ def _on_signal(signum: int, frame, previous) -> None:
     elif previous != signal.SIG_IGN:  # SIG_DFL (or None: set outside Python): die of the signal
         signal.signal(signum, signal.SIG_DFL)
         os.kill(os.getpid(), signum)
-
-
-# ---------------------------------------------------------------------------- system metrics
-def _start_system_metrics(run_id: str, node_id: str | None):
-    """Sample system metrics into the run on a daemon thread (MLflow's monitor; psutil, pynvml)."""
-    try:
-        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
-
-        monitor = SystemMetricsMonitor(run_id, resume_logging=True, node_id=node_id, tracking_uri=tracking_uri())
-        monitor.start()
-        return monitor
-    except Exception as err:  # noqa: BLE001 - metrics about the machine are never worth a failed run
-        logger.warning("MLflow system metrics are off: %s: %s", type(err).__name__, err)
-        return None
-
-
-def _stop_system_metrics(monitor, timeout_s: float) -> None:
-    """Stop sampling without waiting on a slow server for more than timeout_s."""
-    if monitor is None:
-        return
-    stopper = threading.Thread(target=monitor.finish, name="dspark-mlflow-sysmetrics-stop", daemon=True)
-    stopper.start()
-    stopper.join(timeout_s)
 
 
 # ---------------------------------------------------------------------------- logging
@@ -558,6 +443,8 @@ def log_dataset_input(name: str, source_uri: str, digest: str | None, context: s
     uri = source_uri if "://" in source_uri else os.path.abspath(source_uri)
     if digest is None:
         try:
+            from dspark.io.storage import dataset_digest
+
             digest = dataset_digest(uri)
         except (OSError, RuntimeError, ValueError) as err:  # StorageError is a RuntimeError
             logger.warning("MLflow dataset input %r not logged: cannot read %s to digest it: %s", name, uri, err)
@@ -582,23 +469,6 @@ def _dataset_input(name: str, uri: str, digest: str, context: str):
     return DatasetInput(dataset, tags=[InputTag(MLFLOW_DATASET_CONTEXT, context)])
 
 
-def dataset_digest(uri: str) -> str:
-    """Content digest of a file, or of every file under a directory/prefix: sha256 over each file's
-    path relative to `uri` and the sha256 of its bytes (so renames and edits both change it).
-    Reads the data: give large datasets' digest explicitly (e.g. from their manifest)."""
-    from dspark.io import storage
-
-    files = storage.list_files(uri)
-    if not files:
-        raise FileNotFoundError(f"no file at {uri}")
-    total = hashlib.sha256()
-    base = uri.rstrip("/")
-    for file in files:
-        relative = file[len(base):].lstrip("/") if file.startswith(base) else file
-        total.update(f"{relative}\0{storage.content_hash(file)}\n".encode())
-    return total.hexdigest()[:32]
-
-
 def last_logged_step(run_id: str, key: str) -> int | None:
     """The highest step at which metric `key` was logged in run `run_id` (None: never). Raises on failure."""
     flush()  # points still queued here count as logged
@@ -608,42 +478,20 @@ def last_logged_step(run_id: str, key: str) -> int | None:
 
 
 # ---------------------------------------------------------------------------- model registry
-def set_model_version_tags(name: str, version: str, tags: dict[str, str]) -> None:
-    """Tag one registered model version (values cut to MLflow's 5000-character limit). Raises on failure."""
-    client = _client()
-    for key, value in tags.items():
-        client.set_model_version_tag(name, str(version), key, str(value)[:5000])
 
 
-def register_model_version(run_id: str, name: str, artifact_path: str, aliases: list[str],
-                           description: str = "") -> str:
-    """Register the run's `artifact_path` directory as a new version of model `name` (created when new)
-    and move every alias in `aliases` to it; returns the version. MLflow 3's register_model wants an
-    MLmodel; a plain checkpoint directory is registered with create_model_version on its artifact URI.
-    Transient errors are retried; a final failure raises TrackingError."""
-    def register() -> str:
-        client = _client()
-        try:
-            client.create_registered_model(name)
-        except Exception as err:  # noqa: BLE001 - an existing model is fine
-            if getattr(err, "error_code", None) not in ("RESOURCE_ALREADY_EXISTS", "ALREADY_EXISTS"):
-                raise
-        source = f"{client.get_run(run_id).info.artifact_uri.rstrip('/')}/{artifact_path}"
-        version = str(client.create_model_version(name, source, run_id=run_id, description=description).version)
-        for alias in aliases:
-            client.set_registered_model_alias(name, alias, version)
-        return version
-
-    return _retry(f"registering {artifact_path} of run {run_id} as {name!r}", register, raise_on_failure=True)
+def mlflow_module():
+    """The configured `mlflow` module (this is the one file that imports MLflow; other io modules reach
+    it through here)."""
+    return _configure()
 
 
-def registry_client():
-    """The MlflowClient of the current tracking URI, for registry lookups (model versions, aliases)."""
-    return _client()
+def python_model_base() -> type:
+    """mlflow.pyfunc.PythonModel, the base class of the drafter's MLflow model."""
+    import mlflow.pyfunc
+
+    return mlflow.pyfunc.PythonModel
 
 
-def download_artifacts(artifact_uri: str, dst_path: str) -> str:
-    """Download a runs:/, models:/ or artifact URI into `dst_path`; returns the local path."""
-    mlflow = _configure()
-    return mlflow.artifacts.download_artifacts(artifact_uri=artifact_uri, dst_path=dst_path)
-
+# the io modules beside this one (registry, drafter_model) use these
+client, retry, batches = _client, _retry, _batches

@@ -7,7 +7,8 @@ Pieces, top to bottom:
 - `OpenAIService`: protocol logic without Ray — request validation, chat template / tokenization,
   submission to the engine (which runs in its own thread), non-streaming and SSE responses with
   `usage` and `spec_decode`. `make_app(service)` wraps it in a FastAPI app:
-      POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /healthz, GET /v1/stats
+      POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /v1/stats,
+      GET /health (vLLM's probe: 200 empty / 503), GET /healthz (JSON status), GET /metrics (Prometheus)
 - `DSparkServer`: the Ray Serve deployment (FastAPI ingress) hosting one engine per replica, with
   per-replica metrics exported through `ray.serve.metrics`.
 - `deployment_for(cfg)` / `build_app(args)`: the bound application, for `jobs/serve.py` and for
@@ -29,18 +30,20 @@ import logging
 from fastapi import Depends, FastAPI
 from fastapi import Request as HttpRequest
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from dspark.serve.prometheus import HttpMetrics
 from dspark.serve.protocol import ApiError, ChatBody, CompletionBody, dump, validation_error
 from dspark.serve.service import OpenAIService
 
 log = logging.getLogger("dspark.serve")
 
 
-ROUTES = "POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /v1/stats, GET /healthz"
+ROUTES = ("POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /v1/stats, GET /health, "
+          "GET /healthz, GET /metrics")
 
 
 class BodyLimit:
@@ -97,6 +100,7 @@ def make_app(service: OpenAIService):
     limit = service.cfg.api.max_body_bytes
     app = FastAPI(title="dspark", description="OpenAI-compatible speculative decoding server")
     app.add_middleware(BodyLimit, max_bytes=limit)
+    app.add_middleware(HttpMetrics, metrics=service.prometheus)  # outermost: counts 413s too
 
     @app.exception_handler(ApiError)
     async def _api_error(_, err: ApiError):
@@ -152,12 +156,27 @@ def make_app(service: OpenAIService):
 
     @app.get("/v1/stats", dependencies=[Depends(authorize)])
     async def stats():
-        return service.engine.stats()
+        return service.stats()
 
     @app.get("/healthz")
     async def healthz():
         status, body = service.health()
         return JSONResponse(body, status_code=status)
+
+    @app.get("/health")
+    async def health():
+        """vLLM's liveness/readiness probe: 200 with an empty body, 503 (OpenAI error shape) when not."""
+        status, body = service.health()
+        if status == 200:
+            return Response(status_code=200)
+        raise ApiError(status, f"engine unhealthy: {body.get('health_error') or 'engine loop not running'}", None,
+                       "service_unavailable")
+
+    @app.get("/metrics")
+    async def metrics():
+        """Prometheus text format (no API key, as vLLM: keep the port private or scrape through a proxy)."""
+        payload, content_type = service.prometheus.render()
+        return Response(payload, media_type=content_type)
 
     return app
 

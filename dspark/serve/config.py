@@ -9,7 +9,8 @@ from typing import Literal
 from pydantic import Field
 
 from dspark.config import StrictModel
-from dspark.engine import Engine, EngineConfig
+from dspark.decoding.engine import Engine, EngineConfig
+from dspark.flywheel.config import FlywheelConfig
 
 log = logging.getLogger("dspark.serve")
 
@@ -33,6 +34,7 @@ class ApiSection(StrictModel):
     max_tokens_limit: int = Field(1024, description="largest max_tokens a request may ask for")
     default_max_tokens: int = Field(256, description="when a request gives none (capped by the room left in the context)")
     max_prompts: int = Field(16, description="prompts per /v1/completions request")
+    max_choices: int = Field(16, ge=1, description="choices per request at most: n × the number of prompts")
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024, description=(
         "largest request body in bytes; larger ones get 413 before they are read (by Content-Length) or "
         "as soon as they pass the limit, and are never parsed"))
@@ -57,6 +59,10 @@ class HttpSection(StrictModel):
     host: str = Field("127.0.0.1", description="address the Serve proxy listens on (127.0.0.1: this machine only)")
     port: int = Field(8000, description="HTTP port of the Serve proxy")
     route_prefix: str = Field("/", description="URL prefix of the app")
+    proxy_location: Literal["EveryNode", "HeadOnly"] = Field(
+        "EveryNode", description="where Serve runs HTTP proxies: EveryNode (a proxy per node, for a load "
+        "balancer in front; survives losing any worker node) or HeadOnly (one proxy on the head; needed when "
+        "several Ray nodes share one host address, e.g. a multi-node test cluster on 127.0.0.1)")
 
 
 class ServeConfig(StrictModel):
@@ -65,6 +71,7 @@ class ServeConfig(StrictModel):
     api: ApiSection = Field(default_factory=ApiSection, description="HTTP API limits and auth")
     deployment: DeploymentSection = Field(default_factory=DeploymentSection, description="Ray Serve deployment shape")
     http: HttpSection = Field(default_factory=HttpSection, description="where the Serve proxy listens")
+    flywheel: FlywheelConfig = Field(default_factory=FlywheelConfig, description="per-domain acceptance summaries and opt-in traffic capture (README: Keeping a drafter fresh)")
 
 
 def served_name(cfg: ServeConfig) -> str:
@@ -95,7 +102,7 @@ def build_engine(cfg: ServeConfig, device: str | None = None, has_gpus: bool | N
     import torch
 
     from dspark.io.drafter_source import load_drafter_ref
-    from dspark.target import load_target
+    from dspark.models.target import load_target
 
     has_gpus = cfg.deployment.num_gpus > 0 if has_gpus is None else has_gpus
     device = device or resolve_device(cfg.model.device, has_gpus)

@@ -9,7 +9,7 @@ import os
 from typing import Any
 
 from dspark.config import config_to_dict
-from dspark.engine import Engine, Request, StepReport
+from dspark.decoding.engine import Engine, Request, StepReport
 from dspark.serve.app import make_app
 from dspark.serve.config import ServeConfig, build_engine
 from dspark.serve.service import OpenAIService
@@ -71,6 +71,43 @@ class ServeMetrics:
     def request_done(self, req: Request) -> None:
         self.requests.inc(tags={"outcome": req.finish_reason or "unknown"})
 
+    def watch_flywheel(self, flywheel) -> None:
+        """Per-domain spec-decode counters (vLLM's `spec_decode` names, prefixed dspark_, plus a domain
+        label; README "Keeping a drafter fresh" lists them), fed by the Flywheel per finished request."""
+        from ray.serve import metrics
+
+        by_domain = ("domain",)
+        self.sd_requests = metrics.Counter("dspark_spec_decode_requests", "Finished requests by domain",
+                                           tag_keys=by_domain)
+        self.sd_drafts = metrics.Counter("dspark_spec_decode_num_drafts",
+                                         "Request-rounds that verified at least one draft", tag_keys=by_domain)
+        self.sd_draft_tokens = metrics.Counter("dspark_spec_decode_num_draft_tokens",
+                                               "Draft tokens verified (the verify budget spent)", tag_keys=by_domain)
+        self.sd_proposed = metrics.Counter("dspark_spec_decode_num_proposed_tokens", "Draft tokens proposed",
+                                           tag_keys=by_domain)
+        self.sd_accepted = metrics.Counter("dspark_spec_decode_num_accepted_tokens", "Draft tokens accepted",
+                                           tag_keys=by_domain)
+        self.sd_rounds = metrics.Counter("dspark_spec_decode_num_rounds", "Verify rounds", tag_keys=by_domain)
+        self.sd_per_pos = metrics.Counter("dspark_spec_decode_num_accepted_tokens_per_pos",
+                                          "Drafts accepted at each position", tag_keys=("domain", "position"))
+        self.sd_verified_per_pos = metrics.Counter("dspark_spec_decode_num_verified_tokens_per_pos",
+                                                   "Drafts verified at each position", tag_keys=("domain", "position"))
+        flywheel.listeners.append(self.on_request)
+
+    def on_request(self, domain: str, stats) -> None:
+        tags = {"domain": domain}
+        self.sd_requests.inc(tags=tags)
+        for counter, value in ((self.sd_drafts, stats.verified_per_pos[0] if stats.verified_per_pos else 0),
+                               (self.sd_draft_tokens, stats.verified), (self.sd_proposed, stats.proposed),
+                               (self.sd_accepted, stats.accepted), (self.sd_rounds, stats.rounds)):
+            if value:
+                counter.inc(value, tags=tags)
+        for counter, values in ((self.sd_per_pos, stats.accepted_per_pos),
+                                (self.sd_verified_per_pos, stats.verified_per_pos)):
+            for k, value in enumerate(values):
+                if value:
+                    counter.inc(value, tags={"domain": domain, "position": str(k)})
+
     def rejected(self) -> None:
         self.requests.inc(tags={"outcome": "rejected"})
 
@@ -89,11 +126,18 @@ def _deployment_class():
             import torch
 
             logging.basicConfig(level=logging.INFO)
+            from dspark.flywheel.observer import build_flywheel, pin_drafter
+
             self.cfg = ServeConfig.model_validate(config)
             threads = self.cfg.deployment.torch_threads or max(1, round(self.cfg.deployment.num_cpus))
             torch.set_num_threads(threads)
+            if self.cfg.engine.scheduler.mode != "off":  # an alias resolves once: this replica serves that version
+                self.cfg.model.drafter, _ = pin_drafter(self.cfg.model.drafter)
             self.engine = build_engine(self.cfg, has_gpus=replica_has_gpus(self.cfg))
-            self.service = OpenAIService(self.engine, self.cfg, ServeMetrics(self.engine))
+            metrics = ServeMetrics(self.engine)
+            self.flywheel = build_flywheel(self.cfg, self.engine)
+            metrics.watch_flywheel(self.flywheel)
+            self.service = OpenAIService(self.engine, self.cfg, metrics, self.flywheel)
             self.engine.start()
             log.info("dspark replica ready: model %s on %s, mode %s, %d torch threads", self.service.model_name,
                      self.engine.target.device, self.engine.mode, threads)
@@ -110,6 +154,9 @@ def _deployment_class():
             engine = getattr(self, "engine", None)
             if engine is not None:
                 engine.stop(timeout=2.0)
+            flywheel = getattr(self, "flywheel", None)
+            if flywheel is not None:
+                flywheel.close(timeout_s=10.0)  # commit the queued captures and the last window
 
     return DSparkServer
 
@@ -140,13 +187,14 @@ def build_app(args: dict):
     "set": ["engine.max_batch=16", ...]}. A `ray:` section (used by jobs/serve.py) is ignored here:
     `serve deploy` targets a running cluster."""
     from dspark.config import apply_overrides, read_yaml, validate_config
+    from dspark.io import storage
 
     args = dict(args or {})
     overrides = args.pop("set", None) or []
     source = args.pop("config", None)
     if args:
         raise ValueError(f"unknown application args {sorted(args)}; use 'config' (path or mapping) and 'set'")
-    data = dict(source) if isinstance(source, dict) else (read_yaml(source) if source else {})
+    data = dict(source) if isinstance(source, dict) else (read_yaml(source, storage.read_text) if source else {})
     data.pop("ray", None)
     data = apply_overrides(data, [overrides] if isinstance(overrides, str) else list(overrides))
     return deployment_for(validate_config(ServeConfig, data, source=str(source or "<args>")), forward_api_key=False)

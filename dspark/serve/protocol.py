@@ -1,10 +1,11 @@
 """The OpenAI wire protocol of the serving endpoint: typed request bodies, typed responses, errors.
 
-Requests (`ChatBody`, `CompletionBody`) are pydantic models whose constraints live in `Field(...)`;
-unknown keys are ignored (clients send many), but every OpenAI field this server does not implement
-is declared and answers 400 naming it as soon as a request asks for it (`logprobs: true`, `tools`,
-`n: 2`, a non-zero penalty, ...); neutral values (`logprobs: false`, `n: 1`, `frequency_penalty: 0`)
-are accepted, as generic clients send them.
+Requests (`ChatBody`, `CompletionBody`) are pydantic models whose constraints live in `Field(...)`.
+Nothing is silently ignored: an unknown key answers 400 naming it ("unrecognized request argument",
+as OpenAI's own API does); every OpenAI field this server does not implement is declared and answers
+400 naming it as soon as a request asks for it (`tools`, a non-zero penalty, `echo`, ...); neutral
+values (`n: 1`, `frequency_penalty: 0`, `tool_choice: "none"`) are accepted, as generic clients send
+them. The only fields accepted without effect are identifiers (`user`, `metadata`).
 
 Responses are the `openai` package's own types (ChatCompletion, ChatCompletionChunk, Completion,
 Model), subclassed only to add this server's extensions: `spec_decode` (speculative-decoding
@@ -23,7 +24,7 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from openai.types.shared import ErrorObject
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from dspark.sampling import SamplingParams, Temperature, TopK, TopP
+from dspark.decoding.sampling import MinP, SamplingParams, Temperature, TopK, TopP
 
 # ---- errors ---------------------------------------------------------------------------------------------
 _ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 405: "invalid_request_error",
@@ -84,6 +85,9 @@ def validation_error(errors: list[dict]) -> ApiError:
         return ApiError(400, f"request body must be a JSON object (Content-Type: application/json): "
                              f"{err.get('msg')}")
     field = ".".join(path)
+    if err.get("type") == "extra_forbidden":
+        return ApiError(400, f"unrecognized request argument '{field}': this server does not implement it",
+                        field, code="unrecognized_argument")
     msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
     return ApiError(400, f"invalid '{field}': {msg}", field, code=err.get("type"))
 
@@ -96,8 +100,9 @@ def _field_path(err: dict) -> list[str]:
 
 
 # ---- requests ---------------------------------------------------------------------------------------------
-_NEUTRAL = {"n": 1, "repetition_penalty": 1.0, "tool_choice": "none", "modalities": ["text"],
-            "response_format": {"type": "text"}, "best_of": 1}
+_NEUTRAL = {"repetition_penalty": 1.0, "tool_choice": "none", "modalities": ["text"],
+            "response_format": {"type": "text"}, "best_of": 1, "parallel_tool_calls": True}
+MAX_LOGPROBS = 20  # top alternatives per token at most (OpenAI's chat limit; vLLM's default max_logprobs)
 
 
 def _asks_for(field: str, value: Any) -> bool:
@@ -109,39 +114,53 @@ def _asks_for(field: str, value: Any) -> bool:
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
     include_usage: bool = Field(False, description="send a last chunk with `usage` (and empty choices)")
 
 
 class RequestBody(BaseModel):
     """Fields shared by /v1/chat/completions and /v1/completions."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     model: str | None = Field(None, description="the served model name (GET /v1/models); None: the served one")
     max_tokens: int | None = Field(None, ge=1, description="tokens to generate at most (capped by the server)")
-    temperature: Temperature | None = None  # None: 1
-    top_p: TopP | None = None  # None: 1
-    top_k: TopK | None = None  # an extension, as in vLLM; None: off
+    temperature: Annotated[Temperature, Field(le=2)] | None = Field(None, description="in [0, 2]; None: 1")
+    top_p: TopP | None = Field(None, description="None: 1")
+    top_k: TopK | None = Field(None, description="an extension, as in vLLM; None or 0: off")
+    min_p: MinP | None = Field(None, description="an extension, as in vLLM: drop tokens below min_p × the top "
+                                                 "probability (after temperature); None or 0: off")
     seed: int | None = Field(None, ge=-2**63, le=2**64 - 1,
-                             description="the request's own RNG seed (each of its prompts uses it): same seed "
-                                         "and settings, same output (under the same load with the dynamic scheduler)")
+                             description="the request's own seed (each of its prompts uses it; choice i > 0 of n "
+                                         "a seed derived from it): same seed, prompt and settings, same output, "
+                                         "whatever else the server is doing (engine.seeded_sampling=keyed)")
+    n: int = Field(1, ge=1, description="independent choices per prompt (each sampled losslessly)")
     stream: bool = Field(False, description="answer with server-sent events")
     stream_options: StreamOptions | None = Field(None, description="only with stream=true")
     stop: (Annotated[str, Field(min_length=1)]
            | Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=4)] | None) = Field(
         None, description="up to 4 non-empty strings; the text ends before the first one generated")
     ignore_eos: bool = Field(False, description="extension (as in vLLM): do not stop at the target's EOS")
-    user: str | None = Field(None, description="accepted and ignored")
+    stop_token_ids: list[int] | None = Field(None, max_length=64, description=(
+        "extension (as in vLLM): token ids that also end the answer (finish_reason 'stop'; the id stays in "
+        "token_ids and usage, its text only with include_stop_str_in_output)"))
+    include_stop_str_in_output: bool = Field(False, description=(
+        "extension (as in vLLM): keep the stop string (or the stop token's text) at the end of the text"))
+    skip_special_tokens: bool = Field(True, description="extension (as in vLLM): drop special tokens from the text")
+    user: str | None = Field(None, description="an end-user id; the flywheel reads a domain from it when "
+                                                "metadata.domain is absent (dspark/flywheel/domain.py)")
+    metadata: dict[str, str] | None = Field(None, description="OpenAI's key-value tags; `domain` labels the "
+                                                              "request's acceptance metrics and capture")
     # OpenAI fields this server does not implement: 400 naming the field when a request asks for them
-    n: int = Field(1, ge=1, description="choices per prompt; only 1 is supported")
     frequency_penalty: float | None = Field(None, description="not supported (only 0)")
     presence_penalty: float | None = Field(None, description="not supported (only 0)")
     repetition_penalty: float | None = Field(None, description="not supported (only 1)")
     logit_bias: dict | None = Field(None, description="not supported (only empty)")
 
-    @field_validator("n", "frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias", "logprobs",
-                     "top_logprobs", "tools", "tool_choice", "functions", "function_call", "response_format",
+    store: bool | None = Field(None, description="not supported (only false: nothing is stored)")
+
+    @field_validator("frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias", "store",
+                     "tools", "tool_choice", "functions", "function_call", "response_format", "parallel_tool_calls",
                      "modalities", "audio", "prediction", "web_search_options", "best_of", "echo", "suffix",
                      check_fields=False)
     @classmethod
@@ -165,7 +184,12 @@ class RequestBody(BaseModel):
 
     def sampling(self) -> SamplingParams:
         return SamplingParams(temperature=1.0 if self.temperature is None else self.temperature,
-                              top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0)
+                              top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0,
+                              min_p=self.min_p or 0.0)
+
+    def top_logprobs_count(self) -> int | None:
+        """None: no logprobs; k: each token's logprob and its k most likely alternatives."""
+        raise NotImplementedError
 
 
 class TextPart(BaseModel):
@@ -175,7 +199,7 @@ class TextPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore")  # e.g. `name`: rendered only where the chat template reads it
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[TextPart] | None = Field(None, description="a string or a list of text parts")
     tool_calls: list | None = Field(None, description="not supported (tool calling)")
@@ -196,8 +220,15 @@ class ChatMessage(BaseModel):
 class ChatBody(RequestBody):
     messages: list[ChatMessage] = Field(min_length=1, description="the conversation, rendered with the chat template")
     max_completion_tokens: int | None = Field(None, ge=1, description="preferred over max_tokens when given")
-    logprobs: bool | None = Field(None, description="not supported (only false)")
-    top_logprobs: int | None = Field(None, description="not supported (only 0)")
+    logprobs: bool | None = Field(None, description="return each output token's log-probability under the target")
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description=(
+        "with logprobs=true: the most likely alternatives per token (0-20)"))
+    chat_template_kwargs: dict[str, Any] | None = Field(None, description=(
+        "extension (as in vLLM): extra variables for the chat template (e.g. enable_thinking); each must be "
+        "one the template reads, else 400"))
+    reasoning_effort: str | None = Field(None, description=(
+        "passed to the chat template as the variable `reasoning_effort` where it reads one, else 400"))
+    parallel_tool_calls: bool | None = Field(None, description="not supported (tool calling)")
     tools: list | None = Field(None, description="not supported (tool calling)")
     tool_choice: Any = Field(None, description="not supported (only 'none')")
     functions: list | None = Field(None, description="not supported (deprecated function calling)")
@@ -211,6 +242,15 @@ class ChatBody(RequestBody):
     def prompt_chars(self) -> int:
         return sum(len(m.text()) for m in self.messages)
 
+    def top_logprobs_count(self) -> int | None:
+        if self.top_logprobs and not self.logprobs:
+            raise ApiError(400, "'top_logprobs' needs logprobs=true", "top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def template_kwargs(self) -> dict[str, Any]:
+        return {**(self.chat_template_kwargs or {}),
+                **({"reasoning_effort": self.reasoning_effort} if self.reasoning_effort is not None else {})}
+
 
 class CompletionBody(RequestBody):
     prompt: (Annotated[str, Field(min_length=1)]
@@ -218,7 +258,8 @@ class CompletionBody(RequestBody):
              | Annotated[list[int], Field(min_length=1)]
              | Annotated[list[Annotated[list[int], Field(min_length=1)]], Field(min_length=1)]) = Field(
         description="a string, a list of strings, token ids, or a list of token-id lists")
-    logprobs: int | None = Field(None, description="not supported")
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description=(
+        "return each output token's log-probability under the target and this many alternatives (0-20)"))
     best_of: int | None = Field(None, description="not supported (only 1)")
     echo: bool | None = Field(None, description="not supported (only false)")
     suffix: str | None = Field(None, description="not supported")
@@ -229,6 +270,9 @@ class CompletionBody(RequestBody):
 
     def prompt_chars(self) -> int:
         return sum(len(p) for p in self.prompts() if isinstance(p, str))
+
+    def top_logprobs_count(self) -> int | None:
+        return self.logprobs
 
 
 # ---- responses --------------------------------------------------------------------------------------------

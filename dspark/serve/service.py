@@ -16,13 +16,22 @@ from openai.types.chat import ChatCompletionMessage
 from openai.types.chat.chat_completion import Choice as ChatChoice
 from openai.types.chat.chat_completion_chunk import Choice as ChunkChoice
 from openai.types.chat.chat_completion_chunk import ChoiceDelta
+from openai.types.chat.chat_completion_chunk import ChoiceLogprobs as ChunkChoiceLogprobs
 from pydantic import BaseModel
 
-from dspark.engine import Engine, EngineUnavailableError, QueueFullError, Request
+from openai.types.chat import ChatCompletionTokenLogprob
+from openai.types.chat.chat_completion import ChoiceLogprobs as ChatChoiceLogprobs
+from openai.types.chat.chat_completion_token_logprob import TopLogprob
+from openai.types.completion_choice import Logprobs as CompletionLogprobs
+
+from dspark.decoding.engine import Engine, EngineUnavailableError, QueueFullError, Request, TokenLogprob
+from dspark.decoding.sampling import derive_seed
 from dspark.serve.config import PROMPT_CHARS_PER_TOKEN, ServeConfig, served_name
 from dspark.serve.protocol import (ApiError, ChatBody, CompletionBody, DSparkChatCompletion, DSparkChatCompletionChunk,
                                    DSparkCompletion, DSparkCompletionChoice, ModelList, RequestBody, ServedModel,
                                    SpecDecode, dump, usage)
+from dspark.serve.prometheus import PrometheusMetrics
+from dspark.serve.templates import RESERVED_TEMPLATE_VARIABLES, template_variables
 from dspark.serve.text import TextAssembler
 
 
@@ -36,60 +45,136 @@ class MetricsSink(Protocol):
 
 @dataclass
 class Outcome:
-    """A finished (or stopped) request as the API reports it."""
+    """A finished (or stopped) choice as the API reports it."""
 
     req: Request
     text: str
     finish_reason: str
     completion_tokens: int
+    index: int = 0
+
+    @property
+    def logprobs(self) -> list[TokenLogprob]:
+        return self.req.token_logprobs[: self.completion_tokens]
+
+
+@dataclass
+class Choice:
+    """One choice in flight (a request of the engine) while its answer is assembled."""
+
+    index: int
+    req: Request
+    assembler: TextAssembler
+    logprobs_sent: int = 0
+    done: bool = False
+
+    def new_logprobs(self) -> list[TokenLogprob]:
+        """Logprobs of the tokens counted in the text since the last call (empty without logprobs)."""
+        upto = self.assembler.n_tokens
+        entries = self.req.token_logprobs[self.logprobs_sent: upto]
+        self.logprobs_sent = max(self.logprobs_sent, upto)
+        return entries if self.req.logprobs is not None else []
+
+
+LOGPROB_FLOOR = -9999.0  # -inf (a token the processed distribution excludes) is not JSON: vLLM's floor
+
+
+class Logprobs:
+    """Engine TokenLogprobs -> OpenAI's logprobs objects (chat: ChoiceLogprobs; completions: Logprobs).
+    A token's string is its own decode (a piece of a multi-byte character shows as U+FFFD)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self._strings: dict[int, str] = {}
+
+    def token(self, tid: int) -> str:
+        if tid not in self._strings:
+            self._strings[tid] = (self.tokenizer.decode([tid], skip_special_tokens=False)
+                                  if self.tokenizer is not None else f"token_id:{tid}")
+        return self._strings[tid]
+
+    @staticmethod
+    def value(lp: float) -> float:
+        return max(lp, LOGPROB_FLOOR)
+
+    def chat(self, entries: list[TokenLogprob], cls=ChatChoiceLogprobs):
+        """-> cls: the non-streaming ChoiceLogprobs, or the chunk's (ChunkChoiceLogprobs)."""
+        def item(tid: int, lp: float, cls):
+            text = self.token(tid)
+            return cls(token=text, bytes=list(text.encode("utf-8")), logprob=self.value(lp))
+
+        return cls(content=[
+            ChatCompletionTokenLogprob(**item(e.token, e.logprob, TopLogprob).model_dump(),
+                                       top_logprobs=[item(t, lp, TopLogprob) for t, lp in e.top])
+            for e in entries])
+
+    def completion(self, entries: list[TokenLogprob], offset: int = 0) -> CompletionLogprobs:
+        tokens = [self.token(e.token) for e in entries]
+        offsets = []
+        for text in tokens:
+            offsets.append(offset)
+            offset += len(text)
+        return CompletionLogprobs(tokens=tokens, token_logprobs=[self.value(e.logprob) for e in entries],
+                                  top_logprobs=[{self.token(t): self.value(lp) for t, lp in e.top} for e in entries],
+                                  text_offset=offsets)
 
 
 class ChatStream:
-    """SSE chunks of /v1/chat/completions (a first chunk with the role, content deltas, a finish chunk)."""
+    """SSE chunks of /v1/chat/completions: per choice a first chunk with the role, content deltas (with
+    their tokens' logprobs when asked), a finish chunk."""
 
-    def __init__(self, rid: str, created: int, model: str, include_usage: bool):
+    def __init__(self, rid: str, created: int, model: str, include_usage: bool, logprobs: Logprobs):
         self.base = {"id": rid, "created": created, "model": model, "object": "chat.completion.chunk",
                      **({"usage": None} if include_usage else {})}
+        self.logprobs = logprobs
 
-    def first(self) -> BaseModel | None:
-        return self._chunk(ChoiceDelta(role="assistant", content=""), None)
+    def first(self, index: int) -> BaseModel | None:
+        return self._chunk(index, ChoiceDelta(role="assistant", content=""), None)
 
-    def delta(self, text: str) -> BaseModel:
-        return self._chunk(ChoiceDelta(content=text), None)
+    def delta(self, index: int, text: str, entries: list[TokenLogprob] | None) -> BaseModel:
+        return self._chunk(index, ChoiceDelta(content=text), None, entries)
 
-    def finish(self, reason: str, spec: SpecDecode) -> BaseModel:
-        return self._chunk(ChoiceDelta(), reason, spec_decode=spec)
+    def finish(self, index: int, reason: str, spec: SpecDecode, entries: list[TokenLogprob] | None) -> BaseModel:
+        return self._chunk(index, ChoiceDelta(), reason, entries, spec_decode=spec)
 
     def usage(self, u: CompletionUsage) -> BaseModel:
         return DSparkChatCompletionChunk(**{**self.base, "usage": u}, choices=[])
 
-    def _chunk(self, delta: ChoiceDelta, reason: str | None, **extra) -> BaseModel:
-        choice = ChunkChoice(index=0, delta=delta, finish_reason=reason, logprobs=None)
+    def _chunk(self, index: int, delta: ChoiceDelta, reason: str | None, entries=None, **extra) -> BaseModel:
+        logprobs = self.logprobs.chat(entries, ChunkChoiceLogprobs) if entries else None
+        choice = ChunkChoice(index=index, delta=delta, finish_reason=reason, logprobs=logprobs)
         return DSparkChatCompletionChunk(**self.base, choices=[choice], **extra)
 
 
 class CompletionStream:
-    """SSE chunks of /v1/completions (text deltas, a finish chunk)."""
+    """SSE chunks of /v1/completions (per choice text deltas, with logprobs when asked, and a finish chunk)."""
 
-    def __init__(self, rid: str, created: int, model: str, include_usage: bool):
+    def __init__(self, rid: str, created: int, model: str, include_usage: bool, logprobs: Logprobs):
         self.base = {"id": rid, "created": created, "model": model, "object": "text_completion",
                      **({"usage": None} if include_usage else {})}
+        self.logprobs = logprobs
+        self.offsets: dict[int, int] = {}  # text sent per choice (text_offset of the next token)
 
-    def first(self) -> BaseModel | None:
+    def first(self, index: int) -> BaseModel | None:
         return None
 
-    def delta(self, text: str) -> BaseModel:
-        return self._chunk(text, None)
+    def delta(self, index: int, text: str, entries: list[TokenLogprob] | None) -> BaseModel:
+        return self._chunk(index, text, None, entries)
 
-    def finish(self, reason: str, spec: SpecDecode) -> BaseModel:
-        return self._chunk("", reason, spec_decode=spec)
+    def finish(self, index: int, reason: str, spec: SpecDecode, entries: list[TokenLogprob] | None) -> BaseModel:
+        return self._chunk(index, "", reason, entries, spec_decode=spec)
 
     def usage(self, u: CompletionUsage) -> BaseModel:
         return DSparkCompletion.model_construct(**{**self.base, "usage": u}, choices=[])
 
-    def _chunk(self, text: str, reason: str | None, **extra) -> BaseModel:
+    def _chunk(self, index: int, text: str, reason: str | None, entries=None, **extra) -> BaseModel:
+        logprobs = None
+        if entries:
+            logprobs = self.logprobs.completion(entries, self.offsets.get(index, 0))
+            self.offsets[index] = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
         # a streamed completion chunk has finish_reason null until the last one: build without validation
-        choice = DSparkCompletionChoice.model_construct(index=0, text=text, finish_reason=reason, logprobs=None)
+        choice = DSparkCompletionChoice.model_construct(index=index, text=text, finish_reason=reason,
+                                                        logprobs=logprobs)
         return DSparkCompletion.model_construct(**self.base, choices=[choice], **extra)
 
 
@@ -97,12 +182,14 @@ class CompletionStream:
 class OpenAIService:
     """OpenAI protocol over an engine running in a background thread (`engine.start()`)."""
 
-    def __init__(self, engine: Engine, cfg: ServeConfig, metrics: MetricsSink | None = None):
+    def __init__(self, engine: Engine, cfg: ServeConfig, metrics: MetricsSink | None = None, flywheel=None):
         self.engine, self.cfg, self.metrics = engine, cfg, metrics
+        self.flywheel = flywheel  # dspark.flywheel.observer.Flywheel: per-domain acceptance and capture
         self.target = engine.target
         self.model_name = served_name(cfg)
         self.created = int(time.time())
         self.max_prompt_chars = cfg.api.max_prompt_chars or PROMPT_CHARS_PER_TOKEN * engine.max_model_len
+        self.prometheus = PrometheusMetrics(engine, self.model_name)  # GET /metrics; more collectors register here
 
     @property
     def api_key(self) -> str | None:
@@ -122,18 +209,41 @@ class OpenAIService:
                                 f"{self.max_prompt_chars} (the context holds {self.engine.max_model_len} tokens); "
                                 f"shorten the prompt", param, "context_length_exceeded")
 
-    def prompt_ids(self, prompt: str | list[int] | list[dict], param: str) -> list[int]:
-        """Tokenize one prompt (blocking: call through `tokenize`)."""
+    def template_kwargs(self, body: ChatBody) -> dict:
+        """chat_template_kwargs (and reasoning_effort) -> template variables; 400 naming any that the
+        chat template does not read (it would be ignored) or that the server sets itself."""
+        kwargs = body.template_kwargs()
+        if not kwargs:
+            return {}
+        tok = self.target.tokenizer
+        if tok is None or tok.chat_template is None:
+            raise ApiError(400, f"target {self.target.name} has no chat template", "chat_template_kwargs")
+        reads = template_variables(tok.chat_template)
+        for name in kwargs:
+            param = "reasoning_effort" if name == "reasoning_effort" and body.reasoning_effort is not None \
+                else f"chat_template_kwargs.{name}"
+            if name in RESERVED_TEMPLATE_VARIABLES:
+                raise ApiError(400, f"'{param}' is set by the server and cannot be overridden", param)
+            if reads is not None and name not in reads:
+                raise ApiError(400, f"'{param}': the chat template of {self.target.name} has no variable {name!r} "
+                                    f"(it reads: {', '.join(sorted(reads - RESERVED_TEMPLATE_VARIABLES)) or 'none'})",
+                               param)
+        return kwargs
+
+    def prompt_ids(self, prompt: str | list[int] | tuple[list[dict], dict], param: str) -> list[int]:
+        """Tokenize one prompt: text, token ids, or (chat messages, template kwargs) (blocking: call
+        through `tokenize`)."""
         tok = self.target.tokenizer
         if isinstance(prompt, str):
             if tok is None:
                 raise ApiError(400, f"target {self.target.name} has no tokenizer; send token ids", param)
             return tok(prompt)["input_ids"]
-        if prompt and isinstance(prompt[0], dict):
+        if isinstance(prompt, tuple):
+            messages, kwargs = prompt
             if tok is None or tok.chat_template is None:
                 raise ApiError(400, f"target {self.target.name} has no chat template; use /v1/completions", param)
             try:
-                return self.target.chat_ids(prompt)
+                return self.target.chat_ids(messages, template_kwargs=kwargs)
             except Exception as err:  # the template raised on these messages (e.g. a role order it forbids)
                 raise ApiError(400, f"the chat template of {self.target.name} rejects these messages: {err}",
                                param) from None
@@ -167,15 +277,43 @@ class OpenAIService:
         return asked
 
     # ---- running requests ------------------------------------------------------------------------------
-    def submit(self, ids: list[int], body: RequestBody, max_tokens: int, queue: asyncio.Queue) -> Request:
+    def stop_ids(self, body: RequestBody) -> frozenset[int]:
+        """Token ids that end an answer: the target's EOS (unless ignore_eos) and stop_token_ids."""
+        extra = list(body.stop_token_ids or [])
+        bad = [t for t in extra if not 0 <= t < self.target.vocab_size]
+        if bad:
+            raise ApiError(400, f"stop_token_ids must be in [0, {self.target.vocab_size}), got {bad}", "stop_token_ids")
+        return frozenset(([] if body.ignore_eos else self.target.eos_token_ids) + extra)
+
+    def assembler(self, body: RequestBody, stop_ids: frozenset[int]) -> TextAssembler:
+        hidden = frozenset() if body.include_stop_str_in_output else stop_ids
+        return TextAssembler(self.target.tokenizer, body.stops, include_stop=body.include_stop_str_in_output,
+                             skip_special_tokens=body.skip_special_tokens, hidden_ids=hidden)
+
+    @staticmethod
+    def choice_seed(body: RequestBody, index: int) -> int | None:
+        """Choice 0 uses the request's seed (n=1 and n>1 agree on it); choice i > 0 a seed derived from
+        (seed, i), so the n choices are independent samples, each reproducible."""
+        if body.seed is None or index == 0:
+            return body.seed
+        return derive_seed(body.seed, index)
+
+    def submit(self, ids: list[int], body: RequestBody, max_tokens: int, index: int, on_update) -> Request:
         loop = asyncio.get_running_loop()
 
         def listener(req: Request, new: list[int], final: bool) -> None:
-            loop.call_soon_threadsafe(queue.put_nowait, (req, final))
+            try:
+                loop.call_soon_threadsafe(on_update, index, final)
+            except RuntimeError:  # the event loop is closed: nobody is waiting for this answer any more
+                pass
 
         try:
-            return self.engine.submit(ids, body.sampling(), max_tokens, stop_ids=[] if body.ignore_eos else None,
-                                      listener=listener, seed=body.seed)
+            req = self.engine.submit(ids, body.sampling(), max_tokens, stop_ids=sorted(self.stop_ids(body)),
+                                     listener=listener, seed=self.choice_seed(body, index),
+                                     logprobs=body.top_logprobs_count())
+            if self.flywheel is not None:
+                self.flywheel.submitted(req, body)
+            return req
         except QueueFullError as err:
             if self.metrics:
                 self.metrics.rejected()
@@ -185,76 +323,113 @@ class OpenAIService:
         except ValueError as err:
             raise ApiError(400, str(err), "prompt") from None
 
-    async def run_to_end(self, ids: list[int], body: RequestBody, max_tokens: int) -> Outcome:
-        """Non-streaming: generate until the engine finishes the request or a stop string appears."""
+    def start(self, jobs: list[tuple[list[int], int]], body: RequestBody) -> tuple[list[Choice], asyncio.Queue]:
+        """Submit one engine request per choice (jobs: (prompt ids, max_tokens), in choice order); their
+        updates arrive on the returned queue as (choice index, final). If a submission fails, the
+        choices already submitted are cancelled."""
         queue: asyncio.Queue = asyncio.Queue()
-        req = self.submit(ids, body, max_tokens, queue)
-        assembler = TextAssembler(self.target.tokenizer, body.stops)
+        choices: list[Choice] = []
         try:
-            while True:
-                _, final = await queue.get()
-                if body.stops or final:
-                    assembler.update(list(req.tokens), final)
-                if assembler.stopped and not final:
-                    self.engine.cancel(req)
-                if assembler.stopped or final:
-                    break
-        except asyncio.CancelledError:  # the client went away
-            self.engine.cancel(req)
+            for index, (ids, max_tokens) in enumerate(jobs):
+                req = self.submit(ids, body, max_tokens, index, lambda i, final: queue.put_nowait((i, final)))
+                choices.append(Choice(index, req, self.assembler(body, req.stop_ids)))
+        except Exception:
+            for c in choices:
+                self.engine.cancel(c.req)
             raise
-        self._done(req)
-        if not assembler.stopped and req.finish_reason not in ("stop", "length"):
-            raise _not_generated(req)
-        reason = "stop" if assembler.stopped else req.finish_reason
-        return Outcome(req, assembler.text, reason, assembler.n_tokens)
+        return choices, queue
+
+    def advance(self, choice: Choice, final: bool) -> tuple[str, bool]:
+        """Feed the choice's new tokens to its assembler -> (text delta, whether the answer is complete);
+        a stop string met before the engine finished cancels the request."""
+        req = choice.req
+        delta, stopped = choice.assembler.update(list(req.tokens), final)
+        if stopped and not final:
+            self.engine.cancel(req)
+        if (stopped or final) and not choice.done:
+            choice.done = True
+            self._done(req)
+        return delta, stopped or final
+
+    async def run_to_end(self, jobs: list[tuple[list[int], int]], body: RequestBody) -> list[Outcome]:
+        """Non-streaming: generate every choice until the engine finishes it or a stop string appears."""
+        choices, queue = self.start(jobs, body)
+        try:
+            while not all(c.done for c in choices):
+                index, final = await queue.get()
+                choice = choices[index]
+                if not choice.done and (body.stops or final):
+                    self.advance(choice, final)
+        except asyncio.CancelledError:  # the client went away
+            for c in choices:
+                self.engine.cancel(c.req)
+            raise
+        outcomes = []
+        for c in choices:
+            if not c.assembler.stopped and c.req.finish_reason not in ("stop", "length"):
+                raise _not_generated(c.req)
+            reason = "stop" if c.assembler.stopped else c.req.finish_reason
+            outcomes.append(Outcome(c.req, c.assembler.text, reason, c.assembler.n_tokens, c.index))
+        return outcomes
 
     def _done(self, req: Request) -> Request:
         if self.metrics:
             self.metrics.request_done(req)
+        if self.flywheel is not None:
+            self.flywheel.finished(req)
         return req
 
-    def stream(self, ids: list[int], body: RequestBody, max_tokens: int, fmt: ChatStream | CompletionStream):
+    def stream(self, jobs: list[tuple[list[int], int]], body: RequestBody, fmt: ChatStream | CompletionStream):
         """Submit now (so queue-full / bad input still become HTTP errors), then return the SSE event
         generator."""
-        queue: asyncio.Queue = asyncio.Queue()
-        req = self.submit(ids, body, max_tokens, queue)
-        return self._events(req, queue, body, fmt)
+        choices, queue = self.start(jobs, body)
+        return self._events(choices, queue, body, fmt)
 
-    async def _events(self, req: Request, queue: asyncio.Queue, body: RequestBody, fmt: ChatStream | CompletionStream):
-        assembler = TextAssembler(self.target.tokenizer, body.stops)
-        finished = False
+    async def _events(self, choices: list[Choice], queue: asyncio.Queue, body: RequestBody,
+                      fmt: ChatStream | CompletionStream):
         try:
-            if (first := fmt.first()) is not None:
-                yield _sse(first)
-            while not finished:
-                _, final = await queue.get()
-                while not final and not queue.empty():  # coalesce updates that arrived meanwhile
-                    _, final = queue.get_nowait()
-                if req.finish_reason in ("error", "cancelled"):
-                    finished = True
-                    self._done(req)
-                    yield _sse(_not_generated(req).body())
-                    break
-                delta, stopped = assembler.update(list(req.tokens), final)
-                if delta:
-                    yield _sse(fmt.delta(delta))
-                if stopped or final:
-                    finished = True
-                    if stopped and not final:
-                        self.engine.cancel(req)
-                    self._done(req)
-                    yield _sse(fmt.finish("stop" if stopped else req.finish_reason, self.spec_decode([req])))
-                    if body.include_usage:
-                        yield _sse(fmt.usage(usage(len(req.prompt_ids), assembler.n_tokens)))
+            for c in choices:
+                if (first := fmt.first(c.index)) is not None:
+                    yield _sse(first)
+            while not all(c.done for c in choices):
+                updates = {}
+                index, final = await queue.get()
+                updates[index] = final
+                while not queue.empty():  # coalesce updates that arrived meanwhile
+                    index, final = queue.get_nowait()
+                    updates[index] = updates.get(index, False) or final
+                for index, final in updates.items():
+                    choice = choices[index]
+                    if choice.done:
+                        continue
+                    if choice.req.finish_reason in ("error", "cancelled"):
+                        yield _sse(_not_generated(choice.req).body())
+                        return
+                    delta, complete = self.advance(choice, final)
+                    entries = choice.new_logprobs()
+                    if complete:
+                        if delta:
+                            yield _sse(fmt.delta(index, delta, None))
+                        reason = "stop" if choice.assembler.stopped else choice.req.finish_reason
+                        yield _sse(fmt.finish(index, reason, self.spec_decode([choice.req]), entries))
+                    elif delta or entries:
+                        yield _sse(fmt.delta(index, delta, entries))
+            if body.include_usage:
+                yield _sse(fmt.usage(self.usage([c.req for c in choices],
+                                                sum(c.assembler.n_tokens for c in choices), body.n)))
             yield "data: [DONE]\n\n"
         finally:
-            if not finished:  # the client disconnected mid-stream
-                self.engine.cancel(req)
+            for c in choices:
+                if not c.done:  # the client disconnected mid-stream (or another choice failed)
+                    self.engine.cancel(c.req)
+                    c.done = True
+                    self._done(c.req)
 
     # ---- responses ---------------------------------------------------------------------------------------
     @staticmethod
-    def usage(outcomes: list[Outcome]) -> CompletionUsage:
-        return usage(sum(len(o.req.prompt_ids) for o in outcomes), sum(o.completion_tokens for o in outcomes))
+    def usage(reqs: list[Request], completion_tokens: int, n: int) -> CompletionUsage:
+        """Each prompt's tokens count once, however many (n) choices were sampled from it."""
+        return usage(sum(len(r.prompt_ids) for r in reqs) // n, completion_tokens)
 
     @staticmethod
     def spec_decode(reqs: list[Request]) -> SpecDecode:
@@ -269,19 +444,31 @@ class OpenAIService:
         total.mean_accepted_length = (total.draft_tokens_accepted + rounds) / rounds if rounds else None
         return total
 
+    def check_choices(self, body: RequestBody, prompts: int) -> None:
+        limit = self.cfg.api.max_choices
+        if body.n * prompts > limit:
+            raise ApiError(400, f"n={body.n} × {prompts} prompt(s) = {body.n * prompts} choices; this server "
+                                f"generates at most {limit} per request (api.max_choices)", "n")
+
     async def chat(self, body: ChatBody):
         self.check_request(body, "messages")
+        self.check_choices(body, 1)
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        (ids,) = await self.tokenize([messages], "messages")
-        max_tokens = self.max_tokens(body, len(ids), "messages")
+        kwargs = self.template_kwargs(body)
+        (ids,) = await self.tokenize([(messages, kwargs)], "messages")
+        jobs = [(ids, self.max_tokens(body, len(ids), "messages"))] * body.n
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        logprobs = Logprobs(self.target.tokenizer)
         if body.stream:
-            return self.stream(ids, body, max_tokens, ChatStream(rid, created, self.model_name, body.include_usage))
-        out = await self.run_to_end(ids, body, max_tokens)
-        choice = ChatChoice(index=0, message=ChatCompletionMessage(role="assistant", content=out.text),
-                            finish_reason=out.finish_reason, logprobs=None)
+            return self.stream(jobs, body, ChatStream(rid, created, self.model_name, body.include_usage, logprobs))
+        outs = await self.run_to_end(jobs, body)
+        want = body.top_logprobs_count() is not None
+        choices = [ChatChoice(index=o.index, message=ChatCompletionMessage(role="assistant", content=o.text),
+                              finish_reason=o.finish_reason, logprobs=logprobs.chat(o.logprobs) if want else None)
+                   for o in outs]
         return DSparkChatCompletion(id=rid, object="chat.completion", created=created, model=self.model_name,
-                                    choices=[choice], usage=self.usage([out]), spec_decode=self.spec_decode([out.req]))
+                                    choices=choices, usage=self.usage([o.req for o in outs], sum(o.completion_tokens for o in outs), body.n),
+                                    spec_decode=self.spec_decode([o.req for o in outs]))
 
     async def completions(self, body: CompletionBody):
         self.check_request(body, "prompt")
@@ -290,18 +477,23 @@ class OpenAIService:
             raise ApiError(400, f"{len(prompts)} prompts in one request; at most {self.cfg.api.max_prompts}", "prompt")
         if body.stream and len(prompts) > 1:
             raise ApiError(400, "streaming takes a single prompt", "prompt")
+        self.check_choices(body, len(prompts))
         ids_list = await self.tokenize(prompts, "prompt")
         limits = [self.max_tokens(body, len(ids), "prompt") for ids in ids_list]
+        jobs = [(ids, limit) for ids, limit in zip(ids_list, limits) for _ in range(body.n)]  # prompt-major
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        logprobs = Logprobs(self.target.tokenizer)
         if body.stream:
-            fmt = CompletionStream(rid, created, self.model_name, body.include_usage)
-            return self.stream(ids_list[0], body, limits[0], fmt)
-        outs = await asyncio.gather(*(self.run_to_end(ids, body, n) for ids, n in zip(ids_list, limits)))
-        choices = [DSparkCompletionChoice(index=i, text=o.text, finish_reason=o.finish_reason, logprobs=None,
+            return self.stream(jobs, body, CompletionStream(rid, created, self.model_name, body.include_usage,
+                                                            logprobs))
+        outs = await self.run_to_end(jobs, body)
+        want = body.logprobs is not None
+        choices = [DSparkCompletionChoice(index=o.index, text=o.text, finish_reason=o.finish_reason,
+                                          logprobs=logprobs.completion(o.logprobs) if want else None,
                                           token_ids=list(o.req.tokens[: o.completion_tokens]))
-                   for i, o in enumerate(outs)]
+                   for o in outs]
         return DSparkCompletion(id=rid, object="text_completion", created=created, model=self.model_name,
-                                choices=choices, usage=self.usage(outs),
+                                choices=choices, usage=self.usage([o.req for o in outs], sum(o.completion_tokens for o in outs), body.n),
                                 spec_decode=self.spec_decode([o.req for o in outs]))
 
     def model_card(self) -> ServedModel:
@@ -312,6 +504,14 @@ class OpenAIService:
 
     def models(self) -> ModelList:
         return ModelList(data=[self.model_card()])
+
+    def stats(self) -> dict:
+        """GET /v1/stats: the engine's snapshot, plus per-domain acceptance and capture counts."""
+        stats = self.engine.stats()
+        if self.flywheel is not None:
+            stats["acceptance_by_domain"] = self.flywheel.stats.snapshot()
+            stats["capture"] = self.flywheel.capture_counts()
+        return stats
 
     def health(self) -> tuple[int, dict]:
         stats = self.engine.stats()

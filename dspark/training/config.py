@@ -66,9 +66,10 @@ class CheckpointSection(StrictModel):
 class TrainTracking(TrackingConfig):
     experiment: str = Field("dspark-train", description="MLflow experiment")
     registered_model: str | None = Field(None, description='model registry name; None -> "drafter-<run_name>"')
-    # alias moved to each newly registered version. MLflow reserves "latest"; `models:/<name>@latest`
-    # still works in dspark (dspark.io.drafter_source resolves it to the newest version).
-    alias: str = Field("trained", description="alias moved to each newly registered version (`models:/<name>@latest` also resolves to the newest)")
+    # alias moved to each newly registered version, besides the serving alias `champion` (which
+    # serve/eval/calibrate configs use). MLflow reserves "latest"; `models:/<name>@latest` still
+    # resolves (to the newest version) with a deprecation warning.
+    alias: str = Field("trained", description="alias moved to each newly registered version (the serving alias `champion` always moves too)")
     log_every_steps: int = Field(1, ge=1, description="log step metrics every N optimizer steps")
 
 
@@ -85,6 +86,7 @@ class TrainJobConfig(StrictModel):
     run_name: str = Field(description="the run's name: its checkpoints live in <checkpoint.storage_path>/<run_name>; relaunching it resumes")
     target: str = Field("tiny", description="load_target spec")
     drafter: DrafterConfig = Field(default_factory=DrafterConfig, description="the drafter's architecture and losses")
+    init_from: str | None = Field(None, description="start from this drafter's weights (models:/<name>@<alias>, models:/<name>/<version>, runs:/, s3:// or a dir): its architecture is used, drafter fields set here must agree (the flywheel's retraining)")
     data: DataSection = Field(description="the rollouts trained on")
     optim: OptimSection = Field(default_factory=OptimSection, description="optimiser, schedule and batch geometry")
     deepspeed: DeepSpeedSection = Field(default_factory=DeepSpeedSection, description="ZeRO stage and precision")

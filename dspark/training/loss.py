@@ -18,9 +18,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from dspark.anchors import all_anchors, sample_anchors
-from dspark.draft_vocab import draft_labels, extend_to_vocab
-from dspark.losses import (acceptance_label, acceptance_metrics, ce_loss, conf_loss, loss_denominator,
+from dspark.drafters.anchors import all_anchors, sample_anchors
+from dspark.drafters.draft_vocab import draft_labels, extend_to_vocab
+from dspark.training.losses import (acceptance_label, acceptance_metrics, ce_loss, conf_loss, loss_denominator,
                            position_weights, soft_ce_loss, tv_loss)
 
 

@@ -2,11 +2,7 @@
 checks that a relaunch resumes the same run (same drafter architecture, ranks and ZeRO stage)."""
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
-
 from dspark.config import ConfigError, config_to_dict
-from dspark.io import storage
 from dspark.training.config import TRAINING_ONLY_FIELDS, TrainJobConfig
 
 
@@ -76,30 +72,19 @@ def check_resume_matches(record: dict, cfg: TrainJobConfig) -> None:
             f"{k}={o}" for k, (o, _) in moved.items()) + "; resuming needs the same values (or use a new run_name)")
 
 
-# ----------------------------------------------------------------------------- the run directory
-@dataclass(frozen=True)
-class RunDir:
-    """`<checkpoint.storage_path>/<run_name>/` (local or s3://): Ray Train's checkpoints, and beside them
-    the run record (`dspark_run.json`: MLflow run id, launches, the drafter config, completed steps),
-    the resolved config and the DeepSpeed JSON. The record is what a relaunch resumes from."""
+def init_from_checkpoint(cfg: TrainJobConfig, saved: dict, pinned: str) -> TrainJobConfig:
+    """`cfg` retraining the drafter saved with config `saved` (from `pinned`): its architecture is the
+    checkpoint's; drafter fields set explicitly in the config must agree with it; training-only fields
+    (losses, anchors, ...) stay the config's."""
+    from dspark.drafters import DrafterConfig
 
-    uri: str
-    RECORD = "dspark_run.json"
-
-    @classmethod
-    def of(cls, cfg: TrainJobConfig) -> "RunDir":
-        return cls(storage.join(cfg.checkpoint.storage_path, cfg.run_name))
-
-    def path(self, name: str) -> str:
-        return storage.join(self.uri, name)
-
-    def read_record(self) -> dict | None:
-        uri = self.path(self.RECORD)
-        return json.loads(storage.read_text(uri)) if storage.exists(uri) else None
-
-    def write_record(self, record: dict) -> None:
-        self.write_text(self.RECORD, json.dumps(record, indent=2))
-
-    def write_text(self, name: str, text: str) -> None:
-        storage.write_text(self.path(name), text)
-
+    if saved.get("draft_vocab_size") is not None:
+        raise ConfigError(f"init_from {pinned}: drafters with a draft vocabulary cannot be retrained yet")
+    mine = config_to_dict(cfg.drafter)
+    clash = sorted(k for k in cfg.drafter.model_fields_set - TRAINING_ONLY_FIELDS
+                   if saved.get(k) is not None and mine.get(k) is not None and saved[k] != mine[k])
+    if clash:
+        raise ConfigError(f"init_from {pinned}: drafter fields {clash} differ from the checkpoint's "
+                          f"({ {k: saved[k] for k in clash} }); drop them from the config or match them")
+    merged = {**saved, **{k: v for k, v in mine.items() if k in TRAINING_ONLY_FIELDS}}
+    return cfg.model_copy(update={"drafter": DrafterConfig.model_validate(merged)})

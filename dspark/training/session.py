@@ -91,6 +91,8 @@ def init_engine(cfg, plan: dict, target):
     torch.manual_seed(cfg.optim.seed)
     draft_ids = plan.get("draft_ids")  # the driver's draft vocabulary (jobs.train.build_draft_vocab)
     drafter = build_drafter(cfg.drafter, target, draft_ids=None if draft_ids is None else torch.tensor(draft_ids))
+    if plan.get("init_dir"):  # jobs.train's init_from, resolved to a local checkpoint by the worker
+        load_initial_weights(drafter, plan["init_dir"], target)
     drafter.train()
     params = [p for p in drafter.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), eps=cfg.optim.eps,
@@ -100,6 +102,17 @@ def init_engine(cfg, plan: dict, target):
         model=LossModule(drafter, target), optimizer=optimizer, config=plan["ds_config"],
         lr_scheduler=lambda opt: build_scheduler(opt, *schedule))  # stepped by DeepSpeed per optimizer step
     return engine
+
+
+def load_initial_weights(drafter: nn.Module, init_dir: str, target) -> None:
+    """Copy a saved drafter's weights into the freshly built one (same architecture: strict)."""
+    from dspark.drafters import load_drafter
+
+    source = load_drafter(init_dir, target, device=target.device)
+    try:
+        drafter.load_state_dict(source.state_dict(), strict=True)
+    except RuntimeError as err:
+        raise RuntimeError(f"init_from checkpoint {init_dir} does not fit the drafter config: {err}") from None
 
 
 def drafter_of(engine) -> nn.Module:
@@ -139,7 +152,7 @@ class TrainSession:
     _flops_model: object = None
 
     def setup(self) -> "TrainSession":
-        from dspark.target import load_target
+        from dspark.models.target import load_target
 
         self.plan = resolve_precision(self.plan, self.cfg.deepspeed.precision, self.device)
         precision = self.plan["precision"]

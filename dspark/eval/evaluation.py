@@ -1,0 +1,388 @@
+"""Offline evaluation of drafters (paper §4.1, Table 1, Fig. 5), as plain Python: no Ray, no MLflow.
+
+Flow: `load_benchmarks` reads `{"turns": [...]}` JSONL files (local or s3://) into `Benchmark`s;
+`evaluate_prompt` decodes one prompt in every requested mode (target-only, each drafter, each
+drafter at each static confidence threshold); `aggregate` pools the rounds into per-benchmark
+summaries, macro-averages them per domain, and adds speedups and drafter/drafter ratios;
+`dspark.eval.report` renders the result (Markdown tables, plots). `jobs/evaluate.py` spreads the
+prompts over Ray workers and logs everything to MLflow.
+
+Determinism: every (prompt, mode) decodes with its own generator seeded from
+`prompt_seed(seed, benchmark, index)`, so tokens and τ do not depend on how prompts are spread over
+workers or in which order they run (wall-clock timings do, of course).
+
+Multi-turn: turn i is asked after the model's own answers to turns 1..i-1 (the speculative answer is
+distributed exactly as the target's, so it is a valid target answer).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import posixpath
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable, Sequence
+
+import torch
+from pydantic import Field
+
+from dspark.eval import metrics
+from dspark.config import StrictModel
+from dspark.data.jsonl import jsonl_lines
+from dspark.decoding.sampling import MaxNewTokens, SamplingParams, Temperature, TopK, TopP
+from dspark.decoding.scheduler import threshold_schedule
+from dspark.decoding.specdec import GenerationResult, RoundStats, speculative_generate, target_generate
+from dspark.drafters.registry import DRAFTER_CLASSES
+
+log = logging.getLogger(__name__)
+
+TARGET_MODE = "target"
+DEFAULT_THRESHOLDS = [round(0.1 * i, 1) for i in range(10)]  # 0.0 .. 0.9; 0.0 = fixed-length verification
+KNOWN_DOMAINS = {"gsm8k": "math", "math500": "math", "aime": "math", "mbpp": "code", "humaneval": "code",
+                 "livecodebench": "code", "mt-bench": "chat", "alpaca": "chat", "arena-hard": "chat"}
+
+
+class BenchmarkError(ValueError):
+    """A benchmark file is missing, malformed or empty; the message names the file."""
+
+
+# ---- configuration ----------------------------------------------------------------------------
+class BenchmarkSpec(StrictModel):
+    path: str  # JSONL, local or s3://; a relative path is taken under the job's benchmark_dir
+    name: str | None = None  # default: file stem
+    domain: str | None = None  # math / code / chat / ...; default: KNOWN_DOMAINS[name] or "other"
+
+    def resolved_name(self) -> str:
+        return self.name or self.path.rstrip("/").rsplit("/", 1)[-1].removesuffix(".jsonl")
+
+    def resolved_domain(self) -> str:
+        return self.domain or KNOWN_DOMAINS.get(self.resolved_name().lower(), "other")
+
+
+class DecodeSettings(StrictModel):
+    """Sampling (temperature 1: the paper's protocol) plus how each prompt is decoded."""
+
+    temperature: Temperature = 1.0
+    top_p: TopP = 1.0
+    top_k: TopK = 0
+    greedy: bool = Field(False, description="argmax decoding whatever the temperature (same as temperature 0)")
+    gamma: int | None = Field(None, ge=1, description="drafts proposed per round; None = each drafter's block size")
+    max_new_tokens: MaxNewTokens = 256
+
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(temperature=0.0 if self.greedy else self.temperature, top_p=self.top_p, top_k=self.top_k)
+
+
+# ---- benchmarks -------------------------------------------------------------------------------
+@dataclass
+class Benchmark:
+    name: str
+    domain: str
+    source: str
+    prompts: list[list[str]]  # the turns of each prompt
+
+
+def parse_benchmark(text: str, source: str) -> list[list[str]]:
+    """JSONL text -> turns per prompt. Raises BenchmarkError naming the file and line."""
+    prompts = []
+    for lineno, line in jsonl_lines(text):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise BenchmarkError(f"{source}:{lineno}: not valid JSON ({err.msg}); each line must be "
+                                 '{"turns": ["first question", ...]}') from None
+        turns = record.get("turns") if isinstance(record, dict) else None
+        if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and t.strip() for t in turns):
+            raise BenchmarkError(f'{source}:{lineno}: expected {{"turns": [non-empty strings]}}, got {line[:80]!r}')
+        prompts.append(turns)
+    if not prompts:
+        raise BenchmarkError(f"{source}: no prompts (empty file); add lines of the form {{\"turns\": [...]}}")
+    return prompts
+
+
+def load_benchmark(spec: BenchmarkSpec, base_dir: str | None = None, max_prompts: int | None = None,
+                   read_text: Callable[[str], str] | None = None) -> Benchmark:
+    """One benchmark file (relative paths under `base_dir`). `read_text` reads non-local sources
+    (jobs pass dspark.io.storage.read_text for s3://); default: the local file."""
+    source = spec.path
+    if base_dir and "://" not in source and not source.startswith("/"):
+        source = posixpath.join(base_dir, source)
+    try:
+        text = read_text(source) if read_text else Path(source).read_text()
+    except FileNotFoundError:
+        raise BenchmarkError(f"benchmark {spec.resolved_name()!r}: file not found: {source} "
+                             f"(check benchmark_dir / the path)") from None
+    prompts = parse_benchmark(text, source)
+    return Benchmark(spec.resolved_name(), spec.resolved_domain(), source, prompts[:max_prompts])
+
+
+def load_benchmarks(specs: Sequence[BenchmarkSpec], base_dir: str | None = None, max_prompts: int | None = None,
+                    read_text: Callable[[str], str] | None = None) -> tuple[list[Benchmark], list[str]]:
+    """Load every benchmark; a bad one becomes a warning, not a failure. Raises only if none loads."""
+    benchmarks, problems = [], []
+    names = [s.resolved_name() for s in specs]
+    duplicates = {n for n in names if names.count(n) > 1}
+    if duplicates:
+        raise BenchmarkError(f"benchmark names must be unique, repeated: {sorted(duplicates)}; set `name:` explicitly")
+    for spec in specs:
+        try:
+            benchmarks.append(load_benchmark(spec, base_dir, max_prompts, read_text))
+        except BenchmarkError as err:
+            log.warning("skipping benchmark: %s", err)
+            problems.append(str(err))
+    if not benchmarks:
+        raise BenchmarkError("no benchmark could be loaded: " + " | ".join(problems or ["none configured"]))
+    return benchmarks, problems
+
+
+# ---- decoding one prompt ----------------------------------------------------------------------
+def prompt_seed(seed: int, benchmark: str, index: int) -> int:
+    """A stable 63-bit seed for one prompt (independent of worker count, order and PYTHONHASHSEED)."""
+    digest = hashlib.sha256(f"{seed}/{benchmark}/{index}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
+
+
+@dataclass
+class TurnResult:
+    prompt_len: int
+    tokens: list[int]
+    rounds: list[RoundStats]
+    wall_s: float
+    prefill_s: float
+    finish_reason: str
+    answer: str
+
+
+@dataclass
+class ConversationResult:
+    benchmark: str
+    index: int
+    mode: str
+    turns: list[TurnResult] = field(default_factory=list)
+    error: str | None = None
+
+
+Decode = Callable[[list[int]], GenerationResult]
+
+
+def run_conversation(target, turns: Sequence[str], decode: Decode, benchmark: str = "", index: int = 0,
+                     mode: str = "", system: str | None = None) -> ConversationResult:
+    """Ask each turn after the model's own earlier answers; `decode(prompt_ids)` answers one turn."""
+    result = ConversationResult(benchmark, index, mode)
+    messages: list[dict] = [{"role": "system", "content": system}] if system else []
+    for text in turns:
+        messages.append({"role": "user", "content": text})
+        ids = target.chat_ids(messages)
+        gen = decode(ids)
+        answer = target.tokenizer.decode(gen.token_ids, skip_special_tokens=True)
+        result.turns.append(TurnResult(len(ids), gen.token_ids, gen.rounds, gen.wall_s, gen.prefill_s,
+                                       gen.finish_reason, answer))
+        messages.append({"role": "assistant", "content": answer})
+    return result
+
+
+def threshold_verify_len(threshold: float, on: str = "prefix"):
+    """verify_len hook of a static confidence threshold: verify the leading drafts whose prefix survival
+    a_k = Π_{i≤k} c_i (on="prefix") or confidence c_k (on="confidence") is ≥ threshold. Threshold 0
+    verifies everything. Non-anticipating: c_k is computed from drafts before k (scheduler docstring)."""
+    def verify_len(_round_idx: int, proposal) -> int:
+        conf = getattr(proposal, "confidences", None)
+        if conf is None:
+            raise ValueError("threshold sweep needs a drafter with a confidence head (DSpark, confidence_head=true)")
+        return threshold_schedule([conf.tolist()], threshold, on)[0]
+    return verify_len
+
+
+@dataclass(frozen=True)
+class Mode:
+    """One way of decoding a prompt: target-only, or a drafter, optionally with a static threshold."""
+    drafter: str | None = None  # None = target-only
+    threshold: float | None = None
+
+    @property
+    def key(self) -> str:
+        if self.drafter is None:
+            return TARGET_MODE
+        return self.drafter if self.threshold is None else f"{self.drafter}@{self.threshold:g}"
+
+
+def decode_fn(target, drafter, mode: Mode, settings: DecodeSettings, generator: torch.Generator,
+              threshold_on: str = "prefix") -> Decode:
+    sp = settings.sampling()
+    if drafter is None:
+        return lambda ids: target_generate(target, ids, sp, settings.max_new_tokens, generator=generator)
+    hook = None if mode.threshold is None else threshold_verify_len(mode.threshold, threshold_on)
+    return lambda ids: speculative_generate(target, drafter, ids, sp, settings.max_new_tokens, verify_len=hook,
+                                            generator=generator, gamma=settings.gamma)
+
+
+def evaluate_prompt(target, drafters: dict, benchmark: str, index: int, turns: Sequence[str],
+                    modes: Iterable[Mode], settings: DecodeSettings, seed: int,
+                    threshold_on: str = "prefix", system: str | None = None) -> list[ConversationResult]:
+    """Decode one prompt in each mode, each with a fresh generator seeded from (seed, benchmark, index).
+    A failure (e.g. a prompt longer than the target's context) is recorded on the result, not raised."""
+    results = []
+    for mode in modes:
+        generator = torch.Generator(device="cpu").manual_seed(prompt_seed(seed, benchmark, index))
+        drafter = None if mode.drafter is None else drafters[mode.drafter]
+        decode = decode_fn(target, drafter, mode, settings, generator, threshold_on)
+        try:
+            results.append(run_conversation(target, turns, decode, benchmark, index, mode.key, system))
+        except ValueError as err:
+            error = f"{benchmark}[{index}] {mode.key}: {err}"
+            results.append(ConversationResult(benchmark, index, mode.key, error=error))
+    return results
+
+
+# ---- aggregation --------------------------------------------------------------------------------
+def summarize_conversations(convs: Sequence[ConversationResult]) -> dict:
+    """Pool rounds over all turns of all prompts; add token counts and decode throughput.
+    decode_tokens_per_s counts tokens after the first (prefill) one over the time after prefill."""
+    ok = [c for c in convs if c.error is None]
+    turns = [t for c in ok for t in c.turns]
+    out = metrics.summarize([r for t in turns for r in t.rounds])
+    decode_tokens = sum(max(len(t.tokens) - 1, 0) for t in turns)
+    decode_s = sum(t.wall_s - t.prefill_s for t in turns)
+    out.update(prompts=len(ok), errors=len(convs) - len(ok), turns=len(turns), tokens=sum(len(t.tokens) for t in turns),
+               wall_s=sum(t.wall_s for t in turns), decode_s=decode_s,
+               decode_tokens_per_s=decode_tokens / decode_s if decode_s > 0 else None)
+    return out
+
+
+def _mean(values: Iterable) -> float | None:
+    vals = [v for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
+    return sum(vals) / len(vals) if vals else None
+
+
+SCALARS = ("tau", "mean_proposal_len", "mean_verified", "mean_accepted", "decode_tokens_per_s", "speedup")
+
+
+def macro_average(summaries: Sequence[dict]) -> dict:
+    """Unweighted mean over benchmarks of the scalar metrics and of each position's curves."""
+    out = {key: _mean(s.get(key) for s in summaries) for key in SCALARS}
+    for curve in ("cond_accept", "prefix_survival"):
+        depth = max((max(s.get(curve) or {0: 0}) for s in summaries), default=0)
+        out[curve] = {k: _mean((s.get(curve) or {}).get(k) for s in summaries) for k in range(1, depth + 1)}
+    out["benchmarks"] = len(summaries)
+    return out
+
+
+def _ratio(a, b) -> float | None:
+    return a / b if a is not None and b not in (None, 0) else None
+
+
+def comparison_pairs(algos: dict[str, str], reference: str | None = None) -> list[tuple[str, str]]:
+    """(numerator, denominator) drafter pairs: the reference (default: the first DSpark drafter, else the
+    first drafter) over every other drafter — DSpark/DFlash and DSpark/Eagle3 in the paper's Table 1."""
+    names = list(algos)
+    if len(names) < 2:
+        return []
+    if reference is None:
+        reference = next((n for n in names if DRAFTER_CLASSES[algos[n]].comparison_reference), names[0])
+    if reference not in algos:
+        raise ValueError(f"compare reference {reference!r} is not one of the drafters {names}")
+    return [(reference, other) for other in names if other != reference]
+
+
+def aggregate(convs: Sequence[ConversationResult], benchmarks: Sequence[Benchmark], algos: dict[str, str],
+              reference: str | None = None, sweep_modes: Sequence[Mode] = ()) -> dict:
+    """All conversations of a run -> the results dict written to results.json:
+      benchmarks {name: domain, source, prompts}; domains {domain: [benchmarks]};
+      target_only {per_benchmark, per_domain}: decode tokens/s of target-only decoding;
+      drafters {name: per_benchmark {bench: summary}, per_domain {domain: macro}, overall (macro over
+        benchmarks), pooled_positions (cond_accept / prefix_survival over every round)};
+      ratios {"A/B": per_benchmark / per_domain / overall {tau, speedup}}; warnings [str];
+      threshold_sweep {drafter: {domain: [row per threshold]}} when sweep modes ran.
+    A summary is metrics.summarize over the pooled rounds plus prompts, errors, turns, tokens, wall_s,
+    decode_s, decode_tokens_per_s and (drafters) speedup = decode tokens/s over the target's."""
+    by_key: dict[tuple[str, str], list[ConversationResult]] = {}
+    for c in sorted(convs, key=lambda c: (c.benchmark, c.index, c.mode)):
+        by_key.setdefault((c.mode, c.benchmark), []).append(c)
+    warnings = [c.error for c in convs if c.error]
+    domains: dict[str, list[str]] = {}
+    for b in benchmarks:
+        domains.setdefault(b.domain, []).append(b.name)
+
+    def per_benchmark(mode: str) -> dict[str, dict]:
+        return {b.name: summarize_conversations(by_key[(mode, b.name)])
+                for b in benchmarks if (mode, b.name) in by_key}
+
+    target = per_benchmark(TARGET_MODE)
+    results = {}
+    for name in algos:
+        per_bench = per_benchmark(name)
+        for bench, s in per_bench.items():
+            base = target.get(bench, {}).get("decode_tokens_per_s")
+            s["speedup"] = _ratio(s["decode_tokens_per_s"], base)
+            if not s["rounds"]:
+                warnings.append(f"drafter {name!r} on benchmark {bench!r}: no decoding rounds (all prompts failed "
+                                f"or every answer ended at its first token)")
+        results[name] = {"per_benchmark": per_bench, "per_domain": _per_domain(per_bench, domains),
+                         "overall": macro_average(list(per_bench.values())),
+                         "pooled_positions": _pooled_positions(per_bench)}
+    ratios = {f"{a}/{b}": _ratio_block(results[a], results[b]) for a, b in comparison_pairs(algos, reference)}
+    out = {"benchmarks": {b.name: {"domain": b.domain, "source": b.source, "prompts": len(b.prompts)}
+                          for b in benchmarks},
+           "domains": domains, "target_only": {"per_benchmark": target, "per_domain": _per_domain(target, domains)},
+           "drafters": results, "ratios": ratios, "warnings": warnings}
+    if sweep_modes:
+        out["threshold_sweep"] = threshold_sweep_table(by_key, sweep_modes, domains)
+    return out
+
+
+def _per_domain(per_bench: dict[str, dict], domains: dict[str, list[str]]) -> dict[str, dict]:
+    return {d: macro_average([per_bench[n] for n in names if n in per_bench])
+            for d, names in domains.items() if any(n in per_bench for n in names)}
+
+
+def _pooled_positions(per_bench: dict[str, dict]) -> dict:
+    """Conditional acceptance / prefix survival pooled over every round of every benchmark."""
+    usable = [s for s in per_bench.values() if s["rounds"]]
+    if not usable:
+        return {"cond_accept": {}, "prefix_survival": {}}
+    merged = metrics.merge_summaries(usable)
+    return {"cond_accept": merged["cond_accept"], "prefix_survival": merged["prefix_survival"], "tau": merged["tau"]}
+
+
+def _ratio_block(a: dict, b: dict) -> dict:
+    block = {"per_benchmark": {}, "per_domain": {}}
+    for level in ("per_benchmark", "per_domain"):
+        for key in a[level].keys() & b[level].keys():
+            block[level][key] = {m: _ratio(a[level][key].get(m), b[level][key].get(m)) for m in ("tau", "speedup")}
+    block["overall"] = {m: _ratio(a["overall"].get(m), b["overall"].get(m)) for m in ("tau", "speedup")}
+    return block
+
+
+def threshold_sweep_table(by_key: dict, sweep_modes: Sequence[Mode], domains: dict[str, list[str]]) -> dict:
+    """{drafter: {domain: [row per threshold]}}: rounds pooled over the domain's benchmarks.
+    verified_per_step / accepted_per_step = drafts verified / accepted per round;
+    acceptance_rate = accepted / verified; tau = accepted + 1 per round."""
+    table: dict[str, dict[str, list[dict]]] = {}
+    for mode in sorted(sweep_modes, key=lambda m: (m.drafter, m.threshold)):
+        for domain, names in domains.items():
+            rounds = [r for n in names for c in by_key.get((mode.key, n), []) if c.error is None
+                      for t in c.turns for r in t.rounds]
+            if not rounds:
+                continue
+            verified, accepted = sum(r.verified for r in rounds), sum(r.accepted for r in rounds)
+            table.setdefault(mode.drafter, {}).setdefault(domain, []).append({
+                "threshold": mode.threshold, "rounds": len(rounds),
+                "verified_per_step": verified / len(rounds), "accepted_per_step": accepted / len(rounds),
+                "rejected_per_step": (verified - accepted) / len(rounds),
+                "acceptance_rate": accepted / verified if verified else None,
+                "tau": (accepted + len(rounds)) / len(rounds)})
+    return table
+
+
+def sample_records(convs: Sequence[ConversationResult]) -> list[dict]:
+    """One JSON-able line per (mode, prompt): answers, token counts and τ, for inspection."""
+    rows = []
+    for c in sorted(convs, key=lambda c: (c.mode, c.benchmark, c.index)):
+        rounds = [r for t in c.turns for r in t.rounds]
+        rows.append({"mode": c.mode, "benchmark": c.benchmark, "index": c.index, "error": c.error,
+                     "answers": [t.answer for t in c.turns], "tokens": [len(t.tokens) for t in c.turns],
+                     "finish": [t.finish_reason for t in c.turns],
+                     "tau": metrics.summarize(rounds)["tau"] if rounds and c.mode != TARGET_MODE else None})
+    return rows

@@ -1,0 +1,115 @@
+"""Export a drafter in the layouts SGLang's own draft-model loaders read.
+
+Eagle3 -> `LlamaForCausalLMEagle3` (sglang/srt/models/llama_eagle3.py): a plain Llama config with
+  architectures ["LlamaForCausalLMEagle3"], num_hidden_layers 1, target_hidden_size, and
+  eagle_config {eagle_aux_hidden_state_layer_ids, use_aux_hidden_state}. SGLang's capture hook adds
+  1 to each id itself (`layers_to_capture = [id + 1 ...]`, the input of layer id+1 = the output of
+  layer id), so the ids are ours unchanged. Weights: fc.weight (3·d -> d: the loader's fc is fixed
+  at three target layers), midlayer.{input_layernorm, hidden_norm, post_attention_layernorm,
+  self_attn.{q,k,v,o}_proj, mlp.{gate,up,down}_proj}.weight (q/k/v and gate/up stacked on load),
+  norm.weight. The embedding always comes from the target; the LM head too when the config has no
+  draft_vocab_size (full vocabulary). A reduced vocabulary writes draft_vocab_size, lm_head.weight
+  and d2t (offsets: target id = draft id + d2t[id]).
+DFlash -> `DFlashDraftModel` (sglang/srt/models/dflash.py, config parsed by
+  speculative/dflash_utils.parse_dflash_draft_config): a Qwen3 config with architectures
+  ["DFlashDraftModel"], block_size and dflash_config {target_layer_ids (ours: output-of-layer ids,
+  the hook adds 1), block_size = γ+1, mask_token_id}. Weights: layers.{i}.*, fc.weight,
+  hidden_norm.weight, norm.weight; no embedding or LM head (the target's are used, so the MASK must
+  be a target vocabulary row).
+DSpark -> `Qwen3DSparkModel` (sglang/srt/models/dspark.py, config parsed by
+  speculative/dspark_components/dspark_config.parse_dspark_draft_config; read at sgl-project/sglang
+  commit 01f47623): the DFlash layout above with architectures ["Qwen3DSparkModel"], block_size =
+  dflash_config.block_size = γ (the DeepSpec anchor-first block: [anchor, MASK × (γ-1)], slot k
+  predicts t+k+1, the first previous token of the Markov head is the anchor: our DSpark layout),
+  markov_rank (> 0: SGLang refuses a DSpark draft without a Markov head), markov_head_type
+  ("vanilla" = our head="markov"; "rnn" = ours: z = [s; W1[x]; h] -> [gate, cand, out], the same
+  recurrence), enable_confidence_head / confidence_head_with_markov, sample_from_anchor = true.
+  Weights: the DFlash ones plus markov_head.markov_w{1,2}.weight (V×r both), markov_head.joint_proj
+  (RNN) and confidence_head.proj.{weight,bias} ([h; W1[x]] -> 1). It must NOT carry
+  speculators_model_type: SGLang refuses such a config (speculators' slot convention). The MASK is
+  embedded with the target's embedding (a target row); the vocabulary must be the target's full one
+  (markov_w1/w2 are built with vocab_size and the base logits are cropped to the target's vocabulary).
+  With a ragged verify mode (SGLANG_RAGGED_VERIFY_MODE other than "static") SGLang builds a confidence
+  head regardless of enable_confidence_head and needs its weights.
+"""
+from __future__ import annotations
+
+import torch
+
+from dspark.drafters.base import Drafter
+from dspark.export.vllm import (HEAD_TYPES, ExportError, check_layer_ids, draft_token_ids, layer_config,
+                                map_weights, write_checkpoint)
+
+ARCHITECTURES = {"dflash": "DFlashDraftModel", "dspark": "Qwen3DSparkModel"}
+SGLANG_DSPARK = {
+    "engine": "sglang", "min_version": None, "silent": False,
+    "feature": "Qwen3DSparkModel (python/sglang/srt/models/dspark.py; read at sgl-project/sglang commit "
+               "01f476234ab4ee99c7fb7cb31b68d31b6a7c54a8); the first release with it was not determined here",
+    "older": "SGLang builds without python/sglang/srt/models/dspark.py do not know the architecture and refuse "
+             "the checkpoint"}
+
+
+def check_sglang(drafter: Drafter) -> None:
+    algo, c = drafter.algo, drafter.config
+    if algo == "dspark" and drafter.markov_head is None:
+        raise ExportError("head='none': SGLang's Qwen3DSparkModel requires a Markov head (markov_rank > 0); "
+                          "export --format speculators, or train with head=markov")
+    check_layer_ids(drafter, "SGLang")
+    if algo == "eagle3" and len(drafter.layer_ids) != 3:
+        raise ExportError(f"target_layer_ids: SGLang's LlamaForCausalLMEagle3 fuses exactly 3 target layers "
+                          f"(fc is 3·hidden_size wide); this drafter uses {len(drafter.layer_ids)}")
+    if algo in ("dflash", "dspark") and c.mask_token_id is None:
+        model = "DSpark" if algo == "dspark" else "DFlash"
+        raise ExportError(f"mask_token_id: SGLang's {model} embeds the MASK with the target's embedding, so a learned "
+                          "MASK vector (mask_token_id=None) cannot be carried; train with mask_token_id set to a "
+                          "reserved token id (mask_token_id: reserved), or export --format vllm")
+
+
+def sglang_weights(drafter: Drafter) -> tuple[dict[str, torch.Tensor], int | None]:
+    """Renamed weights (+ lm_head/d2t for a reduced vocabulary) and the draft vocab size (None = full)."""
+    weights = {k.replace("layers.0.", "midlayer.", 1) if drafter.algo == "eagle3" else k: v
+               for k, v in map_weights(drafter, drafter.algo).items()}
+    ids = draft_token_ids(drafter)
+    if ids is None:
+        return weights, None
+    if drafter.algo != "eagle3":
+        raise ExportError(f"draft_vocab_size={ids.numel()}: SGLang's DFlash/DSpark always use the target's full LM "
+                          "head (and DSpark's Markov head spans the full vocabulary)")
+    weights["d2t"] = ids - torch.arange(ids.numel())
+    weights["lm_head.weight"] = drafter.target.lm_head.weight.detach()[ids.to(drafter.target.device)]
+    return weights, int(ids.numel())
+
+
+def sglang_config(drafter: Drafter, draft_vocab_size: int | None) -> dict:
+    c = drafter.config
+    cfg = layer_config(drafter, drafter.algo, drafter.vocab_size)
+    num_layers = drafter.target_meta.get("num_layers")
+    meta = {"algo": drafter.algo, "target_layer_ids": drafter.layer_ids, "calibration": drafter.calibration,
+            "draft_vocab_size": draft_vocab_size or drafter.vocab_size}
+    if drafter.algo == "eagle3":
+        cfg.update(architectures=["LlamaForCausalLMEagle3"], target_hidden_size=drafter.hidden_size,
+                   eagle_config={"eagle_aux_hidden_state_layer_ids": drafter.layer_ids, "use_aux_hidden_state": True},
+                   dspark_export=meta)
+        if draft_vocab_size is not None:  # absent = share the target's LM head (the loader's rule)
+            cfg["draft_vocab_size"] = draft_vocab_size
+        return cfg
+    block = c.block_size + (1 if drafter.algo == "dflash" else 0)  # DFlash: anchor + γ masks; DSpark: γ slots
+    cfg.update(architectures=[ARCHITECTURES[drafter.algo]], block_size=block, num_target_layers=num_layers,
+               dflash_config={"target_layer_ids": drafter.layer_ids, "block_size": block,
+                              "mask_token_id": c.mask_token_id},
+               dspark_export=meta)
+    if drafter.algo == "dspark":
+        cfg.update(markov_rank=c.rank, markov_head_type=HEAD_TYPES[c.head], sample_from_anchor=True,
+                   enable_confidence_head=drafter.confidence_head is not None,
+                   confidence_head_with_markov=drafter.confidence_head is not None)
+        meta["requires"] = [SGLANG_DSPARK]
+    return cfg
+
+
+def export_sglang(drafter: Drafter, out_dir: str, *, dtype: torch.dtype | None = None) -> str:
+    """Write `out_dir` (local or s3://) in SGLang's Eagle3 / DFlash draft layout; returns out_dir."""
+    drafter = getattr(drafter, "module", drafter)
+    check_sglang(drafter)
+    weights, draft_vocab_size = sglang_weights(drafter)
+    write_checkpoint(out_dir, weights, sglang_config(drafter, draft_vocab_size), dtype)
+    return str(out_dir)

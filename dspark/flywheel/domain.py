@@ -1,0 +1,48 @@
+"""Which domain a request belongs to, for per-domain acceptance metrics and capture.
+
+Order: the request's `metadata.domain` (OpenAI chat/completions accept a `metadata` map), else its
+`user` field when it names a known domain (`user: "math"` or `user: "team-a:code"`: the part after the
+last ':'), else a keyword classifier over the prompt text (math / code / chat). The classifier is a
+cheap fallback, not a model: a few regexes counted over the last user turn, ties -> "chat".
+"""
+from __future__ import annotations
+
+import re
+
+DOMAINS = ("math", "code", "chat")
+MAX_DOMAIN_CHARS = 32  # a label, not free text: longer values (and odd characters) fall back to "other"
+_LABEL = re.compile(r"^[a-z0-9][a-z0-9_.-]*$")
+
+_MATH = re.compile(r"\d+\s*[-+*/^=]\s*\d+|\b(sum|solve|equation|integral|derivative|how many|how much|"
+                   r"percent|probability|calculate|compute|total|prime|divisible|remainder)\b", re.I)
+_CODE = re.compile(r"```|\bdef |\bclass |\breturn\b|\bimport |\bfunction\b|\bpython\b|\bjavascript\b|"
+                   r"\bcompile|\bbug\b|\bregex\b|\bsql\b|[{};]\s*$|=>|\(\)", re.I | re.M)
+
+
+def normalise(label: str | None) -> str | None:
+    """A metric-safe domain label (lowercase, short, [a-z0-9_.-]) or None."""
+    if not label:
+        return None
+    label = label.strip().lower()
+    if len(label) > MAX_DOMAIN_CHARS or not _LABEL.match(label):
+        return "other"
+    return label
+
+
+def classify(text: str) -> str:
+    """Keyword classifier: the domain whose patterns match most often; "chat" without a match."""
+    scores = {"math": len(_MATH.findall(text)), "code": len(_CODE.findall(text))}
+    best = max(scores, key=scores.get)
+    return best if scores[best] > 0 and scores["math"] != scores["code"] else "chat"
+
+
+def resolve(metadata: dict | None, user: str | None, prompt_text: str) -> tuple[str, str]:
+    """(domain, how it was found: "metadata" | "user" | "classifier")."""
+    tagged = normalise((metadata or {}).get("domain"))
+    if tagged:
+        return tagged, "metadata"
+    if user:
+        named = normalise(user.rsplit(":", 1)[-1])
+        if named in DOMAINS:
+            return named, "user"
+    return classify(prompt_text), "classifier"

@@ -1,0 +1,254 @@
+"""Target adapter: any Hugging Face causal LM behind one small, frozen interface.
+
+The drafters need four things from a target: its frozen token embedding, its frozen LM head, the
+hidden states of a few chosen layers (the drafter's context features) and the final normed hidden
+state (to get target distributions only where they are needed). `Target.forward` returns exactly
+those, with an optional KV cache for decoding.
+
+Layer id i (0-based) is the output of decoder layer i, i.e. HF `hidden_states[i + 1]`.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from dspark.models import builtin as models_builtin
+
+
+@dataclass
+class TargetOutput:
+    features: Tensor | None  # [B, T, m*d] selected layers, concatenated in layer_ids order
+    final_hidden: Tensor  # [B, T, d] after the final norm
+    logits: Tensor | None  # [B, T', V] where asked
+    cache: Any  # DynamicCache or None
+
+
+def spread_layer_ids(num_layers: int, m: int) -> list[int]:
+    """m layer ids spread evenly over the depth, never the last layer (its output is the LM head's input)."""
+    if num_layers < 2:
+        raise ValueError(f"target has {num_layers} layer(s); need at least 2 to pick context layers")
+    roomy = num_layers >= m + 3
+    lo, hi = (1, num_layers - 3) if roomy else (0, num_layers - 2)
+    if m == 1:
+        return [hi]
+    ids = [round(lo + i * (hi - lo) / (m - 1)) for i in range(m)]
+    return sorted(set(ids))
+
+
+class Target:
+    """A frozen causal LM with the accessors drafters need."""
+
+    def __init__(self, model, tokenizer, name: str, revision: str = ""):
+        self.model = model.eval()
+        for p in self.model.parameters():
+            p.requires_grad_(False)
+        self.tokenizer = tokenizer
+        self.name = name
+        self.revision = revision
+        cfg = model.config
+        self.hidden_size: int = cfg.hidden_size
+        self.vocab_size: int = model.get_output_embeddings().weight.shape[0]
+        self.num_layers: int = cfg.num_hidden_layers
+        self.max_positions: int = getattr(cfg, "max_position_embeddings", 4096)
+
+    # ---- properties -------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    @property
+    def embed_tokens(self) -> torch.nn.Embedding:
+        return self.model.get_input_embeddings()
+
+    @property
+    def lm_head(self) -> torch.nn.Linear:
+        return self.model.get_output_embeddings()
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        ids: set[int] = set()
+        eos = getattr(self.model.generation_config, "eos_token_id", None)
+        for source in (eos, getattr(self.tokenizer, "eos_token_id", None) if self.tokenizer else None):
+            if isinstance(source, int):
+                ids.add(source)
+            elif source:
+                ids.update(source)
+        return sorted(ids)
+
+    @property
+    def pad_token_id(self) -> int:
+        tok = self.tokenizer
+        if tok is not None and tok.pad_token_id is not None:
+            return tok.pad_token_id
+        return self.eos_token_ids[0] if self.eos_token_ids else 0
+
+    def meta(self) -> dict:
+        return {"name": self.name, "revision": self.revision, "hidden_size": self.hidden_size,
+                "vocab_size": self.vocab_size, "num_layers": self.num_layers}
+
+    def default_layer_ids(self, m: int = 3) -> list[int]:
+        return spread_layer_ids(self.num_layers, m)
+
+    # ---- math ---------------------------------------------------------------------------
+    def embed(self, ids: Tensor) -> Tensor:
+        return self.embed_tokens(ids)
+
+    def lm_logits(self, final_hidden: Tensor) -> Tensor:
+        return self.lm_head(final_hidden)
+
+    def new_cache(self):
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self.model.config)
+
+    @staticmethod
+    def cache_length(cache) -> int:
+        return 0 if cache is None else int(cache.get_seq_length())
+
+    def crop_cache(self, cache, length: int) -> None:
+        """Keep the first `length` positions of the cache (drop rejected draft tokens)."""
+        drop = self.cache_length(cache) - length
+        if drop < 0:
+            raise ValueError(f"cannot crop a cache of {self.cache_length(cache)} positions to {length}")
+        if drop:
+            cache.crop(-drop)
+
+    @torch.no_grad()
+    def forward(self, input_ids: Tensor, *, attention_mask: Tensor | None = None,
+                position_ids: Tensor | None = None, cache=None, layer_ids: list[int] | None = None,
+                logits_at: str | Tensor | None = "all", use_cache: bool = False) -> TargetOutput:
+        """One pass of the frozen target; LM head only where `logits_at` asks
+        ("all", "last", None, or a LongTensor of positions [B, K] / [K])."""
+        want_hidden = bool(layer_ids)
+        cache_kw = _cache_kwarg(self.model.model)
+        out = self.model.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                               use_cache=use_cache or cache is not None, output_hidden_states=want_hidden,
+                               **{cache_kw: cache})
+        features = None
+        if want_hidden:
+            states = out.hidden_states
+            features = torch.cat([states[i + 1] for i in layer_ids], dim=-1)
+        final = out.last_hidden_state
+        logits = self._logits_at(final, logits_at)
+        return TargetOutput(features=features, final_hidden=final, logits=logits,
+                            cache=getattr(out, cache_kw) if (use_cache or cache is not None) else None)
+
+    def _logits_at(self, final: Tensor, where) -> Tensor | None:
+        if where is None:
+            return None
+        if isinstance(where, str):
+            if where == "all":
+                return self.lm_logits(final)
+            if where == "last":
+                return self.lm_logits(final[:, -1:])
+            raise ValueError(f"logits_at must be 'all', 'last', None or a tensor, got {where!r}")
+        idx = where if where.dim() == 2 else where.unsqueeze(0).expand(final.shape[0], -1)
+        picked = torch.gather(final, 1, idx.unsqueeze(-1).expand(-1, -1, final.shape[-1]))
+        return self.lm_logits(picked)
+
+    # ---- text ---------------------------------------------------------------------------
+    def chat_ids(self, messages: list[dict], add_generation_prompt: bool = True,
+                 template_kwargs: dict | None = None) -> list[int]:
+        """Token ids of the rendered chat; template_kwargs: extra template variables, over the defaults
+        (`chat_template_kwargs`)."""
+        if self.tokenizer is None:
+            raise ValueError(f"target {self.name} has no tokenizer")
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt,
+                                                  **{**self.chat_template_kwargs, **(template_kwargs or {})})
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    @property
+    def chat_template_kwargs(self) -> dict:
+        # Qwen3 "non-thinking" mode; templates that do not know the flag ignore it.
+        return {"enable_thinking": False}
+
+    @torch.no_grad()
+    def generate(self, batch_ids: list[list[int]], *, max_new_tokens: int, temperature: float = 1.0,
+                 top_p: float = 1.0, top_k: int = 0, seed: int | None = None) -> list[list[int]]:
+        """Batched generation with left padding and KV cache; returns only the new tokens
+        (trailing padding removed, the stop token kept)."""
+        pad = self.pad_token_id
+        width = max(len(ids) for ids in batch_ids)
+        input_ids = torch.full((len(batch_ids), width), pad, dtype=torch.long)
+        mask = torch.zeros_like(input_ids)
+        for row, ids in enumerate(batch_ids):
+            input_ids[row, width - len(ids):] = torch.tensor(ids)
+            mask[row, width - len(ids):] = 1
+        if seed is not None:
+            torch.manual_seed(seed)
+        kwargs: dict[str, Any] = {"do_sample": temperature > 0}
+        if temperature > 0:
+            kwargs.update(temperature=temperature, top_p=top_p, top_k=top_k or None)
+        out = self.model.generate(input_ids=input_ids.to(self.device), attention_mask=mask.to(self.device),
+                                  max_new_tokens=max_new_tokens, pad_token_id=pad,
+                                  eos_token_id=self.eos_token_ids or None, **kwargs)
+        new = out[:, width:].tolist()
+        return [_strip_after_stop(seq, set(self.eos_token_ids), pad) for seq in new]
+
+
+@functools.lru_cache(maxsize=None)
+def _cache_kwarg_of(forward_cls: type) -> str:
+    params = inspect.signature(forward_cls.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def _cache_kwarg(base_model) -> str:
+    """The KV-cache argument (and output field) name of this transformers version's base models:
+    `cache` in newer releases, `past_key_values` before. Passing the wrong one is silently ignored,
+    so it is looked up, never guessed."""
+    return _cache_kwarg_of(type(base_model))
+
+
+def _strip_after_stop(seq: list[int], stops: set[int], pad: int) -> list[int]:
+    for i, tok in enumerate(seq):
+        if tok in stops:
+            return seq[: i + 1]
+    while seq and seq[-1] == pad and pad not in stops:
+        seq = seq[:-1]
+    return seq
+
+
+def resolve_model_path(spec: str) -> str:
+    """A local model directory for a built-in name or an s3:// dir (copied here); else the spec itself
+    (a local dir, or a hub name that needs network or a mirror, HF_ENDPOINT)."""
+    if spec in models_builtin.BUILTIN:
+        return str(models_builtin.prepare(spec))
+    if spec.startswith("s3://"):
+        from dspark.io import storage
+
+        return str(storage.local_copy(spec))
+    return spec
+
+
+def load_target(spec: str, *, dtype: torch.dtype = torch.float32, device: str = "cpu") -> Target:
+    """Load a target by built-in name ("tiny", "smollm2-135m"), local dir, s3:// dir or hub name."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    name = spec
+    path = resolve_model_path(spec)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except OSError as err:
+        raise ValueError(f"cannot load target {spec!r}: {err}. Use 'tiny', 'smollm2-135m', a local "
+                         f"model directory, an s3:// URI, or a hub name reachable from this machine.") from None
+    revision = getattr(model.config, "_commit_hash", None) or models_builtin.revision_of(spec)
+    return Target(model.to(device), tokenizer, name=name, revision=revision or "")
+
+
+def build_tiny_model(vocab_size: int = 16, seed: int = 0, num_layers: int = 4, hidden_size: int = 32,
+                     init_std: float = 0.3) -> Target:
+    """A micro Qwen3 with no tokenizer, for math tests that want a tiny vocabulary."""
+    model = models_builtin.tiny_qwen3(vocab_size=vocab_size, seed=seed, num_layers=num_layers,
+                                      hidden_size=hidden_size, init_std=init_std)
+    return Target(model, None, name=f"micro-v{vocab_size}-s{seed}", revision="builtin")

@@ -1,0 +1,124 @@
+"""Length bucketing (dspark/training/batching.py) and the single-device training step / FLOPs accounting
+(dspark/training/loop.py) on real tiny objects."""
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from dspark.training.batching import bucketed_batches, collate, padding_fraction, regroup_by_length
+from dspark.drafters import DrafterConfig, build_drafter
+from dspark.training.loop import FlopsModel, LocalTrainer, Throughput, autocast, resolve_precision
+from dspark.models.target import build_tiny_model
+from dspark.training.config import OptimSection
+
+
+def lengths(n=256, seed=0):
+    rng = random.Random(seed)
+    return [rng.randint(20, 400) for _ in range(n)]
+
+
+def test_bucketing_keeps_every_row_once_and_cuts_padding_below_ten_percent():
+    lens = lengths()
+    order = list(range(len(lens)))
+    random.Random(1).shuffle(order)
+    plain = bucketed_batches(order, lens, 8, window=1, seed=0)
+    bucketed = bucketed_batches(order, lens, 8, window=16, seed=0)
+    assert sorted(i for b in bucketed for i in b) == sorted(order)
+    assert all(len(b) == 8 for b in bucketed) and len(bucketed) == len(plain)
+    assert padding_fraction(plain, lens) > 0.3  # random lengths 20..400: a third or more is padding
+    assert padding_fraction(bucketed, lens) < 0.10
+    assert bucketed == bucketed_batches(order, lens, 8, window=16, seed=0)  # deterministic
+    assert bucketed != bucketed_batches(order, lens, 8, window=16, seed=1)  # batch order follows the seed
+    assert padding_fraction([[0, 1]], [3, 5], max_len=4) == pytest.approx(1 - 7 / 8)
+
+
+def test_regroup_by_length_on_column_batches():
+    lens = lengths(48, seed=2)
+    rows = [np.arange(n) for n in lens]
+    batches = [{"input_ids": _ragged(rows[i:i + 4]), "loss_mask": _ragged(rows[i:i + 4]),
+                "split": np.array(["train"] * 4)} for i in range(0, 48, 4)]
+    out = list(regroup_by_length(iter(batches), window=4, seed=0))
+    assert len(out) == len(batches) and all(len(b["input_ids"]) == 4 for b in out)
+    assert sorted(len(x) for b in out for x in b["input_ids"]) == sorted(lens)
+    assert all(len(a) == len(m) for b in out for a, m in zip(b["input_ids"], b["loss_mask"]))
+    pad = lambda bs: sum(max(map(len, b["input_ids"])) * 4 - sum(map(len, b["input_ids"])) for b in bs)  # noqa: E731
+    assert pad(out) < pad(batches) / 2
+    collate(out[0], 512, 0)  # the regrouped batch is still a valid collate input
+    assert list(regroup_by_length(iter(batches), window=1, seed=0)) == batches
+
+
+def _ragged(items):
+    out = np.empty(len(items), dtype=object)
+    out[:] = items
+    return out
+
+
+@pytest.fixture(scope="module")
+def target():
+    return build_tiny_model(vocab_size=16)
+
+
+def test_precision_and_flops_model(target):
+    assert resolve_precision("cpu") == "fp32" and resolve_precision("cpu", "bf16") == "bf16"
+    with pytest.raises(ValueError, match="precision"):
+        resolve_precision("cpu", "fp16")
+    drafter = build_drafter(DrafterConfig(algo="dflash", block_size=4, num_layers=1), target)
+    fm = FlopsModel.of(target, drafter)
+    assert fm.block_slots == 5 and fm.vocab == 16
+    n_t = sum(p.numel() for p in target.model.parameters())
+    # 10 tokens, 2 anchors, 6 supervised: 2·N_t·10 + 6·d·V·6 + 6·N_d·(10 + 2·5)
+    expect = 2 * n_t * 10 + 6 * fm.hidden * 16 * 6 + 6 * fm.drafter_params * 20
+    assert fm.train_flops(10, 2, 6) == pytest.approx(expect)
+    rates = Throughput("cpu", "fp32").mark(100.0, 1e9)
+    assert rates["tokens_per_s"] > 0 and "mfu" not in rates  # no known peak on a CPU
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_local_trainer_steps_and_reports_flops(target, precision):
+    torch.manual_seed(0)
+    drafter = build_drafter(DrafterConfig(algo="eagle3", ttt_steps=3, dense_ttt=True, ce_target="soft",
+                                          position_weight="geometric"), target)
+    trainer = LocalTrainer("eagle3", target, drafter, OptimSection(lr=1e-2, warmup_ratio=0.0), precision)
+    trainer.set_schedule(4)
+    ids = torch.randint(0, 16, (2, 12), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "loss_mask": torch.ones_like(ids), "attention_mask": torch.ones_like(ids)}
+    before = [p.detach().clone() for p in trainer.params]
+    first = trainer.step(batch, seed=0)
+    for s in range(3):
+        last = trainer.step(batch, seed=s)
+    assert any(not torch.equal(a, b) for a, b in zip(before, trainer.params))
+    assert first["tokens"] == 24 and first["flops"] > 0 and last["loss"] < first["loss"]
+    with autocast("cpu", precision):
+        assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == (torch.bfloat16 if precision == "bf16" else torch.float32)
+
+
+def test_chunked_step_accumulates_the_same_rows(target):
+    """chunks=2 sees the same rows and, with every anchor taken (no sampling) and the same block count
+    per row, gives exactly the gradient of the whole batch."""
+    def trainer():
+        torch.manual_seed(0)
+        d = build_drafter(DrafterConfig(algo="dflash", block_size=2, num_layers=1, anchors_per_seq=16,
+                                        loss_norm="block"), target)
+        return LocalTrainer("dflash", target, d, OptimSection(lr=1e-2, grad_clip=0.0), "fp32")
+    ids = torch.randint(0, 16, (4, 10), generator=torch.Generator().manual_seed(3))
+    batch = {"input_ids": ids, "loss_mask": torch.ones_like(ids), "attention_mask": torch.ones_like(ids)}
+    grads = []
+    for chunks in (1, 2):
+        t = trainer()
+        t.opt.zero_grad = lambda set_to_none=True: None  # keep the gradients for comparison
+        m = t.step(batch, seed=0, update=False, chunks=chunks)
+        assert m["tokens"] == 40 and m["n_anchors"] == 4 * 9
+        grads.append(torch.cat([p.grad.flatten() for p in t.params]))
+    assert grads[0].norm() > 0 and torch.allclose(grads[0], grads[1], atol=1e-6)
+
+
+def test_train_throughput_compare_reports_padded_and_bucketed_side_by_side():
+    from benchmarks import train_throughput as tt
+
+    report = tt.main(["--compare", "--config", "configs/train/tiny-dspark.yaml", "--steps", "3",
+                      "--micro-batch", "2", "--seq-len", "48", "--min-len", "8", "--bucket-window", "3"])
+    assert set(report["results"]) == {"fp32/padded", "fp32/bucketed"}
+    padded, bucketed = report["results"]["fp32/padded"], report["results"]["fp32/bucketed"]
+    assert padded["timed_steps"] == bucketed["timed_steps"] == 2
+    assert bucketed["padding_fraction"] <= padded["padding_fraction"] and bucketed["tokens_per_s"] > 0

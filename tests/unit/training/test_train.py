@@ -1,0 +1,283 @@
+"""Distributed drafter training (jobs/train.py, jobs/train_worker.py, dspark/lr_schedule.py).
+
+Fast unit tests cover the config -> DeepSpeed mapping, the schedule, batching and every fail-fast
+check. One slow test trains in a single process through the same DeepSpeed session the Ray workers
+use (ZeRO-3, checkpoint, exact resume, export). The integration tests run real Ray Train jobs on the
+local stack (S3 + MLflow + Ray): 2 workers ZeRO-2 with a worker killed mid-run, then a relaunch of
+the same run name. Run them under `flock /tmp/dspark-heavy.lock`.
+"""
+
+from __future__ import annotations
+
+import json
+
+import math
+
+import os
+
+import socket
+
+import numpy as np
+
+import pyarrow as pa
+
+import pyarrow.parquet as pq
+
+import pytest
+
+import torch
+
+from dspark.config import ConfigError
+
+from dspark.training.lr_schedule import lr_factor, warmup_steps
+
+from dspark.training.config import TrainJobConfig
+
+from dspark.training.plan import check_resume_matches, deepspeed_config, training_steps
+
+from dspark.data.rollout_store import check_rollouts
+
+from jobs.train import prepare_run
+
+from dspark.training.batching import collate
+
+
+
+def job_config(rollouts: str, **over) -> TrainJobConfig:
+    data = {"run_name": "t", "target": "tiny", "data": {"rollouts": rollouts, "max_seq_len": 128},
+            "drafter": {"algo": "dspark", "block_size": 4, "num_layers": 1, "rank": 16, "anchors_per_seq": 8},
+            "optim": {"lr": 3e-3, "micro_batch_size": 2, "global_batch_size": 8, "max_steps": 6, "warmup_ratio": 0.1},
+            "scaling": {"num_workers": 2}, "tracking": {"enabled": False}}
+    for key, value in over.items():
+        node = data
+        *path, last = key.split(".")
+        for part in path:
+            node = node.setdefault(part, {})
+        node[last] = value
+    return TrainJobConfig.model_validate(data)
+
+
+
+def test_lr_schedule_warmup_then_cosine():
+    total, warm = 100, warmup_steps(100, 0.04)
+    factors = [lr_factor(s, total, warm) for s in range(total)]
+    assert warm == 4 and factors[:4] == [0.25, 0.5, 0.75, 1.0]
+    after = factors[warm:]
+    assert all(a >= b for a, b in zip(after, after[1:])), "cosine decay never increases"
+    assert factors[-1] < 0.01 and all(0 < f <= 1 for f in factors)
+    assert lr_factor(50, total, warm, "constant") == 1.0
+    assert lr_factor(total, total, warm, min_ratio=0.1) == pytest.approx(0.1)
+
+
+
+def test_deepspeed_config_from_job_config():
+    cfg = job_config("x", **{"deepspeed.zero_stage": 3, "optim.global_batch_size": 16, "optim.grad_clip": 0.5})
+    ds = deepspeed_config(cfg)
+    assert ds["zero_optimization"]["stage"] == 3 and ds["gradient_clipping"] == 0.5
+    assert ds["train_batch_size"] == 16 == ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"] * 2
+    assert ds["bf16"]["enabled"] is False, "fp32 on CPU workers"
+    gpu = job_config("x", **{"scaling.use_gpu": True, "deepspeed.extra": {"zero_optimization": {"overlap_comm": True}}})
+    ds_gpu = deepspeed_config(gpu)
+    assert ds_gpu["bf16"]["enabled"] is True and ds_gpu["zero_optimization"] == {**ds_gpu["zero_optimization"],
+                                                                               "overlap_comm": True, "stage": 2}
+    with pytest.raises(ValueError, match="global_batch_size=10 must be a multiple"):
+        job_config("x", **{"optim.global_batch_size": 10})
+
+
+
+def test_training_steps_from_rows():
+    cfg = job_config("x")  # micro 2 x 2 workers x accum 2 = 8 rows per step
+    assert cfg.grad_accum == 2
+    assert training_steps(cfg, 42) == (6, 5)  # 21 rows per worker -> 10 micro batches -> 5 steps; max_steps 6
+    assert training_steps(job_config("x", **{"optim.max_steps": None, "optim.epochs": 3}), 42) == (15, 5)
+    with pytest.raises(ConfigError, match="fewer than one global batch"):
+        training_steps(cfg, 7)
+
+
+
+def test_collate_pads_truncates_and_masks():
+    rows = {"input_ids": [np.array([5, 6, 7]), np.array([1, 2, 3, 4, 5, 6])],
+            "loss_mask": [np.array([0, 1, 1]), np.array([0, 0, 1, 1, 1, 1])]}
+    batch = collate(rows, max_len=5, pad_id=0)
+    assert batch["input_ids"].tolist() == [[5, 6, 7, 0, 0], [1, 2, 3, 4, 5]]
+    assert batch["loss_mask"].tolist() == [[0, 1, 1, 0, 0], [0, 0, 1, 1, 1]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]]
+    with pytest.raises(ValueError, match="corrupt"):
+        collate({"input_ids": [np.array([1, 2])], "loss_mask": [np.array([1])]}, 8, 0)
+
+
+
+def test_bad_rollouts_fail_fast(tmp_path):
+    good = pa.table({"split": ["train", "holdout"], "input_ids": pa.array([[1, 2], [3]], pa.list_(pa.int32())),
+                     "loss_mask": pa.array([[0, 1], [1]], pa.list_(pa.int8()))})
+    pq.write_table(good, tmp_path / "good.parquet")
+    assert check_rollouts(str(tmp_path / "good.parquet"), "train")[1] == 1
+    with pytest.raises(ConfigError, match="no rows with split == 'train'"):
+        pq.write_table(good.filter(pa.compute.equal(good["split"], "holdout")), tmp_path / "holdout.parquet")
+        check_rollouts(str(tmp_path / "holdout.parquet"), "train")
+    with pytest.raises(ConfigError, match=r"lack column\(s\) \['loss_mask'\]"):
+        pq.write_table(good.drop(["loss_mask"]), tmp_path / "nomask.parquet")
+        check_rollouts(str(tmp_path / "nomask.parquet"), "train")
+    with pytest.raises(ConfigError, match="expected a list of integers"):
+        pq.write_table(good.set_column(1, "input_ids", pa.array(["a b", "c"])), tmp_path / "text.parquet")
+        check_rollouts(str(tmp_path / "text.parquet"), "train")
+    with pytest.raises(ConfigError, match="does not exist"):
+        check_rollouts(str(tmp_path / "missing.parquet"), "train")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match="no rollouts found"):
+        check_rollouts(str(tmp_path / "empty"), "train")
+
+
+
+def test_missing_target_fails_in_the_driver(tmp_path):
+    from jobs.train import check_target_spec
+
+    check_target_spec("tiny")
+    with pytest.raises(ConfigError, match="cannot load target"):
+        check_target_spec(str(tmp_path / "no-such-model"))
+
+
+
+def test_resume_must_match_target_and_architecture():
+    cfg = job_config("x")
+    record = {"target": "tiny", "drafter": json.loads(cfg.drafter.model_dump_json())}
+    check_resume_matches(record, job_config("x", **{"drafter.loss_tv": 0.5}))  # training-only change is fine
+    with pytest.raises(ConfigError, match="trained on target 'tiny', not 'smollm2-135m'"):
+        check_resume_matches(record, job_config("x", target="smollm2-135m"))
+    with pytest.raises(ConfigError, match=r"different architecture \(changed: \['num_layers'\]\)"):
+        check_resume_matches(record, job_config("x", **{"drafter.num_layers": 2}))
+    with pytest.raises(ConfigError, match="scaling.num_workers"):
+        check_resume_matches({**record, "num_workers": 4, "zero_stage": 2}, cfg)
+
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+
+def test_unreachable_mlflow_and_storage_fail_before_training(tmp_path, monkeypatch):
+    from dspark.io.storage import StorageError
+    from dspark.io.tracking import TrackingError
+
+    rollouts = tmp_path / "r.parquet"
+    pq.write_table(pa.table({"split": ["train"] * 8, "input_ids": pa.array([[1, 2, 3]] * 8, pa.list_(pa.int32())),
+                             "loss_mask": pa.array([[0, 1, 1]] * 8, pa.list_(pa.int8()))}), rollouts)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{_closed_port()}")
+    cfg = job_config(str(rollouts), **{"tracking.enabled": True, "checkpoint.storage_path": str(tmp_path / "ck")})
+    with pytest.raises(TrackingError, match="unreachable"):
+        prepare_run(cfg)
+    assert not (tmp_path / "ck" / "t" / "dspark_run.json").exists(), "nothing is recorded before the checks pass"
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{_closed_port()}")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "x")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "y")
+    with pytest.raises(StorageError):
+        prepare_run(job_config(str(rollouts), **{"checkpoint.storage_path": "s3://dspark/checkpoints"}))
+
+
+
+def test_resumed_logger_continues_after_the_last_logged_step(tmp_path, monkeypatch):
+    """Crash after step 7 with the last checkpoint at step 4: the relaunched rank-0 logger skips the
+    redone steps 5-7 and logs 8-10, so the history holds exactly one point per step."""
+    import mlflow
+
+    from dspark.io import tracking
+    from jobs.train_worker import RankZeroLogger
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    cfg = job_config("x", **{"tracking.enabled": True, "tracking.experiment": "resume-log"})
+    run_id = tracking.start_run("resume-log", "r")
+    first = RankZeroLogger(cfg, run_id)
+    for step in range(1, 8):
+        first.log(step, {"loss": 10.0 - step})
+    tracking.end_run("FAILED")
+    resumed = RankZeroLogger(cfg, run_id)  # the restarted worker, restored from step 4
+    resumed.log(4, {"resumed_from_step": 4.0}, force=True)
+    for step in range(5, 11):
+        resumed.log(step, {"loss": 10.0 - step})
+    tracking.end_run()
+    steps = [m.step for m in mlflow.MlflowClient().get_metric_history(run_id, "loss")]
+    assert sorted(steps) == list(range(1, 11)), steps
+    assert [m.step for m in mlflow.MlflowClient().get_metric_history(run_id, "resumed_from_step")] == [4]
+
+
+
+def test_local_ray_is_never_auto_detected(monkeypatch):
+    """Without an address a job starts its own Ray (address="local"): with address=None, ray.init
+    attaches to the newest Ray on the machine ("Found multiple active Ray instances")."""
+    import ray
+
+    from dspark.config import RayConfig
+    from pipelines.ray_cluster import init_ray
+
+    calls = []
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kwargs: calls.append(kwargs))
+    assert init_ray(RayConfig(num_cpus=1)) == "local"
+    assert calls[0]["address"] == "local" and calls[0]["num_cpus"] == 1
+    assert init_ray(RayConfig(address="127.0.0.1:6390")) == "127.0.0.1:6390"
+    assert calls[1]["address"] == "127.0.0.1:6390"
+
+
+
+@pytest.fixture
+def gloo_world_of_one(monkeypatch):
+    import torch.distributed as dist
+
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_closed_port())}.items():
+        monkeypatch.setenv(key, value)
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+
+@pytest.mark.slow
+def test_session_zero3_checkpoint_resumes_exactly_and_exports(tmp_path, gloo_world_of_one):
+    """The worker's DeepSpeed session without Ray: ZeRO-3, a checkpoint at step 2 of 4, and a fresh
+    session restored from it reproduces steps 3-4 exactly; the export loads with load_drafter. The
+    drafter has a draft vocabulary (the driver's plan["draft_ids"]; full-vocabulary training runs in the
+    Ray Train tests below), so its d2t/t2d maps go through ZeRO-3 checkpoints and the export too."""
+    from dspark.drafters import load_drafter
+    from dspark.training.session import TrainSession
+
+    cfg = job_config("x", **{"deepspeed.zero_stage": 3, "scaling.num_workers": 1, "optim.max_steps": 4,
+                             "optim.global_batch_size": 4, "drafter.draft_vocab_size": 24})
+    draft_ids = list(range(0, 48, 2))
+    plan = {"total_steps": 4, "steps_per_epoch": 3, "grad_accum": 2, "precision": "fp32",
+            "ds_config": deepspeed_config(cfg), "draft_ids": draft_ids}
+    session = TrainSession(cfg, plan, 0, 1, torch.device("cpu")).setup()
+    rng = np.random.default_rng(0)
+    rows = [{"input_ids": rng.integers(0, session.target.vocab_size, 30), "loss_mask": np.r_[[0] * 6, [1] * 24]}
+            for _ in range(12)]
+
+    def batches(epoch):
+        for i in range(0, len(rows), 2):
+            yield {k: [r[k] for r in rows[i:i + 2]] for k in ("input_ids", "loss_mask")}
+
+    losses, ckpt = [], str(tmp_path / "ckpt")
+
+    def on_step(result):
+        losses.append(result.metrics["loss"])
+        if result.step == 2:
+            session.save(ckpt)
+
+    session.run(batches, on_step)
+    assert len(losses) == 4 and all(math.isfinite(x) for x in losses)
+    assert {"deepspeed", "drafter", "train_state.json"} <= set(os.listdir(ckpt))
+
+    resumed = TrainSession(cfg, plan, 0, 1, torch.device("cpu")).setup()
+    resumed.restore(ckpt)
+    assert resumed.step == 2 and resumed.restarts == 1
+    again = []
+    resumed.run(batches, lambda r: again.append(r.metrics["loss"]))
+    assert again == pytest.approx(losses[2:], rel=1e-5)
+
+    drafter = load_drafter(os.path.join(ckpt, "drafter"), target=session.target)
+    assert all(p.numel() > 0 for p in drafter.parameters()), "ZeRO-3 export holds gathered (full) weights"
+    assert drafter.draft_ids.tolist() == draft_ids and drafter.markov_head.markov_w2.weight.shape == (24, 16)

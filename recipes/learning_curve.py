@@ -68,8 +68,8 @@ def log(msg: str) -> None:
 # ---------------------------------------------------------------- prompts
 def train_prompts(decontam_ngram: int = 13, max_ngram_prompts: int = 3) -> tuple[list, list]:
     """(kept, dropped) first-turn prompts of data/train; dropped = overlap with any data/eval prompt."""
-    from dspark.prompt_filters import build_eval_index
-    from pipelines.prompts import PromptSource, load_prompts
+    from dspark.data.prompt_filters import build_eval_index
+    from dspark.data.prompts import PromptSource, load_prompts
 
     texts = {str(f): f.read_text(encoding="utf-8") for f in sorted((REPO / EVAL_DIR).glob("*.jsonl"))}
     index = build_eval_index(texts, decontam_ngram, max_ngram_prompts)  # every eval file, as jobs.synthesize
@@ -83,7 +83,7 @@ def train_prompts(decontam_ngram: int = 13, max_ngram_prompts: int = 3) -> tuple
 
 def eval_prompts() -> list:
     """First turn of every evaluation prompt, domain = benchmark (file stem)."""
-    from pipelines.prompts import PromptSource, load_prompts
+    from dspark.data.prompts import PromptSource, load_prompts
 
     files = sorted((REPO / EVAL_DIR).glob("*.jsonl"))
     sources = [PromptSource(uri=str(f), domain=f.stem, user_turns="first") for f in files]
@@ -101,7 +101,7 @@ def rollout_plan(prompts: list, passes: int, chunk_prompts: int, settings: dict)
     `~p<k>` suffixes."""
     from dataclasses import replace
 
-    from pipelines.rollout_store import Plan
+    from dspark.data.rollout_store import Plan
 
     import random
 
@@ -119,11 +119,11 @@ def generate_rollouts(out: str, prompts: list, prof: dict, passes: int, seed: in
     """Generate every uncommitted chunk of the plan into `out` (rollout-store format); returns the manifest."""
     import torch
 
-    from dspark import models_builtin
-    from dspark.generator import GeneratorConfig
-    from dspark.target import load_target
-    from pipelines.rollout_engine import RolloutEngine, SamplingConfig
-    from pipelines.rollout_store import add_counts, commit_chunk, prepare_output, read_commits
+    from dspark.models import builtin as models_builtin
+    from dspark.decoding.generator import GeneratorConfig
+    from dspark.models.target import load_target
+    from dspark.data.rollout_engine import RolloutEngine, SamplingConfig
+    from dspark.data.rollout_store import add_counts, commit_chunk, prepare_output, read_commits
 
     sampling = SamplingConfig(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=prof["max_new_tokens"], seed=seed)
     settings = {"target": prof["target"], "sampling": sampling.model_dump()}
@@ -155,7 +155,7 @@ def generate_rollouts(out: str, prompts: list, prof: dict, passes: int, seed: in
 
 def write_manifest(out: str, plan) -> dict:
     from dspark.io import storage
-    from pipelines.rollout_store import add_counts, path_in, read_commits
+    from dspark.data.rollout_store import add_counts, path_in, read_commits
 
     commits = read_commits(out)
     counts: dict = {}
@@ -200,8 +200,8 @@ def load_target_of(prof: dict):
 def _load_target(prof: dict):
     import torch
 
-    from dspark import models_builtin
-    from dspark.target import load_target
+    from dspark.models import builtin as models_builtin
+    from dspark.models.target import load_target
 
     torch.set_num_threads(prof["threads"])
     if prof["target"] in models_builtin.BUILTIN:
@@ -211,7 +211,7 @@ def _load_target(prof: dict):
 
 def committed_rows(folder: Path) -> list[dict]:
     """Rows of the committed chunks, in commit-plan order (pass 0 first), as dicts."""
-    from pipelines.rollout_store import read_rollouts
+    from dspark.data.rollout_store import read_rollouts
 
     table = read_rollouts(str(folder))
     cols = ["prompt_id", "domain", "input_ids", "loss_mask", "num_generated_tokens"]
@@ -300,7 +300,7 @@ def drafter_config(prof: dict, algo: str):
 
 
 def draft_ids_of(cache, n_rows: int, vocab: int, size: int | None):
-    from dspark.draft_vocab import count_token_frequencies, coverage, top_token_ids
+    from dspark.drafters.draft_vocab import count_token_frequencies, coverage, top_token_ids
 
     if not size:
         return None, None
@@ -399,8 +399,8 @@ def trained_drafters(out: Path) -> list[Path]:
 def cmd_evaluate(args, prof: dict) -> None:
     from dspark.drafters import load_drafter
     from dspark.eval.acceptance_estimate import estimate
-    from dspark.sampling import SamplingParams
-    from dspark.target import TargetOutput
+    from dspark.decoding.sampling import SamplingParams
+    from dspark.models.target import TargetOutput
 
     out = Path(args.out)
     target = load_target_of(prof)
@@ -444,7 +444,7 @@ def interleave(rows: list[dict], key: str) -> list[dict]:
 # ---------------------------------------------------------------- real decoding: τ and batch-1 speed
 def decode_prompts(prof: dict) -> list[tuple[str, int, str]]:
     """(benchmark, index, first user turn): the first `decode_prompts` lines of each eval file."""
-    from dspark.evaluation import parse_benchmark
+    from dspark.eval.evaluation import parse_benchmark
 
     picked = []
     for f in sorted((REPO / EVAL_DIR).glob("*.jsonl")):
@@ -460,10 +460,10 @@ def cmd_decode(args, prof: dict) -> None:
     import torch
 
     from dspark.drafters import load_drafter
-    from dspark.engine import Engine, EngineConfig
-    from dspark.evaluation import prompt_seed
-    from dspark.sampling import SamplingParams
-    from dspark.scheduler import SchedulerConfig
+    from dspark.decoding.engine import Engine, EngineConfig
+    from dspark.eval.evaluation import prompt_seed
+    from dspark.decoding.sampling import SamplingParams
+    from dspark.decoding.scheduler import SchedulerConfig
 
     out = Path(args.out)
     target = load_target_of(prof)

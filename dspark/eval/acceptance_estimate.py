@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from dspark.sampling import SamplingParams, to_probs
+from dspark.decoding.sampling import SamplingParams, to_probs
 
 ESTIMATORS = ("alpha", "iw")
 
@@ -60,7 +60,7 @@ class SequenceAcceptance:
 
 
 def _anchors(model, loss_mask: Tensor, attention_mask: Tensor) -> tuple[Tensor, Tensor]:
-    from dspark.anchors import all_anchors, sample_anchors
+    from dspark.drafters.anchors import all_anchors, sample_anchors
 
     if model.trains_every_position:
         return all_anchors(loss_mask, attention_mask)
@@ -106,7 +106,7 @@ def sequence_acceptance(drafter, target, input_ids: Tensor, loss_mask: Tensor, s
     if draft_ids is None:
         q_tok = q.gather(1, tokens.unsqueeze(1)).squeeze(1)
     else:
-        from dspark.draft_vocab import IGNORE_LABEL, draft_labels
+        from dspark.drafters.draft_vocab import IGNORE_LABEL, draft_labels
 
         col = draft_labels(tokens, model.t2d.to(device))
         q_tok = torch.where(col == IGNORE_LABEL, 0.0, q.gather(1, col.clamp_min(0).unsqueeze(1)).squeeze(1))

@@ -27,7 +27,7 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor
 
-from dspark.target import TargetOutput
+from dspark.models.target import TargetOutput
 
 
 @dataclass

@@ -145,6 +145,7 @@ def generate_rollouts(out: str, prompts: list, prof: dict, passes: int, seed: in
             t0 = time.perf_counter()
             results = engine.run([dict(p.as_row(), chunk=k) for p in plan.chunks[k]])
             marker = commit_chunk(out, k, results)
+            write_manifest(out, plan)  # kept current: a run stopped between chunks still has its counts
             dt = time.perf_counter() - t0
             total += marker["generated_tokens"]
             log(f"chunk {k + 1}/{len(plan.chunks)}: {marker['rows']} rows, {marker['generated_tokens']} tokens in "

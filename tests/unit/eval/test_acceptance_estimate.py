@@ -80,6 +80,7 @@ def test_estimators_match_exact_enumeration(target, algo, draft_ids):
     assert 0.0 <= alpha_prod2 <= 1.0  # the product is an approximation for k >= 2 (not asserted equal)
 
 
+@pytest.mark.slow  # ~90 s on 2 shared cores (800 decodes of the micro model)
 @torch.no_grad()
 def test_estimate_agrees_with_real_speculative_decoding_first_round(target):
     """E[accepted + 1] of the first round (anchor = the prefill's token) over many decoding seeds vs the

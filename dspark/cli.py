@@ -1,6 +1,7 @@
 """`dspark` command line: `dspark stack up|down|status`, `dspark target prepare NAME`,
 `dspark export --format speculators|vllm|sglang REF OUT`,
-`dspark runtime-env` (a Ray runtime env that records the submitting commit).
+`dspark runtime-env` (a Ray runtime env that records the submitting commit),
+`dspark plan` (rollout tokens and device-hours for a target τ, from the measured learning curve).
 
 Each command group is a subparser whose handler returns an exit code; errors the user can fix
 are printed as one line (`error: cause; fix`) instead of a traceback.
@@ -64,6 +65,32 @@ def _runtime_env(args) -> int:
     return 0
 
 
+def _plan(args) -> int:
+    from dspark.eval import planner
+
+    curve, report = planner.curve_from_report(args.curve, args.form)
+    rollout = dict(planner.rollout_tok_s_of(p) for p in args.rollout_bench)
+    train = dict(planner.train_tok_s_of(p) for p in args.train_bench)
+    kinds = [planner.Throughput(d, rollout[d], train[d]) for d in rollout if d in train]
+    if not kinds:
+        raise ValueError(f"no device kind has both a rollout ({sorted(rollout)}) and a training ({sorted(train)}) "
+                         f"throughput; pass matching --rollout-bench / --train-bench files")
+    stats = report.get("rollouts") or {}
+    gen, prompt_tok, rows = stats.get("generated_tokens"), stats.get("prompt_tokens"), stats.get("rows")
+    ratio = args.prompt_per_generated if args.prompt_per_generated is not None else (prompt_tok / gen if gen else 0.5)
+    per_prompt = args.tokens_per_prompt if args.tokens_per_prompt is not None else (gen / rows if rows else 256.0)
+    rows_out = planner.make_plan(curve, kinds, args.tau, args.workers, args.epochs, ratio, per_prompt)
+    if args.json:
+        print(json.dumps({"curve": vars(curve), "prompt_per_generated": ratio, "tokens_per_prompt": per_prompt,
+                          "rows": planner.rows_as_dicts(rows_out)}, indent=1))
+    else:
+        print(f"curve ({curve.form}): a={curve.a:.4g} b={curve.b:.4g} c={curve.c:.4g}, measured "
+              f"{curve.t_min:.3g}..{curve.t_max:.3g} rollout tokens; prompt/generated tokens {ratio:.2f}, "
+              f"{per_prompt:.0f} generated tokens per prompt; {args.workers} workers scale ideally (upper bound)")
+        print(planner.format_table(rows_out))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dspark", description="DSpark speculative-decoding toolkit")
     groups = parser.add_subparsers(dest="group", required=True)
@@ -109,6 +136,23 @@ def build_parser() -> argparse.ArgumentParser:
     env_parser.add_argument("--base", default="infra/runtime_env.yaml", help="runtime env YAML to extend")
     env_parser.add_argument("--out", default=".dspark/runtime_env.yaml", help="where to write it (printed)")
     env_parser.set_defaults(func=_runtime_env)
+
+    plan = groups.add_parser("plan", help="rollout tokens and device-hours for a target tau (from measurements)",
+                             description="Fits tau(rollout tokens) to a learning-curve JSON and combines it with "
+                                         "measured rollout/training throughputs per device kind (dspark/eval/planner.py)")
+    plan.add_argument("--curve", default="benchmarks/results/learning_curve/cpu.json", help="learning-curve JSON")
+    plan.add_argument("--form", choices=("loglinear", "power"), default="loglinear", help="curve form to fit")
+    plan.add_argument("--rollout-bench", nargs="+", required=True, help="rollout throughput JSON(s), one per device")
+    plan.add_argument("--train-bench", nargs="+", required=True, help="training throughput JSON(s), one per device")
+    plan.add_argument("--tau", type=float, nargs="+", default=[2.0, 3.0], help="target tau value(s)")
+    plan.add_argument("--workers", type=int, default=1, help="N workers (devices) of each kind")
+    plan.add_argument("--epochs", type=float, default=2.0, help="training passes over the rollouts")
+    plan.add_argument("--prompt-per-generated", type=float, default=None,
+                      help="prompt tokens per generated token (default: from the curve's rollouts)")
+    plan.add_argument("--tokens-per-prompt", type=float, default=None,
+                      help="generated tokens per prompt for the paper row (default: from the curve's rollouts)")
+    plan.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    plan.set_defaults(func=_plan)
     return parser
 
 

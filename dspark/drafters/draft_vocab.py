@@ -68,10 +68,12 @@ def count_parquet_frequencies(paths: list[str], vocab_size: int | None, split: s
         dataset = pads.dataset(path, filesystem=filesystem, format="parquet")
         where = None if split is None else pads.field("split") == split
         for batch in dataset.to_batches(columns=["input_ids", "loss_mask"], filter=where):
+            if batch.num_rows == 0:  # a filtered-out or empty shard: `pc.all` of nothing is null, not True
+                continue
             ids_col, mask_col = batch.column("input_ids"), batch.column("loss_mask")
             lens_ok = pc.equal(pc.list_value_length(ids_col), pc.list_value_length(mask_col))
-            if not pc.all(lens_ok).as_py():
-                row = int(pc.index(lens_ok, False).as_py())
+            if pc.all(lens_ok).as_py() is not True:  # False, or null where a row's list itself is null
+                row = int(pc.index(pc.fill_null(lens_ok, False), False).as_py())
                 raise ValueError(f"{path} row {row} of a batch: input_ids and loss_mask differ in length")
             ids = pc.list_flatten(ids_col).to_numpy(zero_copy_only=False).astype(np.int64)
             mask = pc.list_flatten(mask_col).to_numpy(zero_copy_only=False).astype(bool)

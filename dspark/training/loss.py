@@ -53,9 +53,11 @@ def _zero_loss(model, n_anchors: int) -> LossOutput:
 
 
 def drafter_loss(drafter, target, input_ids: Tensor, loss_mask: Tensor, attention_mask: Tensor | None,
-                 generator: torch.Generator | None = None) -> LossOutput:
+                 generator: torch.Generator | None = None, target_out=None) -> LossOutput:
     """Combined loss α_ce·L_ce + α_tv·L_tv (+ α_conf·L_conf for DSpark with a confidence head).
-    `drafter` may be wrapped (DDP / DeepSpeed engine): it is called, never unwrapped, for the forward."""
+    `drafter` may be wrapped (DDP / DeepSpeed engine): it is called, never unwrapped, for the forward.
+    `target_out`: the frozen target's features [B, T, m*d] and final hidden states [B, T, d] of these
+    sequences, precomputed (dspark/training/feature_cache.py); None runs the target here."""
     model = getattr(drafter, "module", drafter)
     cfg, K = model.config, model.config.train_steps
     device = target.device
@@ -71,7 +73,8 @@ def drafter_loss(drafter, target, input_ids: Tensor, loss_mask: Tensor, attentio
         return _zero_loss(model, int(valid.sum()))
 
     with torch.no_grad():
-        out = target.forward(input_ids, attention_mask=attention_mask, layer_ids=model.layer_ids, logits_at=None)
+        out = target_out if target_out is not None else target.forward(
+            input_ids, attention_mask=attention_mask, layer_ids=model.layer_ids, logits_at=None)
         target_hidden = _gather_rows(out.final_hidden, label_pos - 1)[select]  # position t+k-1
         p_target = torch.softmax(target.lm_logits(target_hidden).float(), dim=-1)
     labels = input_ids.gather(1, label_pos.flatten(1)).view_as(label_pos)[select]

@@ -58,6 +58,21 @@ def test_parquet_counts_follow_the_split_and_the_mask(tmp_path):
         dv.count_parquet_frequencies([str(tmp_path / "bad.parquet")], None, "train")
 
 
+def test_parquet_counts_skip_empty_batches(tmp_path):
+    """An empty shard (a chunk whose rows all failed) and a shard whose rows the split filter removes
+    give empty record batches: they count nothing and are not length mismatches."""
+    schema = pa.schema([("split", pa.string()), ("input_ids", pa.list_(pa.int64())),
+                        ("loss_mask", pa.list_(pa.int64()))])
+    pq.write_table(schema.empty_table(), tmp_path / "empty.parquet")
+    pq.write_table(pa.table({"split": ["eval"], "input_ids": [[1, 2]], "loss_mask": [[1, 1]]}, schema=schema),
+                   tmp_path / "eval_only.parquet")
+    pq.write_table(pa.table({"split": ["train"], "input_ids": [[3, 3]], "loss_mask": [[0, 1]]}, schema=schema),
+                   tmp_path / "train.parquet")
+    paths = [str(tmp_path / n) for n in ("empty.parquet", "eval_only.parquet", "train.parquet")]
+    assert dv.count_parquet_frequencies(paths, 5, "train").tolist() == [0, 0, 0, 1, 0]
+    assert dv.count_parquet_frequencies(paths, None, "train").tolist() == [0, 0, 0, 1]
+
+
 def test_top_ids_and_the_vllm_offset_convention():
     counts = torch.tensor([5, 0, 9, 5, 1, 0, 7])
     ids = dv.top_token_ids(counts, 4)

@@ -1,0 +1,217 @@
+"""Expected acceptance length τ from ONE teacher-forced pass along held-out target trajectories (no decoding).
+
+Setting. A held-out rollout is a sequence sampled from the target (at the evaluation temperature). For an
+anchor t (a generated token whose successor is generated too) and draft position k = 1..γ, let
+p_k = the target's processed next-token distribution at position t+k-1 (`to_probs`, the same processing
+decoding uses) and q_k = the drafter's processed distribution for token t+k, computed by the drafter's
+training forward: context = target features of positions < t, the anchor token, and (for drafters that
+condition on earlier draft tokens: DSpark's Markov head, Eagle3's TTT) the trajectory tokens t+1..t+k-1.
+
+Speculative sampling accepts draft k, given drafts 1..k-1 accepted, with probability
+    α_k = Σ_x min(p_k(x), q_k(x))                                   (conditional acceptance)
+and P(drafts 1..k all accepted, with tokens x_1..x_k) = Π_{j≤k} min(p_j, q_j)(x_j). Two estimators of
+the expected tokens per target step at an anchor, τ = 1 + Σ_{k=1}^{γ} P(first k accepted):
+  "alpha" (the cheap product):  P_k ≈ Π_{j≤k} α_j  with α_j evaluated along the target trajectory. Exact
+          for γ = 1; for k ≥ 2 it conditions on target-sampled tokens where decoding conditions on
+          accepted tokens (law min(p,q)/α), a bias that vanishes as q → p.
+  "iw" (importance-weighted, unbiased): since the trajectory token x_j ~ p_j,
+          E_{x~p}[Π_{j<k} w_j · α_k] = P(first k accepted)  with  w_j = min(p_j, q_j)(x_j) / p_j(x_j)
+          = min(1, q_j(x_j)/p_j(x_j)); the last factor is α_k itself (Rao-Blackwellised).
+Positions past the end of the sequence count as rejected (a block cut by the end of the answer), as in
+decoding with a token budget. τ is pooled over anchors; its 95 % interval is a percentile bootstrap over
+prompts (resampling whole prompts: anchors of one prompt are correlated).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from dspark.decoding.sampling import SamplingParams, to_probs
+
+ESTIMATORS = ("alpha", "iw")
+
+
+@dataclass
+class SequenceAcceptance:
+    """Per anchor of one sequence: α [N, K], trajectory weights w [N, K], supported pairs [N, K]."""
+
+    alpha: Tensor
+    weight: Tensor
+    select: Tensor
+
+    def prefix_probs(self, gamma: int, estimator: str = "alpha") -> Tensor:
+        """P(first k accepted) [N, γ] for k = 1..γ (0 where the block is cut by the sequence end)."""
+        if estimator not in ESTIMATORS:
+            raise ValueError(f"estimator must be one of {ESTIMATORS}, got {estimator!r}")
+        a = torch.where(self.select, self.alpha, 0.0)[:, :gamma]
+        if estimator == "alpha":
+            return torch.cumprod(a, dim=1)
+        w = torch.where(self.select, self.weight, 0.0)[:, :gamma]
+        before = torch.cumprod(torch.cat([torch.ones_like(w[:, :1]), w[:, :-1]], dim=1), dim=1)  # Π_{j<k} w_j
+        return before * a
+
+    def taus(self, gamma: int, estimator: str = "alpha") -> Tensor:
+        """Expected tokens per target step at each anchor: 1 + Σ_k P(first k accepted)  [N]."""
+        return 1.0 + self.prefix_probs(gamma, estimator).sum(dim=1)
+
+
+def _anchors(model, loss_mask: Tensor, attention_mask: Tensor) -> tuple[Tensor, Tensor]:
+    from dspark.drafters.anchors import all_anchors, sample_anchors
+
+    if model.trains_every_position:
+        return all_anchors(loss_mask, attention_mask)
+    return sample_anchors(loss_mask, attention_mask, loss_mask.shape[1], None)  # every eligible position
+
+
+@torch.no_grad()
+def sequence_acceptance(drafter, target, input_ids: Tensor, loss_mask: Tensor, sampling: SamplingParams,
+                        rows_per_chunk: int = 2048, target_out=None, anchor_stride: int = 1,
+                        p_pos: Tensor | None = None) -> SequenceAcceptance:
+    """α, w and the supported pairs for ONE sequence (input_ids, loss_mask: [T]); see the module doc.
+    `target_out`: the target's features [1, T, m·d] and final hidden [1, T, d] for this sequence,
+    precomputed (dspark/training/feature_cache.py); None runs the target here. `anchor_stride` k > 1
+    keeps every k-th eligible anchor (a uniform subsample: the estimate stays unbiased, k times cheaper;
+    not for dense-layout drafters such as Eagle3's TTT, which always use every position). `p_pos`: the
+    target's processed distributions [T, V] (`target_probs`), shared between drafters."""
+    from dspark.training.loss import supervised_pairs
+
+    model = getattr(drafter, "module", drafter)
+    device = target.device
+    ids = input_ids.to(device).view(1, -1)
+    mask = loss_mask.to(device).view(1, -1)
+    attn = torch.ones_like(ids)
+    K = model.config.train_steps
+    out = target_out if target_out is not None else target.forward(
+        ids, attention_mask=attn, layer_ids=model.layer_ids, logits_at=None)
+    anchors, valid = _anchors(model, mask, attn)
+    if anchor_stride > 1 and not model.trains_every_position:
+        anchors, valid = anchors[:, ::anchor_stride], valid[:, ::anchor_stride]
+    label_pos, select = supervised_pairs(mask, attn, anchors, valid, K)
+    if not bool(select.any()):
+        empty = torch.zeros(int(valid.sum()), K)
+        return SequenceAcceptance(empty, empty.clone(), empty.bool())
+    draft = drafter(out.features.to(device, torch.float32), ids, attn.bool(), anchors, select)
+    q = to_probs(draft.logits.float(), sampling)  # [M, N] on the draft vocabulary (N = V without one)
+    draft_ids = getattr(model, "draft_ids", None)
+    pos = label_pos[select]  # [M] position of each predicted token; p comes from position pos - 1
+    tokens = ids[0, pos]
+    if p_pos is None:
+        p_pos = target_probs(target, out.final_hidden[0], sampling)  # [T, V], once per position
+    p_pos = p_pos.to(device, torch.float32)
+    p_tok = p_pos[pos - 1, tokens]  # p_k(x_k) of the trajectory token
+    if draft_ids is None:
+        q_tok = q.gather(1, tokens.unsqueeze(1)).squeeze(1)
+    else:
+        from dspark.drafters.draft_vocab import IGNORE_LABEL, draft_labels
+
+        col = draft_labels(tokens, model.t2d.to(device))
+        q_tok = torch.where(col == IGNORE_LABEL, 0.0, q.gather(1, col.clamp_min(0).unsqueeze(1)).squeeze(1))
+    alpha = torch.cat([_overlap(p_pos, q, pos[i:i + rows_per_chunk] - 1, i, rows_per_chunk, draft_ids)
+                       for i in range(0, pos.numel(), rows_per_chunk)])
+    weight = torch.where(p_tok > 0, (q_tok / p_tok.clamp_min(1e-30)).clamp(max=1.0), 0.0)
+    sel = select[0][valid[0]]  # [N, K] for the valid anchors only
+    full_a, full_w = torch.zeros(select.shape, device=device), torch.zeros(select.shape, device=device)
+    full_a[select], full_w[select] = alpha, weight
+    return SequenceAcceptance(full_a[0][valid[0]].cpu(), full_w[0][valid[0]].cpu(), sel.cpu())
+
+
+@torch.no_grad()
+def target_probs(target, final_hidden: Tensor, sampling: SamplingParams) -> Tensor:
+    """The target's processed next-token distributions [T, V] from its final hidden states [T, d]."""
+    return to_probs(target.lm_logits(final_hidden.to(target.device, target.dtype)).float(), sampling)
+
+
+def _overlap(p_pos: Tensor, q: Tensor, rows: Tensor, start: int, size: int, draft_ids: Tensor | None) -> Tensor:
+    """Σ_x min(p, q) for q rows start..start+size and the target rows `rows` (q is 0 outside the subset)."""
+    p = p_pos[rows]
+    if draft_ids is not None:
+        p = p[:, draft_ids.to(p.device)]
+    return torch.minimum(p, q[start:start + size]).sum(dim=1)
+
+
+# ---------------------------------------------------------------- aggregation
+@dataclass
+class PromptStats:
+    """Sums over one prompt's anchors (what the bootstrap resamples)."""
+
+    prompt_id: str
+    group: str
+    anchors: int
+    tau_sum: float
+    prefix_sum: np.ndarray  # Σ over anchors of P(first k accepted), [γ]
+    alpha_sum: np.ndarray  # Σ α_k over supported pairs, [γ]
+    alpha_count: np.ndarray  # supported pairs per k, [γ]
+
+
+def prompt_stats(prompt_id: str, group: str, acc: SequenceAcceptance, gamma: int, estimator: str) -> PromptStats:
+    prefix = acc.prefix_probs(gamma, estimator)
+    sel = acc.select[:, :gamma]
+    return PromptStats(prompt_id, group, int(prefix.shape[0]), float((1.0 + prefix.sum(1)).sum()),
+                       prefix.sum(0).double().numpy(), torch.where(sel, acc.alpha[:, :gamma], 0.0).sum(0).double().numpy(),
+                       sel.sum(0).double().numpy())
+
+
+def bootstrap_ratio(num: np.ndarray, den: np.ndarray, resamples: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """95 % percentile interval of Σnum/Σden when whole units (prompts) are resampled with replacement."""
+    num, den = np.asarray(num, dtype=float), np.asarray(den, dtype=float)
+    if num.size == 0 or den.sum() == 0:
+        return float("nan"), float("nan")
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, num.size, size=(resamples, num.size))
+    stats = num[idx].sum(1) / np.maximum(den[idx].sum(1), 1e-12)
+    lo, hi = np.percentile(stats, [2.5, 97.5])
+    return float(lo), float(hi)
+
+
+def summarize(stats: Sequence[PromptStats], resamples: int = 2000, seed: int = 0) -> dict:
+    """Pooled expected τ with its bootstrap CI, per-position acceptance, and the same per group."""
+    def block(items: Sequence[PromptStats]) -> dict:
+        items = [s for s in items if s.anchors > 0]
+        if not items:
+            return {"prompts": 0, "anchors": 0, "expected_tau": None, "expected_tau_ci95": [None, None]}
+        anchors = np.array([s.anchors for s in items], dtype=float)
+        tau = np.array([s.tau_sum for s in items])
+        lo, hi = bootstrap_ratio(tau, anchors, resamples, seed)
+        prefix = np.sum([s.prefix_sum for s in items], axis=0) / anchors.sum()
+        a_sum, a_cnt = np.sum([s.alpha_sum for s in items], axis=0), np.sum([s.alpha_count for s in items], axis=0)
+        return {"prompts": len(items), "anchors": int(anchors.sum()), "expected_tau": float(tau.sum() / anchors.sum()),
+                "expected_tau_ci95": [lo, hi],
+                "acceptance_per_position": [float(x) for x in a_sum / np.maximum(a_cnt, 1)],
+                "prefix_acceptance": [float(x) for x in prefix]}
+
+    groups = sorted({s.group for s in stats})
+    return {**block(stats), "per_group": {g: block([s for s in stats if s.group == g]) for g in groups}}
+
+
+def estimate(drafter, target, rows: Iterable[dict], gamma: int, sampling: SamplingParams,
+             estimators: Sequence[str] = ESTIMATORS, group_key: str = "domain", max_len: int | None = None,
+             resamples: int = 2000, target_outs: Sequence | None = None, anchor_stride: int = 1,
+             p_cache: dict | None = None) -> dict:
+    """rows: dicts with prompt_id, input_ids, loss_mask (+ `group_key`) -> {estimator: summarize(...)}.
+    One target and one drafter pass per row; `max_len` cuts long rows. `target_outs`: precomputed
+    target outputs, one per row (already cut to max_len), instead of running the target. `p_cache`: a
+    dict kept by the caller across drafters, row index -> the target's distributions (bf16)."""
+    was_training = drafter.training
+    drafter.eval()
+    per: dict[str, list[PromptStats]] = {e: [] for e in estimators}
+    try:
+        for i, row in enumerate(rows):
+            ids = torch.as_tensor(list(row["input_ids"])[:max_len], dtype=torch.long)
+            mask = torch.as_tensor(list(row["loss_mask"])[:max_len], dtype=torch.long)
+            out = None if target_outs is None else target_outs[i]
+            p = None
+            if p_cache is not None and out is not None:
+                if i not in p_cache:
+                    p_cache[i] = target_probs(target, out.final_hidden[0], sampling).to(torch.bfloat16)
+                p = p_cache[i]
+            acc = sequence_acceptance(drafter, target, ids, mask, sampling, target_out=out,
+                                      anchor_stride=anchor_stride, p_pos=p)
+            for e in estimators:
+                per[e].append(prompt_stats(str(row["prompt_id"]), str(row.get(group_key, "")), acc, gamma, e))
+    finally:
+        drafter.train(was_training)
+    return {e: summarize(s, resamples) for e, s in per.items()}

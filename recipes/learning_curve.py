@@ -8,12 +8,12 @@ plus equal-budget baselines, a report (JSON + plot) and the inputs of `dspark pl
     python -m recipes.learning_curve report    [--profile cpu|gpu] [--out DIR]   # JSON + plot
 
 Every phase is resumable from its output folder (DIR, default /work/learn-runs/<profile>): rollouts commit a
-Parquet shard per chunk in the rollout-store format (pipelines/rollout_store.py) and skip committed
+Parquet shard per chunk in the rollout-store format (dspark/data/rollout_store.py) and skip committed
 chunks; a training point with a saved drafter is skipped; an evaluation with a result file is skipped.
 Progress goes to stdout (one line per chunk / log interval).
 
 Data: prompts = every data/train file (first user turn), decontaminated against data/eval with the
-synthesis job's EvalIndex rule (13-gram, boilerplate-aware; dspark.prompt_filters); `passes` samples per
+synthesis job's EvalIndex rule (13-gram, boilerplate-aware; dspark.data.prompt_filters); `passes` samples per
 prompt, each pass with its own seed and prompt ids suffixed `~p<k>` (so every answer has its own row
 seed). Held-out: the first turn of every data/eval prompt, one answer each, for the expected-τ estimate.
 """
@@ -123,7 +123,7 @@ def generate_rollouts(out: str, prompts: list, prof: dict, passes: int, seed: in
     from dspark.decoding.generator import GeneratorConfig
     from dspark.models.target import load_target
     from dspark.data.rollout_engine import RolloutEngine, SamplingConfig
-    from dspark.data.rollout_store import add_counts, commit_chunk, prepare_output, read_commits
+    from dspark.data.rollout_store import commit_chunk, prepare_output, read_commits
 
     sampling = SamplingConfig(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=prof["max_new_tokens"], seed=seed)
     settings = {"target": prof["target"], "sampling": sampling.model_dump()}
@@ -312,7 +312,6 @@ def draft_ids_of(cache, n_rows: int, vocab: int, size: int | None):
 
 def train_one(target, prof: dict, cache, n_rows: int, algo: str, folder: Path) -> dict:
     """Train one drafter on the first n_rows cached rows (`epochs` passes); skip if already saved."""
-    import math
     import random
 
     import numpy as np

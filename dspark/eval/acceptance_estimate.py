@@ -23,7 +23,7 @@ prompts (resampling whole prompts: anchors of one prompt are correlated).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 import numpy as np

@@ -377,10 +377,12 @@ def test_dflash_learned_mask_is_written_as_vllms_mask_embedding_override(tmp_pat
 
 # ---------------------------------------------------------------- the shipped training configs
 def config_drafter(name: str, target):
-
+    """The drafter a training config builds (a draft vocabulary, when configured, of the first N ids)."""
     from tests.paths import REPO
 
-    return make(target, **read_yaml(REPO / "configs" / "train" / f"{name}.yaml")["drafter"])
+    section = read_yaml(REPO / "configs" / "train" / f"{name}.yaml")["drafter"]
+    size = section.get("draft_vocab_size")
+    return make(target, draft_ids=torch.arange(size) if size else None, **section)
 
 
 @pytest.mark.parametrize("name", ["tiny-dspark", "tiny-dflash", "tiny-dflash-tv"])
@@ -398,5 +400,9 @@ def test_smollm2_training_configs_use_a_reserved_mask_and_export_to_every_format
     target = load_target("smollm2-135m")
     drafter = config_drafter(name, target)
     assert target.tokenizer.convert_ids_to_tokens(drafter.config.mask_token_id) == "<empty_output>"
-    for fmt in ("vllm", "speculators", "sglang"):
+    for fmt in ("vllm", "speculators"):
         export_drafter(drafter, str(tmp_path / fmt), fmt, verifier="HuggingFaceTB/SmolLM2-135M-Instruct")
+    # the 8k draft vocabulary (the CPU cost lever) has no SGLang layout: its DFlash/DSpark loaders always
+    # use the target's full LM head, and the export says so instead of writing something it misreads
+    with pytest.raises(ExportError, match="draft_vocab_size=8192"):
+        export_drafter(drafter, str(tmp_path / "sglang"), "sglang", verifier="HuggingFaceTB/SmolLM2-135M-Instruct")

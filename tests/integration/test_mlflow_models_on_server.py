@@ -3,6 +3,8 @@ logged as a LoggedModel, registered with tags and the serving alias, loaded back
 drafter reference resolver. Run under `flock /tmp/dspark-heavy.lock`."""
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -20,6 +22,7 @@ def test_drafter_model_round_trip_through_the_tracking_server(local_stack, tmp_p
     from dspark.models.target import load_target
 
     monkeypatch.setenv("DSPARK_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "0.2")  # sample within the short run
     tiny = load_target("tiny")
     torch.manual_seed(0)
     drafter = build_drafter(DrafterConfig(algo="dspark", block_size=3, num_layers=1, rank=8,
@@ -27,6 +30,7 @@ def test_drafter_model_round_trip_through_the_tracking_server(local_stack, tmp_p
     ckpt = save_drafter(drafter, str(tmp_path / "ckpt"))
     run_id = tracking.start_run("drafter-models-server", run_name="train", system_metrics=True)
     tracking.log_metrics({"loss": 1.25, "expected_accept_len": 2.0}, step=1)
+    time.sleep(1.0)  # a few system-metrics samples
     version = registry.publish_drafter(run_id, "server-tiny-drafter", ckpt, ["trained"],
                                        tags=version_tags(ckpt, 2.0, "test"))
     tracking.end_run()

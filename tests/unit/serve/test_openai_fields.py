@@ -19,13 +19,14 @@ from openai import AsyncOpenAI, OpenAI
 
 from dspark.decoding.engine import Engine
 from dspark.decoding.sampling import SamplingParams, to_logprobs
-from dspark.drafters import DrafterConfig, build_drafter, save_drafter
+from dspark.drafters import DrafterConfig, build_drafter
 from dspark.models.target import build_tiny_model, load_target
 from dspark.serve.app import make_app
 from dspark.serve.config import ServeConfig
 from dspark.serve.service import OpenAIService
 from dspark.serve.text import TextAssembler
 from tests.lossless_stats import chi2_pvalue, exact_joint
+from tests.unit.serve.test_serve import drafter_dir, tiny  # noqa: F401 (shared module fixtures)
 
 MODEL = "dspark-tiny"
 MESSAGES = [{"role": "user", "content": "what is the sum"}]
@@ -64,17 +65,8 @@ class Served:
 
 
 @pytest.fixture(scope="module")
-def tiny():
-    target = load_target("tiny")
-    torch.manual_seed(0)
-    return target, build_drafter(DrafterConfig(algo="dspark", block_size=4, num_layers=1), target)
-
-
-@pytest.fixture(scope="module")
-def served(tiny, tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("drafter") / "tiny-dspark")
-    save_drafter(tiny[1], path)
-    s = Served(*tiny, _config(path))
+def served(tiny, drafter_dir):
+    s = Served(*tiny, _config(drafter_dir))
     yield s
     s.close()
 

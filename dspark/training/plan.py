@@ -2,7 +2,7 @@
 checks that a relaunch resumes the same run (same drafter architecture, ranks and ZeRO stage)."""
 from __future__ import annotations
 
-from dspark.config import ConfigError, config_to_dict
+from dspark.config import ConfigError, config_to_dict, deep_merge
 from dspark.training.config import TRAINING_ONLY_FIELDS, TrainJobConfig
 
 
@@ -29,14 +29,7 @@ def deepspeed_config(cfg: TrainJobConfig) -> dict:
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
-    return _deep_merge(ds, cfg.deepspeed.extra)
-
-
-def _deep_merge(base: dict, extra: dict) -> dict:
-    out = dict(base)
-    for key, value in extra.items():
-        out[key] = _deep_merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
-    return out
+    return deep_merge(ds, cfg.deepspeed.extra)
 
 
 def training_steps(cfg: TrainJobConfig, num_rows: int) -> tuple[int, int]:

@@ -39,7 +39,7 @@ PROFILES = {
             "threads": 1, "passes": 8, "chunk_prompts": 24, "max_new_tokens": 128, "max_batch": 24,
             "point_tokens": [], "point_fractions": [1 / 27, 1 / 9, 1 / 3, 1.0],
             "drafter": {**_DRAFTER, "anchors_per_seq": 32}, "epochs": 1, "batch_size": 8,
-            "lr": 1e-3, "max_len": 384, "eval_max_len": 384, "eval_rows": 20, "anchor_stride": 4, "seed": 0,
+            "lr": 1e-3, "max_len": 384, "eval_max_len": 384, "eval_rows": 100, "anchor_stride": 4, "seed": 0,
             "log_every": 5,
             "cache_rows_per_shard": 32, "cache_batch": 4, "decode_prompts": 1, "decode_max_new_tokens": 40},
     "gpu": {"target": "smollm2-135m", "device": "cuda", "device_label": "1 GPU", "dtype": "bfloat16", "threads": 8,
@@ -453,10 +453,27 @@ def decode_prompts(prof: dict) -> list[tuple[str, int, str]]:
     return picked
 
 
+# Verify-length variants of the DSpark drafter decoded beside the fixed-γ baselines (same drafter): the
+# γ that pays on a given machine depends on the verify cost (on 2 CPU cores a verify pass of 8 tokens
+# costs ~1.5 target steps), and the confidence head can cut a block where survival drops.
+DSPARK_VARIANTS = {"dspark_g3": {"mode": "fixed", "gamma": 3},
+                   "dspark_thr": {"mode": "threshold", "threshold": 0.4, "threshold_on": "prefix"}}
+DECODE_TEMPERATURES = (1.0, 0.0)
+
+
+def decode_modes(largest: Path) -> dict:
+    """mode -> (drafter folder or None, SchedulerConfig kwargs)."""
+    modes = {"target": (None, {"mode": "off"})}
+    modes |= {a: (largest / a / "drafter", {"mode": "fixed"}) for a in ALGOS if (largest / a / "drafter").exists()}
+    if "dspark" in modes:
+        modes |= {name: (largest / "dspark" / "drafter", sched) for name, sched in DSPARK_VARIANTS.items()}
+    return modes
+
+
 def cmd_decode(args, prof: dict) -> None:
-    """Batch-1 decoding through the engine (max_batch 1, fixed γ), prompt-major: for each prompt every
-    mode runs back to back, so load changes on a shared machine hit all modes alike. Results append to
-    decode/results.jsonl; (prompt, mode) pairs already there are skipped."""
+    """Batch-1 decoding through the engine (max_batch 1), at temperature 1 and 0, prompt-major: for each
+    prompt every mode runs back to back, so load changes on a shared machine hit all modes alike.
+    Results append to decode/results.jsonl; (prompt, mode, temperature) triples already there are skipped."""
     import torch
 
     from dspark.drafters import load_drafter
@@ -468,47 +485,50 @@ def cmd_decode(args, prof: dict) -> None:
     out = Path(args.out)
     target = load_target_of(prof)
     largest = sorted((out / "points").glob("*"))[-1]
-    modes = {"target": None, **{a: largest / a / "drafter" for a in ALGOS if (largest / a / "drafter").exists()}}
-    engines = {}
-    for mode, path in modes.items():
-        drafter = None if path is None else load_drafter(str(path), target)
-        sched = SchedulerConfig(mode="off" if drafter is None else "fixed")
-        engines[mode] = Engine(target, drafter, EngineConfig(scheduler=sched, max_batch=1, seed=0))
+    engines, drafters = {}, {}
+    for mode, (path, sched) in decode_modes(largest).items():
+        if path is not None and path not in drafters:
+            drafters[path] = load_drafter(str(path), target)
+        drafter = None if path is None else drafters[path]
+        engines[mode] = Engine(target, drafter, EngineConfig(scheduler=SchedulerConfig(**sched), max_batch=1, seed=0))
     dest = out / "decode" / "results.jsonl"
     dest.parent.mkdir(parents=True, exist_ok=True)
-    done = {(r["benchmark"], r["index"], r["mode"]) for r in map(json.loads, dest.read_text().splitlines())} \
-        if dest.exists() else set()
-    sp = SamplingParams(temperature=1.0, top_p=1.0, top_k=0)
+    done = {(r["benchmark"], r["index"], r["mode"], r.get("temperature", 1.0))
+            for r in map(json.loads, dest.read_text().splitlines())} if dest.exists() else set()
     for bench, index, text in decode_prompts(prof):
         ids = target.chat_ids([{"role": "user", "content": text}])
-        for mode, engine in engines.items():
-            if (bench, index, mode) in done:
-                continue
-            t0 = time.perf_counter()
-            req = engine.generate([ids], sp, prof["decode_max_new_tokens"], seeds=[prompt_seed(0, bench, index)])[0]
-            wall = time.perf_counter() - t0
-            st = req.stats
-            rec = {"benchmark": bench, "index": index, "mode": mode, "tokens": len(req.tokens), "wall_s": wall,
-                   "rounds": st.rounds, "accepted": st.accepted, "proposed": st.proposed,
-                   "finish_reason": req.finish_reason, "error": req.error}
-            with dest.open("a") as fh:
-                fh.write(json.dumps(rec) + "\n")
-            log(f"decode {bench}[{index}] {mode}: {rec['tokens']} tokens in {wall:.1f} s"
-                + (f", τ {(st.accepted + st.rounds) / max(st.rounds, 1):.2f}" if mode != "target" else ""))
+        for temperature in DECODE_TEMPERATURES:
+            sp = SamplingParams(temperature=temperature, top_p=1.0, top_k=0)
+            for mode, engine in engines.items():
+                if (bench, index, mode, temperature) in done:
+                    continue
+                t0 = time.perf_counter()
+                req = engine.generate([ids], sp, prof["decode_max_new_tokens"],
+                                      seeds=[prompt_seed(0, bench, index)])[0]
+                wall = time.perf_counter() - t0
+                st = req.stats
+                rec = {"benchmark": bench, "index": index, "mode": mode, "temperature": temperature,
+                       "tokens": len(req.tokens), "wall_s": wall, "rounds": st.rounds, "accepted": st.accepted,
+                       "proposed": st.proposed, "finish_reason": req.finish_reason, "error": req.error}
+                with dest.open("a") as fh:
+                    fh.write(json.dumps(rec) + "\n")
+                log(f"decode {bench}[{index}] t={temperature:g} {mode}: {rec['tokens']} tokens in {wall:.1f} s"
+                    + (f", τ {(st.accepted + st.rounds) / max(st.rounds, 1):.2f}" if mode != "target" else ""))
     del torch
 
 
 # ---------------------------------------------------------------- report
-def summarize_decode(records: list[dict]) -> dict:
-    """Per mode: τ pooled over prompts (accepted + rounds) / rounds with a prompt bootstrap CI, per
-    benchmark τ, tokens/s over all prompts, speedup vs target-only on the same prompts."""
+def summarize_decode(records: list[dict], temperature: float = 1.0) -> dict:
+    """Per mode at one temperature: τ pooled over prompts (accepted + rounds) / rounds with a prompt
+    bootstrap CI, per benchmark τ, tokens/s over all prompts, speedup vs target-only on the same prompts."""
     import numpy as np
 
     from dspark.eval.acceptance_estimate import bootstrap_ratio
 
     by_mode: dict[str, list[dict]] = {}
     for r in records:
-        by_mode.setdefault(r["mode"], []).append(r)
+        if r.get("temperature", 1.0) == temperature:
+            by_mode.setdefault(r["mode"], []).append(r)
     common = set.intersection(*[{(r["benchmark"], r["index"]) for r in rs} for rs in by_mode.values()]) \
         if by_mode else set()
 
@@ -570,7 +590,9 @@ def cmd_report(args, prof: dict) -> dict:
         if folder.parent.name == largest:
             baselines[train["algo"]] = entry
     decode_path = out / "decode" / "results.jsonl"
-    decode = summarize_decode([json.loads(x) for x in decode_path.read_text().splitlines()]) if decode_path.exists() else {}
+    records = [json.loads(x) for x in decode_path.read_text().splitlines()] if decode_path.exists() else []
+    decode = summarize_decode(records, 1.0)
+    decode_by_temperature = {f"t{t:g}": summarize_decode(records, t) for t in DECODE_TEMPERATURES}
     for algo, entry in baselines.items():
         d = decode.get(algo, {})
         entry.update(tau=d.get("tau"), tau_ci95=d.get("tau_ci95"), tau_per_benchmark=d.get("tau_per_benchmark"),
@@ -586,10 +608,15 @@ def cmd_report(args, prof: dict) -> dict:
                      "(dspark/eval/acceptance_estimate.py); ci95 = prompt bootstrap",
         "points": points, "baselines": baselines,
         "target_only": decode.get("target"), "fit": fit_curve(points),
+        "decode": {"modes": {m: {"drafter": None if p is None else p.parent.name, "scheduler": sched}
+                             for m, (p, sched) in decode_modes(out / "points" / largest).items()}
+                   if largest else {}, "by_temperature": decode_by_temperature},
         "rollouts": json.loads(rollout_manifest.read_text()) if rollout_manifest.exists() else None,
         "rollout_log": prof.get("rollout_tokens_per_s_note"),
         "decode_settings": {"prompts_per_benchmark": prof["decode_prompts"],
-                            "max_new_tokens": prof["decode_max_new_tokens"], "batch": 1, "scheduler": "fixed"},
+                            "max_new_tokens": prof["decode_max_new_tokens"], "batch": 1,
+                            "scheduler": "fixed (baselines); see decode.modes for the DSpark variants",
+                            "temperatures": list(DECODE_TEMPERATURES)},
     }
     results = Path(args.results)
     results.mkdir(parents=True, exist_ok=True)
@@ -669,6 +696,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--which", choices=["eval", "train", "both"], default="both", help="rollouts: which set")
     p.add_argument("--passes", type=int, default=None, help="rollouts: samples per train prompt")
     p.add_argument("--limit-prompts", type=int, default=None, help="rollouts: first N train prompts only")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: the profile's)")
     p.add_argument("--results", default=str(REPO / "benchmarks" / "results" / "learning_curve"),
                    help="report: where <profile>.json and .png go")
     args = p.parse_args(argv)
@@ -679,6 +707,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> None:
     args = parse_args(argv)
     prof = PROFILES[args.profile]
+    if args.threads:
+        prof = {**prof, "threads": args.threads}
     phases = {"all": ["rollouts", *AFTER_ROLLOUTS], "after-rollouts": AFTER_ROLLOUTS}.get(args.phase, [args.phase])
     for phase in phases:
         log(f"phase {phase}")

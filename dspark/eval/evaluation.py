@@ -109,6 +109,9 @@ def load_benchmark(spec: BenchmarkSpec, base_dir: str | None = None, max_prompts
     source = spec.path
     if base_dir and "://" not in source and not source.startswith("/"):
         source = posixpath.join(base_dir, source)
+    if read_text is None and "://" in source:
+        raise BenchmarkError(f"benchmark {spec.resolved_name()!r}: {source} is not a local file; pass "
+                             f"read_text (e.g. dspark.io.storage.read_text) to read object-store paths")
     try:
         text = read_text(source) if read_text else Path(source).read_text()
     except FileNotFoundError:

@@ -50,3 +50,6 @@ def test_phases_resume_and_report(tmp_path):
     assert set(report["baselines"]) == {"dspark", "dflash", "dflash_tv", "eagle3"}
     for algo, b in report["baselines"].items():
         assert b["tau"] >= 1.0 and b["speedup_batch1"] > 0 and len(b["tau_ci95"]) == 2
+    greedy = report["decode"]["by_temperature"]["t0"]
+    assert {"target", "dspark", "dspark_g3", "dspark_thr"} <= set(greedy)
+    assert all(greedy[m]["tau"] >= 1.0 for m in greedy if m != "target")

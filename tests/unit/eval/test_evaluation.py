@@ -108,6 +108,8 @@ def test_one_bad_benchmark_does_not_discard_the_others(tmp_path):
         ev.load_benchmarks(specs[1:], str(tmp_path))
     with pytest.raises(ev.BenchmarkError, match="unique"):
         ev.load_benchmarks([specs[0], specs[0]], str(tmp_path))
+    with pytest.raises(ev.BenchmarkError, match="read_text"):
+        ev.load_benchmark(ev.BenchmarkSpec(path="s3://bucket/gsm8k.jsonl"))
 
 
 

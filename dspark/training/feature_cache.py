@@ -168,13 +168,10 @@ def cached_step(trainer, batch: dict, seed: int) -> dict[str, float]:
     with autocast(trainer.target.device, trainer.precision):
         out = drafter_loss(trainer.drafter, trainer.target, batch["input_ids"], batch["loss_mask"],
                            batch["attention_mask"], torch.Generator().manual_seed(seed), target_out=batch["target_out"])
-    out.loss.backward()
-    if trainer.optim.grad_clip > 0:
-        torch.nn.utils.clip_grad_norm_(trainer.params, trainer.optim.grad_clip)
-    trainer.opt.step()
-    if trainer.sched is not None:
-        trainer.sched.step()
-    trainer.opt.zero_grad(set_to_none=True)
+    backend = trainer.backend  # the shared AdamW + clip + schedule update (dspark.training.step.TorchUpdate)
+    backend.accum, backend.micro_done = 1, 0
+    backend.backward(out.loss, 1.0)
+    backend.step()
     tokens = float(batch["attention_mask"].sum())
     fm = trainer.flops_model
     n_anchor, n_sup = out.metrics.get("n_anchors", 0.0), out.metrics.get("n_supervised", 0.0)

@@ -57,7 +57,6 @@ def test_keyed_gumbel_max_samples_the_distribution():
     assert chi2_pvalue(counts, probs.double().numpy()) > 1e-3
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("algo,draft_ids", [("dspark", [0, 1, 3, 4, 6]), ("dflash", None)])
 def test_keyed_seeded_requests_are_lossless(micro_target, algo, draft_ids):
     """2000 requests with distinct seeds (DSpark: sequential drafting with a draft vocabulary of 5 of the

@@ -394,7 +394,6 @@ def test_tiny_training_configs_use_a_reserved_mask_and_export_to_every_format(tm
         assert read(tmp_path / fmt)[0]["dspark_export"]["algo"] == drafter.algo
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("name", ["smollm2-135m-dspark", "smollm2-135m-dflash", "smollm2-135m-dflash-tv"])
 def test_smollm2_training_configs_use_a_reserved_mask_and_export_to_every_format(tmp_path, name):
     target = load_target("smollm2-135m")

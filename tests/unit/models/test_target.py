@@ -75,7 +75,6 @@ def test_micro_model_and_bad_spec():
         load_target("/nonexistent/model-dir-xyz")
 
 
-@pytest.mark.slow
 def test_smollm2_conversion_reloads_offline(tmp_path):
     """The real SmolLM2 comes from the PyPI wheel, converts once, and reloads with plain
     `from_pretrained` with the hub switched off."""

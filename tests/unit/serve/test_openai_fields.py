@@ -309,7 +309,6 @@ def test_seeded_output_does_not_depend_on_concurrent_requests(served):
 
 
 # ---- χ²: n > 1 with logprobs on stays lossless ------------------------------------------------------------------
-@pytest.mark.slow
 def test_n_choices_with_logprobs_are_lossless_over_http():
     """Completions with n=16, logprobs on, temperature 1, on a micro target (vocabulary 8) with a DSpark
     drafter under the dynamic scheduler: the joint of the first three tokens over 1600 choices matches

@@ -237,7 +237,6 @@ def gloo_world_of_one(monkeypatch):
 
 
 
-@pytest.mark.slow
 def test_session_zero3_checkpoint_resumes_exactly_and_exports(tmp_path, gloo_world_of_one):
     """The worker's DeepSpeed session without Ray: ZeRO-3, a checkpoint at step 2 of 4, and a fresh
     session restored from it reproduces steps 3-4 exactly; the export loads with load_drafter. The

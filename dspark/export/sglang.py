@@ -37,42 +37,42 @@ from __future__ import annotations
 import torch
 
 from dspark.drafters.base import Drafter
+from dspark.export.algos import ALGORITHMS
 from dspark.export.vllm import (HEAD_TYPES, ExportError, check_layer_ids, draft_token_ids, layer_config,
                                 map_weights, write_checkpoint)
 
-ARCHITECTURES = {"dflash": "DFlashDraftModel", "dspark": "Qwen3DSparkModel"}
 SGLANG_DSPARK = {
     "engine": "sglang", "min_version": None, "silent": False,
     "feature": "Qwen3DSparkModel (python/sglang/srt/models/dspark.py; read at sgl-project/sglang commit "
                "01f476234ab4ee99c7fb7cb31b68d31b6a7c54a8); the first release with it was not determined here",
     "older": "SGLang builds without python/sglang/srt/models/dspark.py do not know the architecture and refuse "
              "the checkpoint"}
+REQUIRES = {"Qwen3DSparkModel": SGLANG_DSPARK}  # SGLang architecture -> the engine feature it needs
 
 
 def check_sglang(drafter: Drafter) -> None:
-    algo, c = drafter.algo, drafter.config
-    if algo == "dspark" and drafter.markov_head is None:
-        raise ExportError("head='none': SGLang's Qwen3DSparkModel requires a Markov head (markov_rank > 0); "
+    spec, c = ALGORITHMS[drafter.algo], drafter.config
+    if spec.markov_head_fields and drafter.markov_head is None:
+        raise ExportError(f"head='none': SGLang's {spec.sglang_arch} requires a Markov head (markov_rank > 0); "
                           "export --format speculators, or train with head=markov")
     check_layer_ids(drafter, "SGLang")
-    if algo == "eagle3" and len(drafter.layer_ids) != 3:
-        raise ExportError(f"target_layer_ids: SGLang's LlamaForCausalLMEagle3 fuses exactly 3 target layers "
-                          f"(fc is 3·hidden_size wide); this drafter uses {len(drafter.layer_ids)}")
-    if algo in ("dflash", "dspark") and c.mask_token_id is None:
-        model = "DSpark" if algo == "dspark" else "DFlash"
-        raise ExportError(f"mask_token_id: SGLang's {model} embeds the MASK with the target's embedding, so a learned "
-                          "MASK vector (mask_token_id=None) cannot be carried; train with mask_token_id set to a "
-                          "reserved token id (mask_token_id: reserved), or export --format vllm")
+    fused = spec.fused_layers
+    if fused is not None and len(drafter.layer_ids) != fused:
+        raise ExportError(f"target_layer_ids: SGLang's {spec.sglang_arch} fuses exactly {fused} target layers "
+                          f"(fc is {fused}·hidden_size wide); this drafter uses {len(drafter.layer_ids)}")
+    if spec.masked_block and c.mask_token_id is None:
+        raise ExportError(f"mask_token_id: SGLang's {spec.title} embeds the MASK with the target's embedding, so a "
+                          "learned MASK vector (mask_token_id=None) cannot be carried; train with mask_token_id set "
+                          "to a reserved token id (mask_token_id: reserved), or export --format vllm")
 
 
 def sglang_weights(drafter: Drafter) -> tuple[dict[str, torch.Tensor], int | None]:
-    """Renamed weights (+ lm_head/d2t for a reduced vocabulary) and the draft vocab size (None = full)."""
-    weights = {k.replace("layers.0.", "midlayer.", 1) if drafter.algo == "eagle3" else k: v
-               for k, v in map_weights(drafter, drafter.algo).items()}
+    """Our weight names (+ lm_head/d2t for a reduced vocabulary) and the draft vocab size (None = full)."""
+    weights = map_weights(drafter, drafter.algo, rename=False)
     ids = draft_token_ids(drafter)
     if ids is None:
         return weights, None
-    if drafter.algo != "eagle3":
+    if not ALGORITHMS[drafter.algo].sglang_draft_vocab:
         raise ExportError(f"draft_vocab_size={ids.numel()}: SGLang's DFlash/DSpark always use the target's full LM "
                           "head (and DSpark's Markov head spans the full vocabulary)")
     weights["d2t"] = ids - torch.arange(ids.numel())
@@ -81,29 +81,42 @@ def sglang_weights(drafter: Drafter) -> tuple[dict[str, torch.Tensor], int | Non
 
 
 def sglang_config(drafter: Drafter, draft_vocab_size: int | None) -> dict:
-    c = drafter.config
+    spec = ALGORITHMS[drafter.algo]
     cfg = layer_config(drafter, drafter.algo, drafter.vocab_size)
-    num_layers = drafter.target_meta.get("num_layers")
     meta = {"algo": drafter.algo, "target_layer_ids": drafter.layer_ids, "calibration": drafter.calibration,
             "draft_vocab_size": draft_vocab_size or drafter.vocab_size}
-    if drafter.algo == "eagle3":
-        cfg.update(architectures=["LlamaForCausalLMEagle3"], target_hidden_size=drafter.hidden_size,
-                   eagle_config={"eagle_aux_hidden_state_layer_ids": drafter.layer_ids, "use_aux_hidden_state": True},
-                   dspark_export=meta)
-        if draft_vocab_size is not None:  # absent = share the target's LM head (the loader's rule)
-            cfg["draft_vocab_size"] = draft_vocab_size
-        return cfg
-    block = c.block_size + (1 if drafter.algo == "dflash" else 0)  # DFlash: anchor + γ masks; DSpark: γ slots
-    cfg.update(architectures=[ARCHITECTURES[drafter.algo]], block_size=block, num_target_layers=num_layers,
-               dflash_config={"target_layer_ids": drafter.layer_ids, "block_size": block,
-                              "mask_token_id": c.mask_token_id},
-               dspark_export=meta)
-    if drafter.algo == "dspark":
-        cfg.update(markov_rank=c.rank, markov_head_type=HEAD_TYPES[c.head], sample_from_anchor=True,
-                   enable_confidence_head=drafter.confidence_head is not None,
-                   confidence_head_with_markov=drafter.confidence_head is not None)
-        meta["requires"] = [SGLANG_DSPARK]
+    cfg["architectures"] = [spec.sglang_arch]
+    cfg.update(block_fields(drafter) if spec.masked_block else eagle3_fields(drafter))
+    cfg["dspark_export"] = meta
+    if draft_vocab_size is not None:  # absent = share the target's LM head (the loader's rule)
+        cfg["draft_vocab_size"] = draft_vocab_size
+    if spec.markov_head_fields:
+        cfg.update(sglang_head_fields(drafter))
+    if spec.sglang_arch in REQUIRES:
+        meta["requires"] = [REQUIRES[spec.sglang_arch]]
     return cfg
+
+
+def eagle3_fields(drafter: Drafter) -> dict:
+    """LlamaForCausalLMEagle3: our layer ids unchanged (SGLang's capture hook adds 1 itself)."""
+    return {"target_hidden_size": drafter.hidden_size,
+            "eagle_config": {"eagle_aux_hidden_state_layer_ids": drafter.layer_ids, "use_aux_hidden_state": True}}
+
+
+def block_fields(drafter: Drafter) -> dict:
+    """DFlash / DSpark block layout: DFlash anchor + γ masks (γ+1 slots); DSpark γ slots anchor-first."""
+    c = drafter.config
+    block = ALGORITHMS[drafter.algo].block_size(c.block_size)
+    return {"block_size": block, "num_target_layers": drafter.target_meta.get("num_layers"),
+            "dflash_config": {"target_layer_ids": drafter.layer_ids, "block_size": block,
+                              "mask_token_id": c.mask_token_id}}
+
+
+def sglang_head_fields(drafter: Drafter) -> dict:
+    """Qwen3DSparkModel's head fields (check_sglang has refused a drafter without a Markov head)."""
+    c, has_conf = drafter.config, drafter.confidence_head is not None
+    return {"markov_rank": c.rank, "markov_head_type": HEAD_TYPES[c.head], "sample_from_anchor": True,
+            "enable_confidence_head": has_conf, "confidence_head_with_markov": has_conf}
 
 
 def export_sglang(drafter: Drafter, out_dir: str, *, dtype: torch.dtype | None = None) -> str:

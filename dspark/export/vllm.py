@@ -63,19 +63,10 @@ import torch
 from safetensors.torch import save_file
 
 from dspark.drafters.base import Drafter
+from dspark.export.algos import ALGORITHMS
 
 Flavor = Literal["vllm", "speculators"]
-_LAYER = (r"(input_layernorm|post_attention_layernorm)\.weight",
-          r"self_attn\.(q_proj|k_proj|v_proj|o_proj|q_norm|k_norm)\.weight",
-          r"mlp\.(gate_proj|up_proj|down_proj)\.weight")
-RULES: dict[str, list[str]] = {
-    "dflash": [r"fc\.weight", r"hidden_norm\.weight", r"norm\.weight"] + [r"layers\.\d+\." + p for p in _LAYER],
-    "eagle3": [r"fc\.weight", r"norm\.weight", r"midlayer\.hidden_norm\.weight"] + [r"midlayer\." + p for p in _LAYER],
-}
-RULES["dspark"] = RULES["dflash"] + [r"markov_head\.markov_w[12]\.weight", r"confidence_head\.proj\.(weight|bias)",
-                                     r"markov_head\.joint_proj\.(weight|bias)"]
 SPECIAL = {"mask_embedding", "d2t", "t2d"}  # handled by place_mask() / draft_vocab()
-ARCHITECTURES = {"dflash": "DFlashSpeculator", "dspark": "DSparkSpeculator", "eagle3": "Eagle3Speculator"}
 HEAD_TYPES = {"markov": "vanilla", "rnn": "rnn"}
 
 
@@ -87,16 +78,17 @@ class ExportError(ValueError):
 def check_exportable(drafter: Drafter, algo: str, flavor: Flavor = "vllm") -> None:
     if algo != drafter.algo:
         raise ExportError(f"a {drafter.algo} drafter cannot be exported as vLLM {algo}; use method={drafter.algo!r}")
-    c = drafter.config
+    spec, c = ALGORITHMS[algo], drafter.config
     check_layer_ids(drafter, "speculators/vLLM")
-    if flavor == "vllm" and algo == "eagle3" and len(drafter.layer_ids) != 3:
-        raise ExportError(f"target_layer_ids: vLLM eagle3 fuses exactly 3 target layers; this drafter uses "
+    fused = spec.fused_layers
+    if flavor == "vllm" and fused is not None and len(drafter.layer_ids) != fused:
+        raise ExportError(f"target_layer_ids: vLLM {algo} fuses exactly {fused} target layers; this drafter uses "
                           f"{len(drafter.layer_ids)} ({drafter.layer_ids})")
-    if algo == "dspark" and flavor == "vllm" and c.head != "markov":
+    if spec.markov_head_fields and flavor == "vllm" and c.head != "markov":
         hint = " (markov_head.joint_proj has no vLLM counterpart)" if c.head == "rnn" else ""
-        raise ExportError(f"head={c.head!r}: vLLM's dspark runtime serves only the Markov head (head='markov')"
+        raise ExportError(f"head={c.head!r}: vLLM's {algo} runtime serves only the Markov head (head='markov')"
                           f"{hint}; export --format speculators, or train with head=markov")
-    if algo != "eagle3" and flavor == "speculators" and c.mask_token_id is None:
+    if spec.masked_block and flavor == "speculators" and c.mask_token_id is None:
         raise ExportError("mask_token_id: this drafter learned its own MASK vector (mask_token_id=None), but "
                           "speculators' DFlash/DSpark always reload embed_tokens from the verifier, so the MASK "
                           "must be a verifier vocabulary row. Export --format vllm (which carries embed_tokens), "
@@ -113,14 +105,17 @@ def check_layer_ids(drafter: Drafter, fmt: str) -> None:
 
 
 # ---- weights ----------------------------------------------------------------------------------------
-def map_weights(drafter: Drafter, algo: str) -> dict[str, torch.Tensor]:
-    """Rename every drafter weight by the algorithm's rules; raise listing every weight without one."""
+def map_weights(drafter: Drafter, algo: str, rename: bool = True) -> dict[str, torch.Tensor]:
+    """Every drafter weight the algorithm's rules cover, a single decoder layer renamed to speculators'
+    `layers.0.` (unless rename=False: SGLang keeps ours); raise listing every weight without a rule."""
+    spec = ALGORITHMS[algo]
+    prefix = spec.one_layer_prefix if rename else None
     out, unmapped = {}, []
     for name, tensor in drafter.state_dict().items():
         if name in SPECIAL:
             continue
-        if any(re.fullmatch(rule, name) for rule in RULES[algo]):
-            out[name.replace("midlayer.", "layers.0.", 1) if algo == "eagle3" else name] = tensor
+        if any(re.fullmatch(rule, name) for rule in spec.weights):
+            out[name.replace(prefix, "layers.0.", 1) if prefix else name] = tensor
         else:
             unmapped.append(name)
     if unmapped:
@@ -155,7 +150,7 @@ def place_mask(drafter: Drafter, weights: dict[str, torch.Tensor], algo: str,
     embedding = drafter.target.embed_tokens.weight.detach().to(drafter.mask_embedding.device)
     mask = drafter.mask_embedding.detach().to(embedding.dtype)
     reserved = reserved_mask_id(drafter.target)
-    if reserved is not None and algo == "dflash" and flavor == "vllm":
+    if reserved is not None and ALGORITHMS[algo].vllm_mask_file and flavor == "vllm":
         return V, reserved, MASK_EMBEDDING_FILE, {MASK_EMBEDDING_FILE: {"mask_token_id": reserved, "embedding": mask}}
     if reserved is not None:  # a row no text ever maps to: replacing it changes no real token's input
         table = embedding.clone()
@@ -211,7 +206,7 @@ def draft_vocab(drafter: Drafter, weights: dict[str, torch.Tensor]) -> int:
 # ---- config -----------------------------------------------------------------------------------------
 def layer_config(drafter: Drafter, algo: str, vocab_size: int) -> dict:
     c = drafter.config
-    return {"model_type": "llama" if algo == "eagle3" else "qwen3",
+    return {"model_type": ALGORITHMS[algo].layer_model_type,
             "hidden_size": drafter.hidden_size, "intermediate_size": c.intermediate_size,
             "num_hidden_layers": c.depth, "num_attention_heads": c.num_heads,
             "num_key_value_heads": c.num_kv_heads, "head_dim": c.head_dim, "rms_norm_eps": c.rms_norm_eps,
@@ -262,7 +257,7 @@ def export_config(drafter: Drafter, algo: str, vocab_size: int, mask: tuple[int,
                   draft_vocab_size: int, flavor: Flavor, verifier_name: str | None = None) -> dict:
     c = drafter.config
     aux = [i + 1 for i in drafter.layer_ids]
-    cfg = {"architectures": [ARCHITECTURES[algo]], "speculators_model_type": algo,
+    cfg = {"architectures": [ALGORITHMS[algo].speculators_arch], "speculators_model_type": algo,
            "speculators_config": {"algorithm": algo, "default_proposal_method": "greedy",
                                   "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": c.block_size}],
                                   "verifier": verifier(drafter, verifier_name)},
@@ -273,17 +268,27 @@ def export_config(drafter: Drafter, algo: str, vocab_size: int, mask: tuple[int,
                              "layer_id_convention": "ours = output of decoder layer i; aux ids = i + 1",
                              "block_size_gamma": c.block_size,
                              "mask": None if mask is None else {"id": mask[0], "placed_by": mask[1]}}}
-    if algo == "eagle3":
-        cfg.update(eagle_aux_hidden_state_layer_ids=aux, norm_before_residual=True)
-        return cfg
-    cfg.update(aux_hidden_state_layer_ids=aux, mask_token_id=mask[0], sample_from_anchor=algo == "dspark",
-               block_size=c.block_size + (1 if algo == "dflash" else 0))
-    if algo == "dspark":
-        has_head = drafter.markov_head is not None
-        cfg.update(markov_rank=c.rank if has_head else 0, markov_head_type=HEAD_TYPES.get(c.head, "vanilla"),
-                   enable_confidence_head=drafter.confidence_head is not None,
-                   confidence_head_with_markov=has_head and drafter.confidence_head is not None)
+    cfg.update(layout_fields(drafter, algo, aux, mask))
     return cfg
+
+
+def layout_fields(drafter: Drafter, algo: str, aux: list[int], mask: tuple[int, str] | None) -> dict:
+    """The algorithm's own config fields: Eagle3's fused layers, or the MASK block (+ DSpark's heads)."""
+    spec = ALGORITHMS[algo]
+    if not spec.masked_block:
+        return {"eagle_aux_hidden_state_layer_ids": aux, "norm_before_residual": True}
+    fields = {"aux_hidden_state_layer_ids": aux, "mask_token_id": mask[0],
+              "sample_from_anchor": spec.sample_from_anchor, "block_size": spec.block_size(drafter.config.block_size)}
+    if spec.markov_head_fields:
+        fields.update(speculators_head_fields(drafter))
+    return fields
+
+
+def speculators_head_fields(drafter: Drafter) -> dict:
+    """speculators' DSpark head fields; markov_rank 0 = no Markov head."""
+    c, has_head, has_conf = drafter.config, drafter.markov_head is not None, drafter.confidence_head is not None
+    return {"markov_rank": c.rank if has_head else 0, "markov_head_type": HEAD_TYPES.get(c.head, "vanilla"),
+            "enable_confidence_head": has_conf, "confidence_head_with_markov": has_head and has_conf}
 
 
 # ---- engine versions --------------------------------------------------------------------------------
@@ -312,9 +317,10 @@ SPECULATORS_ANCHOR = {
 
 def requirements(algo: str, flavor: Flavor, extras: dict[str, object]) -> list[dict]:
     """The engine features this export depends on (written to dspark_export.requires)."""
+    spec = ALGORITHMS[algo]
     if flavor == "speculators":
-        return [SPECULATORS_ANCHOR] if algo in ("dflash", "dspark") else []
-    out = [VLLM_SAMPLE_FROM_ANCHOR] if algo == "dspark" else []
+        return [SPECULATORS_ANCHOR] if spec.masked_block else []
+    out = [VLLM_SAMPLE_FROM_ANCHOR] if spec.sample_from_anchor else []
     return out + ([VLLM_MASK_EMBEDDING] if MASK_EMBEDDING_FILE in extras else [])
 
 
@@ -324,18 +330,19 @@ def export_vllm(drafter: Drafter, out_dir: str, method: str | None = None, *, dt
     """Write `out_dir` (local or s3://) as a speculators-format checkpoint; returns out_dir."""
     drafter = getattr(drafter, "module", drafter)
     algo = method or drafter.algo
-    if algo not in RULES:
+    spec = ALGORITHMS.get(algo)
+    if spec is None:
         raise ExportError(f"unknown method {algo!r}; choose dspark, dflash or eagle3")
     if flavor not in ("vllm", "speculators"):
         raise ExportError(f"unknown flavor {flavor!r}; choose vllm or speculators")
     check_exportable(drafter, algo, flavor)
     weights = map_weights(drafter, algo)
     draft_size = draft_vocab(drafter, weights)
-    if flavor == "speculators" and algo == "eagle3" and "lm_head.weight" not in weights:
+    if flavor == "speculators" and spec.lm_head_in_checkpoint and "lm_head.weight" not in weights:
         # speculators' Eagle3 loads lm_head from the checkpoint (only DFlash/DSpark re-derive it)
         weights["lm_head.weight"] = drafter.target.lm_head.weight.detach()
     vocab_size, mask, extras = drafter.vocab_size, None, {}
-    if algo != "eagle3":
+    if spec.masked_block:
         vocab_size, mask_id, how, extras = place_mask(drafter, weights, algo, flavor)
         mask = (mask_id, how)
     if "t2d" in weights and weights["t2d"].numel() < vocab_size:  # an added MASK row is never a draft token

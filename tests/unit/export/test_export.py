@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from dspark.cli import main
 from dspark.drafters import DrafterConfig, build_drafter, save_drafter
-from dspark.export.vllm import ExportError
+from dspark.export.vllm import ExportError, export_vllm
 from dspark.export import export_drafter
 from dspark.models.target import build_tiny_model, load_target
 from dspark.config import read_yaml
@@ -181,6 +181,15 @@ def test_vllm_refuses_heads_it_does_not_serve_but_speculators_takes_them(tmp_pat
 def test_unknown_format_is_an_error(tmp_path, micro):
     with pytest.raises(ExportError, match="unknown export format 'onnx'"):
         export_drafter(make(micro, "dflash"), str(tmp_path / "x"), "onnx")
+
+
+def test_every_drafter_algorithm_has_export_traits(tmp_path, micro):
+    from dspark.drafters.registry import DRAFTER_CLASSES
+    from dspark.export.algos import ALGORITHMS
+
+    assert set(ALGORITHMS) == set(DRAFTER_CLASSES)  # the exporters look an algorithm up, never compare its name
+    with pytest.raises(ExportError, match="^unknown method 'medusa'"):
+        export_vllm(make(micro, "dflash", mask_token_id=1), str(tmp_path / "x"), "medusa")
 
 
 def test_exported_dspark_config_carries_every_field(tmp_path, tiny):

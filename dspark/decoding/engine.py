@@ -195,7 +195,6 @@ class Engine(RequestBatch):
         self._account(report)
         return report
 
-
     def _prefill(self, newcomers: list[Request], report: StepReport) -> None:
         """One ragged forward over the newcomers' prompts: first token, KV slot, drafter context."""
         report.admitted, report.prefill_tokens = len(newcomers), sum(len(r.prompt_ids) for r in newcomers)

@@ -24,7 +24,6 @@ class BenchmarkError(ValueError):
     """A benchmark file is missing, malformed or empty; the message names the file."""
 
 
-# ---- configuration ----------------------------------------------------------------------------
 class BenchmarkSpec(StrictModel):
     path: str  # JSONL, local or s3://; a relative path is taken under the job's benchmark_dir
     name: str | None = None  # default: file stem
@@ -35,7 +34,6 @@ class BenchmarkSpec(StrictModel):
 
     def resolved_domain(self) -> str:
         return self.domain or KNOWN_DOMAINS.get(self.resolved_name().lower(), "other")
-
 
 
 @dataclass

@@ -29,7 +29,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
 from dspark.eval import metrics  # noqa: E402
-from dspark.eval.evaluation import parse_benchmark  # noqa: E402
+from dspark.eval.benchmark_files import parse_benchmark  # noqa: E402
 from dspark.decoding.sampling import SamplingParams  # noqa: E402
 from dspark.decoding.scheduler import PrefixScheduler, SchedulerConfig, profile_sps, target_verify_fn  # noqa: E402
 from dspark.decoding.specdec import speculative_generate, target_generate  # noqa: E402

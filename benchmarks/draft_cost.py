@@ -36,7 +36,7 @@ from dspark.config import read_yaml  # noqa: E402
 from dspark.drafters import draft_vocab  # noqa: E402
 from dspark.drafters import DrafterConfig, build_drafter  # noqa: E402
 from dspark.drafters.base import RowSampling  # noqa: E402
-from dspark.eval.evaluation import parse_benchmark  # noqa: E402
+from dspark.eval.benchmark_files import parse_benchmark  # noqa: E402
 from dspark.decoding.sampling import SamplingParams  # noqa: E402
 
 GOAL = 0.25

@@ -44,7 +44,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def prompt_ids(target, n: int, length: int) -> list[list[int]]:
     """n prompts of `length` tokens from the repo's eval prompts (chat-templated, cut or repeated)."""
-    from dspark.eval.evaluation import parse_benchmark
+    from dspark.eval.benchmark_files import parse_benchmark
 
     texts = [t[0] for f in sorted((REPO_ROOT / "data" / "eval").glob("*.jsonl"))
              for t in parse_benchmark(f.read_text(), str(f))]

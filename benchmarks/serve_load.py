@@ -80,7 +80,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 # ---- prompts and the drafter ------------------------------------------------------------------------------
 def load_prompts(data_dir: str) -> list[str]:
-    from dspark.eval.evaluation import parse_benchmark
+    from dspark.eval.benchmark_files import parse_benchmark
 
     files = sorted(Path(data_dir).glob("*.jsonl")) if Path(data_dir).is_dir() else []
     prompts = [turns[0] for f in files for turns in parse_benchmark(f.read_text(), str(f))]

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from dspark.config import ConfigError, config_to_dict, dump_config, flatten
 from dspark.data.rollout_store import check_rollouts, parquet_paths
-from dspark.io.run_dir import RunDir
+from dspark.io.run_dir import RunDir, checkpoint_uri, copy_checkpoint_subdir
 from dspark.io.storage import StorageError
 from dspark.io.tracking import TrackingError
 from dspark.training.config import TrainJobConfig
@@ -238,25 +238,6 @@ def register_drafter(run_id: str, name: str, alias: str, drafter_dir: str, metri
     except TrackingError as err:
         raise TrackingError(f"{err}; the drafter is logged under the run's 'drafter' artifacts — register it by "
                             f"hand or rerun the same run_name") from err
-
-
-def checkpoint_uri(cfg: TrainJobConfig, checkpoint) -> str | None:
-    from dspark.io import storage
-
-    if checkpoint is None:
-        return None
-    return f"s3://{checkpoint.path}" if storage.is_s3(cfg.checkpoint.storage_path) else checkpoint.path
-
-
-def copy_checkpoint_subdir(checkpoint, subdir: str, local_dir: str) -> None:
-    """Copy one folder of a (possibly remote) Ray checkpoint without downloading its optimizer state."""
-    import pyarrow.fs as pafs
-
-    if checkpoint is None:
-        raise RuntimeError("training produced no checkpoint; check the worker logs above")
-    os.makedirs(local_dir, exist_ok=True)
-    pafs.copy_files(f"{checkpoint.path}/{subdir}", local_dir, source_filesystem=checkpoint.filesystem,
-                    destination_filesystem=pafs.LocalFileSystem())
 
 
 def run(cfg: TrainJobConfig) -> dict:

@@ -163,7 +163,7 @@ def load(r: Recipe) -> None:
 
 
 def prompts(r: Recipe) -> None:
-    from dspark.eval.evaluation import BenchmarkSpec, load_benchmark
+    from dspark.eval.benchmark_files import BenchmarkSpec, load_benchmark
     from dspark.data.prompt_filters import build_eval_index
     from dspark.data.prompts import load_prompts
 

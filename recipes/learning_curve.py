@@ -444,7 +444,7 @@ def interleave(rows: list[dict], key: str) -> list[dict]:
 # ---------------------------------------------------------------- real decoding: τ and batch-1 speed
 def decode_prompts(prof: dict) -> list[tuple[str, int, str]]:
     """(benchmark, index, first user turn): the first `decode_prompts` lines of each eval file."""
-    from dspark.eval.evaluation import parse_benchmark
+    from dspark.eval.benchmark_files import parse_benchmark
 
     picked = []
     for f in sorted((REPO / EVAL_DIR).glob("*.jsonl")):

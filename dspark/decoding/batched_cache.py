@@ -14,7 +14,8 @@ that are stale (rejected drafts, padding) and always masked, so "cropping" a rej
 setting the length.
 
 The model keeps working normally outside `store.batch(...)`: the attention function registered here
-falls back to the model's original implementation when no ragged batch is active.
+falls back to the model's original implementation when no ragged batch is active. `ragged_forward` is
+one such forward of a target over a slot range (the engine's and the generator's).
 """
 from __future__ import annotations
 
@@ -217,3 +218,20 @@ def enable_ragged(model) -> str:
         raise RuntimeError(f"{type(model).__name__} refused attention implementation {name!r}; the serving "
                            f"engine needs a model that uses transformers' AttentionInterface")
     return name
+
+
+def ragged_forward(target, store: KVSlots, first: int, ids: torch.Tensor, counts: list[int], logits_at: str,
+                   layer_ids: list[int] | None = None) -> list[tuple]:
+    """One target forward appending counts[r] tokens (flat `ids` [1, N]) to slots first..first+R-1 of
+    `store`. Returns per row (logits, features): logits of all its new tokens (logits_at "all") or of
+    its last one ("last", shape [1, V]); features of the `layer_ids` layers (None without them)."""
+    layout = store.ragged(first, counts)
+    slices = layout.row_slices()
+    where = "all" if logits_at == "all" else torch.tensor([s.stop - 1 for s in slices], device=target.device)
+    with store.batch(layout):
+        out = target.forward(ids.to(target.device), position_ids=layout.position_ids,
+                             attention_mask=layout.mask, layer_ids=layer_ids, logits_at=where)
+    logits, feats = out.logits[0], out.features[0] if out.features is not None else None
+    if logits_at == "all":
+        return [(logits[s], None if feats is None else feats[s]) for s in slices]
+    return [(logits[i: i + 1], None if feats is None else feats[s]) for i, s in enumerate(slices)]

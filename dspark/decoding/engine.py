@@ -1,8 +1,5 @@
 """Continuous-batching draft-plus-verify engine (no Ray; dspark/serve/ puts it behind HTTP).
 
-(Over 400 lines on purpose: one step's admission, drafting, ragged verify and acceptance share the
-engine's slot state; split apart, each piece would need that state passed around.)
-
 One engine holds the frozen target, one drafter (its STS calibration travels with it) and the active
 requests. Each `step()`:
   1. admits waiting requests (bounded queue) and prefills them in one ragged target forward; the
@@ -47,198 +44,61 @@ logits the token was accepted or drawn from (`dspark.decoding.sampling.to_logpro
 Invariant between steps, for each active request r in slot r: KV length == drafter context length +
 positions in ctx_pending == len(prompt) + len(tokens) - 1 (everything but the anchor, tokens[-1]);
 right after a catch-up ctx_pending is empty, so the drafter drafts from the full verified context.
+
+Module map: the per-request state and step report are dspark.decoding.request; the queue, slots,
+retirement, totals and background loop dspark.decoding.request_batch (Engine subclasses its
+RequestBatch); the config dspark.decoding.engine_config; the start-up SPS profile
+dspark.decoding.sps_profile; the ragged forward dspark.decoding.batched_cache.
 """
 from __future__ import annotations
 
 import logging
-import math
-import random
-import threading
 import time
-import uuid
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Callable, Literal, Sequence
+from typing import Sequence
 
 import torch
-from pydantic import Field
 
-from dspark.decoding.batched_cache import KVSlots, enable_ragged
-from dspark.config import StrictModel
-from dspark.decoding.sampling import (KeyedNoise, LogprobsMode, SamplingParams, accept_drafts, accept_keyed, sample,
-                                      to_logprobs, to_probs)
-from dspark.decoding.scheduler import DraftGate, PrefixScheduler, SchedulerConfig, SPSTable, profile_sps
+from dspark.decoding.batched_cache import KVSlots, enable_ragged, ragged_forward
+from dspark.decoding.engine_config import EngineConfig
+from dspark.decoding.request import (EngineUnavailableError, Listener, QueueFullError, Request, RequestStats,
+                                     StepReport, TokenLogprob)
+from dspark.decoding.request_batch import RequestBatch
+from dspark.decoding.sampling import KeyedNoise, SamplingParams, accept_drafts, accept_keyed, sample, to_logprobs, to_probs
+from dspark.decoding.scheduler import DraftGate, PrefixScheduler, SPSTable
 from dspark.decoding.specdec import _keep, drafter_layer_ids
+from dspark.decoding.sps_profile import engine_sps_table
+
+__all__ = ["Engine", "EngineConfig", "EngineUnavailableError", "Listener", "QueueFullError", "Request",
+           "RequestStats", "StepReport", "TokenLogprob"]  # the engine's API, wherever each piece is defined
 
 log = logging.getLogger("dspark.decoding.engine")
 
 
-class EngineConfig(StrictModel):
-    scheduler: SchedulerConfig = Field(default_factory=lambda: SchedulerConfig(mode="dynamic"), description="which drafts each step verifies")
-    gamma: int | None = Field(None, description="drafts proposed per round (None = the drafter's block size)")
-    max_batch: int = Field(32, description="active requests per step")
-    max_waiting: int = Field(128, description="queued requests beyond which submit() rejects (HTTP 429)")
-    max_model_len: int = Field(2048, description="prompt + max_new_tokens + γ + 1 must fit (capped by the target)")
-    max_prefill_tokens: int = Field(4096, description="prompt tokens admitted per step (at least one request always)")
-    sps_batch_sizes: list[int] = Field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64, 128, 256], description="verify batch sizes (tokens) profiled for the SPS table at start")
-    sps_context: int = Field(128, description="cached context per row while profiling")
-    sps_repeats: int = Field(3, description="timed forwards per profiled batch size")
-    sps_table: dict[int, float] | None = Field(None, description="given table: skip profiling (tests, or a saved profile)")
-    seed: int | None = Field(0, description="seeds the generators of requests without a seed of their own (None = nondeterministic)")
-    max_consecutive_failures: int = Field(3, description="failed steps in a row before the engine reports unhealthy")
-    seeded_sampling: Literal["keyed", "stream"] = Field("keyed", description=(
-        "randomness of requests that carry a seed: keyed = noise keyed by (seed, output position) with a "
-        "Gumbel-max coupling of draft and target (output independent of the batch and scheduler; "
-        "acceptance P(draft == target sample) instead of Σ min(p, q)); stream = the request's generator "
-        "stream like unseeded requests (the same output only under the same load)"))
-    logprobs_mode: LogprobsMode = Field("processed", description=(
-        "which distribution reported logprobs come from: processed = the one the token is drawn from "
-        "(temperature, min_p, top_k, top_p applied; raw at temperature 0); raw = log_softmax of the target's "
-        "logits (vLLM's default)"))
-    context_catch_up_every: int = Field(64, ge=1, description="steps of target features a request may hold for its drafter before the drafter reads them even without drafting (bounds memory while the draft gate skips; the drafter always catches up before it drafts)")
-
-
-class QueueFullError(RuntimeError):
-    """The waiting queue is full: retry later (HTTP 429)."""
-
-
-class EngineUnavailableError(RuntimeError):
-    """The engine is stopped or unhealthy (HTTP 503)."""
-
-
-@dataclass
-class RequestStats:
-    rounds: int = 0  # verify rounds (the prefill is not a round)
-    proposed: int = 0  # draft tokens proposed
-    verified: int = 0  # draft tokens sent to the target
-    accepted: int = 0  # draft tokens accepted
-    # per draft position k (0-based): rounds that verified / accepted a draft there (flywheel metrics)
-    verified_per_pos: list[int] = field(default_factory=list)
-    accepted_per_pos: list[int] = field(default_factory=list)
-
-    def spec_decode(self) -> dict:
-        """OpenAI-response `spec_decode` object; mean_accepted_length = τ = (accepted + rounds) / rounds."""
-        tau = (self.accepted + self.rounds) / self.rounds if self.rounds else None
-        return {"rounds": self.rounds, "draft_tokens_proposed": self.proposed, "draft_tokens_verified": self.verified,
-                "draft_tokens_accepted": self.accepted, "mean_accepted_length": tau}
-
-
-Listener = Callable[["Request", list[int], bool], None]  # (request, new tokens, finished)
-
-
-@dataclass
-class TokenLogprob:
-    """The target's log-probability of one emitted token and the `top` most likely alternatives
-    [(token id, logprob)], best first (EngineConfig.logprobs_mode says of which distribution)."""
-
-    token: int
-    logprob: float
-    top: list[tuple[int, float]]
-
-
-@dataclass(eq=False)
-class Request:
-    """A generation request and its live state (the handle `submit` returns)."""
-
-    prompt_ids: list[int]
-    sampling: SamplingParams
-    max_new_tokens: int
-    stop_ids: frozenset[int]
-    id: str = field(default_factory=lambda: uuid.uuid4().hex)
-    listener: Listener | None = None
-    seed: int | None = None  # None: drawn from the engine's seed stream
-    logprobs: int | None = None  # None: no logprobs; k: each token's logprob and its top-k alternatives
-    tokens: list[int] = field(default_factory=list)
-    token_logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token (when logprobs is set)
-    finish_reason: str | None = None  # "stop" | "length" | "error" | "cancelled"
-    error: str | None = None
-    stats: RequestStats = field(default_factory=RequestStats)
-    submitted_at: float = field(default_factory=time.perf_counter)
-    first_token_at: float | None = None
-    finished_at: float | None = None
-    done: threading.Event = field(default_factory=threading.Event)
-    cancelled: bool = False
-    # engine-private
-    slot: int = -1
-    generator: torch.Generator | None = None  # this request's own RNG (see the module docstring)
-    noise: KeyedNoise | None = None  # position-keyed randomness of a seeded request (seeded_sampling=keyed)
-    draft_state: object = None
-    ctx_pending: list = field(default_factory=list)  # (features, token ids) of verified positions the drafter has not read yet
-    proposal: object = None
-    verify_len: int = 0
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-    @property
-    def anchor(self) -> int:
-        return self.tokens[-1]
-
-    def wait(self, timeout: float | None = None) -> "Request":
-        if not self.done.wait(timeout):
-            raise TimeoutError(f"request {self.id} did not finish within {timeout} s")
-        return self
-
-
-@dataclass
-class StepReport:
-    """What one step did (for logs and metrics)."""
-
-    admitted: int = 0
-    prefill_tokens: int = 0
-    rows: int = 0  # requests verified in the batched forward
-    batch_tokens: int = 0  # B = Σ (1 + ℓ_r)
-    proposed: int = 0
-    verified: int = 0
-    accepted: int = 0
-    emitted: int = 0
-    finished: int = 0
-    failed: int = 0
-    draft_s: float = 0.0  # drafter time: the context catch-up and propose_batch (what the draft gate weighs)
-    verify_s: float = 0.0
-    step_s: float = 0.0
-    catch_up_tokens: int = 0  # verified positions the drafter context read this step (lazy catch-up)
-    verify_lens: list[int] = field(default_factory=list)
-    drafted: bool = False  # False: mode off, or the draft gate judged a target-only step faster
-
-
-class Engine:
+class Engine(RequestBatch):
     """Continuous-batching speculative decoding over one target and one drafter (None for mode off)."""
 
     def __init__(self, target, drafter=None, cfg: EngineConfig | None = None):
-        self.cfg = cfg or EngineConfig()
+        cfg = cfg or EngineConfig()
+        self.cfg = cfg
         self.target, self.drafter = target, drafter
-        self.mode = self.cfg.scheduler.mode
+        self.mode = cfg.scheduler.mode
         self.drafting = self.mode != "off"
         self.gamma = self._check_drafter()
         self.layer_ids = drafter_layer_ids(drafter) if self.drafting else None
-        self.max_model_len = min(self.cfg.max_model_len, getattr(target, "max_positions", self.cfg.max_model_len))
+        self.max_model_len = min(cfg.max_model_len, getattr(target, "max_positions", cfg.max_model_len))
         enable_ragged(target.model)
         # Device invariant: KV slots, the request RNGs and every tensor a step creates live on
         # target.device (the drafter sits there too); sampling moves probabilities to the generator's
         # device, never back.
-        self.kv = KVSlots(target.device, target.dtype)
-        self._seeds = random.Random(self.cfg.seed)  # seeds of requests that bring none (None: OS entropy)
+        kv = KVSlots(target.device, target.dtype)
         self.sps: SPSTable | None = None
         if self.mode in ("dynamic", "async_topk"):
-            self.sps = self._sps_table()
-        self.scheduler = PrefixScheduler(self.cfg.scheduler, self.sps)
-        gate_on = self.cfg.scheduler.draft_gate and self.sps is not None and self.drafting
-        self.gate = DraftGate(self.sps, self.cfg.scheduler.draft_gate_explore_every) if gate_on else None
-        self.active: list[Request] = []  # active[i].slot == i
-        self.waiting: deque[Request] = deque()
-        self._lock = threading.Lock()
-        self._wakeup = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._stop = False
-        self.healthy, self.health_error = True, None
-        self._failures_in_a_row = 0
-        self.step_listeners: list[Callable[[StepReport], None]] = []
-        self.totals = dict(submitted=0, rejected=0, finished=0, failed=0, cancelled=0, steps=0, rounds=0,
-                           prompt_tokens=0, generated_tokens=0, proposed=0, verified=0, accepted=0,
-                           batch_tokens=0, busy_s=0.0, draft_skipped_steps=0)
-        self.started_at = time.time()
+            self.sps = engine_sps_table(cfg, target, self.gamma, self.layer_ids)
+        self.scheduler = PrefixScheduler(cfg.scheduler, self.sps)
+        gate_on = cfg.scheduler.draft_gate and self.sps is not None and self.drafting
+        self.gate = DraftGate(self.sps, cfg.scheduler.draft_gate_explore_every) if gate_on else None
+        super().__init__(cfg, kv)  # queue, slots, totals; started_at = now, after the profiling
 
     # ---- setup -------------------------------------------------------------------------------
     def _check_drafter(self) -> int:
@@ -253,40 +113,6 @@ class Engine:
         gamma = self.cfg.gamma or d.config.block_size
         d.check_gamma(gamma)
         return gamma
-
-    def _sps_table(self) -> SPSTable:
-        if self.cfg.sps_table:
-            table = SPSTable(dict(self.cfg.sps_table))
-            log.info("SPS table (given): %s", _fmt_table(table))
-            return table
-        t0 = time.perf_counter()
-        table = profile_sps(self._profile_forward(), self.cfg.sps_batch_sizes, repeats=self.cfg.sps_repeats,
-                            sync=self._device_sync())
-        log.info("SPS table profiled in %.1f s (B: verify steps/s): %s", time.perf_counter() - t0, _fmt_table(table))
-        return table
-
-    def _profile_forward(self) -> Callable[[int], None]:
-        """B -> one ragged verify forward of B tokens split evenly over ceil(B/(γ+1)) rows, each row
-        with `sps_context` cached positions (the shape of a real verify step)."""
-        device = self.target.device
-        scratch = KVSlots(device, self.target.dtype)
-        context = self.cfg.sps_context
-        gen = torch.Generator(device=device).manual_seed(0)
-
-        def forward(batch: int) -> None:
-            rows = max(1, math.ceil(batch / (self.gamma + 1)))
-            counts = [batch // rows + (1 if r < batch % rows else 0) for r in range(rows)]
-            while scratch.used < rows:
-                scratch.set_length(scratch.allocate(), context)
-            ids = torch.randint(0, self.target.vocab_size, (1, batch), generator=gen, device=device)
-            self._ragged_forward(scratch, 0, ids, counts, logits_at="all")
-
-        return forward
-
-    def _device_sync(self) -> Callable[[], None] | None:
-        """CUDA runs asynchronously: SPS timings must wait for the kernels (None on cpu)."""
-        device = self.target.device
-        return (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None
 
     # ---- public API --------------------------------------------------------------------------
     def submit(self, prompt_ids: Sequence[int], sampling: SamplingParams | None = None, max_new_tokens: int = 64,
@@ -312,17 +138,7 @@ class Engine:
         if seed is not None and self.cfg.seeded_sampling == "keyed":
             req.noise = KeyedNoise(seed, self.target.vocab_size, self.target.device,
                                    getattr(self.drafter, "draft_ids", None) if self.drafting else None)
-        with self._lock:
-            if not self.healthy or self._stop:
-                raise EngineUnavailableError(f"engine cannot serve: {self.health_error or 'stopped'}")
-            if len(self.waiting) >= self.cfg.max_waiting:
-                self.totals["rejected"] += 1
-                raise QueueFullError(f"engine queue is full ({self.cfg.max_waiting} waiting); retry later")
-            req.generator = torch.Generator(device=self.target.device).manual_seed(
-                seed if seed is not None else self._seeds.getrandbits(63))
-            self.waiting.append(req)
-            self.totals["submitted"] += 1
-        self._wakeup.set()
+        self._enqueue(req, self.target.device)
         return req
 
     def check_request(self, prompt_len: int, max_new_tokens: int) -> None:
@@ -340,14 +156,6 @@ class Engine:
                              f"{self.max_model_len} (minus {self.gamma + 1} for drafting); lower max_new_tokens "
                              f"to <= {room - prompt_len}")
 
-    def cancel(self, req: Request) -> None:
-        """Stop a request at the next step boundary (e.g. its client went away)."""
-        req.cancelled = True
-        self._wakeup.set()
-
-    def has_work(self) -> bool:
-        return bool(self.active or self.waiting)
-
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams | None = None,
                  max_new_tokens: int = 64, stop_ids: Sequence[int] | None = None,
                  seeds: Sequence[int | None] | None = None, logprobs: int | None = None) -> list[Request]:
@@ -360,44 +168,6 @@ class Engine:
                 out.append(self.submit(prompt, sampling, max_new_tokens, stop_ids, seed=seed, logprobs=logprobs))
             self.step()
         return out
-
-    # ---- background loop ---------------------------------------------------------------------
-    def start(self) -> "Engine":
-        if self._thread is None:
-            self._stop = False
-            self._thread = threading.Thread(target=self._loop, name="dspark-engine", daemon=True)
-            self._thread.start()
-        return self
-
-    def stop(self, timeout: float = 10.0) -> None:
-        self._stop = True
-        self._wakeup.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
-            self._thread = None
-        self._fail_all("engine stopped", reason="cancelled")
-
-    def _loop(self) -> None:
-        while not self._stop:
-            if not self.has_work():
-                self._wakeup.wait(0.1)
-                self._wakeup.clear()
-                continue
-            try:
-                self.step()
-                self._failures_in_a_row = 0
-            except Exception as err:  # a step-level failure: requests in flight cannot be trusted
-                self._failures_in_a_row += 1
-                log.exception("engine step failed (%d in a row)", self._failures_in_a_row)
-                self._fail_all(f"engine step failed: {err}")
-                if self._failures_in_a_row >= self.cfg.max_consecutive_failures:
-                    self.healthy, self.health_error = False, f"{self._failures_in_a_row} failed steps in a row: {err}"
-                    log.error("engine marked unhealthy: %s", self.health_error)
-                    return
-
-    @property
-    def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
 
     # ---- one step ----------------------------------------------------------------------------
     @torch.no_grad()
@@ -424,23 +194,6 @@ class Engine:
         report.step_s = time.perf_counter() - t0
         self._account(report)
         return report
-
-    def _admit(self) -> list[Request]:
-        newcomers, budget = [], self.cfg.max_prefill_tokens
-        with self._lock:
-            while self.waiting and len(self.active) < self.cfg.max_batch:
-                req = self.waiting[0]
-                if newcomers and len(req.prompt_ids) > budget:
-                    break
-                self.waiting.popleft()
-                if req.cancelled:
-                    self._finish(req, "cancelled")
-                    continue
-                budget -= len(req.prompt_ids)
-                req.slot = self.kv.allocate()
-                self.active.append(req)
-                newcomers.append(req)
-        return newcomers
 
     def _prefill(self, newcomers: list[Request], report: StepReport) -> None:
         """One ragged forward over the newcomers' prompts: first token, KV slot, drafter context."""
@@ -568,11 +321,8 @@ class Engine:
         self.kv.set_length(req.slot, self.kv.lengths[req.slot] + 1 + n_acc)  # anchor + accepted drafts
         if self.drafting:  # the drafter reads these when it next drafts (see _catch_up)
             req.ctx_pending.append((features[: 1 + n_acc], ids[: 1 + n_acc]))
-        s = req.stats
         proposed = int(req.proposal.tokens.shape[0]) if req.proposal is not None else 0
-        s.rounds, s.proposed, s.verified, s.accepted = s.rounds + 1, s.proposed + proposed, s.verified + n, \
-            s.accepted + n_acc
-        _count_positions(s, n, n_acc)
+        req.stats.add_round(proposed, n, n_acc)
         report.proposed, report.verified, report.accepted = (report.proposed + proposed, report.verified + n,
                                                               report.accepted + n_acc)
         req.proposal = None
@@ -602,7 +352,7 @@ class Engine:
                         logits_at: str) -> list[tuple]:
         return ragged_forward(self.target, store, first, ids, counts, logits_at, self.layer_ids)
 
-    # ---- emission and bookkeeping ---------------------------------------------------------------
+    # ---- emission -----------------------------------------------------------------------------------
     def _emit(self, req: Request, new: list[int], report: StepReport, logits: torch.Tensor | None = None) -> None:
         """Append the new tokens (up to a stop token or the limit); logits [len(new), V]: the target
         logits each was drawn or accepted from (for logprobs)."""
@@ -627,77 +377,6 @@ class Engine:
             tops = [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
         return [TokenLogprob(t, c, top) for t, c, top in zip(tokens, chosen, tops)]
 
-    def _notify(self, req: Request, new: list[int]) -> None:
-        if req.listener is not None:
-            try:
-                req.listener(req, new, req.finished)
-            except Exception:
-                log.exception("listener of request %s failed", req.id)
-
-    def _fail(self, req: Request, message: str, report: StepReport | None) -> None:
-        log.warning("request %s failed: %s", req.id, message)
-        req.error = message
-        req.finish_reason = "error"
-        if report is not None:
-            report.failed += 1
-
-    def _finish(self, req: Request, reason: str) -> None:
-        """Mark a request that is not (or no longer) in a slot as finished and wake its waiters."""
-        if req.finish_reason is None:
-            req.finish_reason = reason
-        req.finished_at = time.perf_counter()
-        key = {"error": "failed", "cancelled": "cancelled"}.get(req.finish_reason, "finished")
-        self.totals[key] += 1
-        if req.finish_reason in ("error", "cancelled"):
-            self._notify(req, [])
-        req.done.set()
-
-    def _retire(self) -> None:
-        """Remove finished (or cancelled) requests; keep slots contiguous (last slot moves into the hole)."""
-        for slot in range(len(self.active) - 1, -1, -1):
-            req = self.active[slot]
-            if req.cancelled and not req.finished:
-                req.finish_reason = "cancelled"
-            if not req.finished:
-                continue
-            moved = self.kv.release(slot)
-            last = self.active.pop()
-            if moved is not None:
-                last.slot = slot
-                self.active[slot] = last
-            req.slot, req.draft_state, req.proposal, req.generator, req.noise = -1, None, None, None, None
-            req.ctx_pending = []
-            self._finish(req, req.finish_reason)
-
-    def _fail_all(self, message: str, reason: str = "error") -> None:
-        with self._lock:
-            pending = list(self.active) + list(self.waiting)
-            self.waiting.clear()
-        for req in pending:
-            if not req.finished:
-                req.error = message if reason == "error" else None
-                req.finish_reason = reason
-        self._retire()
-        for req in pending:
-            if not req.done.is_set():
-                self._finish(req, reason)
-
-    def _account(self, report: StepReport) -> None:
-        t = self.totals
-        t["steps"] += 1
-        t["rounds"] += report.rows
-        t["prompt_tokens"] += report.prefill_tokens
-        t["generated_tokens"] += report.emitted
-        for key in ("proposed", "verified", "accepted", "batch_tokens"):
-            t[key] += getattr(report, key)
-        t["busy_s"] += report.step_s
-        t["draft_skipped_steps"] += int(self.drafting and report.rows > 0 and not report.drafted)
-        for fn in self.step_listeners:
-            try:
-                fn(report)
-            except Exception:
-                log.exception("step listener failed")
-
     def stats(self) -> dict:
         """A JSON-able snapshot: totals, derived rates, queue, scheduler and SPS table."""
         t = dict(self.totals)
@@ -715,32 +394,3 @@ class Engine:
             "sps_table": self.sps.to_dict() if self.sps else None,
             "kv_bytes": self.kv.memory_bytes(), "device": str(self.target.device),
         }
-
-
-def ragged_forward(target, store: KVSlots, first: int, ids: torch.Tensor, counts: list[int], logits_at: str,
-                   layer_ids: list[int] | None = None) -> list[tuple]:
-    """One target forward appending counts[r] tokens (flat `ids` [1, N]) to slots first..first+R-1 of
-    `store`. Returns per row (logits, features): logits of all its new tokens (logits_at "all") or of
-    its last one ("last", shape [1, V]); features of the `layer_ids` layers (None without them)."""
-    layout = store.ragged(first, counts)
-    slices = layout.row_slices()
-    where = "all" if logits_at == "all" else torch.tensor([s.stop - 1 for s in slices], device=target.device)
-    with store.batch(layout):
-        out = target.forward(ids.to(target.device), position_ids=layout.position_ids,
-                             attention_mask=layout.mask, layer_ids=layer_ids, logits_at=where)
-    logits, feats = out.logits[0], out.features[0] if out.features is not None else None
-    if logits_at == "all":
-        return [(logits[s], None if feats is None else feats[s]) for s in slices]
-    return [(logits[i: i + 1], None if feats is None else feats[s]) for i, s in enumerate(slices)]
-
-
-def _count_positions(s: RequestStats, verified: int, accepted: int) -> None:
-    """Position k was verified in this round iff k < verified, accepted iff k < accepted."""
-    for counts, n in ((s.verified_per_pos, verified), (s.accepted_per_pos, accepted)):
-        counts.extend([0] * (n - len(counts)))
-        for k in range(n):
-            counts[k] += 1
-
-
-def _fmt_table(table: SPSTable) -> str:
-    return ", ".join(f"{b}: {v:.1f}" for b, v in table.points.items())

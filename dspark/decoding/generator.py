@@ -1,7 +1,7 @@
 """Continuous-batching target-only generation for offline jobs (rollouts, benchmarks).
 
 The serving engine's target-only path, without its request queue, drafter or HTTP concerns: the
-same ragged KV store (dspark.decoding.batched_cache) and the same ragged forward (dspark.decoding.engine.ragged_forward).
+same ragged KV store and the same ragged forward (dspark.decoding.batched_cache, `ragged_forward`).
 `BatchGenerator.generate(prompts, ...)` keeps up to `max_batch` sequences decoding together:
   1. admission: waiting prompts, sorted by length (length buckets: sequences admitted together
      have similar lengths, so the padded attention grid wastes little), take free slots at once,
@@ -34,9 +34,8 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 import torch
 from pydantic import Field, field_validator
 
-from dspark.decoding.batched_cache import KVSlots, enable_ragged
+from dspark.decoding.batched_cache import KVSlots, enable_ragged, ragged_forward
 from dspark.config import StrictModel
-from dspark.decoding.engine import ragged_forward
 from dspark.decoding.sampling import SamplingParams, inverse_cdf, to_probs
 from dspark.decoding.specdec import _keep
 

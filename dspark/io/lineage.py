@@ -48,7 +48,7 @@ def log_prompt_sources(sources: Iterable, context: str = PROMPTS) -> None:
 
 
 def log_benchmarks(benchmarks: Iterable, context: str = EVALUATION) -> None:
-    """Log each loaded evaluation set (dspark.eval.evaluation.Benchmark: name, source) of a run."""
+    """Log each loaded evaluation set (dspark.eval.benchmark_files.Benchmark: name, source) of a run."""
     for bench in benchmarks:
         tracking.log_dataset_input(bench.name, bench.source, None, context)
 

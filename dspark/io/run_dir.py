@@ -1,8 +1,9 @@
 """A training run's directory on storage (local or s3://): where Ray Train's checkpoints go, and beside
-them what a relaunch resumes from."""
+them what a relaunch resumes from; and reading a finished run's checkpoint (its URI, one folder of it)."""
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 
 from dspark.io import storage
@@ -35,3 +36,20 @@ class RunDir:
     def write_text(self, name: str, text: str) -> None:
         storage.write_text(self.path(name), text)
 
+
+def checkpoint_uri(cfg: TrainJobConfig, checkpoint) -> str | None:
+    """The URI of a Ray Train checkpoint (s3:// when the run stores checkpoints there); None without one."""
+    if checkpoint is None:
+        return None
+    return f"s3://{checkpoint.path}" if storage.is_s3(cfg.checkpoint.storage_path) else checkpoint.path
+
+
+def copy_checkpoint_subdir(checkpoint, subdir: str, local_dir: str) -> None:
+    """Copy one folder of a (possibly remote) Ray checkpoint without downloading its optimizer state."""
+    import pyarrow.fs as pafs
+
+    if checkpoint is None:
+        raise RuntimeError("training produced no checkpoint; check the worker logs above")
+    os.makedirs(local_dir, exist_ok=True)
+    pafs.copy_files(f"{checkpoint.path}/{subdir}", local_dir, source_filesystem=checkpoint.filesystem,
+                    destination_filesystem=pafs.LocalFileSystem())

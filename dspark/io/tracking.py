@@ -20,31 +20,31 @@ This is the one module that talks to MLflow's tracking API.
   memory, disk, network (psutil) and GPU (pynvml, when installed) into `system/...` metrics, through
   MLflow's public `mlflow.start_run(run_id=..., log_system_metrics=True)`.
 - The model registry (drafters as MLflow models, versions, aliases) is dspark.io.registry, system
-  metrics dspark.io.system_metrics; this module is still the one that imports MLflow.
+  metrics dspark.io.system_metrics; where runs go (tracking URI, reachability) dspark.io.tracking_store,
+  the shaping of logged values dspark.io.tracking_values, the exit/signal hooks dspark.io.exit_hooks;
+  this module is still the one that imports MLflow.
 
 `start_run` and `check_reachable` raise TrackingError (one line with the fix): they run before any
 work is done.
 """
 from __future__ import annotations
 
-import atexit
 import logging
-import math
 import os
 import signal
 import threading
 import time
-import urllib.error
-import urllib.request
 import warnings
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable
 
 from dspark.config import flatten
+from dspark.io import exit_hooks
 from dspark.io.background_logger import QUEUE_SIZE, BackgroundLogger
 from dspark.io.system_metrics import start_system_metrics, stop_system_metrics, suppress_warning  # noqa: F401
 from dspark.io.source_version import GIT_COMMIT_ENV, GIT_COMMIT_TAG, git_commit, submission_env  # noqa: F401 (re-exported)
+from dspark.io.tracking_store import TrackingError, check_reachable, ensure_experiment, tracking_uri  # noqa: F401 (check_reachable re-exported)
+from dspark.io.tracking_values import PARAM_VALUE_MAX, batches, finite_metrics, fit_digest, series_points
 
 logger = logging.getLogger("dspark.io.tracking")
 
@@ -57,34 +57,9 @@ PERMANENT_CODES = {"INVALID_PARAMETER_VALUE", "RESOURCE_DOES_NOT_EXIST",
 FLUSH_TIMEOUT_S = float(os.environ.get("DSPARK_MLFLOW_FLUSH_TIMEOUT_S", "30"))  # end_run's wait for the queue
 RAY_STOP_GRACE_S = 3.0  # `ray job stop` sends SIGKILL this long after SIGTERM (RAY_JOB_STOP_WAIT_TIME_S)
 SIGNAL_FLUSH_S, SIGNAL_END_S = 0.5, 2.0  # the signal handler's budget: both fit in RAY_STOP_GRACE_S
-DIGEST_MAX = 36  # MLflow stores a dataset digest in a 36-character column
-
-
-class TrackingError(RuntimeError):
-    """MLflow cannot be used; the message names the cause and the fix."""
 
 
 # ---------------------------------------------------------------------------- configuration
-def local_store_dir() -> Path:
-    from dspark.settings import settings
-
-    return settings().absolute_state_dir / "mlruns"
-
-
-def tracking_uri() -> str:
-    """MLFLOW_TRACKING_URI, or the local SQLite store under .dspark/mlruns."""
-    uri = os.environ.get("MLFLOW_TRACKING_URI", "").strip()
-    if uri:
-        return uri
-    store = local_store_dir()
-    store.mkdir(parents=True, exist_ok=True)
-    return f"sqlite:///{store / 'mlflow.db'}"
-
-
-def _is_local_store(uri: str) -> bool:
-    return not uri.startswith(("http://", "https://", "databricks"))
-
-
 def _configure():
     """Point mlflow at our tracking URI with short HTTP retries (ours come on top)."""
     import mlflow
@@ -96,26 +71,6 @@ def _configure():
     if mlflow.get_tracking_uri() != uri:
         mlflow.set_tracking_uri(uri)
     return mlflow
-
-
-def check_reachable(timeout_s: float = 5.0) -> str:
-    """Fail fast when the tracking server does not answer; returns the tracking URI."""
-    uri = tracking_uri()
-    if _is_local_store(uri):
-        return uri
-    health = uri.rstrip("/") + "/health"
-    try:
-        with urllib.request.urlopen(health, timeout=timeout_s) as resp:
-            if resp.status == 200:
-                return uri
-            cause = f"HTTP {resp.status}"
-    except urllib.error.HTTPError as err:
-        cause = f"HTTP {err.code}"
-    except (urllib.error.URLError, OSError) as err:
-        cause = str(getattr(err, "reason", err))
-    raise TrackingError(f"MLflow tracking server {uri} is unreachable ({cause}); start it with "
-                        f"`dspark stack up` and `source .dspark/env.sh`, or unset MLFLOW_TRACKING_URI "
-                        f"to log to {local_store_dir()}")
 
 
 # ---------------------------------------------------------------------------- retries
@@ -171,10 +126,6 @@ def _submit(what: str, fn: Callable[[], Any], force: bool = False) -> None:
     _background.submit(what, fn, force=force)
 
 
-def _batches(items: list, size: int) -> list[list]:
-    return [items[i:i + size] for i in range(0, len(items), size)]
-
-
 # ---------------------------------------------------------------------------- runs
 @dataclass
 class _Run:
@@ -207,7 +158,7 @@ def start_run(experiment: str, run_name: str | None = None, run_id: str | None =
         if run_id:
             client.update_run(run_id, status="RUNNING")
             return run_id
-        return client.create_run(_ensure_experiment(client, experiment), run_name=run_name,
+        return client.create_run(ensure_experiment(client, experiment), run_name=run_name,
                                  tags=_default_tags() | str_tags).info.run_id
 
     started = _retry(f"start_run({experiment!r})", begin, raise_on_failure=True)
@@ -249,21 +200,6 @@ def _default_tags() -> dict[str, str]:
     return tags
 
 
-def _ensure_experiment(client, name: str) -> str:
-    """The id of experiment `name` (created if missing; in the local store, with its artifacts under
-    .dspark/mlruns/artifacts)."""
-    found = client.get_experiment_by_name(name)
-    if found is not None:
-        return found.experiment_id
-    location = (local_store_dir() / "artifacts" / name).as_uri() if _is_local_store(tracking_uri()) else None
-    try:
-        return client.create_experiment(name, artifact_location=location)
-    except Exception as err:  # noqa: BLE001 - created concurrently by another process
-        if getattr(err, "error_code", None) != "RESOURCE_ALREADY_EXISTS":
-            raise
-        return client.get_experiment_by_name(name).experiment_id
-
-
 def active_run_id() -> str | None:
     return _current.run_id if _current else None
 
@@ -303,13 +239,7 @@ def _install_exit_hooks() -> None:
     if _exit_hooks_installed:
         return
     _exit_hooks_installed = True
-    atexit.register(_at_exit)
-    if threading.current_thread() is not threading.main_thread():
-        logger.debug("not in the main thread: no SIGTERM/SIGINT handler for the MLflow run")
-        return
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        previous = signal.getsignal(signum)
-        signal.signal(signum, lambda num, frame, prev=previous: _on_signal(num, frame, prev))
+    exit_hooks.install(_at_exit, _on_signal, "the MLflow run")
 
 
 def _at_exit() -> None:
@@ -319,15 +249,10 @@ def _at_exit() -> None:
     _close("FAILED", flush_timeout_s=min(FLUSH_TIMEOUT_S, 5.0), end_timeout_s=SIGNAL_END_S)
 
 
-def _on_signal(signum: int, frame, previous) -> None:
+def _on_signal(signum: int) -> None:
     if _current is not None and _current.pid == os.getpid():
         logger.warning("received %s: ending MLflow run %s as KILLED", signal.Signals(signum).name, _current.run_id)
         _close("KILLED", SIGNAL_FLUSH_S, SIGNAL_END_S)
-    if callable(previous):
-        previous(signum, frame)
-    elif previous != signal.SIG_IGN:  # SIG_DFL (or None: set outside Python): die of the signal
-        signal.signal(signum, signal.SIG_DFL)
-        os.kill(os.getpid(), signum)
 
 
 # ---------------------------------------------------------------------------- logging
@@ -345,26 +270,16 @@ def log_params(params: dict) -> None:
     run_id = _run_id_or_warn("log_params")
     if run_id is None:
         return
-    flat = [Param(k, str(v)[:6000]) for k, v in flatten(params).items()]
+    flat = [Param(k, str(v)[:PARAM_VALUE_MAX]) for k, v in flatten(params).items()]
     client = _client()
-    for batch in _batches(flat, 100):  # MLflow's log_batch limit: 100 params
+    for batch in batches(flat, 100):  # MLflow's log_batch limit: 100 params
         _submit("log_params", lambda b=batch: client.log_batch(run_id, params=b, synchronous=True))
 
 
 def log_metrics(metrics: dict, step: int | None = None) -> None:
     """Numeric values only (tensors/numpy scalars are converted); non-finite and non-numeric
     values are dropped with a debug message rather than failing the batch. Returns at once."""
-    clean = {}
-    for key, value in metrics.items():
-        try:
-            number = float(value)
-        except (TypeError, ValueError, RuntimeError):
-            logger.debug("skipping non-numeric metric %s=%r", key, value)
-            continue
-        if math.isfinite(number):
-            clean[key] = number
-        else:
-            logger.debug("skipping non-finite metric %s=%r", key, value)
+    clean = finite_metrics(metrics)
     if clean:
         _log_metric_points([(key, value, step or 0) for key, value in clean.items()])
 
@@ -372,7 +287,7 @@ def log_metrics(metrics: dict, step: int | None = None) -> None:
 def log_series(key: str, values: dict[int, float]) -> None:
     """One metric as a series over x = step (e.g. acceptance by draft position), so MLflow's UI
     plots it as a curve. Non-finite points are skipped."""
-    points = [(key, float(v), int(x)) for x, v in sorted(values.items()) if v is not None and math.isfinite(float(v))]
+    points = series_points(key, values)
     if points:
         _log_metric_points(points)
 
@@ -386,7 +301,7 @@ def _log_metric_points(points: list[tuple[str, float, int]]) -> None:
     now = int(time.time() * 1000)
     metrics = [Metric(key, value, now, step) for key, value, step in points]
     client = _client()
-    for batch in _batches(metrics, 1000):  # MLflow's log_batch limit: 1000 metrics
+    for batch in batches(metrics, 1000):  # MLflow's log_batch limit: 1000 metrics
         _submit("log_metrics", lambda b=batch: client.log_batch(run_id, metrics=b, synchronous=True))
 
 
@@ -398,7 +313,7 @@ def set_tags(tags: dict) -> None:
         return
     run_tags = [RunTag(k, str(v)) for k, v in tags.items()]
     client = _client()
-    for batch in _batches(run_tags, 100):
+    for batch in batches(run_tags, 100):
         _submit("set_tags", lambda b=batch: client.log_batch(run_id, tags=b, synchronous=True))
 
 
@@ -449,7 +364,7 @@ def log_dataset_input(name: str, source_uri: str, digest: str | None, context: s
         except (OSError, RuntimeError, ValueError) as err:  # StorageError is a RuntimeError
             logger.warning("MLflow dataset input %r not logged: cannot read %s to digest it: %s", name, uri, err)
             return None
-    digest = digest if len(digest) <= DIGEST_MAX else digest[:32]
+    digest = fit_digest(digest)
     entity = _dataset_input(name, uri, digest, context)
     client = _client()
     _submit(f"log_dataset_input({name!r})", lambda: client.log_inputs(run_id, datasets=[entity]))
@@ -494,4 +409,4 @@ def python_model_base() -> type:
 
 
 # the io modules beside this one (registry, drafter_model) use these
-client, retry, batches = _client, _retry, _batches
+client, retry = _client, _retry  # (and batches, from dspark.io.tracking_values)

@@ -1,36 +1,22 @@
 """The OpenAI protocol logic without Ray or HTTP: request validation, chat template and tokenization (off
-the event loop), submission to the engine (which runs in its own thread), non-streaming and SSE
-responses with `usage` and `spec_decode`."""
+the event loop), submission to the engine (which runs in its own thread), and running each choice to
+its end, non-streaming or as SSE. The answers themselves are built by dspark.serve.responses."""
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import time
 import uuid
 from dataclasses import dataclass
 from typing import Protocol
 
-from openai.types import CompletionUsage
-from openai.types.chat import ChatCompletionMessage
-from openai.types.chat.chat_completion import Choice as ChatChoice
-from openai.types.chat.chat_completion_chunk import Choice as ChunkChoice
-from openai.types.chat.chat_completion_chunk import ChoiceDelta
-from openai.types.chat.chat_completion_chunk import ChoiceLogprobs as ChunkChoiceLogprobs
-from pydantic import BaseModel
-
-from openai.types.chat import ChatCompletionTokenLogprob
-from openai.types.chat.chat_completion import ChoiceLogprobs as ChatChoiceLogprobs
-from openai.types.chat.chat_completion_token_logprob import TopLogprob
-from openai.types.completion_choice import Logprobs as CompletionLogprobs
-
 from dspark.decoding.engine import Engine, EngineUnavailableError, QueueFullError, Request, TokenLogprob
 from dspark.decoding.sampling import derive_seed
 from dspark.serve.config import PROMPT_CHARS_PER_TOKEN, ServeConfig, served_name
-from dspark.serve.protocol import (ApiError, ChatBody, CompletionBody, DSparkChatCompletion, DSparkChatCompletionChunk,
-                                   DSparkCompletion, DSparkCompletionChoice, ModelList, RequestBody, ServedModel,
-                                   SpecDecode, dump, usage)
+from dspark.serve.protocol import ApiError, ChatBody, CompletionBody, ModelList, RequestBody, ServedModel
 from dspark.serve.prometheus import PrometheusMetrics
+from dspark.serve.responses import (ChatStream, CompletionStream, Logprobs, Outcome, chat_completion, not_generated,
+                                    request_usage, spec_decode, sse, text_completion)
 from dspark.serve.templates import RESERVED_TEMPLATE_VARIABLES, template_variables
 from dspark.serve.text import TextAssembler
 
@@ -41,21 +27,6 @@ class MetricsSink(Protocol):
     def request_done(self, req: Request) -> None: ...
 
     def rejected(self) -> None: ...
-
-
-@dataclass
-class Outcome:
-    """A finished (or stopped) choice as the API reports it."""
-
-    req: Request
-    text: str
-    finish_reason: str
-    completion_tokens: int
-    index: int = 0
-
-    @property
-    def logprobs(self) -> list[TokenLogprob]:
-        return self.req.token_logprobs[: self.completion_tokens]
 
 
 @dataclass
@@ -74,108 +45,6 @@ class Choice:
         entries = self.req.token_logprobs[self.logprobs_sent: upto]
         self.logprobs_sent = max(self.logprobs_sent, upto)
         return entries if self.req.logprobs is not None else []
-
-
-LOGPROB_FLOOR = -9999.0  # -inf (a token the processed distribution excludes) is not JSON: vLLM's floor
-
-
-class Logprobs:
-    """Engine TokenLogprobs -> OpenAI's logprobs objects (chat: ChoiceLogprobs; completions: Logprobs).
-    A token's string is its own decode (a piece of a multi-byte character shows as U+FFFD)."""
-
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-        self._strings: dict[int, str] = {}
-
-    def token(self, tid: int) -> str:
-        if tid not in self._strings:
-            self._strings[tid] = (self.tokenizer.decode([tid], skip_special_tokens=False)
-                                  if self.tokenizer is not None else f"token_id:{tid}")
-        return self._strings[tid]
-
-    @staticmethod
-    def value(lp: float) -> float:
-        return max(lp, LOGPROB_FLOOR)
-
-    def chat(self, entries: list[TokenLogprob], cls=ChatChoiceLogprobs):
-        """-> cls: the non-streaming ChoiceLogprobs, or the chunk's (ChunkChoiceLogprobs)."""
-        def item(tid: int, lp: float, cls):
-            text = self.token(tid)
-            return cls(token=text, bytes=list(text.encode("utf-8")), logprob=self.value(lp))
-
-        return cls(content=[
-            ChatCompletionTokenLogprob(**item(e.token, e.logprob, TopLogprob).model_dump(),
-                                       top_logprobs=[item(t, lp, TopLogprob) for t, lp in e.top])
-            for e in entries])
-
-    def completion(self, entries: list[TokenLogprob], offset: int = 0) -> CompletionLogprobs:
-        tokens = [self.token(e.token) for e in entries]
-        offsets = []
-        for text in tokens:
-            offsets.append(offset)
-            offset += len(text)
-        return CompletionLogprobs(tokens=tokens, token_logprobs=[self.value(e.logprob) for e in entries],
-                                  top_logprobs=[{self.token(t): self.value(lp) for t, lp in e.top} for e in entries],
-                                  text_offset=offsets)
-
-
-class ChatStream:
-    """SSE chunks of /v1/chat/completions: per choice a first chunk with the role, content deltas (with
-    their tokens' logprobs when asked), a finish chunk."""
-
-    def __init__(self, rid: str, created: int, model: str, include_usage: bool, logprobs: Logprobs):
-        self.base = {"id": rid, "created": created, "model": model, "object": "chat.completion.chunk",
-                     **({"usage": None} if include_usage else {})}
-        self.logprobs = logprobs
-
-    def first(self, index: int) -> BaseModel | None:
-        return self._chunk(index, ChoiceDelta(role="assistant", content=""), None)
-
-    def delta(self, index: int, text: str, entries: list[TokenLogprob] | None) -> BaseModel:
-        return self._chunk(index, ChoiceDelta(content=text), None, entries)
-
-    def finish(self, index: int, reason: str, spec: SpecDecode, entries: list[TokenLogprob] | None) -> BaseModel:
-        return self._chunk(index, ChoiceDelta(), reason, entries, spec_decode=spec)
-
-    def usage(self, u: CompletionUsage) -> BaseModel:
-        return DSparkChatCompletionChunk(**{**self.base, "usage": u}, choices=[])
-
-    def _chunk(self, index: int, delta: ChoiceDelta, reason: str | None, entries=None, **extra) -> BaseModel:
-        logprobs = self.logprobs.chat(entries, ChunkChoiceLogprobs) if entries else None
-        choice = ChunkChoice(index=index, delta=delta, finish_reason=reason, logprobs=logprobs)
-        return DSparkChatCompletionChunk(**self.base, choices=[choice], **extra)
-
-
-class CompletionStream:
-    """SSE chunks of /v1/completions (per choice text deltas, with logprobs when asked, and a finish chunk)."""
-
-    def __init__(self, rid: str, created: int, model: str, include_usage: bool, logprobs: Logprobs):
-        self.base = {"id": rid, "created": created, "model": model, "object": "text_completion",
-                     **({"usage": None} if include_usage else {})}
-        self.logprobs = logprobs
-        self.offsets: dict[int, int] = {}  # text sent per choice (text_offset of the next token)
-
-    def first(self, index: int) -> BaseModel | None:
-        return None
-
-    def delta(self, index: int, text: str, entries: list[TokenLogprob] | None) -> BaseModel:
-        return self._chunk(index, text, None, entries)
-
-    def finish(self, index: int, reason: str, spec: SpecDecode, entries: list[TokenLogprob] | None) -> BaseModel:
-        return self._chunk(index, "", reason, entries, spec_decode=spec)
-
-    def usage(self, u: CompletionUsage) -> BaseModel:
-        return DSparkCompletion.model_construct(**{**self.base, "usage": u}, choices=[])
-
-    def _chunk(self, index: int, text: str, reason: str | None, entries=None, **extra) -> BaseModel:
-        logprobs = None
-        if entries:
-            logprobs = self.logprobs.completion(entries, self.offsets.get(index, 0))
-            self.offsets[index] = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
-        # a streamed completion chunk has finish_reason null until the last one: build without validation
-        choice = DSparkCompletionChoice.model_construct(index=index, text=text, finish_reason=reason,
-                                                        logprobs=logprobs)
-        return DSparkCompletion.model_construct(**self.base, choices=[choice], **extra)
 
 
 # ---- the service -----------------------------------------------------------------------------------------
@@ -367,7 +236,7 @@ class OpenAIService:
         outcomes = []
         for c in choices:
             if not c.assembler.stopped and c.req.finish_reason not in ("stop", "length"):
-                raise _not_generated(c.req)
+                raise not_generated(c.req)
             reason = "stop" if c.assembler.stopped else c.req.finish_reason
             outcomes.append(Outcome(c.req, c.assembler.text, reason, c.assembler.n_tokens, c.index))
         return outcomes
@@ -390,7 +259,7 @@ class OpenAIService:
         try:
             for c in choices:
                 if (first := fmt.first(c.index)) is not None:
-                    yield _sse(first)
+                    yield sse(first)
             while not all(c.done for c in choices):
                 updates = {}
                 index, final = await queue.get()
@@ -403,20 +272,20 @@ class OpenAIService:
                     if choice.done:
                         continue
                     if choice.req.finish_reason in ("error", "cancelled"):
-                        yield _sse(_not_generated(choice.req).body())
+                        yield sse(not_generated(choice.req).body())
                         return
                     delta, complete = self.advance(choice, final)
                     entries = choice.new_logprobs()
                     if complete:
                         if delta:
-                            yield _sse(fmt.delta(index, delta, None))
+                            yield sse(fmt.delta(index, delta, None))
                         reason = "stop" if choice.assembler.stopped else choice.req.finish_reason
-                        yield _sse(fmt.finish(index, reason, self.spec_decode([choice.req]), entries))
+                        yield sse(fmt.finish(index, reason, spec_decode([choice.req]), entries))
                     elif delta or entries:
-                        yield _sse(fmt.delta(index, delta, entries))
+                        yield sse(fmt.delta(index, delta, entries))
             if body.include_usage:
-                yield _sse(fmt.usage(self.usage([c.req for c in choices],
-                                                sum(c.assembler.n_tokens for c in choices), body.n)))
+                yield sse(fmt.usage(request_usage([c.req for c in choices],
+                                                  sum(c.assembler.n_tokens for c in choices), body.n)))
             yield "data: [DONE]\n\n"
         finally:
             for c in choices:
@@ -425,25 +294,7 @@ class OpenAIService:
                     c.done = True
                     self._done(c.req)
 
-    # ---- responses ---------------------------------------------------------------------------------------
-    @staticmethod
-    def usage(reqs: list[Request], completion_tokens: int, n: int) -> CompletionUsage:
-        """Each prompt's tokens count once, however many (n) choices were sampled from it."""
-        return usage(sum(len(r.prompt_ids) for r in reqs) // n, completion_tokens)
-
-    @staticmethod
-    def spec_decode(reqs: list[Request]) -> SpecDecode:
-        total = SpecDecode()
-        for r in reqs:
-            s = r.stats
-            total.rounds += s.rounds
-            total.draft_tokens_proposed += s.proposed
-            total.draft_tokens_verified += s.verified
-            total.draft_tokens_accepted += s.accepted
-        rounds = total.rounds
-        total.mean_accepted_length = (total.draft_tokens_accepted + rounds) / rounds if rounds else None
-        return total
-
+    # ---- endpoints ---------------------------------------------------------------------------------------
     def check_choices(self, body: RequestBody, prompts: int) -> None:
         limit = self.cfg.api.max_choices
         if body.n * prompts > limit:
@@ -463,12 +314,7 @@ class OpenAIService:
             return self.stream(jobs, body, ChatStream(rid, created, self.model_name, body.include_usage, logprobs))
         outs = await self.run_to_end(jobs, body)
         want = body.top_logprobs_count() is not None
-        choices = [ChatChoice(index=o.index, message=ChatCompletionMessage(role="assistant", content=o.text),
-                              finish_reason=o.finish_reason, logprobs=logprobs.chat(o.logprobs) if want else None)
-                   for o in outs]
-        return DSparkChatCompletion(id=rid, object="chat.completion", created=created, model=self.model_name,
-                                    choices=choices, usage=self.usage([o.req for o in outs], sum(o.completion_tokens for o in outs), body.n),
-                                    spec_decode=self.spec_decode([o.req for o in outs]))
+        return chat_completion(rid, created, self.model_name, outs, body.n, logprobs if want else None)
 
     async def completions(self, body: CompletionBody):
         self.check_request(body, "prompt")
@@ -488,13 +334,7 @@ class OpenAIService:
                                                             logprobs))
         outs = await self.run_to_end(jobs, body)
         want = body.logprobs is not None
-        choices = [DSparkCompletionChoice(index=o.index, text=o.text, finish_reason=o.finish_reason,
-                                          logprobs=logprobs.completion(o.logprobs) if want else None,
-                                          token_ids=list(o.req.tokens[: o.completion_tokens]))
-                   for o in outs]
-        return DSparkCompletion(id=rid, object="text_completion", created=created, model=self.model_name,
-                                choices=choices, usage=self.usage([o.req for o in outs], sum(o.completion_tokens for o in outs), body.n),
-                                spec_decode=self.spec_decode([o.req for o in outs]))
+        return text_completion(rid, created, self.model_name, outs, body.n, logprobs if want else None)
 
     def model_card(self) -> ServedModel:
         drafter = self.cfg.model.drafter if self.engine.drafting else None
@@ -517,16 +357,3 @@ class OpenAIService:
         stats = self.engine.stats()
         ok = stats["healthy"] and stats["loop_alive"]
         return (200 if ok else 503), {"status": "ok" if ok else "unhealthy", "model": self.model_name, **stats}
-
-
-def _not_generated(req: Request) -> ApiError:
-    if req.finish_reason == "cancelled":  # the engine stopped under it
-        return ApiError(503, "the request was cancelled: the engine is stopping", None, "service_unavailable")
-    return ApiError(500, f"generation failed: {req.error}", None, "generation_failed")
-
-
-def _sse(obj: BaseModel) -> str:
-    return f"data: {json.dumps(dump(obj))}\n\n"
-
-
-# ---- the FastAPI app --------------------------------------------------------------------------------------

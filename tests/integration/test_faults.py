@@ -179,7 +179,7 @@ def test_only_the_workers_that_fit_start(cpu_hog):
 @pytest.mark.timeout(60)
 def test_jsonl_with_unicode_separators_loads_from_s3(stack_ray):
     from dspark.io import storage
-    from dspark.eval.evaluation import BenchmarkSpec, load_benchmark
+    from dspark.eval.benchmark_files import BenchmarkSpec, load_benchmark
     from dspark.data.prompts import PromptSource, load_prompts
 
     turns = ["a\u2028b", "c\u2029d", "e\x85f"]

@@ -1,0 +1,36 @@
+"""The engine's configuration (`EngineConfig`): batch and queue bounds, context length, scheduler, SPS
+profiling, seeding, logprobs and the drafter's context catch-up (dspark.decoding.engine)."""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from dspark.config import StrictModel
+from dspark.decoding.sampling import LogprobsMode
+from dspark.decoding.scheduler import SchedulerConfig
+
+
+class EngineConfig(StrictModel):
+    scheduler: SchedulerConfig = Field(default_factory=lambda: SchedulerConfig(mode="dynamic"), description="which drafts each step verifies")
+    gamma: int | None = Field(None, description="drafts proposed per round (None = the drafter's block size)")
+    max_batch: int = Field(32, description="active requests per step")
+    max_waiting: int = Field(128, description="queued requests beyond which submit() rejects (HTTP 429)")
+    max_model_len: int = Field(2048, description="prompt + max_new_tokens + γ + 1 must fit (capped by the target)")
+    max_prefill_tokens: int = Field(4096, description="prompt tokens admitted per step (at least one request always)")
+    sps_batch_sizes: list[int] = Field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64, 128, 256], description="verify batch sizes (tokens) profiled for the SPS table at start")
+    sps_context: int = Field(128, description="cached context per row while profiling")
+    sps_repeats: int = Field(3, description="timed forwards per profiled batch size")
+    sps_table: dict[int, float] | None = Field(None, description="given table: skip profiling (tests, or a saved profile)")
+    seed: int | None = Field(0, description="seeds the generators of requests without a seed of their own (None = nondeterministic)")
+    max_consecutive_failures: int = Field(3, description="failed steps in a row before the engine reports unhealthy")
+    seeded_sampling: Literal["keyed", "stream"] = Field("keyed", description=(
+        "randomness of requests that carry a seed: keyed = noise keyed by (seed, output position) with a "
+        "Gumbel-max coupling of draft and target (output independent of the batch and scheduler; "
+        "acceptance P(draft == target sample) instead of Σ min(p, q)); stream = the request's generator "
+        "stream like unseeded requests (the same output only under the same load)"))
+    logprobs_mode: LogprobsMode = Field("processed", description=(
+        "which distribution reported logprobs come from: processed = the one the token is drawn from "
+        "(temperature, min_p, top_k, top_p applied; raw at temperature 0); raw = log_softmax of the target's "
+        "logits (vLLM's default)"))
+    context_catch_up_every: int = Field(64, ge=1, description="steps of target features a request may hold for its drafter before the drafter reads them even without drafting (bounds memory while the draft gate skips; the drafter always catches up before it drafts)")

@@ -1,0 +1,204 @@
+"""The engine's request bookkeeping, apart from the decoding round: the bounded waiting queue, the
+active requests in KV-slot order (`active[i].slot == i`), admission into free slots, retirement (a
+finished request's slot is recycled, the last slot moving into the hole so slots stay contiguous),
+failure and cancellation, the running totals, and the background thread that drives `step()`.
+
+`Engine` (dspark.decoding.engine) subclasses `RequestBatch` and adds the round itself (prefill, draft,
+verify, accept); nothing here touches the target or the drafter.
+"""
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from collections import deque
+from typing import Callable
+
+import torch
+
+from dspark.decoding.batched_cache import KVSlots
+from dspark.decoding.engine_config import EngineConfig
+from dspark.decoding.request import EngineUnavailableError, QueueFullError, Request, StepReport
+
+log = logging.getLogger("dspark.decoding.engine")  # the engine's own log (this is part of the engine)
+
+
+class RequestBatch:
+    """Queue, slots and lifecycle of the engine's requests; `step()` is the subclass's decoding round."""
+
+    drafting = False  # Engine: whether it drafts at all (scheduler mode != off); counts draft-skipped steps
+
+    def __init__(self, cfg: EngineConfig, kv: KVSlots):
+        self.cfg, self.kv = cfg, kv
+        self._seeds = random.Random(cfg.seed)  # seeds of requests that bring none (None: OS entropy)
+        self.active: list[Request] = []  # active[i].slot == i
+        self.waiting: deque[Request] = deque()
+        self._lock = threading.Lock()
+        self._wakeup = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._stop = False
+        self.healthy, self.health_error = True, None
+        self._failures_in_a_row = 0
+        self.step_listeners: list[Callable[[StepReport], None]] = []
+        self.totals = dict(submitted=0, rejected=0, finished=0, failed=0, cancelled=0, steps=0, rounds=0,
+                           prompt_tokens=0, generated_tokens=0, proposed=0, verified=0, accepted=0,
+                           batch_tokens=0, busy_s=0.0, draft_skipped_steps=0)
+        self.started_at = time.time()
+
+    def step(self) -> StepReport:
+        raise NotImplementedError
+
+    # ---- queue -------------------------------------------------------------------------------
+    def _enqueue(self, req: Request, device: torch.device) -> None:
+        """Queue a built request (thread-safe) with its own generator on `device`, seeded with
+        req.seed or from the engine's seed stream. Raises EngineUnavailableError / QueueFullError."""
+        with self._lock:
+            if not self.healthy or self._stop:
+                raise EngineUnavailableError(f"engine cannot serve: {self.health_error or 'stopped'}")
+            if len(self.waiting) >= self.cfg.max_waiting:
+                self.totals["rejected"] += 1
+                raise QueueFullError(f"engine queue is full ({self.cfg.max_waiting} waiting); retry later")
+            req.generator = torch.Generator(device=device).manual_seed(
+                req.seed if req.seed is not None else self._seeds.getrandbits(63))
+            self.waiting.append(req)
+            self.totals["submitted"] += 1
+        self._wakeup.set()
+
+    def cancel(self, req: Request) -> None:
+        """Stop a request at the next step boundary (e.g. its client went away)."""
+        req.cancelled = True
+        self._wakeup.set()
+
+    def has_work(self) -> bool:
+        return bool(self.active or self.waiting)
+
+    def _admit(self) -> list[Request]:
+        """Move waiting requests into free slots: up to max_batch active, max_prefill_tokens prompt
+        tokens per step (the first newcomer always fits)."""
+        newcomers, budget = [], self.cfg.max_prefill_tokens
+        with self._lock:
+            while self.waiting and len(self.active) < self.cfg.max_batch:
+                req = self.waiting[0]
+                if newcomers and len(req.prompt_ids) > budget:
+                    break
+                self.waiting.popleft()
+                if req.cancelled:
+                    self._finish(req, "cancelled")
+                    continue
+                budget -= len(req.prompt_ids)
+                req.slot = self.kv.allocate()
+                self.active.append(req)
+                newcomers.append(req)
+        return newcomers
+
+    # ---- background loop ---------------------------------------------------------------------
+    def start(self) -> "RequestBatch":
+        if self._thread is None:
+            self._stop = False
+            self._thread = threading.Thread(target=self._loop, name="dspark-engine", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop = True
+        self._wakeup.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+        self._fail_all("engine stopped", reason="cancelled")
+
+    def _loop(self) -> None:
+        while not self._stop:
+            if not self.has_work():
+                self._wakeup.wait(0.1)
+                self._wakeup.clear()
+                continue
+            try:
+                self.step()
+                self._failures_in_a_row = 0
+            except Exception as err:  # a step-level failure: requests in flight cannot be trusted
+                self._failures_in_a_row += 1
+                log.exception("engine step failed (%d in a row)", self._failures_in_a_row)
+                self._fail_all(f"engine step failed: {err}")
+                if self._failures_in_a_row >= self.cfg.max_consecutive_failures:
+                    self.healthy, self.health_error = False, f"{self._failures_in_a_row} failed steps in a row: {err}"
+                    log.error("engine marked unhealthy: %s", self.health_error)
+                    return
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    # ---- finishing ---------------------------------------------------------------------------
+    def _notify(self, req: Request, new: list[int]) -> None:
+        if req.listener is not None:
+            try:
+                req.listener(req, new, req.finished)
+            except Exception:
+                log.exception("listener of request %s failed", req.id)
+
+    def _fail(self, req: Request, message: str, report: StepReport | None) -> None:
+        log.warning("request %s failed: %s", req.id, message)
+        req.error = message
+        req.finish_reason = "error"
+        if report is not None:
+            report.failed += 1
+
+    def _finish(self, req: Request, reason: str) -> None:
+        """Mark a request that is not (or no longer) in a slot as finished and wake its waiters."""
+        if req.finish_reason is None:
+            req.finish_reason = reason
+        req.finished_at = time.perf_counter()
+        key = {"error": "failed", "cancelled": "cancelled"}.get(req.finish_reason, "finished")
+        self.totals[key] += 1
+        if req.finish_reason in ("error", "cancelled"):
+            self._notify(req, [])
+        req.done.set()
+
+    def _retire(self) -> None:
+        """Remove finished (or cancelled) requests; keep slots contiguous (last slot moves into the hole)."""
+        for slot in range(len(self.active) - 1, -1, -1):
+            req = self.active[slot]
+            if req.cancelled and not req.finished:
+                req.finish_reason = "cancelled"
+            if not req.finished:
+                continue
+            moved = self.kv.release(slot)
+            last = self.active.pop()
+            if moved is not None:
+                last.slot = slot
+                self.active[slot] = last
+            req.slot, req.draft_state, req.proposal, req.generator, req.noise = -1, None, None, None, None
+            req.ctx_pending = []
+            self._finish(req, req.finish_reason)
+
+    def _fail_all(self, message: str, reason: str = "error") -> None:
+        with self._lock:
+            pending = list(self.active) + list(self.waiting)
+            self.waiting.clear()
+        for req in pending:
+            if not req.finished:
+                req.error = message if reason == "error" else None
+                req.finish_reason = reason
+        self._retire()
+        for req in pending:
+            if not req.done.is_set():
+                self._finish(req, reason)
+
+    # ---- totals ------------------------------------------------------------------------------
+    def _account(self, report: StepReport) -> None:
+        t = self.totals
+        t["steps"] += 1
+        t["rounds"] += report.rows
+        t["prompt_tokens"] += report.prefill_tokens
+        t["generated_tokens"] += report.emitted
+        for key in ("proposed", "verified", "accepted", "batch_tokens"):
+            t[key] += getattr(report, key)
+        t["busy_s"] += report.step_s
+        t["draft_skipped_steps"] += int(self.drafting and report.rows > 0 and not report.drafted)
+        for fn in self.step_listeners:
+            try:
+                fn(report)
+            except Exception:
+                log.exception("step listener failed")

@@ -108,10 +108,11 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    from dspark.io import storage
     from dspark.models.target import load_target
 
     t0 = time.perf_counter()
-    target = load_target(args.target, device=args.device)
+    target = load_target(args.target, device=args.device, local_copy=storage.local_copy)
     drafters = load_drafters(args, target)
     prompts = load_prompts(target, args.data_dir, args.datasets, args.prompts)
     sp = SamplingParams(temperature=args.temperature)

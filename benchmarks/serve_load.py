@@ -105,11 +105,12 @@ def resolve_drafter(args) -> tuple[str, str]:
     import torch
 
     from dspark.drafters import DrafterConfig, build_drafter, save_drafter
+    from dspark.io import storage
     from dspark.models.target import load_target
 
     torch.manual_seed(0)
     drafter = build_drafter(DrafterConfig(algo="dspark", block_size=args.gamma or 4, num_layers=1),
-                            load_target(args.target))
+                            load_target(args.target, local_copy=storage.local_copy))
     path = os.path.join(tempfile.mkdtemp(prefix="serve-load-drafter-"), "untrained")
     save_drafter(drafter, path)
     return path, "untrained"

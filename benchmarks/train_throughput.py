@@ -190,6 +190,7 @@ def compare(args) -> dict:
     import torch
 
     from dspark.config import load_config
+    from dspark.io import storage
     from dspark.models.target import load_target
     from dspark.training.loop import resolve_precision
     from dspark.training.config import TrainJobConfig
@@ -199,7 +200,7 @@ def compare(args) -> dict:
     rows = compare_rows(args.micro_batch * args.steps, args, vocab_size(base.target))
     results = {}
     for precision in precisions:
-        target = load_target(base.target, device=args.device,
+        target = load_target(base.target, device=args.device, local_copy=storage.local_copy,
                              dtype=torch.bfloat16 if precision == "bf16" else torch.float32)
         for name, res in measure_interleaved(base, target, rows, args, precision).items():
             results[f"{precision}/{name}"] = res

@@ -42,9 +42,10 @@ def _stack_status(args) -> int:
 
 
 def _target_prepare(args) -> int:
+    from dspark.io import storage
     from dspark.models.target import load_target
 
-    target = load_target(args.name)
+    target = load_target(args.name, local_copy=storage.local_copy)
     path = getattr(target.model, "name_or_path", "") or getattr(target.model.config, "_name_or_path", "")
     print(path)
     return 0

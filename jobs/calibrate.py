@@ -76,7 +76,7 @@ class CalibrateConfig(StrictModel):
 # ---- held-out prompts ------------------------------------------------------------------------------
 def rollout_prompts(uri: str, split: str) -> list[tuple[str | None, list[str]]]:
     """(system, user turns) of every rollout row in `split`."""
-    from dspark.data.rollout_store import read_rollouts
+    from dspark.io.rollout_store import read_rollouts
 
     rows = read_rollouts(uri).to_pylist()
     if not rows:
@@ -226,7 +226,7 @@ def run(cfg: CalibrateConfig) -> dict:
     pinned = resolve_ref(cfg.drafter)  # an alias resolves once: the report names the exact source version
     if not storage.is_s3(new_uri) and os.path.realpath(new_uri) == os.path.realpath(local_dir(pinned)):
         raise ValueError(f"output {cfg.output} would overwrite the source drafter; choose another output")
-    drafter = load_drafter_ref(pinned.uri, load_target(cfg.target))
+    drafter = load_drafter_ref(pinned.uri, load_target(cfg.target, local_copy=storage.local_copy))
     if not drafter.has_confidences:
         raise ValueError(f"drafter {cfg.drafter} ({drafter.config.algo}) has no confidence head; STS calibrates "
                          f"DSpark drafters built with confidence_head=true")

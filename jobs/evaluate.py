@@ -218,7 +218,7 @@ def run(cfg: EvalConfig) -> dict:
     storage.check_writable(cfg.output)  # fail fast, before any decoding
     benchmarks, problems = ev.load_benchmarks(cfg.benchmarks, cfg.benchmark_dir, cfg.max_prompts_per_benchmark,
                                               read_text=storage.read_text)
-    target = load_target(cfg.target)
+    target = load_target(cfg.target, local_copy=storage.local_copy)
     infos = load_drafter_infos(cfg.drafters, target)
     del target  # the workers load their own
     sweep = sweep_plan(cfg, infos)

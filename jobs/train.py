@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from dspark.config import ConfigError, config_to_dict, dump_config, flatten
-from dspark.data.rollout_store import check_rollouts, parquet_paths
+from dspark.io.rollout_store import check_rollouts, parquet_paths
 from dspark.io.run_dir import RunDir, checkpoint_uri, copy_checkpoint_subdir
 from dspark.io.storage import StorageError
 from dspark.io.tracking import TrackingError

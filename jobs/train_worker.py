@@ -96,8 +96,11 @@ def train_loop_per_worker(loop_config: dict) -> None:
         from dspark.io.drafter_source import local_dir
 
         plan = {**plan, "init_dir": local_dir(plan["init_from"])}
+    from dspark.io import storage
+
     ctx = ray.train.get_context()
-    session = TrainSession(cfg, plan, ctx.get_world_rank(), ctx.get_world_size(), ray.train.torch.get_device())
+    session = TrainSession(cfg, plan, ctx.get_world_rank(), ctx.get_world_size(), ray.train.torch.get_device(),
+                           local_copy=storage.local_copy)
     session.setup()
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is not None:

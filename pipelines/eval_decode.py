@@ -33,12 +33,14 @@ class EvalWorker:
     def __init__(self, spec: dict):
         import torch
 
+        from dspark.io import storage
         from dspark.io.drafter_source import load_drafter_ref
         from dspark.models.target import load_target
 
         if spec.get("threads"):
             torch.set_num_threads(spec["threads"])
-        self.target = load_target(spec["target"], dtype=getattr(torch, spec["dtype"]), device=spec["device"])
+        self.target = load_target(spec["target"], dtype=getattr(torch, spec["dtype"]), device=spec["device"],
+                                  local_copy=storage.local_copy)
         self.drafters = {name: load_drafter_ref(ref, self.target) for name, ref in spec["drafters"].items()}
         if spec.get("raw_confidences"):  # calibration collects uncalibrated confidences
             for drafter in self.drafters.values():

@@ -14,7 +14,7 @@ Pipeline (driver side in `run_rollouts`):
 5. write `manifest.json` from the commit markers.
 
 The target side (chat template, generation, the Ray Data callable) is dspark/data/rollout_engine.py;
-the on-disk format and its readers are dspark/data/rollout_store.py.
+the on-disk format is dspark/data/schema.py, written and read by dspark/io/rollout_store.py.
 
 Backends (`backend`): `engine` (default) generates with dspark.decoding.generator.BatchGenerator, continuous
 batching over the serving engine's ragged KV store; `transformers` runs HF `generate` on fixed
@@ -42,7 +42,8 @@ from pipelines import rollout_vllm
 from pipelines.actor_pool import DEFAULT_START_TIMEOUT_S, START_TIMEOUT_DESCRIPTION, WorkerAsk, data_pool
 from dspark.data.prompts import LoadResult, PromptSource, load_prompts
 from dspark.data.rollout_engine import RolloutActor, SamplingConfig
-from dspark.data.rollout_store import Plan, add_counts, commit_chunk, path_in, prepare_output, read_commits, write_parquet
+from dspark.data.schema import Plan, add_counts
+from dspark.io.rollout_store import commit_chunk, path_in, prepare_output, read_commits, write_parquet
 from pipelines.rollout_vllm import VllmConfig
 
 FAIL_AFTER_ENV = "DSPARK_FAIL_AFTER_CHUNKS"  # test hook: raise after this many chunk commits
@@ -185,8 +186,9 @@ def generation_stage(cfg: RolloutConfig, ds, rows: list[dict], actor: type, spec
     vLLM processor (rollouts with backend vllm)."""
     if uses_vllm(cfg, actor):
         return rollout_vllm.vllm_stage(cfg, ds, max(len(r["turns"]) for r in rows))
-    return ds.map_batches(
-        actor, fn_constructor_kwargs={"spec": spec or actor_spec(cfg)}, batch_size=cfg.compute.batch_size,
+    return ds.map_batches(  # every actor takes (spec, local_copy): an s3:// target is copied to its node
+        actor, fn_constructor_kwargs={"spec": spec or actor_spec(cfg), "local_copy": storage.local_copy},
+        batch_size=cfg.compute.batch_size,
         batch_format="pyarrow", **pool, num_cpus=cfg.compute.num_cpus, num_gpus=cfg.compute.num_gpus or None)
 
 
@@ -265,7 +267,7 @@ def run_rollouts(cfg: RolloutConfig, on_chunk: Callable[[RunStats], None] | None
     storage.check_writable(out)  # fail fast, before reading or generating anything
     if cfg.backend == "vllm":
         rollout_vllm.require_vllm()
-    loaded = load_prompts(cfg.sources, cfg.holdout_fraction)
+    loaded = load_prompts(cfg.sources, cfg.holdout_fraction, files=storage)
     plan = make_plan(cfg, loaded)
     prepare_output(out, plan, cfg.overwrite)
     if on_start:

@@ -60,14 +60,14 @@ from dspark.data.prompts import (
     prompt_id_of,
 )
 from dspark.data.rollout_engine import SamplingConfig
-from dspark.data.rollout_store import (
-    Plan,
+from dspark.data.schema import Plan
+from dspark.io import storage
+from dspark.io.rollout_store import (
     path_in,
     prepare_output,
     read_commits,
     write_parquet,
 )
-from dspark.io import storage
 from pipelines.rollout import ComputeConfig, RunStats, generate_chunks
 
 
@@ -103,11 +103,12 @@ def make_magpie_plan(cfg: SynthesizeConfig) -> Plan:
 class MagpieActor:
     """A Ray Data actor: one target replica writing user turns for whole batches."""
 
-    def __init__(self, spec: dict):
+    def __init__(self, spec: dict, local_copy: Callable[[str], str] | None = None):
         from dspark.models.target import load_target
 
         torch.set_num_threads(spec["threads"])
-        target = load_target(spec["target"], dtype=getattr(torch, spec["dtype"]), device=spec["device"])
+        target = load_target(spec["target"], dtype=getattr(torch, spec["dtype"]), device=spec["device"],
+                             local_copy=local_copy)
         self.engine = MagpieEngine(target, SamplingConfig(**spec["sampling"]), spec["max_context_tokens"])
 
     def __call__(self, batch: pa.Table) -> pa.Table:
@@ -290,7 +291,7 @@ def run_synthesis(cfg: SynthesizeConfig, on_chunk: Callable[[RunStats], None] | 
                   progress: bool = True, on_start: Callable[[str], None] | None = None) -> SynthesisResult:
     out = cfg.output.rstrip("/")
     storage.check_writable(out)
-    loaded = load_prompts(cfg.sources) if cfg.sources else LoadResult()
+    loaded = load_prompts(cfg.sources, files=storage) if cfg.sources else LoadResult()
     eval_index = build_eval_index(eval_files_text(cfg.eval_files), cfg.filters.decontam_ngram,
                                   cfg.filters.decontam_max_ngram_prompts)
     plan = make_magpie_plan(cfg)

@@ -149,6 +149,7 @@ def _json_default(x):
 def load(r: Recipe) -> None:
     import torch
 
+    from dspark.io import storage
     from dspark.models.target import load_target
     from dspark.training.step import precision_dtype, resolve_precision
 
@@ -157,7 +158,7 @@ def load(r: Recipe) -> None:
     r.precision = resolve_precision(device, cfg.precision)
     if device.startswith("cuda"):
         torch.backends.cuda.matmul.allow_tf32 = True
-    r.target = load_target(cfg.target, device=device, dtype=precision_dtype(r.precision))
+    r.target = load_target(cfg.target, device=device, dtype=precision_dtype(r.precision), local_copy=storage.local_copy)
     r.summary.update(device=torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
                      precision=r.precision, torch=torch.__version__)
 
@@ -166,11 +167,12 @@ def prompts(r: Recipe) -> None:
     from dspark.eval.benchmark_files import BenchmarkSpec, load_benchmark
     from dspark.data.prompt_filters import build_eval_index
     from dspark.data.prompts import load_prompts
+    from dspark.io import storage
 
     cfg = r.cfg
     files = {f"{b}.jsonl": Path(cfg.eval.dir, f"{b}.jsonl").read_text() for b in cfg.eval.benchmarks}
     index = build_eval_index(files, cfg.decontam_ngram)
-    loaded = load_prompts(cfg.prompts).prompts
+    loaded = load_prompts(cfg.prompts, files=storage).prompts
     r.prompts = [p for p in loaded if index.match("\n".join(p.turns)) is None]
     r.benchmarks = [load_benchmark(BenchmarkSpec(path=name), cfg.eval.dir, cfg.eval.prompts_per_benchmark)
                     for name in files]

@@ -8,7 +8,7 @@ plus equal-budget baselines, a report (JSON + plot) and the inputs of `dspark pl
     python -m recipes.learning_curve report    [--profile cpu|gpu] [--out DIR]   # JSON + plot
 
 Every phase is resumable from its output folder (DIR, default /work/learn-runs/<profile>): rollouts commit a
-Parquet shard per chunk in the rollout-store format (dspark/data/rollout_store.py) and skip committed
+Parquet shard per chunk in the rollout-store format (dspark/io/rollout_store.py) and skip committed
 chunks; a training point with a saved drafter is skipped; an evaluation with a result file is skipped.
 Progress goes to stdout (one line per chunk / log interval).
 
@@ -101,7 +101,7 @@ def rollout_plan(prompts: list, passes: int, chunk_prompts: int, settings: dict)
     `~p<k>` suffixes."""
     from dataclasses import replace
 
-    from dspark.data.rollout_store import Plan
+    from dspark.data.schema import Plan
 
     import random
 
@@ -123,7 +123,7 @@ def generate_rollouts(out: str, prompts: list, prof: dict, passes: int, seed: in
     from dspark.decoding.generator import GeneratorConfig
     from dspark.models.target import load_target
     from dspark.data.rollout_engine import RolloutEngine, SamplingConfig
-    from dspark.data.rollout_store import commit_chunk, prepare_output, read_commits
+    from dspark.io.rollout_store import commit_chunk, prepare_output, read_commits
 
     sampling = SamplingConfig(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=prof["max_new_tokens"], seed=seed)
     settings = {"target": prof["target"], "sampling": sampling.model_dump()}
@@ -156,7 +156,8 @@ def generate_rollouts(out: str, prompts: list, prof: dict, passes: int, seed: in
 
 def write_manifest(out: str, plan) -> dict:
     from dspark.io import storage
-    from dspark.data.rollout_store import add_counts, path_in, read_commits
+    from dspark.data.schema import add_counts
+    from dspark.io.rollout_store import path_in, read_commits
 
     commits = read_commits(out)
     counts: dict = {}
@@ -212,7 +213,7 @@ def _load_target(prof: dict):
 
 def committed_rows(folder: Path) -> list[dict]:
     """Rows of the committed chunks, in commit-plan order (pass 0 first), as dicts."""
-    from dspark.data.rollout_store import read_rollouts
+    from dspark.io.rollout_store import read_rollouts
 
     table = read_rollouts(str(folder))
     cols = ["prompt_id", "domain", "input_ids", "loss_mask", "num_generated_tokens"]

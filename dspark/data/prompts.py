@@ -21,6 +21,8 @@ Normalisation: NFC unicode, `\\r\\n` → `\\n`, surrounding whitespace stripped.
 sha256 of the normalised system prompt + user turns, so identical prompts from any source collapse
 to one (the first occurrence wins). The split is a pure function of the id.
 Bad records never stop the job: each becomes an error row (see dspark/data/schema.py for reasons).
+Sources are read through `files` (dspark/data/files.py): the jobs and pipelines pass dspark.io.storage
+(local and s3://); by default only local paths are read.
 """
 from __future__ import annotations
 
@@ -35,8 +37,8 @@ from typing import Iterator, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from dspark.io import storage
 from dspark.config import StrictModel
+from dspark.data.files import LOCAL, Files
 from dspark.data.jsonl import jsonl_lines
 from dspark.data.schema import RAW_LIMIT
 
@@ -223,28 +225,28 @@ def _is_hf_disk(files: list[str], root: str) -> bool:
     return any(marker in top for marker in HF_DISK_MARKERS)
 
 
-def _source_files(src: PromptSource) -> tuple[str, list[str]]:
-    """-> (file format, files). A single file, a directory/prefix of files, or a save_to_disk dir."""
+def _source_files(src: PromptSource, files: Files) -> tuple[str, list[str]]:
+    """-> (file format, data files). A single file, a directory/prefix of files, or a save_to_disk dir."""
     uri = src.uri
     if src.file_format == "hf_disk":
         return "hf_disk", [uri]
-    if storage.is_s3(uri):  # an object lists itself; a prefix (with or without "/") lists what is below it
-        is_file = storage.list_files(uri) == [uri]
+    if files.is_s3(uri):  # an object lists itself; a prefix (with or without "/") lists what is below it
+        is_file = files.list_files(uri) == [uri]
     else:
         if not os.path.exists(uri):
             raise FileNotFoundError(f"prompt source not found: {uri} (check `sources[].uri` in the config)")
         is_file = os.path.isfile(uri)
     if is_file:
         return _file_format(uri, src.file_format), [uri]
-    files = sorted(storage.list_files(uri))
-    if not files:
+    listed = sorted(files.list_files(uri))
+    if not listed:
         raise FileNotFoundError(f"prompt source {uri} is empty or missing (check `sources[].uri`)")
-    if _is_hf_disk(files, uri.rstrip("/")):
+    if _is_hf_disk(listed, uri.rstrip("/")):
         return "hf_disk", [uri]
-    shards = _synthesized_shards(uri, files)
+    shards = _synthesized_shards(uri, listed, files)
     if shards is not None:
         return "parquet", shards
-    data = [f for f in files if f.lower().endswith((".jsonl", ".json", ".ndjson", ".parquet"))]
+    data = [f for f in listed if f.lower().endswith((".jsonl", ".json", ".ndjson", ".parquet"))]
     if not data:
         raise ValueError(f"prompt source {uri} holds no .jsonl/.json/.parquet files")
     formats = {_file_format(f, src.file_format) for f in data}
@@ -253,23 +255,23 @@ def _source_files(src: PromptSource) -> tuple[str, list[str]]:
     return formats.pop(), data
 
 
-def _synthesized_shards(root: str, files: list[str]) -> list[str] | None:
+def _synthesized_shards(root: str, listed: list[str], files: Files) -> list[str] | None:
     """The data shards of a jobs.synthesize output directory, or None if `root` is not one."""
-    manifest_uri = storage.join(root.rstrip("/"), "manifest.json")
-    if not any(f.rstrip("/") == manifest_uri for f in files):
+    manifest_uri = files.join(root.rstrip("/"), "manifest.json")
+    if not any(f.rstrip("/") == manifest_uri for f in listed):
         return None
     try:
-        manifest = json.loads(storage.read_text(manifest_uri))
+        manifest = json.loads(files.read_text(manifest_uri))
     except ValueError:
         return None
     if not isinstance(manifest, dict) or manifest.get("format") != PROMPTS_FORMAT:
         return None
-    return [storage.join(root.rstrip("/"), shard) for shard in manifest["shards"]]
+    return [files.join(root.rstrip("/"), shard) for shard in manifest["shards"]]
 
 
-def _jsonl_records(uri: str) -> Iterator[tuple[str, object, str]]:
+def _jsonl_records(uri: str, files: Files) -> Iterator[tuple[str, object, str]]:
     """-> (location, parsed record or BadRecord, raw line) per non-blank line."""
-    for number, raw in jsonl_lines(_read_file(uri)):
+    for number, raw in jsonl_lines(_read_file(uri, files)):
         try:
             line = raw.decode("utf-8")
         except UnicodeDecodeError as err:
@@ -281,17 +283,17 @@ def _jsonl_records(uri: str) -> Iterator[tuple[str, object, str]]:
             yield f"{uri}:{number}", BadRecord("malformed_json", f"invalid JSON: {err.msg} at column {err.colno}"), line
 
 
-def _read_file(uri: str) -> bytes:
+def _read_file(uri: str, files: Files) -> bytes:
     try:
-        return storage.read_bytes(uri)
-    except (OSError, storage.StorageError) as err:
+        return files.read_bytes(uri)
+    except (OSError, RuntimeError) as err:  # RuntimeError: the store's own (dspark.io.storage.StorageError)
         raise ValueError(f"cannot read prompt source file {uri}: {err}") from None
 
 
-def _parquet_records(uri: str) -> Iterator[tuple[str, object, str]]:
+def _parquet_records(uri: str, files: Files) -> Iterator[tuple[str, object, str]]:
     import pyarrow.parquet as pq
 
-    fs, path = storage.pyarrow_fs(uri)
+    fs, path = files.pyarrow_fs(uri)
     try:
         parquet = pq.ParquetFile(path, filesystem=fs)
         batches = list(parquet.iter_batches(batch_size=1024))
@@ -304,10 +306,10 @@ def _parquet_records(uri: str) -> Iterator[tuple[str, object, str]]:
             row += 1
 
 
-def _hf_disk_records(uri: str, hf_split: str) -> Iterator[tuple[str, object, str]]:
+def _hf_disk_records(uri: str, hf_split: str, files: Files) -> Iterator[tuple[str, object, str]]:
     import datasets
 
-    local = storage.local_copy(uri) if storage.is_s3(uri) else uri
+    local = files.local_copy(uri) if files.is_s3(uri) else uri
     try:
         loaded = datasets.load_from_disk(local)
     except (OSError, ValueError) as err:
@@ -320,12 +322,12 @@ def _hf_disk_records(uri: str, hf_split: str) -> Iterator[tuple[str, object, str
         yield f"{uri}#{row}", record, ""
 
 
-def iter_source(src: PromptSource) -> Iterator[tuple[str, object, str]]:
-    file_format, files = _source_files(src)
+def iter_source(src: PromptSource, files: Files = LOCAL) -> Iterator[tuple[str, object, str]]:
+    file_format, data_files = _source_files(src, files)
     count = 0
-    for uri in files:
+    for uri in data_files:
         reader = {"jsonl": _jsonl_records, "parquet": _parquet_records}.get(file_format)
-        records = reader(uri) if reader else _hf_disk_records(uri, src.hf_split)
+        records = reader(uri, files) if reader else _hf_disk_records(uri, src.hf_split, files)
         for item in records:
             if src.limit is not None and count >= src.limit:
                 return
@@ -347,14 +349,15 @@ def error_row(source: str, location: str, reason: str, detail: str, raw: str = "
             "detail": detail, "raw": raw[:RAW_LIMIT]}
 
 
-def load_prompts(sources: list[PromptSource], holdout_fraction: float = 0.0) -> LoadResult:
-    """Read every source in order; normalise, id, split, collapse duplicates, collect bad records."""
+def load_prompts(sources: list[PromptSource], holdout_fraction: float = 0.0, files: Files = LOCAL) -> LoadResult:
+    """Read every source in order (through `files`: pass dspark.io.storage for s3:// sources); normalise,
+    id, split, collapse duplicates, collect bad records."""
     if not 0 <= holdout_fraction < 1:
         raise ValueError(f"holdout_fraction must be in [0, 1), got {holdout_fraction}")
     result, seen = LoadResult(), set()
     for src in sources:
         label = src.label
-        for location, record, raw in iter_source(src):
+        for location, record, raw in iter_source(src, files):
             result.records_read += 1
             try:
                 if isinstance(record, BadRecord):
@@ -373,9 +376,10 @@ def load_prompts(sources: list[PromptSource], holdout_fraction: float = 0.0) -> 
     return result
 
 
-def write_jsonl(records: list, uri: str) -> None:
-    """Small helper for tests and examples: records (dicts or raw strings) -> a JSONL file/object."""
+def write_jsonl(records: list, uri: str, files: Files = LOCAL) -> None:
+    """Small helper for tests and examples: records (dicts or raw strings) -> a JSONL file (or an
+    object, with files=dspark.io.storage)."""
     buf = io.StringIO()
     for r in records:
         buf.write((r if isinstance(r, str) else json.dumps(r, ensure_ascii=False)) + "\n")
-    storage.write_text(uri, buf.getvalue())
+    files.write_text(uri, buf.getvalue())

@@ -12,7 +12,7 @@ import hashlib
 import json
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Callable, Literal
 
 import pyarrow as pa
 import torch
@@ -285,13 +285,15 @@ def results_table(results: list[dict]) -> pa.Table:
 
 
 class RolloutActor:
-    """A Ray Data actor: one target replica generating for whole batches."""
+    """A Ray Data actor: one target replica generating for whole batches. `local_copy` copies an
+    s3:// target here (pipelines.rollout passes dspark.io.storage.local_copy)."""
 
-    def __init__(self, spec: dict):
+    def __init__(self, spec: dict, local_copy: Callable[[str], str] | None = None):
         from dspark.models.target import load_target
 
         torch.set_num_threads(spec["threads"])
-        target = load_target(spec["target"], dtype=getattr(torch, spec["dtype"]), device=spec["device"])
+        target = load_target(spec["target"], dtype=getattr(torch, spec["dtype"]), device=spec["device"],
+                             local_copy=local_copy)
         self.engine = RolloutEngine(target, SamplingConfig(**spec["sampling"]), spec["max_context_tokens"],
                                     spec["backend"], GeneratorConfig(**spec["engine"]))
 

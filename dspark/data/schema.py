@@ -12,6 +12,7 @@ Layout under the job's `output` (a local directory or an `s3://bucket/prefix`):
     manifest.json                written last: counts, token totals, errors by reason, config, shards
 
 Readers should take the shard list from `manifest.json` (or the commit markers), not from a listing.
+dspark/io/rollout_store.py writes and reads this layout on storage; this module stays storage-free.
 
 Rollout rows (one per unique prompt):
 - prompt_id: 32 hex chars, sha256 of the normalised prompt (system + user turns); duplicates collapse.
@@ -30,6 +31,8 @@ Rollout rows (one per unique prompt):
   parameters (temperature, top_p, top_k, max_new_tokens, seed); chunk: the chunk it belongs to.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import pyarrow as pa
 
@@ -75,3 +78,22 @@ RESULT_SCHEMA = pa.schema(list(ROLLOUT_SCHEMA) + [("error_reason", pa.string()),
 
 def shard_name(chunk: int) -> str:
     return f"part-{chunk:05d}"
+
+
+# ---------------------------------------------------------------- the chunk plan and its commit markers
+@dataclass
+class Plan:
+    """The work of a chunked output (rollouts, synthesis): its items cut into chunks (prompts, or
+    synthesis slots) and the fingerprint of the inputs + settings stored as `_plan.json`."""
+    chunks: list[list]
+    fingerprint: str
+
+    def describe(self) -> dict:
+        return {"fingerprint": self.fingerprint, "num_chunks": len(self.chunks),
+                "num_prompts": sum(len(c) for c in self.chunks)}
+
+
+def add_counts(total: dict, part: dict) -> None:
+    """Add a commit marker's counters (e.g. errors_by_reason) into running totals."""
+    for key, value in part.items():
+        total[key] = total.get(key, 0) + value

@@ -81,6 +81,7 @@ def warn_requirements(out_dir: str) -> None:
 def load_for_export(ref: str, target: str | None = None) -> Drafter:
     """Load a drafter reference (local dir, s3://, runs:/, models:/) with its target attached (the
     target named in the checkpoint unless `target` overrides it: exports copy its embedding rows)."""
+    from dspark.io import storage
     from dspark.io.drafter_source import load_drafter_ref, local_dir
     from dspark.drafters.checkpoint import read_checkpoint_config
     from dspark.models.target import load_target
@@ -89,7 +90,7 @@ def load_for_export(ref: str, target: str | None = None) -> Drafter:
     spec = target or meta.get("name")
     if not spec:
         raise ValueError(f"drafter {ref}: its checkpoint names no target; pass --target")
-    return load_drafter_ref(ref, load_target(spec))
+    return load_drafter_ref(ref, load_target(spec, local_copy=storage.local_copy))
 
 
 def export_ref(ref: str, out_dir: str, fmt: str, *, target: str | None = None, verifier: str | None = None,

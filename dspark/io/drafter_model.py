@@ -29,11 +29,12 @@ class DrafterModel(tracking.python_model_base()):
     def load_context(self, context) -> None:
         from dspark.drafters import load_drafter
         from dspark.drafters.checkpoint import read_checkpoint_config
+        from dspark.io import storage
         from dspark.models.target import load_target
 
         path = context.artifacts[ARTIFACT_KEY]
         name = os.environ.get(TARGET_ENV) or read_checkpoint_config(path)["target_meta"].get("name")
-        self.target = load_target(name)
+        self.target = load_target(name, local_copy=storage.local_copy)
         self.drafter = load_drafter(path, self.target)
 
     def predict(self, context, model_input, params: dict | None = None) -> list[dict]:

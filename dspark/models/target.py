@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import inspect
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import Tensor
@@ -218,24 +218,28 @@ def _strip_after_stop(seq: list[int], stops: set[int], pad: int) -> list[int]:
     return seq
 
 
-def resolve_model_path(spec: str) -> str:
-    """A local model directory for a built-in name or an s3:// dir (copied here); else the spec itself
-    (a local dir, or a hub name that needs network or a mirror, HF_ENDPOINT)."""
+def resolve_model_path(spec: str, local_copy: Callable[[str], str] | None = None) -> str:
+    """A local model directory for a built-in name or an s3:// dir (copied here by `local_copy`: the
+    edges pass dspark.io.storage.local_copy); else the spec itself (a local dir, or a hub name that
+    needs network or a mirror, HF_ENDPOINT)."""
     if spec in models_builtin.BUILTIN:
         return str(models_builtin.prepare(spec))
     if spec.startswith("s3://"):
-        from dspark.io import storage
-
-        return str(storage.local_copy(spec))
+        if local_copy is None:
+            raise ValueError(f"target {spec!r} is an object-store directory: pass local_copy "
+                             f"(dspark.io.storage.local_copy) to copy it here (the jobs and pipelines do)")
+        return str(local_copy(spec))
     return spec
 
 
-def load_target(spec: str, *, dtype: torch.dtype = torch.float32, device: str = "cpu") -> Target:
-    """Load a target by built-in name ("tiny", "smollm2-135m"), local dir, s3:// dir or hub name."""
+def load_target(spec: str, *, dtype: torch.dtype = torch.float32, device: str = "cpu",
+                local_copy: Callable[[str], str] | None = None) -> Target:
+    """Load a target by built-in name ("tiny", "smollm2-135m"), local dir, s3:// dir (needs
+    `local_copy`, see resolve_model_path) or hub name."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     name = spec
-    path = resolve_model_path(spec)
+    path = resolve_model_path(spec, local_copy)
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
         tokenizer = AutoTokenizer.from_pretrained(path)

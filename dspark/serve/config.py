@@ -101,12 +101,14 @@ def build_engine(cfg: ServeConfig, device: str | None = None, has_gpus: bool | N
     was given GPUs; default deployment.num_gpus > 0 — a Serve replica passes Ray's assignment)."""
     import torch
 
+    from dspark.io import storage
     from dspark.io.drafter_source import load_drafter_ref
     from dspark.models.target import load_target
 
     has_gpus = cfg.deployment.num_gpus > 0 if has_gpus is None else has_gpus
     device = device or resolve_device(cfg.model.device, has_gpus)
-    target = load_target(cfg.model.target, dtype=getattr(torch, cfg.model.dtype), device=device)
+    target = load_target(cfg.model.target, dtype=getattr(torch, cfg.model.dtype), device=device,
+                         local_copy=storage.local_copy)
     drafter = None
     if cfg.engine.scheduler.mode != "off":
         if not cfg.model.drafter:

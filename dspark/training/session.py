@@ -157,6 +157,7 @@ class TrainSession:
     step: int = 0
     restored_from: int | None = None
     restarts: int = 0
+    local_copy: Callable[[str], str] | None = None  # copies an s3:// target here (jobs.train_worker passes storage's)
     _tokens: int = 0
     _metric_sums: dict = field(default_factory=dict)
     _micro: int = 0
@@ -174,7 +175,8 @@ class TrainSession:
         precision = self.plan["precision"]
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        self.target = load_target(self.cfg.target, dtype=precision_dtype(precision), device=str(self.device))
+        self.target = load_target(self.cfg.target, dtype=precision_dtype(precision), device=str(self.device),
+                                  local_copy=self.local_copy)
         self.engine = init_engine(self.cfg, self.plan, self.target)
         self._step = DrafterStep(DeepSpeedUpdate(self.engine, self.plan), self.device, precision)
         from dspark.training.loop import FlopsModel

@@ -186,7 +186,7 @@ def test_jsonl_with_unicode_separators_loads_from_s3(stack_ray):
     uri = f"s3://dspark/tests/faults-{uuid.uuid4().hex[:8]}/bench.jsonl"
     storage.write_text(uri, "".join(json.dumps({"turns": [t]}, ensure_ascii=False) + "\n" for t in turns))
     assert load_benchmark(BenchmarkSpec(path=uri), read_text=storage.read_text).prompts == [[t] for t in turns]
-    loaded = load_prompts([PromptSource(uri=uri)], holdout_fraction=0.0)
+    loaded = load_prompts([PromptSource(uri=uri)], holdout_fraction=0.0, files=storage)
     assert loaded.errors == [] and sorted(p.turns[0] for p in loaded.prompts) == sorted(turns)
 
 

@@ -199,7 +199,7 @@ def test_flywheel_end_to_end(local_stack, tmp_path, caplog, monkeypatch):
     from jobs import drift, promote, retrain_data
     from jobs.serve import ServeJobConfig, deploy
     from pipelines.ray_cluster import init_ray
-    from dspark.data.rollout_store import write_parquet
+    from dspark.io.rollout_store import write_parquet
     from dspark.data.schema import ROLLOUT_SCHEMA
 
     t0 = time.time()

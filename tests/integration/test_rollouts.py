@@ -30,7 +30,7 @@ from dspark.data.prompts import load_prompts, prompt_id_of, write_jsonl
 
 from dspark.data.rollout_engine import RolloutEngine
 
-from dspark.data.rollout_store import read_commits, read_errors, read_rollouts
+from dspark.io.rollout_store import read_commits, read_errors, read_rollouts
 from tests.unit.data.test_rollouts import check_row, mask_runs, tiny  # noqa: F401 (shared helpers and fixtures)
 from tests.paths import REPO
 
@@ -94,7 +94,7 @@ def test_end_to_end_jsonl_to_parquet_in_s3(stack_ray, tiny):
                            {"role": "user", "content": "Shorter please"}]} for w in ("cats", "dogs", "code")]
     three = [{"conversations": [{"from": "human", "value": "one"}, {"from": "human", "value": "two"},
                                 {"from": "human", "value": "three"}]}]
-    write_jsonl(single + multi + three + single[:2], f"{prefix}/prompts.jsonl")  # 2 duplicates
+    write_jsonl(single + multi + three + single[:2], f"{prefix}/prompts.jsonl", storage)  # 2 duplicates
     cfg = job_config(f"{prefix}/out", [{"uri": f"{prefix}/prompts.jsonl", "domain": "math"}], "chunk_size=8")
     result = run(cfg)
 
@@ -105,7 +105,8 @@ def test_end_to_end_jsonl_to_parquet_in_s3(stack_ray, tiny):
     fs, path = storage.pyarrow_fs(storage.join(cfg.output, shard))
     assert pq.read_schema(path, filesystem=fs).remove_metadata() == schema.ROLLOUT_SCHEMA
     rows = read_rollouts(cfg.output).to_pylist()
-    assert sorted(r["prompt_id"] for r in rows) == sorted(p.prompt_id for p in load_prompts(cfg.sources).prompts)
+    loaded = load_prompts(cfg.sources, files=storage).prompts
+    assert sorted(r["prompt_id"] for r in rows) == sorted(p.prompt_id for p in loaded)
     for row in rows:
         check_row(row, tiny, 16)
         assert row["domain"] == "math" and row["target"] == "tiny" and row["split"] in ("train", "holdout")
@@ -114,7 +115,7 @@ def test_end_to_end_jsonl_to_parquet_in_s3(stack_ray, tiny):
     assert result.manifest["tokens"]["generated"] == sum(r["num_generated_tokens"] for r in rows)
     # a prompt regenerated on its own, outside Ray, gets the same answer (seed + prompt_id)
     engine = RolloutEngine(tiny, cfg.sampling, cfg.max_context_tokens)
-    again = engine.run([dict(p.as_row(), chunk=0) for p in load_prompts(cfg.sources).prompts[:2]])
+    again = engine.run([dict(p.as_row(), chunk=0) for p in loaded[:2]])
     by_id = {r["prompt_id"]: r for r in rows}
     assert all(a["input_ids"] == by_id[a["prompt_id"]]["input_ids"] for a in again)
     # MLflow: params, metrics, sample table, manifest, config
@@ -145,7 +146,7 @@ def test_exactly_once_after_an_injected_failure(stack_ray, monkeypatch):
     from jobs.generate import run
 
     prefix = s3_prefix("resume")
-    write_jsonl([{"turns": [f"prompt {i}"]} for i in range(20)], f"{prefix}/prompts.jsonl")
+    write_jsonl([{"turns": [f"prompt {i}"]} for i in range(20)], f"{prefix}/prompts.jsonl", storage)
     cfg = job_config(f"{prefix}/out", [{"uri": f"{prefix}/prompts.jsonl"}], "chunk_size=4",
                      "compute.batch_size=2")
     monkeypatch.setenv("DSPARK_FAIL_AFTER_CHUNKS", "2")
@@ -164,7 +165,7 @@ def test_exactly_once_after_an_injected_failure(stack_ray, monkeypatch):
     after = read_commits(cfg.output)
     assert all(after[c]["committed_at"] == first[c]["committed_at"] for c in first)  # not regenerated
     ids = [r["prompt_id"] for r in read_rollouts(cfg.output).to_pylist()]
-    expected = {p.prompt_id for p in load_prompts(cfg.sources).prompts}
+    expected = {p.prompt_id for p in load_prompts(cfg.sources, files=storage).prompts}
     assert len(ids) == len(set(ids)) == 20 and set(ids) == expected
     assert result.manifest["counts"]["rows_out"] == 20 and result.manifest["complete"]
     assert json.loads(storage.read_text(storage.join(cfg.output, RUN_ID_FILE)))["run_id"] == run_id

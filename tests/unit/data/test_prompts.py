@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -90,6 +91,28 @@ def test_load_parquet_directory_and_hf_disk(tmp_path):
         ("tables", "p1"), ("tables", "p2"), ("tables", "p3"), ("hf", "h1")]
     assert result.duplicates == 1 and not result.errors
     assert {p.split for p in result.prompts} <= {"train", "holdout"}
+
+
+def test_sources_read_through_the_callers_files(tmp_path):
+    """The edges pass dspark.io.storage as `files`: on local paths it reads exactly what the local default
+    reads; without it an object-store URI is refused with the fix (never taken for a local path)."""
+    from dspark.io import storage
+
+    (tmp_path / "src").mkdir()
+    pq.write_table(pa.Table.from_pylist([{"prompt": "p1"}, {"prompt": "p2"}]), tmp_path / "src" / "a.parquet")
+    pq.write_table(pa.Table.from_pylist([{"prompt": "p3"}]), tmp_path / "src" / "b.parquet")
+    write_jsonl([{"turns": ["q1", "q2"]}, "not json"], str(tmp_path / "one.jsonl"), storage)
+    sources = [PromptSource(uri=str(tmp_path / "src")), PromptSource(uri=str(tmp_path / "one.jsonl"))]
+    default, through = load_prompts(sources, 0.5), load_prompts(sources, 0.5, files=storage)
+    assert [p.as_row() for p in through.prompts] == [p.as_row() for p in default.prompts]
+    assert [p.turns for p in default.prompts] == [["p1"], ["p2"], ["p3"], ["q1", "q2"]]
+    assert through.errors == default.errors and [e["reason"] for e in default.errors] == ["malformed_json"]
+    for uri in ("s3://bucket/prompts.jsonl", "s3://bucket/prefix"):
+        with pytest.raises(ValueError, match="files=dspark.io.storage"):
+            load_prompts([PromptSource(uri=uri)])
+    with pytest.raises(ValueError, match="files=dspark.io.storage"):
+        write_jsonl([{"turns": ["q"]}], "s3://bucket/prompts.jsonl")
+    assert not (tmp_path / "s3:").exists() and not Path("s3:").exists()
 
 
 def test_limit_and_missing_source(tmp_path):

@@ -24,7 +24,7 @@ from pipelines.rollout import RolloutConfig, make_plan
 
 from dspark.data.rollout_engine import RolloutEngine, SamplingConfig, row_seed
 
-from dspark.data.rollout_store import commit_chunk, prepare_output, read_commits, read_rollouts
+from dspark.io.rollout_store import commit_chunk, prepare_output, read_commits, read_rollouts
 
 
 

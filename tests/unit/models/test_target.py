@@ -75,6 +75,21 @@ def test_micro_model_and_bad_spec():
         load_target("/nonexistent/model-dir-xyz")
 
 
+def test_s3_target_is_copied_by_the_callers_local_copy():
+    """dspark.models never reads object storage: an s3:// target needs `local_copy` (the edges pass
+    dspark.io.storage.local_copy); the target keeps the s3:// spec as its name (checkpoints record it)."""
+    from dspark.models import builtin as models_builtin
+
+    with pytest.raises(ValueError, match="local_copy"):
+        load_target("s3://bucket/models/tiny")
+    tiny_dir = str(models_builtin.prepare("tiny"))
+    asked = []
+    target = load_target("s3://bucket/models/tiny", local_copy=lambda uri: asked.append(uri) or tiny_dir)
+    assert asked == ["s3://bucket/models/tiny"] and target.name == "s3://bucket/models/tiny"
+    assert target.chat_ids([{"role": "user", "content": "hi"}]) == load_target("tiny").chat_ids(
+        [{"role": "user", "content": "hi"}])
+
+
 def test_smollm2_conversion_reloads_offline(tmp_path):
     """The real SmolLM2 comes from the PyPI wheel, converts once, and reloads with plain
     `from_pretrained` with the hub switched off."""

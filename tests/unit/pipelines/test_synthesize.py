@@ -10,7 +10,8 @@ import pytest
 from dspark.data.prompt_filters import (EvalIndex, FilterConfig, PromptFilter, build_eval_index, normalised_key,
                                    repeated_ngram_share)
 from dspark.data.prompts import PromptSource, load_prompts, prompt_id_of, write_jsonl
-from dspark.data.rollout_store import Plan, prepare_output
+from dspark.data.schema import Plan
+from dspark.io.rollout_store import prepare_output
 from dspark.data.rollout_engine import SamplingConfig
 from dspark.data.magpie import (DEFAULT_DOMAINS, DomainSpec, MagpieConfig, MagpieEngine, domain_counts,
                                 domain_sequence, magpie_slots)

@@ -1,13 +1,15 @@
-"""The rollout store: the on-disk format of a rollout (or synthesis) output directory and its readers.
+"""The rollout store: a rollout (or synthesis) output directory on storage, local or s3:// — its
+plan, shards, commit markers and readers. The layout is documented in dspark/data/schema.py:
 
     <out>/_plan.json                 the plan's fingerprint (a rerun with another plan is refused)
-    <out>/data/chunk-<k>.parquet     one shard per chunk (dspark/data/schema.py RESULT_SCHEMA)
-    <out>/commits/chunk-<k>.json     the commit marker: a chunk counts only once its marker exists
+    <out>/data/part-<k>.parquet      one shard per chunk (dspark/data/schema.py ROLLOUT_SCHEMA)
+    <out>/_commits/part-<k>.json     the commit marker: a chunk counts only once its marker exists
     <out>/errors/...                 rows that failed, with their cause
     <out>/manifest.json              counts and settings, written last
 
 A kill at any point loses at most the chunks in flight; their leftovers carry the same names and are
-overwritten on the rerun, so the dataset holds every prompt_id exactly once.
+overwritten on the rerun, so the dataset holds every prompt_id exactly once. The plan and the marker
+counters are pure data (dspark.data.schema.Plan, add_counts); this module does their storage I/O.
 """
 from __future__ import annotations
 
@@ -15,28 +17,18 @@ import io
 import json
 import time
 from collections import Counter
-from dataclasses import dataclass
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from dspark.config import ConfigError
-from dspark.io import storage
 from dspark.data import schema
-from dspark.data.prompts import Prompt, error_row
+from dspark.data.prompts import error_row
+from dspark.data.schema import Plan
+from dspark.io import storage
 
 
 # ---------------------------------------------------------------- plan, commits, manifest
-@dataclass
-class Plan:
-    chunks: list[list[Prompt]]
-    fingerprint: str
-
-    def describe(self) -> dict:
-        return {"fingerprint": self.fingerprint, "num_chunks": len(self.chunks),
-                "num_prompts": sum(len(c) for c in self.chunks)}
-
-
 def path_in(out: str, *parts: str) -> str:
     return storage.join(out, *parts)
 
@@ -105,11 +97,6 @@ def commit_chunk(out: str, chunk: int, results: list[dict]) -> dict:
     return marker
 
 
-def add_counts(total: dict, part: dict) -> None:
-    for key, value in part.items():
-        total[key] = total.get(key, 0) + value
-
-
 def read_rollouts(output_uri: str) -> pa.Table:
     """All committed rollout rows of a finished (or partial) output, via its commit markers."""
     out = output_uri.rstrip("/")
@@ -139,9 +126,6 @@ ROLLOUT_COLUMNS = ("split", "input_ids", "loss_mask")  # what training reads fro
 def rollout_files(uri: str) -> list[str]:
     """The Parquet shards of a rollouts dataset: one file; the committed shards of a jobs.generate
     output (its commit markers, not a listing); or, for a hand-made directory, its *.parquet files."""
-    from dspark.io import storage
-    from dspark.data.rollout_store import read_commits
-
     if uri.endswith(".parquet"):
         if not storage.exists(uri):
             raise ConfigError(f"rollouts file {uri!r} does not exist; point data.rollouts at jobs.generate's output")
@@ -161,15 +145,12 @@ def rollout_files(uri: str) -> list[str]:
 
 def parquet_paths(files: list[str]):
     """(pyarrow filesystem, paths inside it) for a list of same-store URIs."""
-    from dspark.io import storage
-
     pairs = [storage.pyarrow_fs(f) for f in files]
     return pairs[0][0], [path for _, path in pairs]
 
 
 def check_rollouts(uri: str, split: str) -> tuple[list[str], int]:
     """(shard URIs, number of `split` rows); ConfigError for a missing, empty or schema-mismatched dataset."""
-    import pyarrow as pa
     import pyarrow.dataset as pads
 
     files = rollout_files(uri)

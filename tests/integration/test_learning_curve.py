@@ -8,7 +8,7 @@ import pytest
 
 from recipes import learning_curve as lc
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = [pytest.mark.integration]  # ~30 s: in `make test`
 
 
 def run(phase, out, *extra):

@@ -175,6 +175,7 @@ def test_exactly_once_after_an_injected_failure(stack_ray, monkeypatch):
 
 
 @pytest.mark.integration
+@pytest.mark.slow  # `make test-slow`; `make test` keeps the generate job's end-to-end and resume tests
 def test_bad_input_gives_good_rows_and_errors_with_reasons(stack_ray, tmp_path):
     """Through the CLI, with RAY_ADDRESS as `source .dspark/env.sh` sets it (the dashboard URL)."""
     src = tmp_path / "mixed.jsonl"
@@ -261,6 +262,7 @@ def test_synthesize_then_generate_then_train_as_ray_jobs(stack_ray):
 
 
 @pytest.mark.integration
+@pytest.mark.slow  # `make test-slow`; `make test` keeps the generate job's end-to-end and resume tests
 def test_synthesis_resumes_exactly_once_after_an_injected_failure(stack_ray, monkeypatch):
     from jobs.synthesize import SynthesizeJobConfig, run
     from pipelines.synthesize import read_raw

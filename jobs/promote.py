@@ -162,22 +162,23 @@ def roll_out(cfg: PromoteConfig, pinned: str) -> dict:
 
 
 def wait_serving(url: str, drafter: str, timeout_s: float, key_env: str) -> None:
+    """Poll GET /v1/models until every model card names `drafter` (TimeoutError after `timeout_s`)."""
     import os
 
-    import httpx
+    from dspark.io.http import wait_healthy
 
     key = os.environ.get(key_env)
     headers = {"authorization": f"Bearer {key}"} if key else {}
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        try:
-            cards = httpx.get(f"{url}/v1/models", headers=headers, timeout=10).json()["data"]
-            if cards and all(c.get("drafter") == drafter for c in cards):
-                return
-        except (httpx.HTTPError, KeyError, ValueError):
-            pass
-        time.sleep(1.0)
-    raise TimeoutError(f"the endpoint {url} did not serve {drafter} within {timeout_s:.0f} s")
+    wait_healthy(f"{url}/v1/models", timeout_s, headers=headers, hint=f"the endpoint did not serve {drafter}",
+                 ready=lambda resp: _serves(resp, drafter))
+
+
+def _serves(resp, drafter: str) -> bool:
+    try:
+        cards = resp.json()["data"]
+    except (KeyError, TypeError, ValueError):
+        return False
+    return bool(cards) and all(c.get("drafter") == drafter for c in cards)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -30,6 +30,7 @@ import uuid
 from dataclasses import dataclass
 
 import pyarrow as pa
+import tenacity
 
 from dspark.flywheel.acceptance import AcceptanceStats
 from dspark.flywheel.config import FlywheelConfig
@@ -52,6 +53,7 @@ CAPTURE_SCHEMA = pa.schema(list(schema.ROLLOUT_SCHEMA) + [
     ("captured_at", pa.float64()),
 ])
 WRITE_ATTEMPTS = 3
+WRITE_BACKOFF_S = 0.5  # the wait before retry k is k * WRITE_BACKOFF_S
 
 
 def writer_id() -> str:
@@ -255,13 +257,14 @@ def _count(rows: list[dict], key: str) -> dict:
 
 
 def _retry(fn, what: str) -> bool:
-    for attempt in range(1, WRITE_ATTEMPTS + 1):
-        try:
-            fn()
-            return True
-        except Exception as err:  # noqa: BLE001 - storage errors of any kind: retry, then count
-            if attempt == WRITE_ATTEMPTS:
-                log.error("flywheel: %s not written after %d attempts: %s", what, attempt, err)
-                return False
-            time.sleep(0.5 * attempt)
-    return False
+    """Call fn up to WRITE_ATTEMPTS times (0.5 s, 1 s, ... between); False (and an error logged) when
+    every attempt failed: a storage error of any kind costs that write, never the serving path."""
+    retrying = tenacity.Retrying(stop=tenacity.stop_after_attempt(WRITE_ATTEMPTS),
+                                 wait=tenacity.wait_incrementing(start=WRITE_BACKOFF_S, increment=WRITE_BACKOFF_S),
+                                 retry=tenacity.retry_if_exception_type(Exception), reraise=True)
+    try:
+        retrying(fn)
+        return True
+    except Exception as err:  # noqa: BLE001 - storage errors of any kind: retry, then count
+        log.error("flywheel: %s not written after %d attempts: %s", what, retrying.statistics.get("attempt_number", 1), err)
+        return False

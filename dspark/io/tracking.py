@@ -38,6 +38,8 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import tenacity
+
 from dspark.config import flatten
 from dspark.io import exit_hooks
 from dspark.io.background_logger import QUEUE_SIZE, BackgroundLogger
@@ -78,22 +80,26 @@ def _is_permanent(err: Exception) -> bool:
     return getattr(err, "error_code", None) in PERMANENT_CODES
 
 
+def _transient(err: BaseException) -> bool:
+    return isinstance(err, Exception) and not _is_permanent(err)
+
+
 def _retry(what: str, fn: Callable[[], Any], raise_on_failure: bool = False) -> Any:
-    """Call fn; retry transient errors ATTEMPTS times with backoff. On final failure log a warning
-    and return None, or raise TrackingError when raise_on_failure."""
-    for attempt in range(1, ATTEMPTS + 1):
-        try:
-            return fn()
-        except Exception as err:  # noqa: BLE001 - MLflow raises many types for transient failures
-            final = attempt == ATTEMPTS or _is_permanent(err)
-            if not final:
-                time.sleep(BACKOFF_S * 2 ** (attempt - 1))
-                continue
-            message = f"MLflow {what} failed after {attempt} attempt(s): {type(err).__name__}: {err}"
-            if raise_on_failure:
-                raise TrackingError(f"{message}; check the tracking server ({tracking_uri()})") from err
-            logger.warning(message)
-            return None
+    """Call fn; retry transient errors (ATTEMPTS calls in all, waiting BACKOFF_S, 2*BACKOFF_S, ...
+    in between). On final failure log a warning and return None, or raise TrackingError when
+    raise_on_failure. A permanent error (PERMANENT_CODES) is final at once."""
+    retrying = tenacity.Retrying(stop=tenacity.stop_after_attempt(ATTEMPTS),
+                                 wait=tenacity.wait_exponential(multiplier=BACKOFF_S, min=0),
+                                 retry=tenacity.retry_if_exception(_transient), reraise=True)
+    try:
+        return retrying(fn)
+    except Exception as err:  # noqa: BLE001 - MLflow raises many types for transient failures
+        attempts = retrying.statistics.get("attempt_number", 1)
+        message = f"MLflow {what} failed after {attempts} attempt(s): {type(err).__name__}: {err}"
+        if raise_on_failure:
+            raise TrackingError(f"{message}; check the tracking server ({tracking_uri()})") from err
+        logger.warning(message)
+        return None
 
 
 _clients: dict[str, Any] = {}

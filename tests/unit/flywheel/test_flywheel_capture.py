@@ -153,3 +153,25 @@ def test_capture_policy_sample_rate_rate_limit_and_allow_list(tmp_path):
         CaptureConfig(enabled=True, sample_rate=1.0)
     with pytest.raises(ValueError, match="flywheel.output"):
         FlywheelConfig(capture={"enabled": True, "domains": ["math"]})
+
+
+def test_capture_writes_retry_then_give_up_with_an_error_logged(monkeypatch, caplog):
+    from dspark.flywheel import capture
+
+    monkeypatch.setattr(capture, "WRITE_BACKOFF_S", 0.0)
+    calls = []
+
+    def flaky():
+        calls.append(1)
+        if len(calls) < capture.WRITE_ATTEMPTS:
+            raise OSError("bucket unreachable")
+
+    assert capture._retry(flaky, "shard a") is True and len(calls) == capture.WRITE_ATTEMPTS
+
+    def broken():
+        calls.append(1)
+        raise OSError("bucket gone")
+
+    calls.clear()
+    assert capture._retry(broken, "shard b") is False and len(calls) == capture.WRITE_ATTEMPTS
+    assert "shard b not written after 3 attempts: bucket gone" in caplog.text

@@ -27,6 +27,8 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+import tenacity
+
 from dspark.devstack.config import (BUCKETS, HOST, SERVICES, StackConfig, StackError, client_env, load_credentials,
                                     load_env, write_env_file)
 from dspark.devstack.processes import (ServiceRecord, _last_log_line, _spawn, _wait_ports_free, port_is_free,
@@ -126,17 +128,22 @@ START_TIMEOUT_S = {"s3": 60.0, "mlflow": 120.0, "ray": 120.0}
 
 
 def wait_healthy(cfg: StackConfig, creds: dict, record: ServiceRecord, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
+    """Poll the service's health check every 0.5 s; StackError at once when its process exits, or
+    once `timeout_s` has passed."""
+    def healthy() -> bool:
         if HEALTH[record.service](cfg, creds):
-            return
+            return True
         if not record.alive():
             raise StackError(f"{record.service} exited during start-up: {_last_log_line(Path(record.log))} "
                              f"(full log: {record.log})")
-        if time.monotonic() > deadline:
-            raise StackError(f"{record.service} at {record.url} did not become healthy within {timeout_s:.0f} s; "
-                             f"see {record.log}, then `dspark stack down` and `dspark stack up` again")
-        time.sleep(0.5)
+        return False
+
+    def give_up(state: tenacity.RetryCallState) -> None:
+        raise StackError(f"{record.service} at {record.url} did not become healthy within {timeout_s:.0f} s; "
+                         f"see {record.log}, then `dspark stack down` and `dspark stack up` again")
+
+    tenacity.Retrying(stop=tenacity.stop_after_delay(timeout_s), wait=tenacity.wait_fixed(0.5),
+                      retry=tenacity.retry_if_result(lambda ok: not ok), retry_error_callback=give_up)(healthy)
 
 
 def ensure_buckets(cfg: StackConfig, creds: dict) -> None:

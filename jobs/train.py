@@ -14,6 +14,7 @@ import os
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from dspark.config import ConfigError, config_to_dict, dump_config, flatten
@@ -22,7 +23,9 @@ from dspark.io.run_dir import RunDir, checkpoint_uri, copy_checkpoint_subdir
 from dspark.io.storage import StorageError
 from dspark.io.tracking import TrackingError
 from dspark.training.config import TrainJobConfig
-from dspark.training.plan import check_resume_matches, deepspeed_config, init_from_checkpoint, training_steps
+from dspark.drafters.draft_vocab import DraftVocabPlan, count_parquet_frequencies
+from dspark.training.plan import (TrainPlan, check_resume_matches, deepspeed_config, init_from_checkpoint,
+                                  training_steps)
 
 
 def check_target_spec(spec: str) -> None:
@@ -137,28 +140,33 @@ def read_rollouts(cfg: TrainJobConfig, files: list[str]):
     return ds.filter(expr=col("split") == cfg.data.split).select_columns(["input_ids", "loss_mask"])
 
 
-def build_draft_vocab(cfg: TrainJobConfig, files: list[str]) -> dict:
+def build_draft_vocab(cfg: TrainJobConfig, files: list[str]) -> DraftVocabPlan:
     """With drafter.draft_vocab_size = N: the N most frequent supervised (loss_mask = 1) tokens of the
     training rollouts, as ascending target ids for the workers' build_drafter (Eagle3's d2t/t2d)."""
-    from dspark.drafters import draft_vocab
-
     size = cfg.drafter.draft_vocab_size
     if size is None:
-        return {}
+        return DraftVocabPlan()
     fs, paths = parquet_paths(files)
     try:
-        counts = draft_vocab.count_parquet_frequencies(paths, None, cfg.data.split, filesystem=fs)
-        ids = draft_vocab.top_token_ids(counts, size, vocab_size=max(size, counts.numel()))
+        counts = count_parquet_frequencies(paths, None, cfg.data.split, filesystem=fs)
+        vocab = DraftVocabPlan.from_counts(counts, size, vocab_size=max(size, counts.numel()))
     except ValueError as err:
         raise ConfigError(f"cannot build the draft vocabulary (drafter.draft_vocab_size={size}) from rollouts "
                           f"{cfg.data.rollouts!r}: {err}") from None
-    cover = draft_vocab.coverage(counts, ids)
-    print(f"[train] draft vocabulary: {size} tokens cover {cover:.1%} of the {int(counts.sum())} supervised "
-          f"rollout tokens", file=sys.stderr)
-    return {"draft_ids": ids.tolist(), "draft_vocab_coverage": cover}
+    print(f"[train] draft vocabulary: {size} tokens cover {vocab.coverage:.1%} of the {int(counts.sum())} "
+          f"supervised rollout tokens", file=sys.stderr)
+    return vocab
 
 
-def prepare_run(cfg: TrainJobConfig) -> dict:
+@dataclass(frozen=True)
+class AlreadyComplete:
+    """prepare_run's answer for a run that has trained all its steps already."""
+
+    total_steps: int
+    mlflow_run_id: str | None
+
+
+def prepare_run(cfg: TrainJobConfig) -> TrainPlan | AlreadyComplete:
     """Every check that can fail before training; returns the plan handed to the workers."""
     from dspark.io import storage, tracking
 
@@ -178,7 +186,7 @@ def prepare_run(cfg: TrainJobConfig) -> dict:
     if record:
         check_resume_matches(record, cfg)
         if record.get("completed_steps", 0) >= total_steps:
-            return {"already_complete": True, "total_steps": total_steps, "record": record}
+            return AlreadyComplete(total_steps, record.get("mlflow_run_id"))
         print(f"[train] resuming run {cfg.run_name!r} from {run_dir.uri}", file=sys.stderr)
     ds_config = deepspeed_config(cfg)
     run_id = open_mlflow_run(cfg, record, run_params(cfg, num_rows, total_steps))
@@ -189,19 +197,19 @@ def prepare_run(cfg: TrainJobConfig) -> dict:
     run_dir.write_record(record)
     run_dir.write_text("config.yaml", dump_config(cfg))
     run_dir.write_text("ds_config.json", json.dumps(ds_config, indent=2))
-    return {"total_steps": total_steps, "steps_per_epoch": steps_per_epoch, "train_rows": num_rows,
-            "grad_accum": cfg.grad_accum, "precision": cfg.resolved_precision(), "ds_config": ds_config,
-            "mlflow_run_id": run_id, "launch": record["launches"], "files": files, **vocab}
+    return TrainPlan(total_steps=total_steps, steps_per_epoch=steps_per_epoch, train_rows=num_rows,
+                     grad_accum=cfg.grad_accum, precision=cfg.resolved_precision(), ds_config=ds_config,
+                     mlflow_run_id=run_id, launch=record["launches"], files=tuple(files), draft_vocab=vocab)
 
 
-def finish_run(cfg: TrainJobConfig, plan: dict, result) -> dict:
+def finish_run(cfg: TrainJobConfig, plan: TrainPlan, result) -> dict:
     """Log the final drafter and the config, register the drafter with its engine exports attached
     (dspark.export.attach_exports), close the MLflow run."""
     from dspark import export
     from dspark.io import tracking
 
     summary = {"run_name": cfg.run_name, "checkpoint": checkpoint_uri(cfg, result.checkpoint),
-               "metrics": dict(result.metrics or {}), "mlflow_run_id": plan["mlflow_run_id"]}
+               "metrics": dict(result.metrics or {}), "mlflow_run_id": plan.mlflow_run_id}
     if not cfg.tracking.enabled:
         return summary
     with tempfile.TemporaryDirectory() as tmp:
@@ -212,11 +220,11 @@ def finish_run(cfg: TrainJobConfig, plan: dict, result) -> dict:
         Path(config_path).write_text(dump_config(cfg))
         tracking.log_artifact(config_path)
         ds_path = os.path.join(tmp, "ds_config.json")
-        Path(ds_path).write_text(json.dumps(plan["ds_config"], indent=2))
+        Path(ds_path).write_text(json.dumps(plan.ds_config, indent=2))
         tracking.log_artifact(ds_path)
-        version = register_drafter(plan["mlflow_run_id"], cfg.registered_model_name, cfg.tracking.alias, drafter_dir,
+        version = register_drafter(plan.mlflow_run_id, cfg.registered_model_name, cfg.tracking.alias, drafter_dir,
                                    summary["metrics"])
-        export.attach_exports(drafter_dir, plan["mlflow_run_id"], cfg.registered_model_name, version, target=cfg.target)
+        export.attach_exports(drafter_dir, plan.mlflow_run_id, cfg.registered_model_name, version, target=cfg.target)
     summary["registered_model"] = {"name": cfg.registered_model_name, "version": version, "alias": cfg.tracking.alias}
     tracking.set_tags({"dspark.registered_model": cfg.registered_model_name, "dspark.registered_version": version})
     tracking.end_run("FINISHED")
@@ -246,17 +254,17 @@ def run(cfg: TrainJobConfig) -> dict:
 
     cfg, init_from = resolve_init_from(cfg)
     plan = prepare_run(cfg)
-    if plan.get("already_complete"):
-        print(f"[train] run {cfg.run_name!r} already completed {plan['total_steps']} steps: nothing to do "
+    if isinstance(plan, AlreadyComplete):
+        print(f"[train] run {cfg.run_name!r} already completed {plan.total_steps} steps: nothing to do "
               f"(raise optim.max_steps or optim.epochs to continue it)", file=sys.stderr)
         return {"run_name": cfg.run_name, "already_complete": True,
-                "mlflow_run_id": plan["record"].get("mlflow_run_id")}
+                "mlflow_run_id": plan.mlflow_run_id}
     if init_from:
-        plan["init_from"] = init_from
+        plan = replace(plan, init_from=init_from)
         if cfg.tracking.enabled:
             tracking.set_tags({"dspark.init_from": init_from})
     loop_config = {"job": config_to_dict(cfg), "plan": plan, "env": worker_env()}
-    trainer = build_trainer(cfg, loop_config, read_rollouts(cfg, plan["files"]))
+    trainer = build_trainer(cfg, loop_config, read_rollouts(cfg, list(plan.files)))
     start = time.perf_counter()
     try:
         result = trainer.fit()

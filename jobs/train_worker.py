@@ -9,9 +9,11 @@ import os
 import shutil
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 from dspark.training.batching import regroup_by_length
+from dspark.training.plan import TrainPlan
 from dspark.training.session import StepResult, TrainSession, micro_seed
 
 
@@ -81,7 +83,7 @@ def maybe_inject_fault(cfg, rank: int, step: int) -> None:
 
 
 def train_loop_per_worker(loop_config: dict) -> None:
-    """Ray Train entry point. loop_config = {"job": TrainJobConfig dict, "plan": driver plan, "env": {...}}."""
+    """Ray Train entry point. loop_config = {"job": TrainJobConfig dict, "plan": the driver's TrainPlan, "env": {...}}."""
     os.environ.update(loop_config.get("env", {}))
     if not loop_config["job"].get("scaling", {}).get("use_gpu", False):
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -91,11 +93,11 @@ def train_loop_per_worker(loop_config: dict) -> None:
     from dspark.training.config import TrainJobConfig
 
     cfg = TrainJobConfig.model_validate(loop_config["job"])
-    plan = loop_config["plan"]
-    if plan.get("init_from"):  # the driver pinned it; each worker reads it from its local cache
+    plan: TrainPlan = loop_config["plan"]
+    if plan.init_from:  # the driver pinned it; each worker reads it from its local cache
         from dspark.io.drafter_source import local_dir
 
-        plan = {**plan, "init_dir": local_dir(plan["init_from"])}
+        plan = replace(plan, init_dir=local_dir(plan.init_from))
     from dspark.io import storage
 
     ctx = ray.train.get_context()
@@ -107,7 +109,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
         with checkpoint.as_directory() as ckpt_dir:
             session.restore(ckpt_dir)
         print(f"[train] rank {session.rank}: resumed from step {session.step}", file=sys.stderr, flush=True)
-    logger = RankZeroLogger(cfg, plan.get("mlflow_run_id")) if session.rank == 0 else None
+    logger = RankZeroLogger(cfg, plan.mlflow_run_id) if session.rank == 0 else None
     if logger and session.restored_from is not None:
         logger.log(session.step, {"resumed_from_step": float(session.step),
                                   "restarts": float(session.restarts)}, force=True)
@@ -124,8 +126,8 @@ def train_loop_per_worker(loop_config: dict) -> None:
     def on_step(result: StepResult) -> None:
         if logger:
             logger.log(result.step, result.metrics)
-            print_progress(result, plan["total_steps"], cfg.tracking.log_every_steps)
-        final = result.step >= plan["total_steps"]
+            print_progress(result, plan.total_steps, cfg.tracking.log_every_steps)
+        final = result.step >= plan.total_steps
         if result.step % cfg.checkpoint.every_steps == 0 or final:
             report_checkpoint(session, {"step": result.step, **result.metrics})
         maybe_inject_fault(cfg, session.rank, result.step)

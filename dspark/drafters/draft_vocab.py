@@ -16,6 +16,7 @@ speculators recipes do; ties and never-seen tokens are broken by the lower token
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 import numpy as np
@@ -23,6 +24,27 @@ import torch
 from torch import Tensor
 
 IGNORE_LABEL = -100  # F.cross_entropy's ignore_index: labels outside the draft vocabulary
+
+
+@dataclass(frozen=True)
+class DraftVocabPlan:
+    """A run's draft vocabulary, decided once (the training driver) and handed to every worker:
+    plain ints, picklable across the Ray boundary. draft_ids None = the full target vocabulary."""
+
+    draft_ids: tuple[int, ...] | None = None  # ascending target ids (top_token_ids)
+    coverage: float | None = None  # share of the counted supervised tokens the subset can draft
+
+    @classmethod
+    def from_counts(cls, counts: Tensor, size: int | None, vocab_size: int | None = None) -> "DraftVocabPlan":
+        """The `size` most frequent ids of `counts` (top_token_ids) and their coverage; size None = full."""
+        if size is None:
+            return cls()
+        ids = top_token_ids(counts, size, vocab_size=vocab_size)
+        return cls(tuple(ids.tolist()), coverage(counts, ids))  # (the module's coverage function)
+
+    def ids(self) -> Tensor | None:
+        """draft_ids as the int64 tensor build_drafter takes (None for the full vocabulary)."""
+        return None if self.draft_ids is None else torch.tensor(self.draft_ids, dtype=torch.long)
 
 
 def count_token_frequencies(rows: Iterable[tuple[Sequence[int], Sequence[int]]], vocab_size: int,

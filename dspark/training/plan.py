@@ -2,11 +2,37 @@
 checks that a relaunch resumes the same run (same drafter architecture, ranks and ZeRO stage)."""
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 from dspark.config import ConfigError, config_to_dict, deep_merge
+from dspark.drafters.draft_vocab import DraftVocabPlan
 from dspark.training.config import TRAINING_ONLY_FIELDS, TrainJobConfig
 
 
 # ----------------------------------------------------------------------------- plan
+@dataclass(frozen=True)
+class TrainPlan:
+    """What the driver (jobs.train.prepare_run) decided for a run, handed to every Ray Train worker
+    (pickled inside train_loop_config) and read there as attributes. Change it with dataclasses.replace."""
+
+    total_steps: int  # optimizer steps of the whole run (training_steps)
+    steps_per_epoch: int
+    grad_accum: int  # micro batches per optimizer step on each worker
+    precision: str  # "bf16" or "fp32" (TrainJobConfig.resolved_precision)
+    ds_config: dict  # the DeepSpeed JSON (deepspeed_config)
+    draft_vocab: DraftVocabPlan = field(default_factory=DraftVocabPlan)  # default: the full vocabulary
+    train_rows: int = 0
+    mlflow_run_id: str | None = None  # the driver's run, which rank 0 logs into
+    launch: int = 1  # 1 + the number of earlier launches of this run_name
+    files: tuple[str, ...] = ()  # the rollout Parquet files read
+    init_from: str | None = None  # a registered drafter to start from (jobs.train resolves and pins it)
+    init_dir: str | None = None  # init_from copied onto this worker (jobs.train_worker fills it in)
+
+    @property
+    def zero_stage(self) -> int:
+        return self.ds_config["zero_optimization"]["stage"]
+
+
 def deepspeed_config(cfg: TrainJobConfig) -> dict:
     """The DeepSpeed JSON for this run: batch geometry, clipping, ZeRO stage, precision.
     Invariant: train_batch_size = micro x grad_accum x world = optim.global_batch_size."""

@@ -24,7 +24,7 @@ import json
 import os
 import resource
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Iterable
 
@@ -34,6 +34,7 @@ from torch import nn
 
 from dspark.training.batching import collate
 from dspark.training.loop import flops_rates
+from dspark.training.plan import TrainPlan
 from dspark.training.step import DrafterStep, LossModule, precision_dtype, resolve_precision
 
 
@@ -47,12 +48,12 @@ STATE_FILE = "train_state.json"
 
 
 # ----------------------------------------------------------------------------- engine
-def plan_precision(plan: dict, requested: str, device: torch.device) -> dict:
+def plan_precision(plan: TrainPlan, requested: str, device: torch.device) -> TrainPlan:
     """The plan under the one precision rule (dspark.training.step.resolve_precision): a bf16 plan on a GPU
     without bf16 falls back to fp32 (and its DeepSpeed JSON with it) when "auto", and fails when "bf16"."""
-    if plan["precision"] != "bf16" or device.type != "cuda" or resolve_precision(device, requested) == "bf16":
+    if plan.precision != "bf16" or device.type != "cuda" or resolve_precision(device, requested) == "bf16":
         return plan
-    return {**plan, "precision": "fp32", "ds_config": {**plan["ds_config"], "bf16": {"enabled": False}}}
+    return replace(plan, precision="fp32", ds_config={**plan.ds_config, "bf16": {"enabled": False}})
 
 
 class DeepSpeedUpdate:
@@ -60,7 +61,7 @@ class DeepSpeedUpdate:
     each loss by its accumulation steps, reduces gradients over ranks, clips and steps AdamW and the
     schedule at accumulation boundaries by itself."""
 
-    def __init__(self, engine, plan: dict):
+    def __init__(self, engine, plan: TrainPlan):
         self.engine, self.plan = engine, plan
         self.micro_done = 0
         self.grad_norm: float | None = None
@@ -77,7 +78,7 @@ class DeepSpeedUpdate:
         self.engine.backward(loss)  # scale is the engine's own (1 / gradient_accumulation_steps)
 
     def boundary(self) -> bool:
-        return (self.micro_done + 1) % self.plan["grad_accum"] == 0
+        return (self.micro_done + 1) % self.plan.grad_accum == 0
 
     def step(self, update: bool = True) -> None:
         if not update:
@@ -89,13 +90,13 @@ class DeepSpeedUpdate:
 
     def _manual_grad_norm(self) -> float | None:
         """ZeRO stage 0 in fp32 does not record the clipped norm: compute it (grads are reduced by now)."""
-        if self.plan["ds_config"]["zero_optimization"]["stage"] != 0:
+        if self.plan.zero_stage != 0:
             return None
         sq = [p.grad.detach().float().pow(2).sum() for p in self.engine.module.parameters() if p.grad is not None]
         return float(torch.stack(sq).sum().sqrt()) if sq else 0.0
 
 
-def init_engine(cfg, plan: dict, target):
+def init_engine(cfg, plan: TrainPlan, target):
     """Build the drafter (same seed on every rank) and wrap it in a DeepSpeed engine."""
     import deepspeed
 
@@ -106,17 +107,17 @@ def init_engine(cfg, plan: dict, target):
         # DeepSpeed's CPU shared-memory allreduce is JIT-compiled on first use (minutes): use gloo's.
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     torch.manual_seed(cfg.optim.seed)
-    draft_ids = plan.get("draft_ids")  # the driver's draft vocabulary (jobs.train.build_draft_vocab)
-    drafter = build_drafter(cfg.drafter, target, draft_ids=None if draft_ids is None else torch.tensor(draft_ids))
-    if plan.get("init_dir"):  # jobs.train's init_from, resolved to a local checkpoint by the worker
-        load_initial_weights(drafter, plan["init_dir"], target)
+    # the driver's draft vocabulary (jobs.train.build_draft_vocab); None ids = the full vocabulary
+    drafter = build_drafter(cfg.drafter, target, draft_ids=plan.draft_vocab.ids())
+    if plan.init_dir:  # jobs.train's init_from, resolved to a local checkpoint by the worker
+        load_initial_weights(drafter, plan.init_dir, target)
     drafter.train()
     params = [p for p in drafter.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), eps=cfg.optim.eps,
                                   weight_decay=cfg.optim.weight_decay)
-    schedule = (plan["total_steps"], cfg.optim.warmup_ratio, cfg.optim.schedule, cfg.optim.min_lr_ratio)
+    schedule = (plan.total_steps, cfg.optim.warmup_ratio, cfg.optim.schedule, cfg.optim.min_lr_ratio)
     engine, _, _, _ = deepspeed.initialize(
-        model=LossModule(drafter, target), optimizer=optimizer, config=plan["ds_config"],
+        model=LossModule(drafter, target), optimizer=optimizer, config=plan.ds_config,
         lr_scheduler=lambda opt: build_scheduler(opt, *schedule))  # stepped by DeepSpeed per optimizer step
     return engine
 
@@ -148,7 +149,7 @@ class TrainSession:
     """One worker's training state: target, DeepSpeed engine, step counter. Drive it with `run`."""
 
     cfg: object  # jobs.train.TrainJobConfig
-    plan: dict
+    plan: TrainPlan  # the driver's (jobs.train.prepare_run)
     rank: int
     world: int
     device: torch.device
@@ -172,7 +173,7 @@ class TrainSession:
         from dspark.models.target import load_target
 
         self.plan = plan_precision(self.plan, self.cfg.deepspeed.precision, self.device)
-        precision = self.plan["precision"]
+        precision = self.plan.precision
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.target = load_target(self.cfg.target, dtype=precision_dtype(precision), device=str(self.device),
@@ -192,7 +193,7 @@ class TrainSession:
         if self.rank == 0:
             state = {"step": self.step, "restored_from": self.restored_from, "restarts": self.restarts,
                      "target_meta": self.target.meta(), "world_size": self.world,
-                     "zero_stage": self.plan["ds_config"]["zero_optimization"]["stage"]}
+                     "zero_stage": self.plan.zero_stage}
             Path(out_dir, STATE_FILE).write_text(json.dumps(state, indent=2))
 
     def export_drafter(self, out_dir: str) -> None:
@@ -200,7 +201,7 @@ class TrainSession:
         from dspark.drafters import save_drafter
 
         drafter = drafter_of(self.engine)
-        if self.plan["ds_config"]["zero_optimization"]["stage"] == 3:
+        if self.plan.zero_stage == 3:
             import deepspeed
 
             with deepspeed.zero.GatheredParameters(list(drafter.parameters()), modifier_rank=None):
@@ -255,7 +256,7 @@ class TrainSession:
         if norm is not None:
             out["grad_norm"] = float(norm)
         rates = flops_rates(sum(g["flops"] for g in gathered), now - self._t_last, self.device,
-                            self.plan["precision"], len(gathered))
+                            self.plan.precision, len(gathered))
         out.update({k: v for k, v in rates.items() if v is not None})  # no mfu where the peak is unknown
         self._steps_here += 1
         if self._steps_here == 1:
@@ -268,9 +269,9 @@ class TrainSession:
 
     def run(self, epoch_batches: Callable[[int], Iterable[dict]],
             on_step: Callable[[StepResult], None]) -> None:
-        """Train from `self.step` to plan['total_steps']. `epoch_batches(epoch)` yields raw row batches
+        """Train from `self.step` to plan.total_steps. `epoch_batches(epoch)` yields raw row batches
         (dict of columns); `on_step` is called after every optimizer step on every rank."""
-        total, per_epoch, accum = self.plan["total_steps"], self.plan["steps_per_epoch"], self.plan["grad_accum"]
+        total, per_epoch, accum = self.plan.total_steps, self.plan.steps_per_epoch, self.plan.grad_accum
         pad_id, max_len = self.target.pad_token_id, self.cfg.data.max_seq_len
         self._t_last = time.perf_counter()
         while self.step < total:

@@ -3,6 +3,7 @@ convention, drafting on the subset (= the training math, zero outside), losses a
 distribution, checkpoint round trip, vLLM export, and the training job's driver step.
 Losslessness through decoding is tested with χ² in test_specdec.py and test_engine.py."""
 import json
+import pickle
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -251,6 +252,7 @@ def test_vllm_export_in_the_speculators_layout(tmp_path, target, algo):
 
 # ---------------------------------------------------------------- training job driver
 def test_training_job_builds_the_vocab_from_the_rollouts(tmp_path):
+    from dspark.drafters.draft_vocab import DraftVocabPlan
     from dspark.training.config import TrainJobConfig
     from jobs.train import build_draft_vocab
 
@@ -258,11 +260,13 @@ def test_training_job_builds_the_vocab_from_the_rollouts(tmp_path):
             "loss_mask": [[0, 1, 1, 1, 1], [1, 1, 1], [1, 1, 1]]}
     pq.write_table(pa.table(rows), tmp_path / "r.parquet")
     base = {"run_name": "v", "target": "tiny", "data": {"rollouts": str(tmp_path / "r.parquet")}}
-    assert build_draft_vocab(TrainJobConfig.model_validate(base), [str(tmp_path / "r.parquet")]) == {}
+    full = build_draft_vocab(TrainJobConfig.model_validate(base), [str(tmp_path / "r.parquet")])
+    assert full == DraftVocabPlan() and full.ids() is None
     cfg = TrainJobConfig.model_validate({**base, "drafter": {"draft_vocab_size": 3}})
-    plan = build_draft_vocab(cfg, [str(tmp_path / "r.parquet")])
-    assert plan["draft_ids"] == [2, 3, 9]  # 3 and 9 thrice, then 2 (1 is unsupervised, 5 is eval)
-    assert plan["draft_vocab_coverage"] == 1.0
+    vocab = build_draft_vocab(cfg, [str(tmp_path / "r.parquet")])
+    assert vocab.draft_ids == (2, 3, 9)  # 3 and 9 thrice, then 2 (1 is unsupervised, 5 is eval)
+    assert vocab.coverage == 1.0 and torch.equal(vocab.ids(), torch.tensor([2, 3, 9]))
+    assert pickle.loads(pickle.dumps(vocab)) == vocab  # it crosses into the Ray Train workers
 
 
 # ---------------------------------------------------------------- benchmark smoke run

@@ -14,6 +14,7 @@ import json
 import math
 
 import os
+import pickle
 
 import socket
 
@@ -240,16 +241,19 @@ def gloo_world_of_one(monkeypatch):
 def test_session_zero3_checkpoint_resumes_exactly_and_exports(tmp_path, gloo_world_of_one):
     """The worker's DeepSpeed session without Ray: ZeRO-3, a checkpoint at step 2 of 4, and a fresh
     session restored from it reproduces steps 3-4 exactly; the export loads with load_drafter. The
-    drafter has a draft vocabulary (the driver's plan["draft_ids"]; full-vocabulary training runs in the
+    drafter has a draft vocabulary (the driver's plan.draft_vocab; full-vocabulary training runs in the
     Ray Train tests below), so its d2t/t2d maps go through ZeRO-3 checkpoints and the export too."""
     from dspark.drafters import load_drafter
+    from dspark.drafters.draft_vocab import DraftVocabPlan
+    from dspark.training.plan import TrainPlan
     from dspark.training.session import TrainSession
 
     cfg = job_config("x", **{"deepspeed.zero_stage": 3, "scaling.num_workers": 1, "optim.max_steps": 4,
                              "optim.global_batch_size": 4, "drafter.draft_vocab_size": 24})
     draft_ids = list(range(0, 48, 2))
-    plan = {"total_steps": 4, "steps_per_epoch": 3, "grad_accum": 2, "precision": "fp32",
-            "ds_config": deepspeed_config(cfg), "draft_ids": draft_ids}
+    plan = TrainPlan(total_steps=4, steps_per_epoch=3, grad_accum=2, precision="fp32",
+                     ds_config=deepspeed_config(cfg), draft_vocab=DraftVocabPlan(tuple(draft_ids)))
+    plan = pickle.loads(pickle.dumps(plan))  # as it crosses into a Ray Train worker
     session = TrainSession(cfg, plan, 0, 1, torch.device("cpu")).setup()
     rng = np.random.default_rng(0)
     rows = [{"input_ids": rng.integers(0, session.target.vocab_size, 30), "loss_mask": np.r_[[0] * 6, [1] * 24]}

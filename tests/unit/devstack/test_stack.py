@@ -285,7 +285,7 @@ def test_wait_healthy_polls_then_fails_fast_on_exit_or_on_its_deadline(tmp_path,
         t0 = time.monotonic()
         with pytest.raises(stack.StackError, match="did not become healthy within 1 s"):
             stack.wait_healthy(cfg, {}, record, timeout_s=1)
-        assert 1.0 <= time.monotonic() - t0 < 3.0
+        assert 1.0 <= time.monotonic() - t0 < 5.0
         exited = stack.ServiceRecord(start_time=started + 1, sid_start_time=started + 1, **fields)
         t0 = time.monotonic()
         with pytest.raises(stack.StackError, match="exited during start-up: bind: address already in use"):

@@ -47,9 +47,9 @@ def test_wait_healthy_polls_until_200_and_ready(warming_server):
 def test_wait_healthy_times_out_with_the_last_answer_and_hint(warming_server):
     url, hits = warming_server
     started = time.monotonic()
-    with pytest.raises(TimeoutError, match=r"not healthy within 0 s \(HTTP 200: \d+\); look at the log"):
-        wait_healthy(url + "/healthz", timeout_s=0.3, interval_s=0.05, hint="look at the log", ready=lambda r: False)
-    assert 0.3 <= time.monotonic() - started < 3.0 and len(hits) >= 3
+    with pytest.raises(TimeoutError, match=r"not healthy within 1 s \(HTTP (503|200): \d+\); look at the log"):
+        wait_healthy(url + "/healthz", timeout_s=1.0, interval_s=0.05, hint="look at the log", ready=lambda r: False)
+    assert 1.0 <= time.monotonic() - started < 4.0 and len(hits) >= 2  # asked again until the deadline
 
 
 def test_wait_healthy_names_the_connection_error_when_nothing_listens():

@@ -26,25 +26,29 @@ demo: $(STAMP)  ## the whole lifecycle on the embedded local stack (PROFILE=smok
 
 # Unit tests live in tests/unit/<package>/ (mirroring the code), integration tests in tests/integration/:
 # they start real servers and Ray in-process; Ray and MLflow keep process-wide state (auth token,
-# tracking URI), so each integration module runs in a fresh interpreter (pytest exit 5 = nothing selected).
+# tracking URI), so integration modules run in fresh interpreters (pytest exit 5 = nothing selected).
 # Tiers: `make test` (CI, <= 12 min on 2 cores incl. the install) skips tests marked `slow` (the long
 # end-to-end runs: smoke demo, flywheel loop, Ray Train kill/resume, ...); `make test-slow` runs exactly
 # those; `make test-all` both. Unit tests run on every core (pytest-xdist).
 PYTEST := $(PY) -m pytest -q --timeout=900 -p no:cacheprovider
-define integration
-	set -e; for module in tests/integration/test_*.py; do \
-	  echo "== $$module (integration, $(1))"; \
-	  $(PYTEST) -m "integration and $(1)" $$module || [ $$? -eq 5 ]; \
-	done
-endef
+# `make test`'s integration runs: storage + rollouts share one local stack (the session fixture); serve
+# and the stack CLI start their own.
+FAST_INTEGRATION := "tests/integration/test_storage.py tests/integration/test_rollouts.py tests/integration/test_learning_curve.py" \
+	tests/integration/test_serve.py tests/integration/test_stack.py
 
 test: $(STAMP)  ## what CI runs: unit + integration tests not marked slow
-	$(PYTEST) -n auto --dist load -m "not slow" tests/unit
-	$(call integration,not slow)
+	$(PYTEST) -n auto --dist worksteal -m "not slow" tests/unit
+	set -e; for modules in $(FAST_INTEGRATION); do \
+	  echo "== $$modules (integration, not slow)"; \
+	  $(PYTEST) -m "integration and not slow" $$modules; \
+	done
 
 test-slow: $(STAMP)  ## the tests `make test` skips (~45 min on 2 cores): long end-to-end runs
 	$(PYTEST) -m slow tests/unit || [ $$? -eq 5 ]
-	$(call integration,slow)
+	set -e; for module in tests/integration/test_*.py; do \
+	  echo "== $$module (integration, slow)"; \
+	  $(PYTEST) -m "integration and slow" $$module || [ $$? -eq 5 ]; \
+	done
 
 test-all: test test-slow  ## everything but the multi-node cluster tests
 

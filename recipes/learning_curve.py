@@ -603,6 +603,7 @@ def cmd_report(args, prof: dict) -> dict:
     rollout_manifest = out / "rollouts-train" / "manifest.json"
     report = {
         "benchmark": "learning_curve", "profile": args.profile, "device": prof["device_label"],
+        "device_kind": prof["device"],  # what `dspark plan` matches against rollout-throughput JSONs
         "target": prof["target"], "temperature": 1.0, "gamma": prof["drafter"]["block_size"],
         "points_mode": f"same epochs ({prof['epochs']}) per point, nested prefixes of the rollouts",
         "estimator": "teacher-forced expected tau: 1 + sum_k prod_{j<=k} alpha_j, alpha = sum_x min(p, q) "

@@ -147,7 +147,7 @@ def train_tok_s_of(path: str) -> tuple[str, float]:
     data = json.loads(Path(path).read_text())
     if data.get("benchmark") == "learning_curve":
         best = max(data["points"], key=lambda p: p["rollout_tokens"])
-        return data["device"], best["training"]["tokens_per_s"]
+        return data.get("device_kind") or data["device"], best["training"]["tokens_per_s"]
     if "results" in data:
         return _device(data), max(r["tokens_per_s"] for r in data["results"].values())
     raise ValueError(f"{path}: no training throughput (results.*.tokens_per_s or learning-curve points)")

@@ -43,7 +43,7 @@ def test_plan_row_arithmetic():
 
 
 def test_cli_plan_reads_benchmark_jsons(tmp_path, capsys):
-    report = {"benchmark": "learning_curve", "device": "cpu", "rollouts": {"generated_tokens": 1000, "prompt_tokens": 500, "rows": 10},
+    report = {"benchmark": "learning_curve", "device": "2 CPU cores (shared)", "device_kind": "cpu", "rollouts": {"generated_tokens": 1000, "prompt_tokens": 500, "rows": 10},
               "points": [{"algo": "dspark", "rollout_tokens": t, "expected_tau": 1.0 + 0.1 * math.log(t),
                           "training": {"tokens_per_s": 300.0}} for t in (1e3, 1e4, 1e5)]}
     (tmp_path / "curve.json").write_text(json.dumps(report))

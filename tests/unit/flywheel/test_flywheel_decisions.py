@@ -108,36 +108,19 @@ def test_init_from_takes_the_checkpoints_architecture_and_refuses_clashes(tmp_pa
 
 
 def test_wait_serving_polls_the_model_cards_until_every_one_names_the_drafter(monkeypatch):
-    import json as _json
-    import threading
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
     from jobs.promote import wait_serving
+    from tests.http_stub import http_stub
 
     seen = []
 
-    class Cards(BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802 - http.server's name
-            seen.append((self.path, self.headers.get("authorization")))
-            drafter = "dspark-drafter/1" if len(seen) < 3 else "dspark-drafter/2"
-            body = b"not json" if len(seen) == 1 else _json.dumps({"data": [{"id": "m", "drafter": drafter}]}).encode()
-            self.send_response(200)
-            self.send_header("content-length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+    def cards(request):
+        seen.append((request.path, request.headers.get("authorization")))
+        drafter = "dspark-drafter/1" if len(seen) < 3 else "dspark-drafter/2"
+        return 200, b"not json" if len(seen) == 1 else json.dumps({"data": [{"id": "m", "drafter": drafter}]}).encode()
 
-        def log_message(self, *args):
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Cards)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    url = f"http://127.0.0.1:{server.server_address[1]}"
     monkeypatch.setenv("DSPARK_TEST_KEY", "k")
-    try:
+    with http_stub(cards) as url:
         wait_serving(url, "dspark-drafter/2", timeout_s=20, key_env="DSPARK_TEST_KEY")
         assert len(seen) == 3 and seen[0] == ("/v1/models", "Bearer k")  # bad JSON, old drafter, new drafter
         with pytest.raises(TimeoutError, match="did not serve dspark-drafter/3"):
             wait_serving(url, "dspark-drafter/3", timeout_s=0.5, key_env="DSPARK_TEST_KEY")
-    finally:
-        server.shutdown()
-        server.server_close()

@@ -2,13 +2,12 @@
 from __future__ import annotations
 
 import socket
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
 from dspark.io.http import http_ok, wait_healthy
+from tests.http_stub import http_stub
 
 
 @pytest.fixture
@@ -16,25 +15,12 @@ def warming_server():
     """Answers 503 to the first two GETs, then 200 with the number of GETs so far."""
     hits = []
 
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802 - http.server's name
-            hits.append(self.path)
-            status = 503 if len(hits) <= 2 else 200
-            body = str(len(hits)).encode()
-            self.send_response(status)
-            self.send_header("content-length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+    def answer(request):
+        hits.append(request.path)
+        return (503 if len(hits) <= 2 else 200), str(len(hits)).encode()
 
-        def log_message(self, *args):
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}", hits
-    server.shutdown()
-    server.server_close()
+    with http_stub(answer) as url:
+        yield url, hits
 
 
 def test_wait_healthy_polls_until_200_and_ready(warming_server):

@@ -5,6 +5,7 @@ plus equal-budget baselines, a report (JSON + plot) and the inputs of `dspark pl
     python -m recipes.learning_curve train     [--profile cpu|gpu] [--out DIR]   # every training point
     python -m recipes.learning_curve evaluate  [--profile cpu|gpu] [--out DIR]   # expected τ per point
     python -m recipes.learning_curve baselines [--profile cpu|gpu] [--out DIR]   # 4 algos, real τ + speed
+    python -m recipes.learning_curve epochs    [--profile cpu|gpu] [--out DIR] --epochs 2 6  # the largest point, more passes
     python -m recipes.learning_curve report    [--profile cpu|gpu] [--out DIR]   # JSON + plot
 
 Every phase is resumable from its output folder (DIR, default /work/learn-runs/<profile>): rollouts commit a
@@ -392,19 +393,40 @@ def cmd_baselines(args, prof: dict) -> None:
         train_one(target, prof, cache, n, algo, out / "points" / f"{tokens:09d}" / algo)
 
 
+def cmd_epochs(args, prof: dict) -> None:
+    """DSpark at the largest point trained for each of `--epochs` passes over the same rows (each its own
+    cosine schedule, from scratch), into epochs/e<N>/dspark, then its expected τ: what more passes over
+    the same data buy, beside what more data buys (the points)."""
+    out = Path(args.out)
+    target = load_target_of(prof)
+    rows, cache = train_cache(target, prof, out)
+    _, n = point_sizes(rows, wanted_sizes(rows, prof))[-1]
+    for epochs in args.epochs or []:
+        train_one(target, {**prof, "epochs": epochs}, cache, n, "dspark", out / "epochs" / f"e{epochs:02d}" / "dspark")
+    estimate_folders(target, prof, out, epoch_drafters(out))
+
+
 # ---------------------------------------------------------------- expected τ (teacher-forced estimate)
 def trained_drafters(out: Path) -> list[Path]:
     return sorted(p for p in (out / "points").glob("*/*") if (p / "train.json").exists())
 
 
+def epoch_drafters(out: Path) -> list[Path]:
+    return sorted(p for p in (out / "epochs").glob("e*/dspark") if (p / "train.json").exists())
+
+
 def cmd_evaluate(args, prof: dict) -> None:
+    target = load_target_of(prof)
+    estimate_folders(target, prof, Path(args.out), trained_drafters(Path(args.out)))
+
+
+def estimate_folders(target, prof: dict, out: Path, folders: list[Path]) -> None:
+    """Expected τ of each drafter folder on the held-out rollouts (estimate.json beside it; skipped if there)."""
     from dspark.drafters import load_drafter
     from dspark.eval.acceptance_estimate import estimate
     from dspark.decoding.sampling import SamplingParams
     from dspark.models.target import TargetOutput
 
-    out = Path(args.out)
-    target = load_target_of(prof)
     rows = committed_rows(out / "rollouts-eval")
     rows = interleave(rows, "domain")[:prof.get("eval_rows") or len(rows)]
     cache = ensure_cache(target, prof, rows, out / "features-eval", prof["eval_max_len"])
@@ -412,7 +434,7 @@ def cmd_evaluate(args, prof: dict) -> None:
             for f, h in zip(cache.features, cache.final)]
     sp = SamplingParams(temperature=1.0, top_p=1.0, top_k=0)
     p_cache: dict = {}  # the target's distributions per held-out row, shared by every drafter
-    for folder in trained_drafters(out):
+    for folder in folders:
         dest = folder / "estimate.json"
         if dest.exists():
             continue
@@ -463,11 +485,16 @@ DECODE_TEMPERATURES = (1.0, 0.0)
 
 
 def decode_modes(largest: Path) -> dict:
-    """mode -> (drafter folder or None, SchedulerConfig kwargs)."""
+    """mode -> (drafter folder or None, SchedulerConfig kwargs): the largest point's drafters, DSpark's
+    variants, and each drafter of the epochs series (`dspark_eNN`, fixed γ and confidence threshold)."""
     modes = {"target": (None, {"mode": "off"})}
     modes |= {a: (largest / a / "drafter", {"mode": "fixed"}) for a in ALGOS if (largest / a / "drafter").exists()}
     if "dspark" in modes:
         modes |= {name: (largest / "dspark" / "drafter", sched) for name, sched in DSPARK_VARIANTS.items()}
+    for folder in epoch_drafters(largest.parent.parent):
+        name = f"dspark_{folder.parent.name}"
+        modes |= {name: (folder / "drafter", {"mode": "fixed"}),
+                  name + "_thr": (folder / "drafter", DSPARK_VARIANTS["dspark_thr"])}
     return modes
 
 
@@ -600,6 +627,11 @@ def cmd_report(args, prof: dict) -> dict:
                      speedup_batch1=d.get("speedup_batch1"), tokens_per_s_batch1=d.get("tokens_per_s_batch1"),
                      decode_prompts=d.get("prompts"))
     points.sort(key=lambda p: p["rollout_tokens"])
+    epochs_series = [epoch_entry(f) for f in epoch_drafters(out)]
+    for entry in epochs_series:  # real decoding of the same drafter, where the decode phase ran it
+        for suffix in ("", "_thr"):
+            d = decode.get(f"dspark_{entry['folder'].split('/')[-1]}{suffix}", {})
+            entry["decoded" + suffix] = {k: d.get(k) for k in ("tau", "tau_ci95", "speedup_batch1", "prompts")}
     rollout_manifest = out / "rollouts-train" / "manifest.json"
     report = {
         "benchmark": "learning_curve", "profile": args.profile, "device": prof["device_label"],
@@ -609,6 +641,7 @@ def cmd_report(args, prof: dict) -> dict:
         "estimator": "teacher-forced expected tau: 1 + sum_k prod_{j<=k} alpha_j, alpha = sum_x min(p, q) "
                      "(dspark/eval/acceptance_estimate.py); ci95 = prompt bootstrap",
         "points": points, "baselines": baselines,
+        "epochs_series": epochs_series,  # the largest point trained for more passes (phase `epochs`)
         "target_only": decode.get("target"), "fit": fit_curve(points),
         "decode": {"modes": {m: {"drafter": None if p is None else p.parent.name, "scheduler": sched}
                              for m, (p, sched) in decode_modes(out / "points" / largest).items()}
@@ -629,6 +662,17 @@ def cmd_report(args, prof: dict) -> dict:
     plot(report, results / f"{args.profile}.png")
     print(json.dumps({k: report[k] for k in ("device", "points", "baselines", "fit")}, default=str))
     return report
+
+
+def epoch_entry(folder: Path) -> dict:
+    """One drafter of the epochs series: passes over the largest point's rows -> expected τ."""
+    train = json.loads((folder / "train.json").read_text())
+    est = json.loads((folder / "estimate.json").read_text()).get("alpha", {}) if (folder / "estimate.json").exists() else {}
+    return {"epochs": train["epochs"], "rollout_tokens": train["rollout_tokens"], "steps": train["steps"],
+            "trained_tokens": train["trained_tokens"], "wall_s": train["wall_s"], "tokens_per_s": train["tokens_per_s"],
+            "expected_tau": est.get("expected_tau"), "expected_tau_ci95": est.get("expected_tau_ci95"),
+            "acceptance_per_position": est.get("acceptance_per_position"),
+            "final_loss": train.get("final_metrics", {}).get("loss"), "folder": f"epochs/{folder.parent.name}"}
 
 
 def export_bf16(src: Path, dest: Path) -> dict:
@@ -683,7 +727,7 @@ def plot(report: dict, path: Path) -> None:
 
 # ---------------------------------------------------------------- CLI
 PHASES = {"rollouts": cmd_rollouts, "train": cmd_train, "baselines": cmd_baselines, "evaluate": cmd_evaluate,
-          "decode": cmd_decode, "report": cmd_report}
+          "decode": cmd_decode, "epochs": cmd_epochs, "report": cmd_report}
 # `after-rollouts`: everything after the rollouts in ONE process (imports and the target load once), the
 # curve first (train, evaluate), then real decoding of what exists (DSpark at the largest point: the
 # estimator's check), then the baselines and their decoding; a stop at any point leaves valid results.
@@ -699,6 +743,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--passes", type=int, default=None, help="rollouts: samples per train prompt")
     p.add_argument("--limit-prompts", type=int, default=None, help="rollouts: first N train prompts only")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: the profile's)")
+    p.add_argument("--epochs", type=int, nargs="+", default=None, help="epochs: passes per run (one drafter each)")
     p.add_argument("--results", default=str(REPO / "benchmarks" / "results" / "learning_curve"),
                    help="report: where <profile>.json and .png go")
     args = p.parse_args(argv)

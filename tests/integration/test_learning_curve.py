@@ -40,6 +40,9 @@ def test_phases_resume_and_report(tmp_path):
 
     run("baselines", out)
     run("evaluate", out)
+    run("epochs", out, "--epochs", "2")  # the largest point for 2 passes, then its estimate
+    again = json.loads((out / "epochs" / "e02" / "dspark" / "train.json").read_text())
+    assert again["epochs"] == 2 and again["rows"] == len(rows)
     run("decode", out)
     report = lc.cmd_report(lc.parse_args(["report", "--profile", "tiny", "--out", str(out),
                                                   "--results", str(tmp_path / "results")]), lc.PROFILES["tiny"])
@@ -50,6 +53,9 @@ def test_phases_resume_and_report(tmp_path):
     assert set(report["baselines"]) == {"dspark", "dflash", "dflash_tv", "eagle3"}
     for algo, b in report["baselines"].items():
         assert b["tau"] >= 1.0 and b["speedup_batch1"] > 0 and len(b["tau_ci95"]) == 2
+    (series,) = report["epochs_series"]
+    assert series["epochs"] == 2 and 1.0 <= series["expected_tau_ci95"][0] <= series["expected_tau"]
+    assert series["decoded"]["tau"] >= 1.0 and series["decoded_thr"]["speedup_batch1"] > 0
     greedy = report["decode"]["by_temperature"]["t0"]
     assert {"target", "dspark", "dspark_g3", "dspark_thr"} <= set(greedy)
     assert all(greedy[m]["tau"] >= 1.0 for m in greedy if m != "target")

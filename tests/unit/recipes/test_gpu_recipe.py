@@ -1,5 +1,5 @@
 """The GPU recipe's pieces on tiny models: a failing phase leaves a valid partial recipe.json, the deadline
-stops training mid-phase, drafter bundles and the compact model pack round-trip, and (slow) the whole
+stops training mid-phase, drafter bundles round-trip, the target's two-call transfer joins exactly, and (slow) the whole
 recipe on the simulated GPU machine (recipes.gpu_sim) on `tiny`."""
 from __future__ import annotations
 
@@ -111,26 +111,28 @@ def test_drafter_bundle_round_trips_in_bf16_parts(tiny, tmp_path):
             assert torch.equal(want, w.float() if w.is_floating_point() else w), k
 
 
-def test_model_pack_round_trip_is_within_half_a_quantisation_step(tmp_path):
-    from safetensors.numpy import load_file
+def test_target_split_over_two_calls_joins_exactly_and_names_a_missing_stage_part(tmp_path):
+    from recipes import gpu_transfer
 
-    from dspark.models import builtin as models_builtin
+    src = tmp_path / "model.whl"
+    src.write_bytes(np.random.default_rng(0).integers(0, 256, 250_000, dtype=np.uint8).tobytes())
+    stage, bundle = tmp_path / "stage", tmp_path / "bundle"
+    manifest = gpu_transfer.split(src, stage, bundle, stage_part_bytes=100_000, bundle_part_bytes=60_000)
+    assert [(p["where"], p["bytes"]) for p in manifest["parts"]] == [
+        ("stage/00", 100_000), ("stage/01", 100_000), ("bundle", 50_000)]
+    assert gpu_transfer.check(stage / "00") == [] and gpu_transfer.check(stage / "01") == []
+    out = gpu_transfer.join(stage, bundle, tmp_path / "dest")
+    assert out.read_bytes() == src.read_bytes()
 
-    src = Path(models_builtin.prepare("tiny"))
-    parts = models_builtin.pack_model(src, tmp_path / "pack", "tiny", part_bytes=20_000)
-    assert len(parts) >= 2
-    models_builtin.unpack_model(tmp_path / "pack", tmp_path / "out", "tiny")
-    a, b = load_file(str(src / "model.safetensors")), load_file(str(tmp_path / "out" / "model.safetensors"))
-    assert a.keys() == b.keys() and (tmp_path / "out" / "tokenizer.json").exists()
-    for key, w in a.items():
-        if w.ndim == 1:
-            assert np.array_equal(w, b[key])
-            continue
-        bits, group = models_builtin.PACK_BITS(key, w.shape)
-        x = w.reshape(-1, group)
-        step = (x.max(1) - x.min(1)) / (2 ** bits - 1)
-        err = np.abs(x - b[key].reshape(-1, group)).max(1)
-        assert (err <= step * 0.5 + 1e-3 * np.abs(x).max(1) + 1e-6).all(), key  # fp16 scale/min rounding
+    out.unlink()
+    (stage / "01" / "model.whl.part01").write_bytes(b"x")  # damaged in transfer
+    assert "damaged" in gpu_transfer.check(stage / "01")[0]
+    with pytest.raises(RuntimeError, match="part01 is damaged"):
+        gpu_transfer.join(stage, bundle, tmp_path / "dest")
+    (stage / "01" / "model.whl.part01").unlink()  # the machine was given back between two calls
+    with pytest.raises(RuntimeError, match="part01 is missing.*Make the stage calls first.*gpu-stage/01/stage.sh"):
+        gpu_transfer.join(stage, bundle, tmp_path / "dest")
+    assert not (tmp_path / "dest" / "model.whl").exists()
 
 
 @pytest.mark.slow

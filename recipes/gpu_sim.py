@@ -113,7 +113,7 @@ def run_one(python: Path, root: Path, name: str, timeout: float) -> dict:
 
 def main(argv: list[str]) -> int:
     names = argv or list(SIM_RUNS)
-    if not (BUNDLE / "run.sh").exists() or not (STAGE / "stage.sh").exists():
+    if not (BUNDLE / "run.sh").exists() or not any(STAGE.glob("*/stage.sh")):
         print("no .gpu-bundle/ or .gpu-stage/: run `make gpu-prepare` first", file=sys.stderr)
         return 2
     python = gpu_image.build()

@@ -1,7 +1,7 @@
 """The GPU machine's image, as far as the recipe is concerned, and a local Python 3.12 copy of it.
 
 `IMAGE` pins what the image holds (DEVELOPERS.md / the device notes: Python 3.12.3, torch 2.11.0,
-transformers 5.17.0, tokenizers 0.23.2, safetensors 0.8.0, numpy 2.5.2, huggingface_hub 1.33.0, and
+transformers 5.17.0, tokenizers 0.23.2, safetensors 0.8.0, numpy 2.5.2, huggingface_hub 1.33.0, accelerate 1.15.0 (transformers needs it to read GGUF), and
 pyarrow, pyyaml, matplotlib, psutil, tqdm); `MISSING` is what the image lacks and the recipe imports, so it travels
 as wheels in the prepared bundle (recipes/gpu_prepare.py).
 
@@ -21,7 +21,7 @@ from pathlib import Path
 
 PYTHON312 = os.environ.get("PYTHON312", "/root/.pyenv/versions/3.12.1/bin/python3.12")
 IMAGE = ["torch==2.11.0", "transformers==5.17.0", "tokenizers==0.23.2", "safetensors==0.8.0", "numpy==2.5.2",
-         "huggingface_hub==1.33.0", "pyarrow", "pyyaml", "matplotlib", "psutil", "tqdm"]
+         "huggingface_hub==1.33.0", "accelerate==1.15.0", "pyarrow", "pyyaml", "matplotlib", "psutil", "tqdm"]
 MISSING = ["pydantic", "pydantic-core", "annotated-types", "typing-inspection", "pydantic-settings",
            "python-dotenv", "gguf"]  # gguf: transformers reads the smollm2 target's GGUF file with it
 _MISSING_WHEELS = tuple(n.replace("-", "_") for n in MISSING)
@@ -43,8 +43,8 @@ def build(root: Path | None = None) -> Path:
     venv, wheels = root / "venv", root / "wheels"
     python = venv / "bin" / "python"
     stamp = venv / ".image-installed"
-    if stamp.exists():
-        return python
+    if stamp.exists() and stamp.read_text() == "\n".join(IMAGE):
+        return python  # built for this IMAGE list (a changed list installs what it adds)
     wheels.mkdir(parents=True, exist_ok=True)
     run([PYTHON312, "-m", "pip", "download", "--quiet", "--only-binary=:all:", "-d", str(wheels), *IMAGE])
     if not venv.exists():
@@ -56,7 +56,7 @@ def build(root: Path | None = None) -> Path:
         raise RuntimeError(f"the simulated image {venv} imports pydantic; it must not")
     run([str(python), "-c", "import torch, transformers, sys; print('simulated image: python', sys.version.split()[0],"
                             " 'torch', torch.__version__, 'transformers', transformers.__version__)"])
-    stamp.touch()
+    stamp.write_text("\n".join(IMAGE))
     return python
 
 

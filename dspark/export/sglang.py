@@ -27,8 +27,9 @@ DSpark -> `Qwen3DSparkModel` (sglang/srt/models/dspark.py, config parsed by
   Weights: the DFlash ones plus markov_head.markov_w{1,2}.weight (V×r both), markov_head.joint_proj
   (RNN) and confidence_head.proj.{weight,bias} ([h; W1[x]] -> 1). It must NOT carry
   speculators_model_type: SGLang refuses such a config (speculators' slot convention). The MASK is
-  embedded with the target's embedding (a target row); the vocabulary must be the target's full one
-  (markov_w1/w2 are built with vocab_size and the base logits are cropped to the target's vocabulary).
+  embedded with the target's embedding (a target row); the vocabulary is the target's full one
+  (markov_w1/w2 are built with vocab_size and the base logits are cropped to the target's vocabulary):
+  a reduced draft vocabulary is written exactly in that layout (`expand_draft_vocab`, Markov head only).
   With a ragged verify mode (SGLANG_RAGGED_VERIFY_MODE other than "static") SGLang builds a confidence
   head regardless of enable_confidence_head and needs its weights.
 """
@@ -66,15 +67,44 @@ def check_sglang(drafter: Drafter) -> None:
                           "to a reserved token id (mask_token_id: reserved), or export --format vllm")
 
 
+MASKED_LOGIT = -1.0e4  # exp(-1e4) underflows to 0 in every float format: a token SGLang can never draft
+
+
+def expand_draft_vocab(weights: dict[str, torch.Tensor], ids: torch.Tensor, vocab_size: int) -> dict[str, torch.Tensor]:
+    """A DSpark Markov head over a draft vocabulary `ids` -> SGLang's full-vocabulary VanillaMarkov, exactly.
+
+    Ours: logits[i] = lm_head[ids[i]]·h + W2[i]·W1[x] over the draft tokens only. SGLang: logits[v] =
+    lm_head[v]·h + W2'[v]·W1'[x] over all V. One more rank makes them agree: W1'[x] = [W1[x], 1] for every
+    x, W2'[ids[i]] = [W2[i], 0] and W2'[v] = [0, MASKED_LOGIT] for v outside the draft vocabulary. So
+    SGLang's logits equal ours on the draft tokens and sit 1e4 lower on the rest (probability 0: the same
+    distribution). The confidence head reads [h; W1'[x]]: its weight gets a zero column for the new rank."""
+    w1, w2 = weights["markov_head.markov_w1.weight"], weights["markov_head.markov_w2.weight"]
+    rank = w1.shape[1]
+    out = dict(weights)
+    out["markov_head.markov_w1.weight"] = torch.cat([w1, torch.ones(w1.shape[0], 1, dtype=w1.dtype)], 1)
+    full = torch.zeros(vocab_size, rank + 1, dtype=w2.dtype)
+    full[:, rank] = MASKED_LOGIT
+    full[ids, :rank], full[ids, rank] = w2, 0.0
+    out["markov_head.markov_w2.weight"] = full
+    if "confidence_head.proj.weight" in weights:
+        proj = weights["confidence_head.proj.weight"]
+        out["confidence_head.proj.weight"] = torch.cat([proj, torch.zeros(proj.shape[0], 1, dtype=proj.dtype)], 1)
+    return out
+
+
 def sglang_weights(drafter: Drafter) -> tuple[dict[str, torch.Tensor], int | None]:
-    """Our weight names (+ lm_head/d2t for a reduced vocabulary) and the draft vocab size (None = full)."""
-    weights = map_weights(drafter, drafter.algo, rename=False)
+    """Our weight names (+ lm_head/d2t for a reduced Eagle3 vocabulary, or the expanded Markov head for a
+    reduced DSpark one) and the draft vocab size written to the config (None = full)."""
+    weights = {k: v.detach().cpu() for k, v in map_weights(drafter, drafter.algo, rename=False).items()}
     ids = draft_token_ids(drafter)
     if ids is None:
         return weights, None
+    if ALGORITHMS[drafter.algo].markov_head_fields and drafter.config.head == "markov":
+        return expand_draft_vocab(weights, ids.cpu(), drafter.vocab_size), None
     if not ALGORITHMS[drafter.algo].sglang_draft_vocab:
-        raise ExportError(f"draft_vocab_size={ids.numel()}: SGLang's DFlash/DSpark always use the target's full LM "
-                          "head (and DSpark's Markov head spans the full vocabulary)")
+        raise ExportError(f"draft_vocab_size={ids.numel()}: SGLang's DFlash (and DSpark with head={drafter.config.head}) "
+                          "always use the target's full LM head, with no per-token bias to mask the tokens outside "
+                          "the draft vocabulary; DSpark with head=markov exports exactly, or export --format vllm")
     weights["d2t"] = ids - torch.arange(ids.numel())
     weights["lm_head.weight"] = drafter.target.lm_head.weight.detach()[ids.to(drafter.target.device)]
     return weights, int(ids.numel())
@@ -83,8 +113,12 @@ def sglang_weights(drafter: Drafter) -> tuple[dict[str, torch.Tensor], int | Non
 def sglang_config(drafter: Drafter, draft_vocab_size: int | None) -> dict:
     spec = ALGORITHMS[drafter.algo]
     cfg = layer_config(drafter, drafter.algo, drafter.vocab_size)
+    ids = draft_token_ids(drafter)
     meta = {"algo": drafter.algo, "target_layer_ids": drafter.layer_ids, "calibration": drafter.calibration,
-            "draft_vocab_size": draft_vocab_size or drafter.vocab_size}
+            "draft_vocab_size": draft_vocab_size or (ids.numel() if ids is not None else drafter.vocab_size)}
+    if ids is not None and draft_vocab_size is None:
+        meta["draft_vocab_expanded"] = ("the reduced draft vocabulary is written as SGLang's full-vocabulary "
+                                        "Markov head with one masking rank (markov_rank = rank + 1)")
     cfg["architectures"] = [spec.sglang_arch]
     cfg.update(block_fields(drafter) if spec.masked_block else eagle3_fields(drafter))
     cfg["dspark_export"] = meta
@@ -113,9 +147,11 @@ def block_fields(drafter: Drafter) -> dict:
 
 
 def sglang_head_fields(drafter: Drafter) -> dict:
-    """Qwen3DSparkModel's head fields (check_sglang has refused a drafter without a Markov head)."""
+    """Qwen3DSparkModel's head fields (check_sglang has refused a drafter without a Markov head); a reduced
+    draft vocabulary adds the masking rank (expand_draft_vocab)."""
     c, has_conf = drafter.config, drafter.confidence_head is not None
-    return {"markov_rank": c.rank, "markov_head_type": HEAD_TYPES[c.head], "sample_from_anchor": True,
+    expanded = draft_token_ids(drafter) is not None
+    return {"markov_rank": c.rank + int(expanded), "markov_head_type": HEAD_TYPES[c.head], "sample_from_anchor": True,
             "enable_confidence_head": has_conf, "confidence_head_with_markov": has_conf}
 
 

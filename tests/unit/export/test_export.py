@@ -308,11 +308,43 @@ def test_sglang_dspark_layout_is_what_its_loader_reads(tmp_path, tiny, head):
     assert all(torch.equal(weights[k], own[k]) for k in weights)
 
 
-def test_sglang_dspark_refuses_a_learned_mask_and_a_reduced_vocabulary(tmp_path, tiny, micro):
+def test_sglang_dspark_refuses_a_learned_mask_and_a_reduced_vocabulary_it_cannot_mask(tmp_path, tiny, micro):
     with pytest.raises(ExportError, match="^mask_token_id: SGLang's DSpark"):
         export_drafter(make(tiny, "dspark"), str(tmp_path / "a"), "sglang")
-    with pytest.raises(ExportError, match="^draft_vocab_size=3: SGLang's DFlash/DSpark"):
-        export_drafter(with_draft_vocab(micro, "dspark", [0, 2, 3], offsets=True), str(tmp_path / "b"), "sglang")
+    rnn = make(micro, "dspark", head="rnn", mask_token_id=1, draft_vocab_size=3, draft_ids=torch.tensor([0, 2, 3]))
+    with pytest.raises(ExportError, match="^draft_vocab_size=3: SGLang's DFlash \\(and DSpark with head=rnn\\)"):
+        export_drafter(rnn, str(tmp_path / "b"), "sglang")
+    with pytest.raises(ExportError, match="^draft_vocab_size=3: SGLang's DFlash"):
+        export_drafter(with_draft_vocab(micro, "dflash", [0, 2, 3], offsets=True), str(tmp_path / "c"), "sglang")
+
+
+def test_sglang_dspark_reduced_vocabulary_gives_sglangs_head_the_same_distribution(tmp_path, micro):
+    """SGLang's VanillaMarkov and DSparkConfidenceHead (sglang@01f47623 models/dspark.py: logits = the
+    target LM head over all V + markov_w2(markov_w1[prev]); confidence = proj([h; markov_w1[prev]])) on
+    the exported weights: the same next-token distribution as ours over the draft vocabulary, zero
+    probability elsewhere, the same confidence."""
+    ids = torch.tensor([0, 2, 3, 7, 11, 15])
+    drafter = with_draft_vocab(micro, "dspark", ids.tolist(), offsets=True)
+    export_drafter(drafter, str(tmp_path / "s"), "sglang", dtype="fp32")
+    cfg, w = read(tmp_path / "s")
+    V, r = micro.vocab_size, drafter.config.rank
+    assert cfg["markov_rank"] == r + 1 and "draft_vocab_size" not in cfg and cfg["vocab_size"] == V
+    assert cfg["dspark_export"]["draft_vocab_size"] == len(ids)
+    assert {k: tuple(v.shape) for k, v in w.items()} == dspark_loader_shapes(cfg, len(drafter.layer_ids))
+    torch.manual_seed(1)
+    h, prev = torch.randn(5, drafter.hidden_size), torch.tensor([0, 4, 7, 9, 15])  # prev: any target token
+    lm = micro.lm_head.weight.detach()
+    with torch.no_grad():
+        ours = torch.softmax(h @ lm[ids].T + drafter.markov_head.markov_w2(drafter.markov_head.markov_w1(prev)), -1)
+        ours_conf = drafter.confidence_head(h, drafter.markov_head.markov_w1(prev))
+    e1 = w["markov_head.markov_w1.weight"][prev]
+    theirs = torch.softmax(h @ lm.T + e1 @ w["markov_head.markov_w2.weight"].T, -1)
+    assert torch.allclose(theirs[:, ids], ours, atol=1e-6)
+    outside = torch.ones(V, dtype=torch.bool)
+    outside[ids] = False
+    assert theirs[:, outside].max() == 0
+    conf = torch.cat([h, e1], -1) @ w["confidence_head.proj.weight"].T + w["confidence_head.proj.bias"]
+    assert torch.allclose(conf.squeeze(-1), ours_conf.reshape(-1), atol=1e-6)
 
 
 # ---------------------------------------------------------------- dtype, verifier, engine versions
@@ -408,9 +440,11 @@ def test_smollm2_training_configs_use_a_reserved_mask_and_export_to_every_format
     target = load_target("smollm2-135m")
     drafter = config_drafter(name, target)
     assert target.tokenizer.convert_ids_to_tokens(drafter.config.mask_token_id) == "<empty_output>"
-    for fmt in ("vllm", "speculators"):
+    formats = ("vllm", "speculators") if drafter.algo != "dspark" else ("vllm", "speculators", "sglang")
+    for fmt in formats:
         export_drafter(drafter, str(tmp_path / fmt), fmt, verifier="HuggingFaceTB/SmolLM2-135M-Instruct")
-    # the 8k draft vocabulary (the CPU cost lever) has no SGLang layout: its DFlash/DSpark loaders always
-    # use the target's full LM head, and the export says so instead of writing something it misreads
-    with pytest.raises(ExportError, match="draft_vocab_size=8192"):
-        export_drafter(drafter, str(tmp_path / "sglang"), "sglang", verifier="HuggingFaceTB/SmolLM2-135M-Instruct")
+    if drafter.algo != "dspark":
+        # DFlash with the 8k draft vocabulary (the CPU cost lever) has no SGLang layout: its loader always
+        # uses the target's full LM head with no bias to mask the rest, and the export says so
+        with pytest.raises(ExportError, match="draft_vocab_size=8192"):
+            export_drafter(drafter, str(tmp_path / "sglang"), "sglang", verifier="HuggingFaceTB/SmolLM2-135M-Instruct")

@@ -85,32 +85,31 @@ def check_ports_free(cfg: StackConfig, service: str) -> None:
 
 
 # ---------------------------------------------------------------------------- health checks
-def s3_client(cfg: StackConfig, creds: dict, timeout: float = 5.0):
-    import boto3
-    from botocore.config import Config
+def s3_filesystem(cfg: StackConfig, creds: dict, timeout: float = 5.0):
+    """pyarrow S3 filesystem on the stack's endpoint with its keys: one attempt per request, and
+    allowed to create buckets."""
+    import pyarrow.fs as pafs
 
-    return boto3.client("s3", endpoint_url=cfg.s3_url, region_name="us-east-1",
-                        aws_access_key_id=creds["access_key_id"],
-                        aws_secret_access_key=creds["secret_access_key"],
-                        config=Config(connect_timeout=timeout, read_timeout=timeout,
-                                      retries={"max_attempts": 1}, s3={"addressing_style": "path"}))
+    return pafs.S3FileSystem(access_key=creds["access_key_id"], secret_key=creds["secret_access_key"],
+                             region="us-east-1", endpoint_override=f"{HOST}:{cfg.s3_port}", scheme="http",
+                             connect_timeout=timeout, request_timeout=timeout, allow_bucket_creation=True,
+                             retry_strategy=pafs.AwsStandardS3RetryStrategy(max_attempts=1))
 
 
 def s3_healthy(cfg: StackConfig, creds: dict) -> bool:
     """True when S3 lists buckets with our keys; raises StackError when it rejects them."""
-    from botocore.exceptions import BotoCoreError, ClientError
+    import pyarrow.fs as pafs
 
     try:
-        s3_client(cfg, creds).list_buckets()
+        s3_filesystem(cfg, creds).get_file_info(pafs.FileSelector(""))  # the root lists the buckets
         return True
-    except ClientError as err:
-        code = err.response.get("Error", {}).get("Code", "")
-        if code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied"):
+    except OSError as err:
+        code = next((c for c in ("INVALID_ACCESS_KEY_ID", "SIGNATURE_DOES_NOT_MATCH", "ACCESS_DENIED")
+                     if f"AWS Error {c}" in str(err)), None)  # pyarrow's names of the AWS errors
+        if code:
             raise StackError(f"S3 at {cfg.s3_url} rejected the stack credentials ({code}): it is not the server "
                              f"this state dir started, or {cfg.path('credentials.json')} changed; stop the "
                              f"other server or restore the credentials file") from None
-        return False
-    except BotoCoreError:
         return False
 
 
@@ -147,11 +146,9 @@ def wait_healthy(cfg: StackConfig, creds: dict, record: ServiceRecord, timeout_s
 
 
 def ensure_buckets(cfg: StackConfig, creds: dict) -> None:
-    client = s3_client(cfg, creds, timeout=30.0)
-    existing = {b["Name"] for b in client.list_buckets().get("Buckets", [])}
+    filesystem = s3_filesystem(cfg, creds, timeout=30.0)
     for bucket in BUCKETS:
-        if bucket not in existing:
-            client.create_bucket(Bucket=bucket)
+        filesystem.create_dir(bucket)  # creates a missing bucket, leaves an existing one
 
 
 # ---------------------------------------------------------------------------- service starters

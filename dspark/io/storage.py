@@ -1,4 +1,4 @@
-"""One API for local paths and `s3://bucket/key` URIs.
+"""One API for local paths and `s3://bucket/key` URIs; S3 goes through pyarrow.fs.
 
 S3 settings come from the environment: AWS_ENDPOINT_URL (or DSPARK_S3_ENDPOINT), AWS_ACCESS_KEY_ID,
 AWS_SECRET_ACCESS_KEY, AWS_REGION (default us-east-1). With the local stack, `source .dspark/env.sh`
@@ -6,7 +6,9 @@ AWS_SECRET_ACCESS_KEY, AWS_REGION (default us-east-1). With the local stack, `so
 
 A "directory" URI is a prefix: `list_files("s3://b/run1")` lists every object under `run1/`
 (recursively), just as it lists every file under a local directory. Missing objects raise
-FileNotFoundError; an unreachable endpoint or bucket raises StorageError with the fix.
+FileNotFoundError; an unreachable endpoint, a missing bucket or refused credentials raise
+StorageError with the fix. pyarrow emulates directories: a delete can leave an empty `dir/` marker
+object behind; listings and `exists` count files only, so a marker alone is not "something in it".
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import functools
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 import uuid
@@ -22,11 +25,14 @@ from contextlib import contextmanager
 from pathlib import Path
 from urllib.parse import urlparse
 
+import pyarrow.fs as pafs
 from tqdm.auto import tqdm
 
 from dspark.settings import settings
 
 S3_SCHEME = "s3://"
+FILE, NOT_FOUND = pafs.FileType.File, pafs.FileType.NotFound
+AUTH_ERRORS = ("ACCESS_DENIED", "SIGNATURE_DOES_NOT_MATCH", "INVALID_ACCESS_KEY_ID")  # pyarrow's names
 
 
 class StorageError(RuntimeError):
@@ -57,12 +63,7 @@ def join(uri: str | os.PathLike, *parts: str) -> str:
     return "/".join(pieces)
 
 
-def _dir_prefix(key: str) -> str:
-    """Key prefix that selects everything below `key` taken as a directory."""
-    return key.rstrip("/") + "/" if key.strip("/") else ""
-
-
-# ---------------------------------------------------------------------------- S3 client
+# ---------------------------------------------------------------------------- S3 filesystem and errors
 def s3_settings() -> dict:
     """Endpoint and credentials from the environment (endpoint None = AWS itself)."""
     env = settings()
@@ -70,21 +71,27 @@ def s3_settings() -> dict:
             "region": env.aws_region}
 
 
-def s3_client():
-    """A boto3 S3 client for the current environment (cached per settings; thread-safe)."""
-    settings = s3_settings()
-    return _cached_client(settings["endpoint"], settings["key"], settings["secret"], settings["region"])
+def pyarrow_fs(uri: str | os.PathLike) -> tuple[pafs.FileSystem, str]:
+    """(pyarrow FileSystem, path inside it): what every S3 call here uses, and what Ray Data's
+    `filesystem=` / `paths=` arguments take."""
+    uri = str(uri)
+    if not is_s3(uri):
+        return pafs.LocalFileSystem(), os.path.abspath(uri)
+    s3 = s3_settings()
+    bucket, key = split_s3(uri)
+    return _s3_filesystem(s3["endpoint"], s3["key"], s3["secret"], s3["region"]), f"{bucket}/{key}".rstrip("/")
 
 
 @functools.lru_cache(maxsize=8)
-def _cached_client(endpoint, key, secret, region):
-    import boto3
-    from botocore.config import Config
-
-    config = Config(connect_timeout=10, read_timeout=120, retries={"max_attempts": 4, "mode": "standard"},
-                    s3={"addressing_style": "path"} if endpoint else {})
-    return boto3.client("s3", endpoint_url=endpoint, aws_access_key_id=key, aws_secret_access_key=secret,
-                        region_name=region, config=config)
+def _s3_filesystem(endpoint: str | None, key: str | None, secret: str | None, region: str) -> pafs.S3FileSystem:
+    """One S3FileSystem per settings (thread-safe). The endpoint is passed explicitly (pyarrow does
+    not honour AWS_ENDPOINT_URL everywhere); no keys = the AWS default credential chain."""
+    options = {"region": region} | ({"access_key": key, "secret_key": secret} if key and secret else {})
+    if endpoint:
+        parsed = urlparse(endpoint)
+        options |= {"endpoint_override": parsed.netloc or parsed.path, "scheme": parsed.scheme or "https",
+                    "force_virtual_addressing": False}
+    return pafs.S3FileSystem(**options)
 
 
 def _endpoint_hint() -> str:
@@ -94,29 +101,51 @@ def _endpoint_hint() -> str:
 
 @contextmanager
 def _s3_errors(uri: str):
-    """Translate boto errors: missing object -> FileNotFoundError, the rest -> StorageError."""
-    from botocore.exceptions import BotoCoreError, ClientError, EndpointConnectionError, NoCredentialsError
-
+    """Translate pyarrow's S3 errors: missing object -> FileNotFoundError, the rest -> StorageError.
+    OSErrors with an errno other than ENOENT are local (disk full, permissions) and pass unchanged."""
     try:
         yield
-    except ClientError as err:
-        code = str(err.response.get("Error", {}).get("Code", ""))
-        if code in ("NoSuchKey", "404", "NotFound"):
-            raise FileNotFoundError(f"no such object: {uri}") from None
-        if code == "NoSuchBucket":
-            raise StorageError(f"bucket of {uri} does not exist at {s3_settings()['endpoint'] or 'AWS'}; "
-                               f"create it or use s3://dspark/... with the local stack") from None
-        if code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "403"):
-            raise StorageError(f"S3 refused access to {uri} ({code}); check AWS_ACCESS_KEY_ID/"
-                               f"AWS_SECRET_ACCESS_KEY ({_endpoint_hint()})") from None
-        raise StorageError(f"S3 error on {uri}: {code}: {err}") from None
-    except NoCredentialsError:
-        raise StorageError(f"no S3 credentials for {uri}; {_endpoint_hint()}") from None
-    except EndpointConnectionError:
-        raise StorageError(f"S3 endpoint {s3_settings()['endpoint'] or 'AWS'} is unreachable for {uri}; "
-                           f"{_endpoint_hint()}") from None
-    except BotoCoreError as err:
-        raise StorageError(f"S3 request for {uri} failed ({type(err).__name__}: {err}); {_endpoint_hint()}") from None
+    except FileNotFoundError:
+        _require_bucket(uri)  # pyarrow reports a missing bucket as a missing path
+        raise FileNotFoundError(f"no such object: {uri}") from None
+    except OSError as err:
+        if err.errno is not None:
+            raise
+        raise _storage_error(uri, str(err)) from None
+
+
+def _storage_error(uri: str, message: str) -> StorageError:
+    """pyarrow's messages carry the AWS SDK's error name ("... AWS Error ACCESS_DENIED during ...")."""
+    match = re.search(r"AWS Error (\w+)", message)
+    code = match.group(1) if match else ""
+    if code == "NETWORK_CONNECTION":
+        return StorageError(f"S3 endpoint {_endpoint()} is unreachable for {uri}; {_endpoint_hint()}")
+    if code == "NO_SUCH_BUCKET":
+        return _no_bucket(uri)
+    if code in AUTH_ERRORS and not s3_settings()["key"]:
+        return StorageError(f"no S3 credentials for {uri}; {_endpoint_hint()}")
+    if code in AUTH_ERRORS:
+        return StorageError(f"S3 refused access to {uri} ({code}); check AWS_ACCESS_KEY_ID/"
+                            f"AWS_SECRET_ACCESS_KEY ({_endpoint_hint()})")
+    return StorageError(f"S3 request for {uri} failed ({' '.join(message.split())}); {_endpoint_hint()}")
+
+
+def _endpoint() -> str:
+    return s3_settings()["endpoint"] or "AWS"
+
+
+def _no_bucket(uri: str) -> StorageError:
+    return StorageError(f"bucket of {uri} does not exist at {_endpoint()}; "
+                        f"create it or use s3://dspark/... with the local stack")
+
+
+def _require_bucket(uri: str) -> None:
+    """StorageError when the bucket of `uri` does not exist."""
+    fs, _ = pyarrow_fs(uri)
+    with _s3_errors(uri):
+        missing = fs.get_file_info(split_s3(uri)[0]).type == NOT_FOUND
+    if missing:
+        raise _no_bucket(uri)
 
 
 # ---------------------------------------------------------------------------- bytes / text
@@ -124,20 +153,21 @@ def read_bytes(uri: str | os.PathLike) -> bytes:
     uri = str(uri)
     if not is_s3(uri):
         return Path(uri).read_bytes()
-    bucket, key = split_s3(uri)
-    with _s3_errors(uri):
-        return s3_client().get_object(Bucket=bucket, Key=key)["Body"].read()
+    fs, path = pyarrow_fs(uri)
+    with _s3_errors(uri), fs.open_input_stream(path) as stream:
+        return stream.read()
 
 
 def write_bytes(uri: str | os.PathLike, data: bytes) -> None:
     """Write a whole object/file (local writes are atomic: temp file + rename)."""
     uri = str(uri)
     if not is_s3(uri):
-        _atomic_write(Path(uri), data)
+        with _atomic_path(Path(uri)) as tmp:
+            Path(tmp).write_bytes(data)
         return
-    bucket, key = split_s3(uri)
-    with _s3_errors(uri):
-        s3_client().put_object(Bucket=bucket, Key=key, Body=data)
+    fs, path = pyarrow_fs(uri)
+    with _s3_errors(uri), fs.open_output_stream(path) as stream:
+        stream.write(data)
 
 
 def read_text(uri: str | os.PathLike) -> str:
@@ -148,16 +178,17 @@ def write_text(uri: str | os.PathLike, text: str) -> None:
     write_bytes(uri, text.encode("utf-8"))
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
+@contextmanager
+def _atomic_path(path: Path):
+    """A temp file beside `path` that replaces `path` when the block succeeds (removed when it fails)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    os.close(fd)
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
+        yield tmp
         os.replace(tmp, path)
-    except BaseException:
+    finally:
         Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 # ---------------------------------------------------------------------------- listing
@@ -166,28 +197,26 @@ def exists(uri: str | os.PathLike) -> bool:
     uri = str(uri)
     if not is_s3(uri):
         return os.path.exists(uri)
-    bucket, key = split_s3(uri)
+    fs, path = pyarrow_fs(uri)
     with _s3_errors(uri):
-        if key and not key.endswith("/") and _head(bucket, key, uri) is not None:
-            return True
-        listing = s3_client().list_objects_v2(Bucket=bucket, Prefix=_dir_prefix(key), MaxKeys=1)
-        return listing.get("KeyCount", 0) > 0 or not key.strip("/")
+        kind = fs.get_file_info(path).type
+    if kind == NOT_FOUND:
+        _require_bucket(uri)
+        return False
+    return kind == FILE or not split_s3(uri)[1].strip("/") or bool(_s3_files(uri))
 
 
-def _head(bucket: str, key: str, uri: str) -> dict | None:
-    try:
-        with _s3_errors(uri):
-            return s3_client().head_object(Bucket=bucket, Key=key)
-    except FileNotFoundError:
-        return None
-
-
-def _list_objects(bucket: str, prefix: str) -> list[dict]:
-    paginator = s3_client().get_paginator("list_objects_v2")
-    objects = []
-    for page in paginator.paginate(Bucket=bucket, Prefix=prefix):
-        objects.extend(page.get("Contents", []))
-    return objects
+def _s3_files(uri: str) -> dict[str, pafs.FileInfo]:
+    """URI -> FileInfo (size, mtime) of the object at `uri` and of every object below it as a prefix."""
+    fs, path = pyarrow_fs(uri)
+    with _s3_errors(uri):
+        infos = fs.get_file_info(pafs.FileSelector(path, recursive=True, allow_not_found=True))
+        if split_s3(uri)[1] and not uri.endswith("/"):
+            infos.append(fs.get_file_info(path))
+    files = {S3_SCHEME + info.path: info for info in infos if info.type == FILE}
+    if not files:
+        _require_bucket(uri)
+    return files
 
 
 def list_files(uri_prefix: str | os.PathLike) -> list[str]:
@@ -199,13 +228,7 @@ def list_files(uri_prefix: str | os.PathLike) -> list[str]:
         if root.is_file():
             return [str(root)]
         return sorted(str(p) for p in root.rglob("*") if p.is_file()) if root.is_dir() else []
-    bucket, key = split_s3(uri)
-    with _s3_errors(uri):
-        found = [f"{S3_SCHEME}{bucket}/{o['Key']}" for o in _list_objects(bucket, _dir_prefix(key))
-                 if not o["Key"].endswith("/")]
-        if key and not key.endswith("/") and _head(bucket, key, uri) is not None:
-            found.append(uri)
-    return sorted(found)
+    return sorted(_s3_files(uri))
 
 
 def delete(uri: str | os.PathLike, missing_ok: bool = False) -> None:
@@ -220,18 +243,18 @@ def delete(uri: str | os.PathLike, missing_ok: bool = False) -> None:
         elif not missing_ok:
             raise FileNotFoundError(f"no such file or directory: {uri}")
         return
-    bucket, key = split_s3(uri)
     targets = list_files(uri)
     if not targets and not missing_ok:
         raise FileNotFoundError(f"no such object or prefix: {uri}")
-    keys = [split_s3(t)[1] for t in targets]
+    fs, path = pyarrow_fs(uri)
     with _s3_errors(uri):
-        for start in range(0, len(keys), 1000):  # DeleteObjects takes at most 1000 keys
-            batch = [{"Key": k} for k in keys[start:start + 1000]]
-            s3_client().delete_objects(Bucket=bucket, Delete={"Objects": batch, "Quiet": True})
+        if uri in targets:
+            fs.delete_file(path)
+        if any(target != uri for target in targets):
+            fs.delete_dir_contents(path, missing_dir_ok=True)  # batched DeleteObjects
 
 
-# ---------------------------------------------------------------------------- directories
+# ---------------------------------------------------------------------------- files and directories
 def upload_dir(local_dir: str | os.PathLike, uri: str | os.PathLike) -> list[str]:
     """Copy every file under `local_dir` to `uri` (keeping relative paths); returns written URIs."""
     root, uri = Path(local_dir), str(uri)
@@ -247,34 +270,29 @@ def upload_dir(local_dir: str | os.PathLike, uri: str | os.PathLike) -> list[str
 
 
 def put_file(local_path: str | os.PathLike, uri: str | os.PathLike) -> None:
-    """Copy one local file to a path or URI (multipart upload for large files)."""
+    """Copy one local file to a path or URI (pyarrow uploads large files in parts)."""
     uri = str(uri)
     if not is_s3(uri):
         Path(uri).parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(local_path, uri)
         return
-    bucket, key = split_s3(uri)
+    os.stat(local_path)  # a missing local file raises here, not as a missing S3 object
+    fs, path = pyarrow_fs(uri)
     with _s3_errors(uri):
-        s3_client().upload_file(str(local_path), bucket, key)
+        pafs.copy_files(os.path.abspath(local_path), path, source_filesystem=pafs.LocalFileSystem(),
+                        destination_filesystem=fs)
 
 
 def get_file(uri: str | os.PathLike, local_path: str | os.PathLike) -> None:
     """Copy one file/object to a local path (atomically: temp file + rename)."""
-    uri, local_path = str(uri), Path(local_path)
-    local_path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=local_path.parent, prefix=f".{local_path.name}.")
-    os.close(fd)
-    try:
-        if is_s3(uri):
-            bucket, key = split_s3(uri)
-            with _s3_errors(uri):
-                s3_client().download_file(bucket, key, tmp)
-        else:
+    uri = str(uri)
+    with _atomic_path(Path(local_path)) as tmp:
+        if not is_s3(uri):
             shutil.copyfile(uri, tmp)
-        os.replace(tmp, local_path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+            return
+        fs, path = pyarrow_fs(uri)
+        with _s3_errors(uri):
+            pafs.copy_files(path, tmp, source_filesystem=fs, destination_filesystem=pafs.LocalFileSystem())
 
 
 def download_dir(uri: str | os.PathLike, local_dir: str | os.PathLike) -> list[str]:
@@ -306,7 +324,8 @@ def cache_dir() -> Path:
 def local_copy(uri: str | os.PathLike) -> str:
     """A local path holding `uri`: the path itself when local; for S3 a cached download under
     $DSPARK_CACHE/s3/<endpoint>/<bucket>/<key> (a file or a directory), refreshed only for objects
-    whose ETag changed. Safe to call from many processes at once (file lock per URI)."""
+    whose size or modification time changed. Safe to call from many processes at once (file lock
+    per URI)."""
     uri = str(uri)
     if not is_s3(uri):
         if not os.path.exists(uri):
@@ -315,32 +334,21 @@ def local_copy(uri: str | os.PathLike) -> str:
     bucket, key = split_s3(uri)
     endpoint = urlparse(s3_settings()["endpoint"] or "https://aws").netloc.replace(":", "_")
     target = cache_dir() / endpoint / bucket / key.strip("/")
-    objects = _objects_under(uri)
+    objects = _s3_files(uri)
     if not objects:
         raise FileNotFoundError(f"no such object or prefix: {uri}")
     with _file_lock(target.with_name(target.name + ".lock")):
         manifest_path = target.with_name(target.name + ".manifest.json")
         manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else {}
         is_single_file = list(objects) == [uri]
-        for source, etag in objects.items():
+        for source, info in objects.items():
             local = target if is_single_file else target / _relative(source, uri)
-            if manifest.get(source) != etag or not local.exists():
+            version = f"{info.size}:{info.mtime_ns}"  # an object rewritten in place gets a new mtime
+            if manifest.get(source) != version or not local.exists():
                 get_file(source, local)
-                manifest[source] = etag
-        _atomic_write(manifest_path, json.dumps(manifest).encode())
+                manifest[source] = version
+        write_bytes(manifest_path, json.dumps(manifest).encode())
     return str(target)
-
-
-def _objects_under(uri: str) -> dict[str, str]:
-    """URI -> ETag for the object at `uri` or every object under it as a prefix."""
-    bucket, key = split_s3(uri)
-    with _s3_errors(uri):
-        if key and not key.endswith("/"):
-            head = _head(bucket, key, uri)
-            if head is not None:
-                return {uri: head["ETag"]}
-        return {f"{S3_SCHEME}{bucket}/{o['Key']}": o["ETag"]
-                for o in _list_objects(bucket, _dir_prefix(key)) if not o["Key"].endswith("/")}
 
 
 @contextmanager
@@ -351,25 +359,7 @@ def _file_lock(lock_path: Path):
         yield
 
 
-# ---------------------------------------------------------------------------- pyarrow / checks
-def pyarrow_fs(uri: str | os.PathLike):
-    """(pyarrow FileSystem, path inside it) for Ray Data `filesystem=` / `paths=` arguments.
-    The S3 endpoint is passed explicitly (pyarrow does not honour AWS_ENDPOINT_URL everywhere)."""
-    import pyarrow.fs as pafs
-
-    uri = str(uri)
-    if not is_s3(uri):
-        return pafs.LocalFileSystem(), os.path.abspath(uri)
-    settings = s3_settings()
-    options = {"region": settings["region"], "access_key": settings["key"], "secret_key": settings["secret"]}
-    if settings["endpoint"]:
-        parsed = urlparse(settings["endpoint"])
-        options |= {"endpoint_override": parsed.netloc or parsed.path, "scheme": parsed.scheme or "https",
-                    "force_virtual_addressing": False}
-    bucket, key = split_s3(uri)
-    return pafs.S3FileSystem(**options), f"{bucket}/{key}".rstrip("/")
-
-
+# ---------------------------------------------------------------------------- checks and digests
 def check_writable(uri: str | os.PathLike) -> None:
     """Fail fast (StorageError, one line with the fix) if `uri` cannot be written: writes and
     deletes a small probe object/file below it."""

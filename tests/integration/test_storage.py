@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import os
-
-
+import time
 import uuid
 
 from pathlib import Path
@@ -48,6 +47,7 @@ def test_s3_list_is_recursive_with_directory_semantics(s3_root):
     assert storage.list_files(f"{run}/x") == [f"{run}/x"]
     assert storage.list_files(storage.join(s3_root, "none")) == []
     storage.delete(run)
+    assert not storage.exists(run)  # a directory marker pyarrow may leave behind is not "something in it"
     assert storage.list_files(s3_root) == [storage.join(s3_root, "run2/z")]
     with pytest.raises(FileNotFoundError):
         storage.delete(run)
@@ -74,8 +74,11 @@ def test_s3_upload_download_dir_and_local_copy_cache(s3_root, tmp_path, monkeypa
     assert Path(storage.local_copy(storage.join(s3_root, "ckpt"))) == cached
     assert (cached / "config.json").read_text() == '{"v": 2}'
     assert (cached / "weights" / "model.bin").stat().st_mtime_ns == untouched_mtime
+    time.sleep(1.1)  # S3 modification times have 1 s resolution
+    storage.write_text(storage.join(s3_root, "ckpt", "config.json"), '{"v": 3}')  # same size, newer mtime
+    assert (Path(storage.local_copy(storage.join(s3_root, "ckpt"))) / "config.json").read_text() == '{"v": 3}'
     single = storage.local_copy(storage.join(s3_root, "ckpt", "config.json"))
-    assert Path(single).read_text() == '{"v": 2}'
+    assert Path(single).read_text() == '{"v": 3}'
     with pytest.raises(FileNotFoundError):
         storage.local_copy(storage.join(s3_root, "missing"))
 
@@ -101,6 +104,8 @@ def test_s3_check_writable_and_missing_bucket(local_stack):
     assert storage.list_files("s3://dspark/tests/writable") == []  # probe removed
     with pytest.raises(storage.StorageError, match="does not exist"):
         storage.check_writable("s3://no-such-bucket-dspark/x")
+    with pytest.raises(storage.StorageError, match="does not exist"):  # not FileNotFoundError: the bucket is missing
+        storage.read_bytes("s3://no-such-bucket-dspark/x")
 
 
 

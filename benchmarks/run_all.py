@@ -53,6 +53,7 @@ SCRIPT_ARGS: dict[str, ScriptArgs] = {
                                      quick=["--target", "tiny", "--num-prompts", "8", "--max-new-tokens", "16"]),
     "train_throughput": ScriptArgs(full=[], quick=["--quick"]),  # smollm2-135m, ZeRO 0/2/3, 2 CPU workers
     "serve_load": ScriptArgs(full=[], quick=["--quick"]),  # smollm2-135m + its trained DSpark drafter
+    "mlflow_logging": ScriptArgs(full=[], quick=["--calls", "200", "--pending", "20"]),  # SQLite store + a hung port
 }
 
 

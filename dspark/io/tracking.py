@@ -7,7 +7,9 @@ This is the one module that talks to MLflow's tracking API.
 - Metrics, params, tags and dataset inputs go through a bounded background queue drained by one
   thread (retrying a transient failure a few times, then logging a warning): a call never waits on
   the server, and when the server is slow or down the queue fills and further calls are dropped
-  with a warning. `end_run`/`flush` wait for the queue, but only up to FLUSH_TIMEOUT_S.
+  with a warning. `end_run`/`flush` wait for the queue, but only up to FLUSH_TIMEOUT_S. (Not MLflow's
+  own async logging: against a hung server it grows without bound and delays exit; measured in
+  dspark.io.background_logger.)
 - Runs are addressed by id (MlflowClient), not through MLflow's thread-local "active run", so a
   Ray Train worker can log into the driver's run (`attach_run`) without owning it.
 - A run this process started (`start_run`) never stays RUNNING: SIGTERM (`ray job stop`) and
@@ -117,7 +119,7 @@ def _client():
 
 def new_background_logger(maxsize: int = QUEUE_SIZE) -> BackgroundLogger:
     """A logging queue whose calls run through `_retry` (the process uses one: `_background`)."""
-    return BackgroundLogger(run=lambda what, fn: _retry(what, fn), server=lambda: tracking_uri(), maxsize=maxsize)
+    return BackgroundLogger(run=lambda what, fn: _retry(what, fn), maxsize=maxsize)
 
 
 _background = new_background_logger()
@@ -128,8 +130,8 @@ def flush(timeout_s: float = FLUSH_TIMEOUT_S) -> bool:
     return _background.flush(timeout_s)
 
 
-def _submit(what: str, fn: Callable[[], Any], force: bool = False) -> None:
-    _background.submit(what, fn, force=force)
+def _submit(what: str, fn: Callable[[], Any]) -> None:
+    _background.submit(what, fn)
 
 
 # ---------------------------------------------------------------------------- runs

@@ -200,6 +200,33 @@ def test_logging_returns_at_once_when_the_server_hangs_or_is_down(server, hangin
     monkeypatch.setattr(tracking, "_current", None)
 
 
+HUNG_EXIT = """
+from dspark.io import tracking
+tracking.attach_run("0" * 32)
+for step in range(100):
+    tracking.log_metrics({"loss": 1.0}, step=step)
+print("logged", flush=True)
+"""
+
+
+def test_exit_is_not_held_by_calls_pending_on_a_hung_server(hanging_server, tmp_path):
+    """Why the queue is ours and not MLflow's async logging, whose worker pool is joined at exit (with
+    these 100 calls pending and a 3 s HTTP timeout, that process took 61 s to exit): ours exits after
+    its bounded at-exit flush, whatever is still pending."""
+    env = {**os.environ, "MLFLOW_TRACKING_URI": hanging_server, "MLFLOW_HTTP_REQUEST_TIMEOUT": "3",
+           "DSPARK_MLFLOW_FLUSH_TIMEOUT_S": "0.5", "DSPARK_STATE_DIR": str(tmp_path), "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-c", HUNG_EXIT], env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline() == "logged\n", proc.stderr.read()
+        started = time.monotonic()
+        assert proc.wait(timeout=60) == 0
+    finally:
+        proc.kill()
+    assert time.monotonic() - started < 5.0, "exit must not wait for calls pending on a hung server"
+    assert "still pending after 0.5 s" in proc.stderr.read()
+
+
 # ---------------------------------------------------------------------------- launchers
 def test_cli_runtime_env_carries_the_commit_and_stays_valid(tmp_path, monkeypatch, capsys):
     from ray.runtime_env import RuntimeEnv

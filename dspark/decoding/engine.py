@@ -97,7 +97,9 @@ class Engine(RequestBatch):
             self.sps = engine_sps_table(cfg, target, self.gamma, self.layer_ids)
         self.scheduler = PrefixScheduler(cfg.scheduler, self.sps)
         gate_on = cfg.scheduler.draft_gate and self.sps is not None and self.drafting
-        self.gate = DraftGate(self.sps, cfg.scheduler.draft_gate_explore_every) if gate_on else None
+        self.gate = DraftGate(self.sps, cfg.scheduler.draft_gate_explore_every,
+                              explore_rows=cfg.scheduler.draft_gate_explore_rows) if gate_on else None
+        self._explore_offset = 0  # round-robin start of the gate's exploration sample
         super().__init__(cfg, kv)  # queue, slots, totals; started_at = now, after the profiling
 
     # ---- setup -------------------------------------------------------------------------------
@@ -182,14 +184,14 @@ class Engine(RequestBatch):
         if self.active:
             drafted = self.drafting and (self.gate is None or self.gate.should_draft(len(self.active)))
             if drafted:
-                self._draft(report)  # catches the drafter context up first
+                self._draft(report, self._draft_rows())  # catches the drafter context up first
                 self._retire()
             if self.active:
                 self._verify(report)
                 self._catch_up_overdue(report)
                 self._retire()
             if drafted and self.gate is not None:
-                self.gate.observe(report.rows, report.draft_s, report.verified, report.accepted)
+                self.gate.observe(report.drafted_rows, report.draft_s, report.verified, report.accepted)
             report.drafted = drafted
         report.step_s = time.perf_counter() - t0
         self._account(report)
@@ -215,11 +217,21 @@ class Engine(RequestBatch):
             except Exception as err:
                 self._fail(req, f"prefill failed: {err}", report)
 
-    def _draft(self, report: StepReport) -> None:
-        """γ drafts per active request in one propose_batch call (per-request retry isolates a failure)."""
+    def _draft_rows(self) -> list[Request]:
+        """Who drafts this step: every active request, or, on the draft gate's exploration steps, a
+        round-robin sample of `explore_rows` (chosen before any draft exists: lossless)."""
+        k = getattr(self.gate, "explore_rows", None) if getattr(self.gate, "exploring", False) else None
+        if k is None or k >= len(self.active):
+            return list(self.active)
+        start = self._explore_offset % len(self.active)
+        self._explore_offset += k
+        return [self.active[(start + i) % len(self.active)] for i in range(k)]
+
+    def _draft(self, report: StepReport, rows: list[Request]) -> None:
+        """γ drafts per request of `rows` in one propose_batch call (per-request retry isolates a failure)."""
         t0 = time.perf_counter()
-        self._catch_up(self.active, report)
-        reqs = [r for r in self.active if not r.finished]
+        self._catch_up(rows, report)
+        reqs = [r for r in rows if not r.finished]
         args = ([r.draft_state for r in reqs], [r.anchor for r in reqs], self.gamma, [r.sampling for r in reqs])
         for r in reqs:
             if r.noise is not None:
@@ -240,6 +252,7 @@ class Engine(RequestBatch):
                     self._fail(r, f"drafting failed: {err}", report)
         for r, p in zip(reqs, proposals):
             r.proposal = p
+        report.drafted_rows = sum(p is not None for p in proposals)
         report.draft_s = time.perf_counter() - t0
 
     def _catch_up_overdue(self, report: StepReport) -> None:
@@ -280,11 +293,17 @@ class Engine(RequestBatch):
         report.catch_up_tokens += sum(int(i.shape[0]) for r, _, i in todo if not r.finished)
 
     def _schedule(self) -> list[int]:
-        proposals = [r.proposal for r in self.active]
-        if not self.drafting or any(p is None for p in proposals):  # mode off, or the gate skipped drafting
-            return [0] * len(self.active)
+        """Verify lengths: the scheduler's over the requests holding drafts; 0 (a target-only row) for the
+        rest (mode off, a step the gate skipped, the ones outside an exploration sample, a failed draft)."""
+        lengths = [0] * len(self.active)
+        drafted = [i for i, r in enumerate(self.active) if r.proposal is not None]
+        if not self.drafting or not drafted:
+            return lengths
+        proposals = [self.active[i].proposal for i in drafted]
         confidences = [p.confidences.tolist() if p.confidences is not None else None for p in proposals]
-        return self.scheduler.schedule(confidences, [int(p.tokens.shape[0]) for p in proposals])
+        for i, n in zip(drafted, self.scheduler.schedule(confidences, [int(p.tokens.shape[0]) for p in proposals])):
+            lengths[i] = n
+        return lengths
 
     def _verify(self, report: StepReport) -> None:
         """Score [anchor, drafts[:ℓ]] of every active request in one forward; accept per request."""

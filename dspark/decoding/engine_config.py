@@ -33,4 +33,4 @@ class EngineConfig(StrictModel):
         "which distribution reported logprobs come from: processed = the one the token is drawn from "
         "(temperature, min_p, top_k, top_p applied; raw at temperature 0); raw = log_softmax of the target's "
         "logits (vLLM's default)"))
-    context_catch_up_every: int = Field(64, ge=1, description="steps of target features a request may hold for its drafter before the drafter reads them even without drafting (bounds memory while the draft gate skips; the drafter always catches up before it drafts)")
+    context_catch_up_every: int = Field(256, ge=1, description="steps of target features a request may hold for its drafter before the drafter reads them even without drafting (bounds memory while the draft gate skips; the drafter always catches up before it drafts)")

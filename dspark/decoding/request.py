@@ -127,3 +127,4 @@ class StepReport:
     catch_up_tokens: int = 0  # verified positions the drafter context read this step (lazy catch-up)
     verify_lens: list[int] = field(default_factory=list)
     drafted: bool = False  # False: mode off, or the draft gate judged a target-only step faster
+    drafted_rows: int = 0  # requests drafted this step (all, or the draft gate's exploration sample)

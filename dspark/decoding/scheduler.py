@@ -190,6 +190,7 @@ class SchedulerConfig(StrictModel):
     # tokens per second (DraftGate); off = always draft, as in the paper's Algorithm 1
     draft_gate: bool = Field(False, description="dynamic/async_topk: skip drafting in steps where a target-only step is expected to emit more tokens per second (off = always draft, as in Algorithm 1)")
     draft_gate_explore_every: int = Field(16, ge=1, description="draft at least every N steps to refresh the estimates")
+    draft_gate_explore_rows: int = Field(4, ge=1, description="requests an exploration step drafts (a sample: at high load drafting every request to refresh the estimates would cost several target steps)")
     threshold: float = Field(0.5, description="threshold mode: verify drafts while this value stays >= it")
     threshold_on: Literal["prefix", "confidence"] = Field("prefix", description="threshold mode: compare a_k = Π c_i (prefix) or c_k (confidence)")
     gamma: int | None = Field(None, description="fixed mode: drafts verified per request (None = all proposed)")
@@ -259,23 +260,27 @@ class DraftGate:
     Draft iff spec >= off, and at least every `interval` steps so the estimates track the load; the
     interval starts at `explore_every` and doubles (up to `max_explore_every`) after each exploration
     step while drafting keeps losing, so an unprofitable drafter costs ever less; a step that the rule
-    itself chooses to draft resets it.
+    itself chooses to draft resets it. An exploration step (`exploring`) drafts only a sample of
+    `explore_rows` requests: the estimates are per request, and drafting all N at high load would cost
+    several target steps (the engine picks the sample round-robin, never by its drafts).
     Lossless: the decision uses only finished rounds, never the current drafts, so a skipped step is
     an ordinary target-only step (the non-anticipation argument of the module docstring)."""
 
     def __init__(self, sps: SPSTable | Callable[[float], float], explore_every: int = 16, decay: float = 0.8,
-                 max_explore_every: int = 256):
+                 max_explore_every: int = 256, explore_rows: int = 4):
         self.sps, self.explore_every, self.decay, self.max_explore_every = sps, explore_every, decay, max_explore_every
-        self.interval = explore_every
+        self.interval, self.explore_rows, self.exploring = explore_every, explore_rows, False
         self.draft_s_per_req: float | None = None
         self.verified_per_req = self.accepted_per_req = 0.0
         self.skipped_in_a_row = 0
 
     def should_draft(self, n_active: int) -> bool:
+        self.exploring = False
         if self.draft_s_per_req is None:
             return self._decide(True)
         if self.skipped_in_a_row + 1 >= self.interval:  # exploration step
             self.interval = min(2 * self.interval, self.max_explore_every)
+            self.exploring = True
             return self._decide(True)
         n = n_active
         spec = n * (1 + self.accepted_per_req) / (n * self.draft_s_per_req + 1 / self.sps(n * (1 + self.verified_per_req)))

@@ -291,6 +291,38 @@ def test_engine_with_draft_gate_skipping_steps_stays_lossless(micro_target):
     assert chi2_pvalue(counts.sum(2), joint.sum(2)) > 1e-3 and chi2_pvalue(counts.sum(0), joint.sum(0)) > 1e-3
 
 
+class _ExploringGate(_AlternatingGate):
+    """Every drafting step is an exploration step of `explore_rows` requests."""
+
+    exploring, explore_rows = True, 2
+
+    def __init__(self):
+        super().__init__()
+        self.rows = []
+
+    def observe(self, n_requests, *args) -> None:
+        super().observe()
+        self.rows.append(n_requests)
+
+
+def test_exploration_steps_draft_a_round_robin_sample_and_stay_lossless(micro_target):
+    """On an exploration step only `explore_rows` requests draft (the others take a target-only row in
+    the same forward); the sample is chosen round-robin before any draft exists, so the output joint is
+    still the target's."""
+    runs, sp = 3000, SamplingParams(temperature=1.0)
+    engine = Engine(micro_target, _drafter(micro_target), EngineConfig(
+        scheduler=SchedulerConfig(mode="dynamic", draft_gate=True), sps_table={1: 100.0, 128: 60.0, 512: 25.0},
+        max_batch=96, max_waiting=runs))
+    engine.gate = gate = _ExploringGate()
+    reqs = engine.generate([PROMPT] * runs, sp, max_new_tokens=3, stop_ids=[])
+    assert gate.rows and max(gate.rows) == 2 and engine.stats()["totals"]["accepted"] > 0
+    counts = np.zeros([VOCAB] * 3)
+    for r in reqs:
+        counts[tuple(r.tokens)] += 1
+    joint = exact_joint(micro_target, PROMPT, 3, sp, VOCAB)
+    assert chi2_pvalue(counts.sum(2), joint.sum(2)) > 1e-3 and chi2_pvalue(counts.sum(0), joint.sum(0)) > 1e-3
+
+
 def test_greedy_output_with_the_real_draft_gate_equals_target_only(wide_target):
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11], [3] * 12]
     engine = Engine(wide_target, _drafter(wide_target, gamma=4), EngineConfig(

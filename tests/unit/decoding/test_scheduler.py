@@ -154,8 +154,12 @@ def test_draft_gate_skips_drafting_when_drafts_cost_more_than_they_save():
     gate.observe(8, draft_s=0.8, verified=16, accepted=4)  # 0.1 s per request to draft, τ 1.5
     # spec = 8·1.5 / (0.8 + 0.1) = 13.3 tok/s < off = 8 / 0.1 = 80 tok/s
     # explore on the 4th step, then the interval doubles while drafting keeps losing: next after 8
-    decisions = [gate.should_draft(8) for _ in range(12)]
+    decisions, exploring = [], []
+    for _ in range(12):
+        decisions.append(gate.should_draft(8))
+        exploring.append(gate.exploring)
     assert decisions == [False] * 3 + [True] + [False] * 7 + [True]
+    assert exploring == decisions  # every draft here is an exploration step: the engine drafts a sample
     cheap = DraftGate(sps)
     cheap.observe(8, draft_s=0.008, verified=16, accepted=8)  # τ 2, drafting ~free: speculation wins
     assert cheap.should_draft(8)

@@ -180,7 +180,18 @@ def build_summary(demo: Demo, trained: dict, evaluation: dict, chats: list[dict]
         "stages": {sid: {k: v for k, v in info.items() if k in ("status", "wall_s", "command", "key")}
                    for sid, info in demo.stages.items()},
         "total_wall_s": time.monotonic() - demo.started,
+        "next_step": next_step_text(),
     }
+
+
+def next_step_text() -> str:
+    """Where the committed learning curve says to go next (dspark.eval.planner.next_step)."""
+    from dspark.eval import planner
+
+    try:
+        return planner.next_step(Path(__file__).resolve().parents[1])
+    except (OSError, ValueError, KeyError) as err:
+        return f"where next: no learning-curve figures to plan from ({err}); see docs/learning-curve.md"
 
 
 def print_section(text: str) -> None:
@@ -203,6 +214,7 @@ def print_summary(summary: dict, path: Path) -> None:
     print(f"Ray dashboard:   {summary['ray_dashboard']}")
     print(f"endpoint:        {summary['endpoint']}   (OpenAI-compatible; try the openai client)")
     print(f"stop everything: {summary['stop']}")
+    print(f"\n{summary['next_step']}")
     print("\nwall time per stage:")
     for sid, info in summary["stages"].items():
         print(f"  {sid:18s} {fmt_s(info.get('wall_s', 0)):>9s}  {info.get('status', '')}")

@@ -172,3 +172,37 @@ def format_table(rows: Sequence[PlanRow]) -> str:
         lines.append(f"{r.label:34s} {r.device[:12]:>12s} {r.workers:3d} {r.tau:5.2f} {r.rollout_tokens:12.3g} "
                      f"{r.training_tokens:12.3g} {r.device_hours:10.3g} {r.wall_clock_hours:8.3g}  {note}")
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- the demo's "where next"
+CPU_CURVE = "benchmarks/results/learning_curve/cpu.json"
+CPU_ROLLOUTS = "benchmarks/results/rollout_throughput/cpu-smollm2-135m-64x128.json"
+
+
+def next_step(repo: Path, tau: float = 3.0, workers: int = 8, epochs: float = 2.0) -> str:
+    """One paragraph for the demo's summary: what the committed CPU learning curve says a τ target costs
+    (rollout tokens, device-hours on `workers` of these CPUs; flagged where extrapolated) and the
+    `dspark plan` command that prints the whole table."""
+    curve_path, rollout_path = repo / CPU_CURVE, repo / CPU_ROLLOUTS
+    command = (f"dspark plan --curve {CPU_CURVE} --rollout-bench {CPU_ROLLOUTS} --train-bench {CPU_CURVE} "
+               "--tau " + " ".join(f"{t:g}" for t in sorted({2.0, tau})) + f" --workers {workers}")
+    curve, report = curve_from_report(str(curve_path))
+    device, rollout = rollout_tok_s_of(str(rollout_path))
+    _, train = train_tok_s_of(str(curve_path))
+    stats = report.get("rollouts") or {}
+    ratio = stats["prompt_tokens"] / stats["generated_tokens"] if stats.get("generated_tokens") else 0.5
+    row = plan_row(f"tau {tau:g}", tau, curve.tokens_for(tau), Throughput(device, rollout, train), workers,
+                   epochs, ratio, curve)
+    if math.isinf(row.rollout_tokens):
+        where = f"the measured CPU curve does not reach τ {tau:g} (it is flat or falling)"
+    elif row.rollout_tokens > 100 * curve.t_max:
+        where = (f"τ {tau:g} lies far past what this CPU curve measured (its fit puts it at ~{row.rollout_tokens:.2g} "
+                 f"rollout tokens, {row.rollout_tokens / curve.t_max:.2g}× the largest point: not a forecast); "
+                 "measure the curve where it matters with the GPU recipe (README 'Running the GPU recipe')")
+    else:
+        where = (f"τ {tau:g} needs ~{row.rollout_tokens:.3g} rollout tokens, ~{row.device_hours:.3g} device-hours "
+                 f"of these CPUs ({row.wall_clock_hours:.3g} h on {workers})"
+                 + (" — EXTRAPOLATED far past the measured points: run the GPU recipe" if row.extrapolated else ""))
+    return (f"where next (learning curve {CPU_CURVE}, measured up to {curve.t_max:.3g} rollout tokens, "
+            f"τ {curve.tau(curve.t_max):.2f}): {where}.\n  full table: {command}")
+

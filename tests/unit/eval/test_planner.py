@@ -60,3 +60,26 @@ def test_cli_plan_reads_benchmark_jsons(tmp_path, capsys):
     paper = out["rows"][-1]
     assert paper["label"].startswith("paper") and paper["extrapolated"] is True  # 1.3e6 x 100 tokens
     assert paper["rollout_tokens"] == pytest.approx(1.3e6 * 100)  # generated tokens per prompt: 1000 / 10 rows
+
+
+def test_demo_next_step_reads_the_committed_curve_and_says_when_it_extrapolates(tmp_path):
+    import json
+
+    from dspark.eval import planner
+    from tests.paths import REPO
+
+    text = planner.next_step(REPO, tau=3.0)
+    assert "τ 3" in text and "dspark plan --curve benchmarks/results/learning_curve/cpu.json" in text
+    assert "not a forecast" in text  # τ 3 is far beyond the CPU curve's 69k tokens
+
+    # a steep synthetic curve (τ 1 -> 2.5 over 1k -> 100k tokens): τ 2 is inside the measured range
+    (tmp_path / planner.CPU_CURVE).parent.mkdir(parents=True)
+    (tmp_path / planner.CPU_ROLLOUTS).parent.mkdir(parents=True)
+    points = [{"algo": "dspark", "rollout_tokens": t, "expected_tau": v,
+               "training": {"tokens_per_s": 100.0}} for t, v in [(1e3, 1.0), (1e4, 1.75), (1e5, 2.5)]]
+    (tmp_path / planner.CPU_CURVE).write_text(json.dumps({"benchmark": "learning_curve", "device": "cpu",
+                                                          "points": points, "rollouts": {}}))
+    (tmp_path / planner.CPU_ROLLOUTS).write_text(json.dumps({"device": "cpu", "tokens_per_s": {"engine": 50.0}}))
+    text = planner.next_step(tmp_path, tau=2.0, workers=1, epochs=1.0)
+    assert "τ 2 needs ~2.15e+04 rollout tokens" in text and "EXTRAPOLATED" not in text  # 10^(4 + 1/3)
+

@@ -655,13 +655,25 @@ def cmd_report(args, prof: dict) -> dict:
     }
     results = Path(args.results)
     results.mkdir(parents=True, exist_ok=True)
-    dspark_largest = out / "points" / largest / "dspark" / "drafter" if largest else None
-    if dspark_largest is not None and dspark_largest.exists():
-        report["drafter"] = export_bf16(dspark_largest, results / f"drafter-{args.profile}")
+    best = best_dspark(out, largest, points, epochs_series)
+    if best is not None:  # the committed drafter: the best expected τ at the largest point (any epochs)
+        report["drafter"] = {**export_bf16(best, results / f"drafter-{args.profile}"),
+                             "source": str(best.relative_to(out))}
     (results / f"{args.profile}.json").write_text(json.dumps(report, indent=1))
     plot(report, results / f"{args.profile}.png")
     print(json.dumps({k: report[k] for k in ("device", "points", "baselines", "fit")}, default=str))
     return report
+
+
+def best_dspark(out: Path, largest: str | None, points: list[dict], epochs_series: list[dict]) -> Path | None:
+    """The DSpark drafter folder with the highest expected τ among the largest point and its epochs series."""
+    if not largest or not (out / "points" / largest / "dspark" / "drafter").exists():
+        return None
+    best, best_tau = out / "points" / largest / "dspark" / "drafter", (points[-1]["expected_tau"] if points else 0) or 0
+    for e in epochs_series:
+        if (e["expected_tau"] or 0) > best_tau:
+            best_tau, best = e["expected_tau"], out / e["folder"] / "dspark" / "drafter"
+    return best
 
 
 def epoch_entry(folder: Path) -> dict:

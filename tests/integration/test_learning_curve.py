@@ -54,6 +54,9 @@ def test_phases_resume_and_report(tmp_path):
     for algo, b in report["baselines"].items():
         assert b["tau"] >= 1.0 and b["speedup_batch1"] > 0 and len(b["tau_ci95"]) == 2
     (series,) = report["epochs_series"]
+    largest = max(p.name for p in (out / "points").iterdir())
+    better = series["expected_tau"] > report["points"][-1]["expected_tau"]  # the committed drafter: the best
+    assert report["drafter"]["source"] == ("epochs/e02" if better else f"points/{largest}") + "/dspark/drafter"
     assert series["epochs"] == 2 and 1.0 <= series["expected_tau_ci95"][0] <= series["expected_tau"]
     assert series["decoded"]["tau"] >= 1.0 and series["decoded_thr"]["speedup_batch1"] > 0
     greedy = report["decode"]["by_temperature"]["t0"]

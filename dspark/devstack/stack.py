@@ -33,6 +33,7 @@ from dspark.devstack.config import (BUCKETS, HOST, SERVICES, StackConfig, StackE
                                     load_env, write_env_file)
 from dspark.devstack.processes import (ServiceRecord, _last_log_line, _spawn, _wait_ports_free, port_is_free,
                                        port_owner, proc_start_time, process_name, session_processes, terminate)
+from dspark.io import storage
 from dspark.io.http import http_ok
 from dspark.settings import settings
 
@@ -104,9 +105,8 @@ def s3_healthy(cfg: StackConfig, creds: dict) -> bool:
         s3_filesystem(cfg, creds).get_file_info(pafs.FileSelector(""))  # the root lists the buckets
         return True
     except OSError as err:
-        code = next((c for c in ("INVALID_ACCESS_KEY_ID", "SIGNATURE_DOES_NOT_MATCH", "ACCESS_DENIED")
-                     if f"AWS Error {c}" in str(err)), None)  # pyarrow's names of the AWS errors
-        if code:
+        code = storage.aws_error_code(str(err))
+        if code in storage.AUTH_ERRORS:
             raise StackError(f"S3 at {cfg.s3_url} rejected the stack credentials ({code}): it is not the server "
                              f"this state dir started, or {cfg.path('credentials.json')} changed; stop the "
                              f"other server or restore the credentials file") from None

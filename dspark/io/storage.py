@@ -114,10 +114,14 @@ def _s3_errors(uri: str):
         raise _storage_error(uri, str(err)) from None
 
 
-def _storage_error(uri: str, message: str) -> StorageError:
-    """pyarrow's messages carry the AWS SDK's error name ("... AWS Error ACCESS_DENIED during ...")."""
+def aws_error_code(message: str) -> str:
+    """The AWS SDK's error name in a pyarrow S3 error message ("... AWS Error ACCESS_DENIED during ..."), or ""."""
     match = re.search(r"AWS Error (\w+)", message)
-    code = match.group(1) if match else ""
+    return match.group(1) if match else ""
+
+
+def _storage_error(uri: str, message: str) -> StorageError:
+    code = aws_error_code(message)
     if code == "NETWORK_CONNECTION":
         return StorageError(f"S3 endpoint {_endpoint()} is unreachable for {uri}; {_endpoint_hint()}")
     if code == "NO_SUCH_BUCKET":

@@ -76,10 +76,9 @@ def _plan(args) -> int:
     if not kinds:
         raise ValueError(f"no device kind has both a rollout ({sorted(rollout)}) and a training ({sorted(train)}) "
                          f"throughput; pass matching --rollout-bench / --train-bench files")
-    stats = report.get("rollouts") or {}
-    gen, prompt_tok, rows = stats.get("generated_tokens"), stats.get("prompt_tokens"), stats.get("rows")
-    ratio = args.prompt_per_generated if args.prompt_per_generated is not None else (prompt_tok / gen if gen else 0.5)
-    per_prompt = args.tokens_per_prompt if args.tokens_per_prompt is not None else (gen / rows if rows else 256.0)
+    measured_ratio, measured_per_prompt = planner.rollout_shape(report)
+    ratio = args.prompt_per_generated if args.prompt_per_generated is not None else measured_ratio
+    per_prompt = args.tokens_per_prompt if args.tokens_per_prompt is not None else measured_per_prompt
     rows_out = planner.make_plan(curve, kinds, args.tau, args.workers, args.epochs, ratio, per_prompt)
     if args.json:
         print(json.dumps({"curve": vars(curve), "prompt_per_generated": ratio, "tokens_per_prompt": per_prompt,

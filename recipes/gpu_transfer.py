@@ -28,11 +28,8 @@ MANIFEST = "transfer.json"
 
 
 def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
     with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+        return hashlib.file_digest(fh, "sha256").hexdigest()
 
 
 def split(src: Path, stage_root: Path, bundle: Path, stage_part_bytes: int, bundle_part_bytes: int) -> dict:

@@ -27,6 +27,7 @@ from dspark.decoding.specdec import RoundStats, target_generate
 
 from dspark.models.target import build_tiny_model, load_target
 from tests.paths import REPO
+from tests.mlflow_store import new_sqlite_store
 
 
 
@@ -307,7 +308,7 @@ def test_drafter_references_resolve_through_mlflow(tiny, tmp_path, monkeypatch):
 
     from dspark.io.drafter_source import load_drafter_ref, local_dir, resolve_ref
 
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", new_sqlite_store(tmp_path))
     monkeypatch.setenv("DSPARK_CACHE", str(tmp_path / "cache"))
     saved = save_drafter(tiny_drafter(tiny), str(tmp_path / "drafter"))
     mlflow.set_tracking_uri(os.environ["MLFLOW_TRACKING_URI"])
@@ -359,7 +360,7 @@ def test_drafter_cache_is_keyed_by_tracking_server(tiny, tmp_path, monkeypatch):
     for store in ("a", "b"):
         drafter = tiny_drafter(tiny, seed={"a": 1, "b": 2}[store])
         saved = save_drafter(drafter, str(tmp_path / store / "drafter"))
-        uri = f"sqlite:///{tmp_path / store / 'mlflow.db'}"
+        uri = new_sqlite_store(tmp_path / store)
         assert _register(uri, saved, "same-name") == "1"
         states[uri] = {k: v.clone() for k, v in drafter.state_dict().items()}
     assert not all(torch.equal(v, states[f"sqlite:///{tmp_path / 'b' / 'mlflow.db'}"][k])
@@ -400,7 +401,7 @@ def two_drafters(tiny, tmp_path):
 def test_evaluate_job_refuses_a_drafter_for_another_target(tmp_path, two_drafters, monkeypatch):
     from jobs.evaluate import run
 
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", new_sqlite_store(tmp_path))
     other = build_tiny_model(vocab_size=16)
     wrong = save_drafter(tiny_drafter(other), str(tmp_path / "wrong"))
     with pytest.raises(ValueError, match=r"cannot evaluate: drafter .*wrong.*another target"):

@@ -4,6 +4,7 @@ Numerical parity with the engines' model code is in tests/test_export_parity.py.
 from __future__ import annotations
 
 import json
+import os
 import warnings
 
 import pytest
@@ -16,6 +17,7 @@ from dspark.export.vllm import ExportError, export_vllm
 from dspark.export import export_drafter
 from dspark.models.target import build_tiny_model, load_target
 from dspark.config import read_yaml
+from tests.mlflow_store import new_sqlite_store
 
 
 @pytest.fixture(scope="module")
@@ -58,11 +60,11 @@ def test_cli_exports_a_saved_drafter_in_every_format_it_fits(tmp_path, tiny, cap
 def test_cli_resolves_a_registered_model_reference(tmp_path, tiny, monkeypatch, capsys):
     import mlflow
 
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", new_sqlite_store(tmp_path))
     monkeypatch.setenv("DSPARK_CACHE", str(tmp_path / "cache"))
     drafter = make(tiny, "dspark")
     src = save_drafter(drafter, str(tmp_path / "ckpt"))
-    mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    mlflow.set_tracking_uri(os.environ["MLFLOW_TRACKING_URI"])
     mlflow.create_experiment("exp", artifact_location=(tmp_path / "artifacts").as_uri())
     with mlflow.start_run(experiment_id=mlflow.get_experiment_by_name("exp").experiment_id) as run:
         mlflow.log_artifacts(src, "drafter")

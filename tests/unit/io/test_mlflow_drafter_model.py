@@ -18,6 +18,7 @@ from dspark.drafters import DrafterConfig, build_drafter, save_drafter
 from dspark.io import tracking
 from dspark.io import registry
 from dspark.models.target import load_target
+from tests.mlflow_store import new_sqlite_store
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +30,7 @@ def tiny():
 def store(monkeypatch, tmp_path):
     import mlflow
 
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = new_sqlite_store(tmp_path)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     monkeypatch.setenv("DSPARK_STATE_DIR", str(tmp_path / "state"))
     monkeypatch.setenv("DSPARK_CACHE", str(tmp_path / "cache"))

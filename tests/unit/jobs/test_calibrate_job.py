@@ -13,6 +13,7 @@ from dspark.drafters import DrafterConfig, build_drafter, load_drafter, save_dra
 from dspark.decoding.specdec import RoundStats
 from dspark.models.target import load_target
 from jobs import calibrate
+from tests.mlflow_store import new_sqlite_store
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +84,7 @@ def test_calibration_job_writes_a_new_registered_version(tiny, tmp_path, monkeyp
     temperatures, leaves version 1 untouched, and logs report + reliability diagrams to MLflow."""
     import mlflow
 
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", new_sqlite_store(tmp_path))
     monkeypatch.setenv("DSPARK_STATE_DIR", str(tmp_path / "state"))
     monkeypatch.setenv("DSPARK_CACHE", str(tmp_path / "cache"))
     source = save_drafter(tiny_drafter(tiny), str(tmp_path / "source"))

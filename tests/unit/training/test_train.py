@@ -41,6 +41,7 @@ from dspark.io.rollout_store import check_rollouts
 from jobs.train import prepare_run
 
 from dspark.training.batching import collate
+from tests.mlflow_store import new_sqlite_store
 
 
 
@@ -187,7 +188,7 @@ def test_resumed_logger_continues_after_the_last_logged_step(tmp_path, monkeypat
     from dspark.io import tracking
     from jobs.train_worker import RankZeroLogger
 
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", new_sqlite_store(tmp_path))
     cfg = job_config("x", **{"tracking.enabled": True, "tracking.experiment": "resume-log"})
     run_id = tracking.start_run("resume-log", "r")
     first = RankZeroLogger(cfg, run_id)

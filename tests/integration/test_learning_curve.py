@@ -1,4 +1,4 @@
-"""recipes/learning_curve.py end to end on the tiny target: every phase resumes from its output folder
+"""recipes/learning_curve/ end to end on the tiny target: every phase resumes from its output folder
 (committed rollout chunks, feature-cache shards, trained points and estimates are not redone), the
 points are nested prefixes, and the report holds the fields the planner and the README read."""
 import json
@@ -7,6 +7,7 @@ import os
 import pytest
 
 from recipes import learning_curve as lc
+from recipes.learning_curve.shared import committed_rows
 
 pytestmark = [pytest.mark.integration]  # ~30 s: in `make test`
 
@@ -26,7 +27,7 @@ def test_phases_resume_and_report(tmp_path):
     again = sorted((out / "rollouts-train" / "_commits").glob("*.json"))
     assert [p.name for p in again] == [p.name for p in commits]
     assert all(p.stat().st_mtime_ns == stamp[p.name] for p in again[:-1])
-    rows = lc.committed_rows(out / "rollouts-train")
+    rows = committed_rows(out / "rollouts-train")
     assert {r["prompt_id"].rsplit("~", 1)[1] for r in rows} == {"p0", "p1"}  # two passes, ids suffixed
 
     run("train", out)

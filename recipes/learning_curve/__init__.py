@@ -1,0 +1,69 @@
+"""Learning curve of the DSpark drafter on one machine: rollouts -> nested training points -> expected τ,
+plus equal-budget baselines, a report (JSON + plot) and the inputs of `dspark plan`. Single process, no Ray.
+
+    python -m recipes.learning_curve rollouts  [--profile cpu|gpu] [--out DIR]   # train + held-out rollouts
+    python -m recipes.learning_curve train     [--profile cpu|gpu] [--out DIR]   # every training point
+    python -m recipes.learning_curve evaluate  [--profile cpu|gpu] [--out DIR]   # expected τ per point
+    python -m recipes.learning_curve baselines [--profile cpu|gpu] [--out DIR]   # 4 algos, real τ + speed
+    python -m recipes.learning_curve epochs    [--profile cpu|gpu] [--out DIR] --epochs 2 6  # the largest point, more passes
+    python -m recipes.learning_curve report    [--profile cpu|gpu] [--out DIR]   # JSON + plot
+
+Every phase is resumable from its output folder (DIR, default /work/learn-runs/<profile>): rollouts commit a
+Parquet shard per chunk in the rollout-store format (dspark/io/rollout_store.py) and skip committed
+chunks; a training point with a saved drafter is skipped; an evaluation with a result file is skipped.
+Progress goes to stdout (one line per chunk / log interval).
+
+Data: prompts = every data/train file (first user turn), decontaminated against data/eval with the
+synthesis job's EvalIndex rule (13-gram, boilerplate-aware; dspark.data.prompt_filters); `passes` samples per
+prompt, each pass with its own seed and prompt ids suffixed `~p<k>` (so every answer has its own row
+seed). Held-out: the first turn of every data/eval prompt, one answer each, for the expected-τ estimate.
+"""
+from __future__ import annotations
+
+import argparse
+
+from recipes.learning_curve.profiles import PROFILES, REPO, log
+from recipes.learning_curve.rollouts import cmd_rollouts
+from recipes.learning_curve.training import cmd_baselines, cmd_epochs, cmd_train
+from recipes.learning_curve.measure import cmd_decode, cmd_evaluate
+from recipes.learning_curve.report import cmd_report
+
+# ---------------------------------------------------------------- CLI
+PHASES = {"rollouts": cmd_rollouts, "train": cmd_train, "baselines": cmd_baselines, "evaluate": cmd_evaluate,
+          "decode": cmd_decode, "epochs": cmd_epochs, "report": cmd_report}
+# `after-rollouts`: everything after the rollouts in ONE process (imports and the target load once), the
+# curve first (train, evaluate), then real decoding of what exists (DSpark at the largest point: the
+# estimator's check), then the baselines and their decoding; a stop at any point leaves valid results.
+AFTER_ROLLOUTS = ["train", "evaluate", "report", "decode", "report", "baselines", "evaluate", "decode", "report"]
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m recipes.learning_curve", description=__doc__.splitlines()[0])
+    p.add_argument("phase", choices=[*PHASES, "after-rollouts", "all"])
+    p.add_argument("--profile", choices=sorted(PROFILES), default="cpu")
+    p.add_argument("--out", default=None, help="output folder (default /work/learn-runs/<profile>)")
+    p.add_argument("--which", choices=["eval", "train", "both"], default="both", help="rollouts: which set")
+    p.add_argument("--passes", type=int, default=None, help="rollouts: samples per train prompt")
+    p.add_argument("--limit-prompts", type=int, default=None, help="rollouts: first N train prompts only")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: the profile's)")
+    p.add_argument("--epochs", type=int, nargs="+", default=None, help="epochs: passes per run (one drafter each)")
+    p.add_argument("--results", default=str(REPO / "benchmarks" / "results" / "learning_curve"),
+                   help="report: where <profile>.json and .png go")
+    args = p.parse_args(argv)
+    args.out = args.out or f"/work/learn-runs/{args.profile}"
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    prof = PROFILES[args.profile]
+    if args.threads:
+        prof = {**prof, "threads": args.threads}
+    phases = {"all": ["rollouts", *AFTER_ROLLOUTS], "after-rollouts": AFTER_ROLLOUTS}.get(args.phase, [args.phase])
+    for phase in phases:
+        log(f"phase {phase}")
+        PHASES[phase](args, prof)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,142 @@
+"""Phases `evaluate` and `decode`: expected τ in one teacher-forced pass per held-out row, and real
+speculative decoding (τ and batch-1 speed against target-only) for the drafters that exist."""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from recipes.learning_curve.profiles import EVAL_DIR, REPO, log
+from recipes.learning_curve.shared import (
+    ALGOS, committed_rows, ensure_cache, epoch_drafters, epoch_mode, load_target_of, trained_drafters)
+
+
+# ---------------------------------------------------------------- expected τ (teacher-forced estimate)
+def cmd_evaluate(args, prof: dict) -> None:
+    target = load_target_of(prof)
+    estimate_folders(target, prof, Path(args.out), trained_drafters(Path(args.out)))
+
+
+def estimate_folders(target, prof: dict, out: Path, folders: list[Path]) -> None:
+    """Expected τ of each drafter folder on the held-out rollouts (estimate.json beside it; skipped if there)."""
+    from dspark.drafters import load_drafter
+    from dspark.eval.acceptance_estimate import estimate
+    from dspark.decoding.sampling import SamplingParams
+    from dspark.models.target import TargetOutput
+
+    rows = committed_rows(out / "rollouts-eval")
+    rows = interleave(rows, "domain")[:prof.get("eval_rows") or len(rows)]
+    cache = ensure_cache(target, prof, rows, out / "features-eval", prof["eval_max_len"])
+    outs = [TargetOutput(features=f[None], final_hidden=h[None], logits=None, cache=None)
+            for f, h in zip(cache.features, cache.final)]
+    sp = SamplingParams(temperature=1.0, top_p=1.0, top_k=0)
+    p_cache: dict = {}  # the target's distributions per held-out row, shared by every drafter
+    for folder in folders:
+        dest = folder / "estimate.json"
+        if dest.exists():
+            continue
+        t0 = time.perf_counter()
+        drafter = load_drafter(str(folder / "drafter"), target)
+        gamma = drafter.config.block_size
+        stride = prof.get("anchor_stride", 1)
+        result = estimate(drafter, target, rows, gamma, sp, max_len=prof["eval_max_len"], target_outs=outs,
+                          anchor_stride=stride, p_cache=p_cache)
+        result["gamma"], result["wall_s"], result["anchor_stride"] = gamma, time.perf_counter() - t0, stride
+        dest.write_text(json.dumps(result, indent=1))
+        log(f"{folder.parent.name}/{folder.name}: expected τ {result['alpha']['expected_tau']} "
+            f"{result['alpha']['expected_tau_ci95']} (alpha), {result['iw']['expected_tau']} (iw) "
+            f"in {result['wall_s']:.0f} s")
+
+
+def interleave(rows: list[dict], key: str) -> list[dict]:
+    """Round-robin over the groups of `key` (each in its own order): a prefix is balanced across groups."""
+    groups: dict[str, list[dict]] = {}
+    for r in rows:
+        groups.setdefault(r[key], []).append(r)
+    out, queues = [], [list(g) for _, g in sorted(groups.items())]
+    while any(queues):
+        for q in queues:
+            if q:
+                out.append(q.pop(0))
+    return out
+
+
+# ---------------------------------------------------------------- real decoding: τ and batch-1 speed
+def decode_prompts(prof: dict) -> list[tuple[str, int, str]]:
+    """(benchmark, index, first user turn): the first `decode_prompts` lines of each eval file."""
+    from dspark.eval.benchmark_files import parse_benchmark
+
+    picked = []
+    for f in sorted((REPO / EVAL_DIR).glob("*.jsonl")):
+        convs = parse_benchmark(f.read_text(), str(f))
+        picked += [(f.stem, i, turns[0]) for i, turns in enumerate(convs[:prof["decode_prompts"]])]
+    return picked
+
+
+# Verify-length variants of the DSpark drafter decoded beside the fixed-γ baselines (same drafter): the
+# γ that pays on a given machine depends on the verify cost (on 2 CPU cores a verify pass of 8 tokens
+# costs ~1.5 target steps), and the confidence head can cut a block where survival drops.
+DSPARK_VARIANTS = {"dspark_g3": {"mode": "fixed", "gamma": 3},
+                   "dspark_thr": {"mode": "threshold", "threshold": 0.4, "threshold_on": "prefix"}}
+DECODE_TEMPERATURES = (1.0, 0.0)
+
+
+def decode_modes(largest: Path) -> dict:
+    """mode -> (drafter folder or None, SchedulerConfig kwargs): the largest point's drafters, DSpark's
+    variants, and each drafter of the epochs series (`dspark_eNN`, fixed γ and confidence threshold)."""
+    modes = {"target": (None, {"mode": "off"})}
+    modes |= {a: (largest / a / "drafter", {"mode": "fixed"}) for a in ALGOS if (largest / a / "drafter").exists()}
+    if "dspark" in modes:
+        modes |= {name: (largest / "dspark" / "drafter", sched) for name, sched in DSPARK_VARIANTS.items()}
+    for folder in epoch_drafters(largest.parent.parent):
+        name = epoch_mode(folder)
+        modes |= {name: (folder / "drafter", {"mode": "fixed"}),
+                  name + "_thr": (folder / "drafter", DSPARK_VARIANTS["dspark_thr"])}
+    return modes
+
+
+def cmd_decode(args, prof: dict) -> None:
+    """Batch-1 decoding through the engine (max_batch 1), at temperature 1 and 0, prompt-major: for each
+    prompt every mode runs back to back, so load changes on a shared machine hit all modes alike.
+    Results append to decode/results.jsonl; (prompt, mode, temperature) triples already there are skipped."""
+    import torch
+
+    from dspark.drafters import load_drafter
+    from dspark.decoding.engine import Engine, EngineConfig
+    from dspark.eval.evaluation import prompt_seed
+    from dspark.decoding.sampling import SamplingParams
+    from dspark.decoding.scheduler import SchedulerConfig
+
+    out = Path(args.out)
+    target = load_target_of(prof)
+    largest = sorted((out / "points").glob("*"))[-1]
+    engines, drafters = {}, {}
+    for mode, (path, sched) in decode_modes(largest).items():
+        if path is not None and path not in drafters:
+            drafters[path] = load_drafter(str(path), target)
+        drafter = None if path is None else drafters[path]
+        engines[mode] = Engine(target, drafter, EngineConfig(scheduler=SchedulerConfig(**sched), max_batch=1, seed=0))
+    dest = out / "decode" / "results.jsonl"
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    done = {(r["benchmark"], r["index"], r["mode"], r.get("temperature", 1.0))
+            for r in map(json.loads, dest.read_text().splitlines())} if dest.exists() else set()
+    for bench, index, text in decode_prompts(prof):
+        ids = target.chat_ids([{"role": "user", "content": text}])
+        for temperature in DECODE_TEMPERATURES:
+            sp = SamplingParams(temperature=temperature, top_p=1.0, top_k=0)
+            for mode, engine in engines.items():
+                if (bench, index, mode, temperature) in done:
+                    continue
+                t0 = time.perf_counter()
+                req = engine.generate([ids], sp, prof["decode_max_new_tokens"],
+                                      seeds=[prompt_seed(0, bench, index)])[0]
+                wall = time.perf_counter() - t0
+                st = req.stats
+                rec = {"benchmark": bench, "index": index, "mode": mode, "temperature": temperature,
+                       "tokens": len(req.tokens), "wall_s": wall, "rounds": st.rounds, "accepted": st.accepted,
+                       "proposed": st.proposed, "finish_reason": req.finish_reason, "error": req.error}
+                with dest.open("a") as fh:
+                    fh.write(json.dumps(rec) + "\n")
+                log(f"decode {bench}[{index}] t={temperature:g} {mode}: {rec['tokens']} tokens in {wall:.1f} s"
+                    + (f", τ {(st.accepted + st.rounds) / max(st.rounds, 1):.2f}" if mode != "target" else ""))
+    del torch

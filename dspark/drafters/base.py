@@ -23,6 +23,7 @@ from dspark.drafters import draft_vocab
 from dspark.drafters.config import DrafterConfig
 from dspark.drafters.layers import KVBuffer, Rotary
 from dspark.decoding.sampling import Generators, SamplingParams, to_probs
+from dspark.models.small_batch_linear import use_small_batch_linear
 
 
 @dataclass
@@ -95,6 +96,7 @@ class Drafter(nn.Module):
             raise ValueError(f"target {target.name!r} has hidden/vocab {got} but this drafter was built for {want}")
         object.__setattr__(self, "_target", target)
         object.__setattr__(self, "_head_rows", None)
+        use_small_batch_linear(self)  # inference on CPU (training calls keep F.linear)
 
     # ---- draft vocabulary -----------------------------------------------------------------
     @property

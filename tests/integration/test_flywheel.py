@@ -286,6 +286,8 @@ def test_flywheel_end_to_end(local_stack, tmp_path, caplog, monkeypatch):
             "tracking": {"experiment": EXPERIMENT, "registered_model": MODEL, "alias": "candidate"}},
             tmp_path, local_stack.ray_gcs_address)
         v2 = summary["registered_model"]["version"]
+        print(f"\n[flywheel] retraining set {json.dumps({k: data[k] for k in ('captured_rows', 'original_rows', 'captured_by_domain')})}"
+              f"\n[flywheel] retrained: {json.dumps({k: summary['metrics'].get(k) for k in ('loss', 'token_acc', 'expected_accept_len', 'step')})}")
         mark("retrain")
 
         # ---- evaluate, promote, roll the endpoint while requests keep coming

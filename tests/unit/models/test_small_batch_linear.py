@@ -1,0 +1,53 @@
+"""small_batch_linear is F.linear (same product, another summation order) on every path, keeps autograd
+for training, and a patched target/drafter computes what it computed before."""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import copy
+import pickle
+
+from dspark.models.small_batch_linear import MAX_ROWS, SmallBatchLinear, small_batch_linear, use_small_batch_linear
+from dspark.models.target import build_tiny_model
+
+
+@pytest.mark.parametrize("shape", [(1, 16), (2, 16), (1, 5, 16), (3, 4, 16), (MAX_ROWS, 16), (MAX_ROWS + 1, 16), (0, 16)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_equals_f_linear_for_any_rows(shape, bias):
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(*shape, generator=g), torch.randn(24, 16, generator=g)
+    b = torch.randn(24, generator=g) if bias else None
+    with torch.no_grad():
+        out = small_batch_linear(x, w, b)
+    assert out.shape == F.linear(x, w, b).shape
+    torch.testing.assert_close(out, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+def test_training_calls_keep_the_autograd_path():
+    lin = nn.Linear(16, 8)
+    use_small_batch_linear(lin)
+    x = torch.randn(4, 16)
+    lin(x).sum().backward()  # the patched forward still builds a graph when the weights train
+    assert lin.weight.grad is not None and lin.weight.grad.abs().sum() > 0
+
+
+def test_a_patched_target_and_drafter_give_the_same_outputs():
+    from dspark.drafters import DrafterConfig, build_drafter
+
+    torch.manual_seed(0)
+    target = build_tiny_model(vocab_size=64, seed=1, num_layers=3, hidden_size=32)
+    patched = [m for m in target.model.modules() if isinstance(m, nn.Linear)]
+    assert patched and all(type(m) is SmallBatchLinear for m in patched)  # Target() routed its linears
+    ids = torch.randint(0, 64, (1, 7))
+    with torch.no_grad():
+        fast = target.forward(ids, logits_at="all").logits
+        for m in patched:
+            m.__class__ = nn.Linear
+        slow = target.forward(ids, logits_at="all").logits
+    torch.testing.assert_close(fast, slow, rtol=1e-5, atol=1e-5)
+    drafter = build_drafter(DrafterConfig(algo="dspark", block_size=3, num_layers=1, rank=8), target)
+    assert any(type(m) is SmallBatchLinear for m in drafter.modules())
+    layer = next(m for m in drafter.modules() if type(m) is SmallBatchLinear)
+    for clone in (copy.deepcopy(layer), pickle.loads(pickle.dumps(layer))):  # Ray and DeepSpeed copy modules
+        assert type(clone) is SmallBatchLinear and torch.equal(clone.weight, layer.weight)

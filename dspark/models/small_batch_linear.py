@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 MAX_ROWS = 64  # above this the two agree within noise (measured up to 256 rows)
+MIN_WEIGHT_NUMEL = 300_000  # smaller layers (192x576, the tiny test models) gain nothing: left as they are
 
 
 def small_batch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -36,17 +37,18 @@ class SmallBatchLinear(nn.Linear):
     """nn.Linear whose forward is small_batch_linear (a class swap: pickles and deep-copies as usual)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() == self.in_features:  # one row (a decoding step): F.linear's gemv, nothing else to decide
+        if x.numel() == self.in_features:  # one row (a decoding step): F.linear's gemv, nothing to decide
             return F.linear(x, self.weight, self.bias)
         return small_batch_linear(x, self.weight, self.bias)
 
 
 def use_small_batch_linear(model: nn.Module) -> int:
-    """Route every plain nn.Linear of a CPU model through small_batch_linear; returns how many. Calls
-    that build a graph for training (grad enabled and a parameter or input requiring it) keep F.linear."""
+    """Route every plain nn.Linear of a CPU model with at least MIN_WEIGHT_NUMEL weights through
+    small_batch_linear; returns how many. Calls that build a graph for training (grad enabled and a
+    parameter or input requiring it) keep F.linear."""
     n = 0
     for module in model.modules():
-        if type(module) is nn.Linear and module.weight.device.type == "cpu":
+        if type(module) is nn.Linear and module.weight.device.type == "cpu" and module.weight.numel() >= MIN_WEIGHT_NUMEL:
             module.__class__ = SmallBatchLinear
             n += 1
     return n

@@ -32,22 +32,28 @@ def test_training_calls_keep_the_autograd_path():
     assert lin.weight.grad is not None and lin.weight.grad.abs().sum() > 0
 
 
-def test_a_patched_target_and_drafter_give_the_same_outputs():
+def test_large_linears_are_routed_and_compute_the_same():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(576, 1536), nn.SiLU(), nn.Linear(1536, 576), nn.Linear(64, 32))
+    x = torch.randn(1, 4, 576)
+    with torch.no_grad():
+        slow = model[2](model[1](model[0](x)))
+        assert use_small_batch_linear(model) == 2  # the 64x32 layer is too small to gain: left alone
+        assert [type(m) for m in model] == [SmallBatchLinear, nn.SiLU, SmallBatchLinear, nn.Linear]
+        fast = model[2](model[1](model[0](x)))
+        one = model[0](x[:, :1])  # a single row takes F.linear itself
+    torch.testing.assert_close(fast, slow, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(one, F.linear(x[:, :1], model[0].weight, model[0].bias))
+    for clone in (copy.deepcopy(model[0]), pickle.loads(pickle.dumps(model[0]))):  # Ray and DeepSpeed copy modules
+        assert type(clone) is SmallBatchLinear and torch.equal(clone.weight, model[0].weight)
+
+
+def test_the_target_and_drafters_route_their_linears(monkeypatch):
+    import dspark.models.small_batch_linear as sbl
     from dspark.drafters import DrafterConfig, build_drafter
 
-    torch.manual_seed(0)
+    monkeypatch.setattr(sbl, "MIN_WEIGHT_NUMEL", 0)  # the tiny model's layers count as large here
     target = build_tiny_model(vocab_size=64, seed=1, num_layers=3, hidden_size=32)
-    patched = [m for m in target.model.modules() if isinstance(m, nn.Linear)]
-    assert patched and all(type(m) is SmallBatchLinear for m in patched)  # Target() routed its linears
-    ids = torch.randint(0, 64, (1, 7))
-    with torch.no_grad():
-        fast = target.forward(ids, logits_at="all").logits
-        for m in patched:
-            m.__class__ = nn.Linear
-        slow = target.forward(ids, logits_at="all").logits
-    torch.testing.assert_close(fast, slow, rtol=1e-5, atol=1e-5)
+    assert all(type(m) is SmallBatchLinear for m in target.model.modules() if isinstance(m, nn.Linear))
     drafter = build_drafter(DrafterConfig(algo="dspark", block_size=3, num_layers=1, rank=8), target)
     assert any(type(m) is SmallBatchLinear for m in drafter.modules())
-    layer = next(m for m in drafter.modules() if type(m) is SmallBatchLinear)
-    for clone in (copy.deepcopy(layer), pickle.loads(pickle.dumps(layer))):  # Ray and DeepSpeed copy modules
-        assert type(clone) is SmallBatchLinear and torch.equal(clone.weight, layer.weight)

@@ -1,6 +1,7 @@
 """F.linear vs dspark.models.small_batch_linear on CPU, side by side in one process: each linear shape
 of the target at 1..64 rows, then batch-1 decoding through the engine (target-only and fixed-γ
-speculative rounds) with the target's and drafter's linears routed either way, turns interleaved.
+speculative rounds) and rollout-style continuous batching at 32 rows, with the linears routed either
+way, turns interleaved.
 
     python benchmarks/small_batch_linear.py [--target smollm2-135m] [--drafter DIR] [--gamma 3]
 
@@ -114,6 +115,31 @@ def engine_ab(target, drafter, gamma: int, turns: int, steps: int) -> dict:
                                            for k in ("f_linear", "small_batch")}}
 
 
+def generator_ab(target, batch: int, new_tokens: int, turns: int) -> dict:
+    """Rollout-style continuous batching (dspark.decoding.generator) at `batch` rows, routed either way."""
+    from torch import nn
+
+    from dspark.decoding.generator import BatchGenerator, GeneratorConfig
+    from dspark.decoding.sampling import SamplingParams
+    from dspark.models.small_batch_linear import SmallBatchLinear
+    from benchmarks.engine_ab import prompt_ids
+
+    routed = [m for m in target.model.modules() if type(m) is SmallBatchLinear]
+    prompts, sampling = prompt_ids(target, batch, 40), SamplingParams(temperature=0.7, top_p=0.9)
+    gen, rates = BatchGenerator(target, GeneratorConfig(max_batch=batch)), {False: [], True: []}
+    for turn in range(turns):
+        for fast in ((True, False) if turn % 2 == 0 else (False, True)):
+            for m in routed:
+                m.__class__ = SmallBatchLinear if fast else nn.Linear
+            t0 = time.perf_counter()
+            out = gen.generate(prompts, sampling, list(range(batch)), new_tokens)
+            rates[fast].append(sum(len(tokens) for tokens, _ in out) / (time.perf_counter() - t0))
+    for m in routed:
+        m.__class__ = SmallBatchLinear
+    return {"batch": batch, "new_tokens": new_tokens, "tokens_per_s_f_linear": rates[False],
+            "tokens_per_s_small_batch": rates[True], "ratio": sum(rates[True]) / sum(rates[False])}
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     import torch
@@ -126,7 +152,8 @@ def main(argv=None) -> dict:
     drafter = load_drafter(args.drafter, target=target)
     result = {"benchmark": "small_batch_linear", "target": args.target, "device": "cpu", "threads": args.threads,
               "drafter": args.drafter, "shapes": shapes_table(target, [int(r) for r in args.rows.split(",")]),
-              "engine_batch1": engine_ab(target, drafter, args.gamma, args.turns, args.steps)}
+              "engine_batch1": engine_ab(target, drafter, args.gamma, args.turns, args.steps),
+              "generator": generator_ab(target, 32, 16, 2)}
     print(json.dumps(result))
     return result
 

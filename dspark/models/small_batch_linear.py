@@ -27,7 +27,7 @@ def small_batch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     if x.device.type != "cpu" or not 2 <= rows <= max_rows or needs_grad:
         return F.linear(x, weight, bias)
     flat = x.reshape(rows, x.shape[-1])
-    out = torch.mm(weight, flat.t()).t()  # [rows, out]: W read once, row by row
+    out = torch.mm(weight, flat.t()).t().contiguous()  # [rows, out]: W read once, row by row; the usual layout
     if bias is not None:
         out = out + bias
     return out.reshape(*x.shape[:-1], weight.shape[0])

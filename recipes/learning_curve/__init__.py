@@ -47,6 +47,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--limit-prompts", type=int, default=None, help="rollouts: first N train prompts only")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: the profile's)")
     p.add_argument("--epochs", type=int, nargs="+", default=None, help="epochs: passes per run (one drafter each)")
+    p.add_argument("--modes", nargs="+", default=None, help="decode: only these modes (and target-only)")
     p.add_argument("--results", default=str(REPO / "benchmarks" / "results" / "learning_curve"),
                    help="report: where <profile>.json and .png go")
     args = p.parse_args(argv)

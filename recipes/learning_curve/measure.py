@@ -83,7 +83,7 @@ DECODE_TEMPERATURES = (1.0, 0.0)
 
 def decode_modes(largest: Path) -> dict:
     """mode -> (drafter folder or None, SchedulerConfig kwargs): the largest point's drafters, DSpark's
-    variants, and each drafter of the epochs series (`dspark_eNN`, fixed γ and confidence threshold)."""
+    variants, and each drafter of the epochs series (`dspark_eNN`: fixed γ, γ = 3 and confidence threshold)."""
     modes = {"target": (None, {"mode": "off"})}
     modes |= {a: (largest / a / "drafter", {"mode": "fixed"}) for a in ALGOS if (largest / a / "drafter").exists()}
     if "dspark" in modes:
@@ -91,6 +91,7 @@ def decode_modes(largest: Path) -> dict:
     for folder in epoch_drafters(largest.parent.parent):
         name = epoch_mode(folder)
         modes |= {name: (folder / "drafter", {"mode": "fixed"}),
+                  name + "_g3": (folder / "drafter", DSPARK_VARIANTS["dspark_g3"]),
                   name + "_thr": (folder / "drafter", DSPARK_VARIANTS["dspark_thr"])}
     return modes
 
@@ -111,7 +112,13 @@ def cmd_decode(args, prof: dict) -> None:
     target = load_target_of(prof)
     largest = sorted((out / "points").glob("*"))[-1]
     engines, drafters = {}, {}
-    for mode, (path, sched) in decode_modes(largest).items():
+    wanted = decode_modes(largest)
+    if getattr(args, "modes", None):  # --modes: a subset (target-only is always decoded: the speed reference)
+        unknown = set(args.modes) - set(wanted)
+        if unknown:
+            raise SystemExit(f"--modes: unknown {sorted(unknown)}; known: {sorted(wanted)}")
+        wanted = {m: v for m, v in wanted.items() if m in args.modes or m == "target"}
+    for mode, (path, sched) in wanted.items():
         if path is not None and path not in drafters:
             drafters[path] = load_drafter(str(path), target)
         drafter = None if path is None else drafters[path]

@@ -64,21 +64,31 @@ def shapes_table(target, rows: list[int]) -> list[dict]:
     return out
 
 
-def engine_ab(target, drafter, gamma: int, turns: int, steps: int) -> dict:
+def routed_linears(*models) -> list:
+    """The linears the models route through small_batch_linear at load (what production runs)."""
+    from dspark.models.small_batch_linear import SmallBatchLinear
+
+    return [m for model in models for m in model.modules() if type(m) is SmallBatchLinear]
+
+
+def route(linears: list, fast: bool) -> None:
+    """Those linears through small_batch_linear (fast) or back to plain F.linear."""
     from torch import nn
 
+    from dspark.models.small_batch_linear import SmallBatchLinear
+
+    for m in linears:
+        m.__class__ = SmallBatchLinear if fast else nn.Linear
+
+
+def engine_ab(target, drafter, gamma: int, turns: int, steps: int) -> dict:
     from dspark.decoding.engine import Engine, EngineConfig
     from dspark.decoding.sampling import SamplingParams
     from dspark.decoding.scheduler import SchedulerConfig
-    from dspark.models.small_batch_linear import SmallBatchLinear
     from benchmarks.engine_ab import prompt_ids
 
-    linears = [m for mod in (target.model, drafter) for m in mod.modules() if isinstance(m, nn.Linear)]
+    linears = routed_linears(target.model, drafter)
     prompt, sampling = prompt_ids(target, 1, 48)[0], SamplingParams(temperature=1.0)
-
-    def route(fast: bool) -> None:
-        for m in linears:
-            m.__class__ = SmallBatchLinear if fast else nn.Linear
 
     def engine(mode: str) -> Engine:
         cfg = EngineConfig(scheduler=SchedulerConfig(mode=mode, **({"gamma": gamma} if mode == "fixed" else {})),
@@ -90,7 +100,7 @@ def engine_ab(target, drafter, gamma: int, turns: int, steps: int) -> dict:
     acc = {v: [0.0, 0, 0] for v in variants}  # seconds, tokens, steps
     for turn in range(turns + 1):  # turn 0 warms up
         for v in (variants if turn % 2 == 0 else variants[::-1]):
-            route(v[1])
+            route(linears, v[1])
             e = engines[v]
             for _ in range(steps):
                 if not e.active and not e.waiting:
@@ -101,7 +111,7 @@ def engine_ab(target, drafter, gamma: int, turns: int, steps: int) -> dict:
                     acc[v][0] += time.perf_counter() - t0
                     acc[v][1] += report.emitted
                     acc[v][2] += 1
-    route(True)
+    route(linears, True)
     for e in engines.values():
         e.stop()
     rows = {f"{mode}{'_small_batch' if fast else '_f_linear'}": {"tokens_per_s": tok / s, "ms_per_step": 1e3 * s / n,
@@ -117,25 +127,20 @@ def engine_ab(target, drafter, gamma: int, turns: int, steps: int) -> dict:
 
 def generator_ab(target, batch: int, new_tokens: int, turns: int) -> dict:
     """Rollout-style continuous batching (dspark.decoding.generator) at `batch` rows, routed either way."""
-    from torch import nn
-
     from dspark.decoding.generator import BatchGenerator, GeneratorConfig
     from dspark.decoding.sampling import SamplingParams
-    from dspark.models.small_batch_linear import SmallBatchLinear
     from benchmarks.engine_ab import prompt_ids
 
-    routed = [m for m in target.model.modules() if type(m) is SmallBatchLinear]
+    routed = routed_linears(target.model)
     prompts, sampling = prompt_ids(target, batch, 40), SamplingParams(temperature=0.7, top_p=0.9)
     gen, rates = BatchGenerator(target, GeneratorConfig(max_batch=batch)), {False: [], True: []}
     for turn in range(turns):
         for fast in ((True, False) if turn % 2 == 0 else (False, True)):
-            for m in routed:
-                m.__class__ = SmallBatchLinear if fast else nn.Linear
+            route(routed, fast)
             t0 = time.perf_counter()
             out = gen.generate(prompts, sampling, list(range(batch)), new_tokens)
             rates[fast].append(sum(len(tokens) for tokens, _ in out) / (time.perf_counter() - t0))
-    for m in routed:
-        m.__class__ = SmallBatchLinear
+    route(routed, True)
     return {"batch": batch, "new_tokens": new_tokens, "tokens_per_s_f_linear": rates[False],
             "tokens_per_s_small_batch": rates[True], "ratio": sum(rates[True]) / sum(rates[False])}
 

@@ -1,10 +1,11 @@
 """Linear layers fed a few rows at a time on CPU (decoding steps, verify passes, small batches).
 
 torch's `F.linear(x, W)` on CPU computes x @ Wᵀ through an sgemm that, for a handful of rows, runs far
-below memory bandwidth: on 2 cores SmolLM2-135M's 49152×576 LM head takes ~55 ms for 4 rows against ~16
-ms for 1, so verifying γ drafts costs several single-token steps and speculation cannot win. The same
-product computed as (W · xᵀ)ᵀ reads W once in its stored order: ~14 ms for 4 rows, and 1.3-3x less than
-F.linear on every SmolLM2 projection from 2 to 64 rows (benchmarks/small_batch_linear.py measures it).
+below memory bandwidth: on 2 cores SmolLM2-135M's 49152×576 LM head takes ~35-55 ms for 4 rows against
+~12 ms for 1, so verifying γ drafts costs several single-token steps and speculation cannot win. The
+same product computed as (W · xᵀ)ᵀ reads W once in its stored order: ~9-14 ms for 4 rows. Measured on
+SmolLM2 (benchmarks/small_batch_linear.py): LM head 2.2-3.4x faster at 2-16 rows, the MLP projections
+1.1-2x, the 576×576 projections within noise; smaller layers gain nothing and are left alone.
 
 Invariant: `small_batch_linear(x, W, b) == F.linear(x, W, b)` up to float summation order (it is the
 same matrix product); only inference calls (no autograd graph) with rows in [2, max_rows] on CPU take
@@ -23,8 +24,9 @@ MIN_WEIGHT_NUMEL = 300_000  # smaller layers (192x576, the tiny test models) gai
 def small_batch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                        max_rows: int = MAX_ROWS) -> torch.Tensor:
     rows = x.numel() // x.shape[-1] if x.numel() else 0
-    needs_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-    if x.device.type != "cpu" or not 2 <= rows <= max_rows or needs_grad:
+    if not 2 <= rows <= max_rows or x.device.type != "cpu":  # one row (a decoding step): F.linear's gemv
+        return F.linear(x, weight, bias)
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):  # training builds a graph
         return F.linear(x, weight, bias)
     flat = x.reshape(rows, x.shape[-1])
     out = torch.mm(weight, flat.t()).t().contiguous()  # [rows, out]: W read once, row by row; the usual layout
@@ -37,8 +39,6 @@ class SmallBatchLinear(nn.Linear):
     """nn.Linear whose forward is small_batch_linear (a class swap: pickles and deep-copies as usual)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() == self.in_features:  # one row (a decoding step): F.linear's gemv, nothing to decide
-            return F.linear(x, self.weight, self.bias)
         return small_batch_linear(x, self.weight, self.bias)
 
 

@@ -113,7 +113,7 @@ def cmd_decode(args, prof: dict) -> None:
     largest = sorted((out / "points").glob("*"))[-1]
     engines, drafters = {}, {}
     wanted = decode_modes(largest)
-    if getattr(args, "modes", None):  # --modes: a subset (target-only is always decoded: the speed reference)
+    if args.modes:  # --modes: a subset (target-only is always decoded: the speed reference)
         unknown = set(args.modes) - set(wanted)
         if unknown:
             raise SystemExit(f"--modes: unknown {sorted(unknown)}; known: {sorted(wanted)}")

@@ -20,19 +20,15 @@ import pytest
 
 from dspark.io import storage, tracking
 from tests.paths import REPO
+from tests.mlflow_store import new_sqlite_store
 
 ROOT = REPO
 
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory) -> str:
-    """One SQLite store for the module (creating its tables costs seconds; runs are cheap)."""
-    import mlflow
-
-    state = tmp_path_factory.mktemp("mlflow-state")
-    uri = f"sqlite:///{state / 'mlflow.db'}"
-    mlflow.MlflowClient(uri).search_experiments()  # creates the tables once
-    return uri
+    """One SQLite store for the module (runs are cheap; a store's tables are not: tests/mlflow_store.py)."""
+    return new_sqlite_store(tmp_path_factory.mktemp("mlflow-state"))
 
 
 @pytest.fixture

@@ -47,6 +47,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--limit-prompts", type=int, default=None, help="rollouts: first N train prompts only")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: the profile's)")
     p.add_argument("--epochs", type=int, nargs="+", default=None, help="epochs: passes per run (one drafter each)")
+    p.add_argument("--lr", type=float, default=None, help="epochs: peak learning rate (default: the profile's); "
+                   "the drafter goes to epochs/e<N>-lr<lr>")
     p.add_argument("--modes", nargs="+", default=None, help="decode: only these modes (and target-only)")
     p.add_argument("--results", default=str(REPO / "benchmarks" / "results" / "learning_curve"),
                    help="report: where <profile>.json and .png go")
@@ -60,6 +62,8 @@ def main(argv=None) -> None:
     prof = PROFILES[args.profile]
     if args.threads:
         prof = {**prof, "threads": args.threads}
+    if args.lr:
+        prof = {**prof, "lr": args.lr}
     phases = {"all": ["rollouts", *AFTER_ROLLOUTS], "after-rollouts": AFTER_ROLLOUTS}.get(args.phase, [args.phase])
     for phase in phases:
         log(f"phase {phase}")

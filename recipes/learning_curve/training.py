@@ -86,7 +86,7 @@ def train_one(target, prof: dict, cache, n_rows: int, algo: str, folder: Path) -
     save_drafter(drafter, str(folder / "drafter"))
     rates = flops_rates(flops, wall, target.device, "fp32")
     result = {"algo": algo, "rows": n_rows, "rollout_tokens": int(sum(m for m in cache.generated_tokens()[:n_rows])),
-              "trained_tokens": tokens, "steps": steps, "epochs": prof["epochs"], "batch_size": batch,
+              "trained_tokens": tokens, "steps": steps, "epochs": prof["epochs"], "batch_size": batch, "lr": prof["lr"],
               "anchors_per_seq": cfg.anchors_per_seq, "draft_vocab_size": cfg.draft_vocab_size,
               "draft_vocab_coverage": cov, "wall_s": wall, "cpu_minutes": wall / 60 * prof["threads"],
               "tokens_per_s": tokens / wall, "drafter_tflops_per_s": rates["model_tflops_per_s"],
@@ -116,6 +116,11 @@ def cmd_baselines(args, prof: dict) -> None:
         train_one(target, prof, cache, n, algo, out / "points" / f"{tokens:09d}" / algo)
 
 
+def epochs_folder_name(epochs: int, prof: dict, args) -> str:
+    """e<N>, or e<N>-lr<lr> when --lr changed the profile's learning rate (a separate drafter)."""
+    return f"e{epochs:02d}" + (f"-lr{prof['lr']:g}" if getattr(args, "lr", None) else "")
+
+
 def cmd_epochs(args, prof: dict) -> None:
     """DSpark at the largest point trained for each of `--epochs` passes over the same rows (each its own
     cosine schedule, from scratch), into epochs/e<N>/dspark, then its expected τ: what more passes over
@@ -125,5 +130,6 @@ def cmd_epochs(args, prof: dict) -> None:
     rows, cache = train_cache(target, prof, out)
     _, n = point_sizes(rows, wanted_sizes(rows, prof))[-1]
     for epochs in args.epochs or []:
-        train_one(target, {**prof, "epochs": epochs}, cache, n, "dspark", out / "epochs" / f"e{epochs:02d}" / "dspark")
+        train_one(target, {**prof, "epochs": epochs}, cache, n, "dspark",
+                  out / "epochs" / epochs_folder_name(epochs, prof, args) / "dspark")
     estimate_folders(target, prof, out, epoch_drafters(out))

@@ -12,7 +12,7 @@ import tempfile
 from dataclasses import replace
 from pathlib import Path
 
-from dspark.training.batching import regroup_by_length
+from dspark.training.batching import regroup_by_length, reshuffled_epoch
 from dspark.training.plan import TrainPlan
 from dspark.training.session import StepResult, TrainSession, micro_seed
 
@@ -115,13 +115,22 @@ def train_loop_per_worker(loop_config: dict) -> None:
                                   "restarts": float(session.restarts)}, force=True)
     shard = ray.train.get_dataset_shard("train")
 
+    kept: list[dict] = []  # this worker's first epoch, when replay_in_memory says the rows fit
+
     def epoch_batches(epoch: int):
-        buffer = cfg.data.shuffle_buffer or None
-        batches = shard.iter_batches(batch_size=cfg.optim.micro_batch_size, batch_format="numpy", drop_last=True,
-                                     local_shuffle_buffer_size=buffer,
-                                     local_shuffle_seed=(cfg.optim.seed + epoch) if buffer else None)
+        seed = micro_seed(cfg.optim.seed, session.rank, epoch, 0)
+        if kept:
+            batches = reshuffled_epoch(kept, seed + 1)
+        else:
+            buffer = cfg.data.shuffle_buffer or None
+            batches = shard.iter_batches(batch_size=cfg.optim.micro_batch_size, batch_format="numpy",
+                                         drop_last=True, local_shuffle_buffer_size=buffer,
+                                         local_shuffle_seed=(cfg.optim.seed + epoch) if buffer else None)
+            if replays_in_memory(cfg, plan):
+                kept.extend(batches)
+                batches = kept
         # same rows, same batch count and size, grouped by length: deterministic per (seed, rank, epoch)
-        return regroup_by_length(batches, cfg.data.bucket_window, micro_seed(cfg.optim.seed, session.rank, epoch, 0))
+        return regroup_by_length(batches, cfg.data.bucket_window, seed)
 
     def on_step(result: StepResult) -> None:
         if logger:
@@ -137,6 +146,12 @@ def train_loop_per_worker(loop_config: dict) -> None:
     finally:
         if logger:
             logger.close()
+
+
+def replays_in_memory(cfg, plan: TrainPlan) -> bool:
+    """Every rank decides alike, from the driver's row count: keep the first epoch and replay it?"""
+    upper_bound_mb = plan.train_rows * cfg.data.max_seq_len * 16 / 2**20
+    return plan.total_steps > plan.steps_per_epoch and upper_bound_mb <= cfg.data.replay_in_memory_mb
 
 
 def report_checkpoint(session: TrainSession, metrics: dict) -> None:

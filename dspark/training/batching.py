@@ -66,6 +66,19 @@ def bucketed_batches(order: Sequence[int], lengths: Sequence[int], batch_size: i
     return out
 
 
+def reshuffled_epoch(batches: Sequence[dict], seed: int) -> list[dict]:
+    """The rows of equal-size column batches (one epoch kept in memory) in a new random order, re-cut
+    into batches of the same size: the next epoch of a worker that replays its shard instead of
+    reading it again. Same rows, same batch count and size; depends only on the input and the seed."""
+    if not batches:
+        return []
+    size = len(batches[0]["input_ids"])
+    rows = {k: [x for b in batches for x in b[k]] for k in batches[0]}
+    order = list(range(len(rows["input_ids"])))
+    random.Random(seed).shuffle(order)
+    return [{k: _take(col, order[i:i + size]) for k, col in rows.items()} for i in range(0, len(order), size)]
+
+
 def regroup_by_length(batches: Iterable[dict], window: int, seed: int) -> Iterator[dict]:
     """Column batches (dicts of equal-length columns, e.g. Ray Data numpy batches) in, the same rows
     regrouped by `bucketed_batches` out: `window` batches are read, bucketed and yielded, then the next.

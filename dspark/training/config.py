@@ -23,6 +23,11 @@ class DataSection(StrictModel):
     bucket_window: int = Field(8, ge=0, description="length bucketing (dspark/training/batching.py): each worker sorts "
                                "this many micro batches' rows by length and re-cuts them into batches of the "
                                "same size, in a shuffled order, so padding stays a few percent (0/1 = off)")
+    replay_in_memory_mb: int = Field(
+        512, ge=0, description="when the training rows take at most this many MB (rows x max_seq_len x 16 bytes, "
+        "an upper bound), each worker keeps its shard of the first epoch in memory and replays it, reshuffled, "
+        "in later epochs instead of re-reading the rollouts (Ray Data re-runs the read and split every epoch: "
+        "seconds each, most of a small run). A worker then keeps the same rows every epoch. 0 = always re-read")
 
 
 class OptimSection(StrictModel):

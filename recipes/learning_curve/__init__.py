@@ -6,6 +6,7 @@ plus equal-budget baselines, a report (JSON + plot) and the inputs of `dspark pl
     python -m recipes.learning_curve evaluate  [--profile cpu|gpu] [--out DIR]   # expected τ per point
     python -m recipes.learning_curve baselines [--profile cpu|gpu] [--out DIR]   # 4 algos, real τ + speed
     python -m recipes.learning_curve epochs    [--profile cpu|gpu] [--out DIR] --epochs 2 6  # the largest point, more passes
+        [--lr 5e-4] [--init-from e05]   # another peak learning rate; continue a saved drafter
     python -m recipes.learning_curve report    [--profile cpu|gpu] [--out DIR]   # JSON + plot
 
 Every phase is resumable from its output folder (DIR, default /work/learn-runs/<profile>): rollouts commit a
@@ -49,6 +50,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--epochs", type=int, nargs="+", default=None, help="epochs: passes per run (one drafter each)")
     p.add_argument("--lr", type=float, default=None, help="epochs: peak learning rate (default: the profile's); "
                    "the drafter goes to epochs/e<N>-lr<lr>")
+    p.add_argument("--init-from", default=None, help="epochs: continue this epochs/<folder> drafter (e.g. e05) "
+                   "with a new schedule instead of starting from scratch")
     p.add_argument("--modes", nargs="+", default=None, help="decode: only these modes (and target-only)")
     p.add_argument("--results", default=str(REPO / "benchmarks" / "results" / "learning_curve"),
                    help="report: where <profile>.json and .png go")

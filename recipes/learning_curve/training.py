@@ -35,8 +35,9 @@ def draft_ids_of(cache, n_rows: int, vocab: int, size: int | None):
     return ids, coverage(counts, ids)
 
 
-def train_one(target, prof: dict, cache, n_rows: int, algo: str, folder: Path) -> dict:
-    """Train one drafter on the first n_rows cached rows (`epochs` passes); skip if already saved."""
+def train_one(target, prof: dict, cache, n_rows: int, algo: str, folder: Path, init: Path | None = None) -> dict:
+    """Train one drafter on the first n_rows cached rows (`epochs` passes); skip if already saved.
+    `init`: a drafter folder of the same config to start from instead of a fresh initialisation."""
     import random
 
     import numpy as np
@@ -56,6 +57,10 @@ def train_one(target, prof: dict, cache, n_rows: int, algo: str, folder: Path) -
     ids, cov = draft_ids_of(cache, n_rows, int(target.vocab_size), cfg.draft_vocab_size)
     torch.manual_seed(prof["seed"])
     drafter = build_drafter(cfg, target, draft_ids=ids)
+    if init is not None:  # continue a saved drafter (same config and draft vocabulary) with a new schedule
+        from dspark.drafters import load_drafter
+
+        drafter.load_state_dict(load_drafter(str(init / "drafter"), target).state_dict(), strict=True)
     optim = OptimSection(lr=prof["lr"], warmup_ratio=0.04, schedule="cosine", grad_clip=1.0)
     trainer = LocalTrainer(algo, target, drafter, optim, precision="fp32")
     batch = min(prof["batch_size"], n_rows)
@@ -87,6 +92,7 @@ def train_one(target, prof: dict, cache, n_rows: int, algo: str, folder: Path) -
     rates = flops_rates(flops, wall, target.device, "fp32")
     result = {"algo": algo, "rows": n_rows, "rollout_tokens": int(sum(m for m in cache.generated_tokens()[:n_rows])),
               "trained_tokens": tokens, "steps": steps, "epochs": prof["epochs"], "batch_size": batch, "lr": prof["lr"],
+              "init_from": None if init is None else f"{init.parent.parent.name}/{init.parent.name}",
               "anchors_per_seq": cfg.anchors_per_seq, "draft_vocab_size": cfg.draft_vocab_size,
               "draft_vocab_coverage": cov, "wall_s": wall, "cpu_minutes": wall / 60 * prof["threads"],
               "tokens_per_s": tokens / wall, "drafter_tflops_per_s": rates["model_tflops_per_s"],
@@ -117,8 +123,10 @@ def cmd_baselines(args, prof: dict) -> None:
 
 
 def epochs_folder_name(epochs: int, prof: dict, args) -> str:
-    """e<N>, or e<N>-lr<lr> when --lr changed the profile's learning rate (a separate drafter)."""
-    return f"e{epochs:02d}" + (f"-lr{prof['lr']:g}" if getattr(args, "lr", None) else "")
+    """e<N>, + -lr<lr> when --lr changed the profile's learning rate, + -from-<folder> when the run
+    continues an earlier epochs drafter (each a separate drafter)."""
+    name = f"e{epochs:02d}" + (f"-lr{prof['lr']:g}" if getattr(args, "lr", None) else "")
+    return name + (f"-from-{args.init_from}" if getattr(args, "init_from", None) else "")
 
 
 def cmd_epochs(args, prof: dict) -> None:
@@ -129,7 +137,12 @@ def cmd_epochs(args, prof: dict) -> None:
     target = load_target_of(prof)
     rows, cache = train_cache(target, prof, out)
     _, n = point_sizes(rows, wanted_sizes(rows, prof))[-1]
+    init = None
+    if getattr(args, "init_from", None):
+        init = out / "epochs" / args.init_from / "dspark"
+        if not (init / "drafter" / "config.json").exists():
+            raise SystemExit(f"--init-from {args.init_from}: no trained drafter at {init}")
     for epochs in args.epochs or []:
         train_one(target, {**prof, "epochs": epochs}, cache, n, "dspark",
-                  out / "epochs" / epochs_folder_name(epochs, prof, args) / "dspark")
+                  out / "epochs" / epochs_folder_name(epochs, prof, args) / "dspark", init)
     estimate_folders(target, prof, out, epoch_drafters(out))

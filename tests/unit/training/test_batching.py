@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from dspark.training.batching import bucketed_batches, collate, padding_fraction, regroup_by_length
+from dspark.training.batching import bucketed_batches, collate, padding_fraction, regroup_by_length, reshuffled_epoch
 from dspark.drafters import DrafterConfig, build_drafter
 from dspark.training.loop import FlopsModel, LocalTrainer, Throughput, autocast, resolve_precision
 from dspark.models.target import build_tiny_model
@@ -46,6 +46,34 @@ def test_regroup_by_length_on_column_batches():
     assert pad(out) < pad(batches) / 2
     collate(out[0], 512, 0)  # the regrouped batch is still a valid collate input
     assert list(regroup_by_length(iter(batches), window=1, seed=0)) == batches
+
+
+def test_reshuffled_epoch_keeps_rows_and_batch_sizes_in_a_new_order():
+    rows = [np.arange(n) for n in lengths(24, seed=3)]
+    kept = [{"input_ids": _ragged(rows[i:i + 4]), "loss_mask": _ragged(rows[i:i + 4])} for i in range(0, 24, 4)]
+    out = reshuffled_epoch(kept, seed=1)
+    assert len(out) == len(kept) and all(len(b["input_ids"]) == 4 for b in out)
+    key = lambda bs: sorted(tuple(x) for b in bs for x in b["input_ids"])  # noqa: E731
+    assert key(out) == key(kept)  # the same rows, each once
+    assert [len(x) for b in out for x in b["input_ids"]] != [len(x) for b in kept for x in b["input_ids"]]
+    assert all((a == m).all() for b in out for a, m in zip(b["input_ids"], b["loss_mask"]))  # columns stay paired
+    again = reshuffled_epoch(kept, seed=1)
+    assert [list(x) for b in again for x in b["input_ids"]] == [list(x) for b in out for x in b["input_ids"]]
+    assert reshuffled_epoch([], seed=0) == []
+
+
+def test_workers_replay_small_shards_only_when_the_run_has_a_second_epoch():
+    from types import SimpleNamespace
+
+    from jobs.train_worker import replays_in_memory
+
+    cfg = lambda mb: SimpleNamespace(data=SimpleNamespace(max_seq_len=1024, replay_in_memory_mb=mb))  # noqa: E731
+    plan = lambda rows, total, per_epoch: SimpleNamespace(train_rows=rows, total_steps=total,  # noqa: E731
+                                                          steps_per_epoch=per_epoch)
+    assert replays_in_memory(cfg(512), plan(1000, 30, 10))  # 1000 x 1024 x 16 B = 15.6 MB
+    assert not replays_in_memory(cfg(512), plan(1000, 10, 10))  # one epoch: nothing to replay
+    assert not replays_in_memory(cfg(10), plan(1000, 30, 10))  # over the budget: re-read every epoch
+    assert not replays_in_memory(cfg(0), plan(1, 30, 10))
 
 
 def _ragged(items):

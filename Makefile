@@ -28,12 +28,13 @@ demo: $(STAMP)  ## the whole lifecycle on the embedded local stack (PROFILE=smok
 # they start real servers and Ray in-process; Ray and MLflow keep process-wide state (auth token,
 # tracking URI), so integration modules run in fresh interpreters (pytest exit 5 = nothing selected).
 # Tiers: `make test` (CI, <= 12 min on 2 cores incl. the install) skips tests marked `slow` (the long
-# end-to-end runs: smoke demo, flywheel loop, Ray Train kill/resume, ...); `make test-slow` runs exactly
+# end-to-end runs: smoke demo, Ray Train kill/resume, ...); `make test-slow` runs exactly
 # those; `make test-all` both. Unit tests run on every core (pytest-xdist).
 PYTEST := $(PY) -m pytest -q --timeout=900 -p no:cacheprovider
-# `make test`'s integration runs: storage + rollouts share one local stack (the session fixture); serve
+# `make test`'s integration runs: storage, rollouts, learning curve and the flywheel loop share one local
+# stack (the session fixture); serve
 # and the stack CLI start their own.
-FAST_INTEGRATION := "tests/integration/test_storage.py tests/integration/test_rollouts.py tests/integration/test_learning_curve.py" \
+FAST_INTEGRATION := "tests/integration/test_storage.py tests/integration/test_rollouts.py tests/integration/test_learning_curve.py tests/integration/test_flywheel.py" \
 	tests/integration/test_serve.py tests/integration/test_stack.py
 
 test: $(STAMP)  ## what CI runs: unit + integration tests not marked slow

@@ -36,7 +36,8 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dspark.serve.prometheus import HttpMetrics
-from dspark.serve.protocol import ApiError, ChatBody, CompletionBody, dump, validation_error
+from dspark.serve.protocol import (REQUEST_ID_HEADER, ApiError, ChatBody, CompletionBody, client_request_id, dump,
+                                   validation_error)
 from dspark.serve.service import OpenAIService
 
 log = logging.getLogger("dspark.serve")
@@ -129,19 +130,22 @@ def make_app(service: OpenAIService):
             raise ApiError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'", None,
                            "invalid_api_key")
 
-    def respond(result):
+    def respond(result, request_id: str | None = None):
+        echo = {"X-Request-Id": request_id} if request_id else {}  # echoed back, as vLLM does
         if isinstance(result, BaseModel):
-            return JSONResponse(dump(result))
+            return JSONResponse(dump(result), headers=echo)
         return StreamingResponse(result, media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **echo})
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
-    async def chat(body: ChatBody):
-        return respond(await service.chat(body))
+    async def chat(body: ChatBody, request: HttpRequest):
+        request_id = client_request_id(request.headers.get(REQUEST_ID_HEADER))
+        return respond(await service.chat(body, request_id), request_id)
 
     @app.post("/v1/completions", dependencies=[Depends(authorize)])
-    async def completions(body: CompletionBody):
-        return respond(await service.completions(body))
+    async def completions(body: CompletionBody, request: HttpRequest):
+        request_id = client_request_id(request.headers.get(REQUEST_ID_HEADER))
+        return respond(await service.completions(body, request_id), request_id)
 
     @app.get("/v1/models", dependencies=[Depends(authorize)])
     async def models():

@@ -36,6 +36,22 @@ class ErrorResponse(BaseModel):
     error: ErrorObject
 
 
+REQUEST_ID_HEADER = "x-request-id"
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+
+
+def client_request_id(value: str | None) -> str | None:
+    """The client's `X-Request-Id` (vLLM and OpenAI's header): it names the engine request in logs and is
+    the row id of a captured request (so its train/holdout split is the client's choice, reproducibly).
+    None when absent; 1-128 characters of [A-Za-z0-9._:-], else a 400."""
+    if value is None:
+        return None
+    if not _REQUEST_ID.fullmatch(value):
+        raise ApiError(400, f"X-Request-Id must be 1-128 characters of letters, digits and . _ : - "
+                            f"(got {len(value)} characters)", REQUEST_ID_HEADER)
+    return value
+
+
 class ApiError(Exception):
     """An HTTP error in OpenAI's shape: status, message, the request field at fault (param), a short
     machine-readable code (e.g. "model_not_found")."""

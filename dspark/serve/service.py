@@ -167,7 +167,8 @@ class OpenAIService:
             return body.seed
         return derive_seed(body.seed, index)
 
-    def submit(self, ids: list[int], body: RequestBody, max_tokens: int, index: int, on_update) -> Request:
+    def submit(self, ids: list[int], body: RequestBody, max_tokens: int, index: int, on_update,
+               request_id: str | None = None) -> Request:
         loop = asyncio.get_running_loop()
 
         def listener(req: Request, new: list[int], final: bool) -> None:
@@ -179,7 +180,7 @@ class OpenAIService:
         try:
             req = self.engine.submit(ids, body.sampling(), max_tokens, stop_ids=sorted(self.stop_ids(body)),
                                      listener=listener, seed=self.choice_seed(body, index),
-                                     logprobs=body.top_logprobs_count())
+                                     logprobs=body.top_logprobs_count(), request_id=request_id)
             if self.flywheel is not None:
                 self.flywheel.submitted(req, body)
             return req
@@ -192,15 +193,18 @@ class OpenAIService:
         except ValueError as err:
             raise ApiError(400, str(err), "prompt") from None
 
-    def start(self, jobs: list[tuple[list[int], int]], body: RequestBody) -> tuple[list[Choice], asyncio.Queue]:
+    def start(self, jobs: list[tuple[list[int], int]], body: RequestBody,
+              request_id: str | None = None) -> tuple[list[Choice], asyncio.Queue]:
         """Submit one engine request per choice (jobs: (prompt ids, max_tokens), in choice order); their
         updates arrive on the returned queue as (choice index, final). If a submission fails, the
-        choices already submitted are cancelled."""
+        choices already submitted are cancelled. request_id: the client's X-Request-Id, the engine id
+        of a single choice (`<id>-<index>` for several); None = random ids."""
         queue: asyncio.Queue = asyncio.Queue()
         choices: list[Choice] = []
         try:
             for index, (ids, max_tokens) in enumerate(jobs):
-                req = self.submit(ids, body, max_tokens, index, lambda i, final: queue.put_nowait((i, final)))
+                rid = request_id if request_id is None or len(jobs) == 1 else f"{request_id}-{index}"
+                req = self.submit(ids, body, max_tokens, index, lambda i, final: queue.put_nowait((i, final)), rid)
                 choices.append(Choice(index, req, self.assembler(body, req.stop_ids)))
         except Exception:
             for c in choices:
@@ -220,9 +224,10 @@ class OpenAIService:
             self._done(req)
         return delta, stopped or final
 
-    async def run_to_end(self, jobs: list[tuple[list[int], int]], body: RequestBody) -> list[Outcome]:
+    async def run_to_end(self, jobs: list[tuple[list[int], int]], body: RequestBody,
+                         request_id: str | None = None) -> list[Outcome]:
         """Non-streaming: generate every choice until the engine finishes it or a stop string appears."""
-        choices, queue = self.start(jobs, body)
+        choices, queue = self.start(jobs, body, request_id)
         try:
             while not all(c.done for c in choices):
                 index, final = await queue.get()
@@ -248,10 +253,11 @@ class OpenAIService:
             self.flywheel.finished(req)
         return req
 
-    def stream(self, jobs: list[tuple[list[int], int]], body: RequestBody, fmt: ChatStream | CompletionStream):
+    def stream(self, jobs: list[tuple[list[int], int]], body: RequestBody, fmt: ChatStream | CompletionStream,
+               request_id: str | None = None):
         """Submit now (so queue-full / bad input still become HTTP errors), then return the SSE event
         generator."""
-        choices, queue = self.start(jobs, body)
+        choices, queue = self.start(jobs, body, request_id)
         return self._events(choices, queue, body, fmt)
 
     async def _events(self, choices: list[Choice], queue: asyncio.Queue, body: RequestBody,
@@ -301,22 +307,23 @@ class OpenAIService:
             raise ApiError(400, f"n={body.n} × {prompts} prompt(s) = {body.n * prompts} choices; this server "
                                 f"generates at most {limit} per request (api.max_choices)", "n")
 
-    async def chat(self, body: ChatBody):
+    async def chat(self, body: ChatBody, request_id: str | None = None):
         self.check_request(body, "messages")
         self.check_choices(body, 1)
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         kwargs = self.template_kwargs(body)
         (ids,) = await self.tokenize([(messages, kwargs)], "messages")
         jobs = [(ids, self.max_tokens(body, len(ids), "messages"))] * body.n
-        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        rid, created = f"chatcmpl-{request_id or uuid.uuid4().hex}", int(time.time())
         logprobs = Logprobs(self.target.tokenizer)
         if body.stream:
-            return self.stream(jobs, body, ChatStream(rid, created, self.model_name, body.include_usage, logprobs))
-        outs = await self.run_to_end(jobs, body)
+            return self.stream(jobs, body, ChatStream(rid, created, self.model_name, body.include_usage, logprobs),
+                               request_id)
+        outs = await self.run_to_end(jobs, body, request_id)
         want = body.top_logprobs_count() is not None
         return chat_completion(rid, created, self.model_name, outs, body.n, logprobs if want else None)
 
-    async def completions(self, body: CompletionBody):
+    async def completions(self, body: CompletionBody, request_id: str | None = None):
         self.check_request(body, "prompt")
         prompts = body.prompts()
         if len(prompts) > self.cfg.api.max_prompts:
@@ -327,12 +334,12 @@ class OpenAIService:
         ids_list = await self.tokenize(prompts, "prompt")
         limits = [self.max_tokens(body, len(ids), "prompt") for ids in ids_list]
         jobs = [(ids, limit) for ids, limit in zip(ids_list, limits) for _ in range(body.n)]  # prompt-major
-        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        rid, created = f"cmpl-{request_id or uuid.uuid4().hex}", int(time.time())
         logprobs = Logprobs(self.target.tokenizer)
         if body.stream:
             return self.stream(jobs, body, CompletionStream(rid, created, self.model_name, body.include_usage,
-                                                            logprobs))
-        outs = await self.run_to_end(jobs, body)
+                                                            logprobs), request_id)
+        outs = await self.run_to_end(jobs, body, request_id)
         want = body.logprobs is not None
         return text_completion(rid, created, self.model_name, outs, body.n, logprobs if want else None)
 

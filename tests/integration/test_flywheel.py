@@ -9,7 +9,8 @@ the API key appears nowhere in S3 or MLflow.
 
 The tiny target is a random network: a drafter learns it only by memorising its answers, so the
 traffic repeats a few prompts per domain (the held-out rows are repeats of trained prompts). Greedy
-decoding keeps the acceptance figures deterministic. Run under `flock /tmp/dspark-heavy.lock`.
+decoding keeps the acceptance figures deterministic. `make test` runs it in the group that shares one
+local stack (tests/conftest.py `local_stack`), after the storage, rollout and learning-curve tests.
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ import httpx
 import pytest
 import torch
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = [pytest.mark.integration]  # in `make test`, on the session stack of tests/conftest.py
 
 MODEL = "flywheel-tiny"
 EXPERIMENT = "flywheel-test"
@@ -38,47 +39,9 @@ ROOT = "s3://dspark/tests/flywheel"
 MATH = ["what is the sum of 12 and 30", "solve 7 + 5 and add the total", "how many is 3 times 4"]
 OLD_CODE = ["def f(x): return x * 2", "import list class value", "print the value of x"]
 NEW_CODE = ["water oil day people", "long down find call come", "made part look like him"]  # shifted "code"
-REPEATS = 3
+REPEATS = 3  # per prompt: the first two captured as training rows, the last held out
+HOLDOUT = 0.5
 MAX_TOKENS = 16
-
-
-# Its own stack ports (not conftest.LOCAL_STACK_PORTS): the module runs alone, beside other suites' stacks.
-FLYWHEEL_STACK_PORTS = {"DSPARK_S3_PORT": "8733", "DSPARK_MLFLOW_PORT": "5400", "DSPARK_RAY_PORT": "6779",
-                        "DSPARK_DASHBOARD_PORT": "8665"}
-
-
-@pytest.fixture(scope="module")
-def local_stack():
-    """conftest's local_stack on this module's ports."""
-    import shutil
-    import tempfile
-
-    from types import SimpleNamespace
-
-    from dspark.devstack import stack
-
-    state_dir = Path(tempfile.mkdtemp(prefix="dspark-flywheel-stack-"))
-    with pytest.MonkeyPatch.context() as patch:
-        for key, value in {**FLYWHEEL_STACK_PORTS, "DSPARK_STATE_DIR": str(state_dir)}.items():
-            patch.setenv(key, value)
-        cfg = stack.StackConfig.from_env()
-        try:
-            try:
-                env = stack.up(cfg, say=lambda msg: None)
-            except stack.StackError as err:  # `ray start` gives up when a loaded machine starves it: once more
-                if "timed out during startup" not in str(err):
-                    raise
-                stack.down(cfg, say=lambda msg: None)
-                env = stack.up(cfg, say=lambda msg: None)
-            for key, value in env.items():
-                if key != "RAY_ADDRESS":
-                    patch.setenv(key, value)
-            patch.delenv("RAY_ADDRESS", raising=False)
-            yield SimpleNamespace(state_dir=state_dir, env=env, ray_gcs_address=env["DSPARK_RAY_GCS_ADDRESS"])
-        finally:
-            stack.down(cfg, say=lambda msg: None)
-            shutil.rmtree(state_dir, ignore_errors=True)
-            shutil.rmtree(cfg.ray_temp_dir(), ignore_errors=True)
 
 
 def free_port() -> int:
@@ -138,10 +101,18 @@ def write_jsonl(path: Path, texts: list[str]) -> str:
     return str(path)
 
 
-def chat(client: httpx.Client, text: str, domain: str) -> httpx.Response:
+def chat(client: httpx.Client, text: str, domain: str, request_id: str | None = None) -> httpx.Response:
     return client.post("/v1/chat/completions", json={
         "messages": [{"role": "user", "content": text}], "max_tokens": MAX_TOKENS, "temperature": 0,
-        "metadata": {"domain": domain}})
+        "metadata": {"domain": domain}}, headers={"x-request-id": request_id} if request_id else None)
+
+
+def request_id_in(split: str, base: str) -> str:
+    """An X-Request-Id whose captured row lands in `split` (the capture splits by a hash of the id):
+    the test fixes which repeats are trained on and which are held out instead of leaving it to chance."""
+    from dspark.flywheel.capture import split_of
+
+    return next(f"{base}-{k}" for k in range(1000) if split_of(f"{base}-{k}", HOLDOUT) == split)
 
 
 def wait_for(what: str, check, timeout_s: float = 90.0):
@@ -237,7 +208,7 @@ def test_flywheel_end_to_end(local_stack, tmp_path, caplog, monkeypatch):
         "http": {"port": port},
         "flywheel": {"output": f"{ROOT}/live", "summary_every_s": 1, "capture": {
             "enabled": True, "sample_rate": 1.0, "max_per_s": 100, "domains": ["math", "code"],
-            "holdout_fraction": 0.5, "shard_rows": 8, "flush_every_s": 1}},
+            "holdout_fraction": HOLDOUT, "shard_rows": 8, "flush_every_s": 1}},
         "ray": {"address": local_stack.ray_gcs_address}, "ready_timeout_s": 300})
     serve_path = tmp_path / "serve.yaml"
     serve_path.write_text(dump_config(serve_cfg))
@@ -247,9 +218,11 @@ def test_flywheel_end_to_end(local_stack, tmp_path, caplog, monkeypatch):
     try:
         with httpx.Client(base_url=url, headers=auth, timeout=120) as client:
             assert client.get("/v1/models").json()["data"][0]["drafter"] == f"models:/{MODEL}/{v1}"
-            sent = [(t, d) for _ in range(REPEATS) for d, texts in (("math", MATH), ("code", NEW_CODE)) for t in texts]
-            for text, domain in sent:
-                assert chat(client, text, domain).status_code == 200
+            sent = [(t, d, request_id_in("train" if r < REPEATS - 1 else "holdout", f"{d}{i}r{r}"))
+                    for r in range(REPEATS) for d, texts in (("math", MATH), ("code", NEW_CODE))
+                    for i, t in enumerate(texts)]
+            for text, domain, request_id in sent:
+                assert chat(client, text, domain, request_id).status_code == 200
         mark("serve + traffic")
 
         # ---- capture: every request exactly once; drift: code flagged, math not
@@ -257,7 +230,8 @@ def test_flywheel_end_to_end(local_stack, tmp_path, caplog, monkeypatch):
                             lambda: (t := read_captures(f"{ROOT}/live")).num_rows >= len(sent) and t)
         rows = captured.to_pylist()
         assert len(rows) == len(sent) and len({r["prompt_id"] for r in rows}) == len(sent)
-        assert sorted((r["messages"][0]["content"], r["domain"]) for r in rows) == sorted(sent)
+        assert sorted((r["messages"][0]["content"], r["domain"], r["prompt_id"]) for r in rows) == sorted(sent)
+        assert sum(r["split"] == "holdout" for r in rows) == len(sent) // REPEATS
         assert {r["drafter_version"] for r in rows} == {v1}
         wait_for("acceptance windows", lambda: sum(a.requests for a in drift_lib.read_windows(
             f"{ROOT}/live", 0, v1).values()) >= len(sent))

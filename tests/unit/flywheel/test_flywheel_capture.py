@@ -13,7 +13,7 @@ from dspark.drafters import DrafterConfig, build_drafter, save_drafter
 from dspark.decoding.engine import Engine
 from dspark.flywheel import domain
 from dspark.flywheel.acceptance import AcceptanceStats, DomainAcceptance, expected_accept_len
-from dspark.flywheel.capture import FlywheelWriter, read_captures, writer_dirs
+from dspark.flywheel.capture import FlywheelWriter, read_captures, split_of, writer_dirs
 from dspark.flywheel.config import CaptureConfig, FlywheelConfig
 from dspark.flywheel.observer import Flywheel
 from dspark.serve.app import make_app
@@ -95,7 +95,10 @@ def test_capture_stores_each_opted_in_request_once_and_never_the_api_key(tiny, t
             for i in range(6):  # opted in: math, by metadata or by the classifier
                 body = {"messages": [{"role": "user", "content": f"{MATH} {i}"}], "max_tokens": 12,
                         **({"metadata": {"domain": "math"}} if i % 2 else {})}
-                ids.append(client.post("/v1/chat/completions", json=body, headers=auth).json()["id"])
+                client_id = {"x-request-id": f"client-{i}"} if i < 3 else {}  # the client names its rows
+                answer = client.post("/v1/chat/completions", json=body, headers={**auth, **client_id})
+                assert answer.headers.get("x-request-id") == client_id.get("x-request-id")
+                ids.append(answer.json()["id"])
             for i in range(4):  # not opted in: code
                 body = {"messages": [{"role": "user", "content": CODE}], "max_tokens": 12, "user": "code"}
                 assert client.post("/v1/chat/completions", json=body, headers=auth).status_code == 200
@@ -111,6 +114,9 @@ def test_capture_stores_each_opted_in_request_once_and_never_the_api_key(tiny, t
     assert len(ids) == 6 and sorted(r["messages"][0]["content"] for r in rows) == [f"{MATH} {i}" for i in range(6)], \
         "every opted-in request exactly once, nothing else"
     assert len({r["prompt_id"] for r in rows}) == 6
+    assert ids[:3] == [f"chatcmpl-client-{i}" for i in range(3)]
+    named = {r["prompt_id"]: r["split"] for r in rows if r["prompt_id"].startswith("client-")}
+    assert named == {f"client-{i}": split_of(f"client-{i}", 0.3) for i in range(3)}  # the client's ids decide the split
     assert {r["domain"] for r in rows} == {"math"} and {r["source"] for r in rows} == {"capture"}
     assert {r["split"] for r in rows} <= {"train", "holdout"}
     for r in rows:

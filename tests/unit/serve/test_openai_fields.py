@@ -351,3 +351,20 @@ def test_n_choices_with_logprobs_are_lossless_over_http():
     totals = s.engine.stats()["totals"]
     assert 0 < totals["accepted"] < totals["verified"]  # drafts were both accepted and rejected
     assert chi2_pvalue(counts.sum(2), joint.sum(2)) > 1e-3 and chi2_pvalue(counts.sum(0), joint.sum(0)) > 1e-3
+
+
+def test_x_request_id_is_echoed_names_the_response_and_is_validated(served):
+    auth = {"authorization": "Bearer unused"}
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 4}
+    ok = served.http.post("/v1/chat/completions", json=body, headers={**auth, "X-Request-Id": "trace-7.a:b_c"})
+    assert ok.status_code == 200, ok.text
+    assert ok.headers["x-request-id"] == "trace-7.a:b_c" and ok.json()["id"] == "chatcmpl-trace-7.a:b_c"
+    streamed = served.http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2, "stream": True},
+                                headers={**auth, "X-Request-Id": "s1"})
+    assert streamed.status_code == 200 and streamed.headers["x-request-id"] == "s1" and '"cmpl-s1"' in streamed.text
+    for bad in ("has space", "x" * 129, "a/b"):
+        r = served.http.post("/v1/chat/completions", json=body, headers={**auth, "X-Request-Id": bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "x-request-id", r.text
+    plain = served.http.post("/v1/chat/completions", json=body, headers=auth)
+    assert "x-request-id" not in plain.headers and plain.json()["id"].startswith("chatcmpl-")
+

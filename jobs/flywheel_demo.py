@@ -6,7 +6,7 @@ plot of acceptance on a shifted domain. One driver over the other jobs' APIs, ag
         [--set original_rollouts=/work/learn-runs/cpu/rollouts-train] [--set state_dir=...]
 
 Steps (each skipped when its result is in <out>/state.json, so a stopped run resumes):
-  register   the drafter -> registered model `smollm2-flywheel`, alias `serving`
+  register   the drafter -> registered model `<target>-flywheel`, alias `serving`
   traffic    Ray Serve with capture on (domains math + json), `--requests` chat requests per domain at
              `--concurrency` users, greedy; `json` is the shifted domain (structured extraction, which the
              drafter's math/code/chat rollouts never showed it); each request's X-Request-Id fixes its
@@ -16,7 +16,7 @@ Steps (each skipped when its result is in <out>/state.json, so a stopped run res
              serving version (a separate process, as a user runs it)
   promote    jobs.promote: both versions decode the captured held-out prompts of each domain with the
              same seeds; the decision and τ per domain
-  plot       <results>/flywheel_smollm2.{json,png}: τ before/after per domain with the paired Δτ interval
+  plot       <results>/flywheel_<target>.{json,png}: τ before/after per domain with the paired Δτ interval
 """
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field
 
@@ -35,20 +36,21 @@ from dspark.config import StrictModel
 from jobs.common import load_job_config
 
 REPO = Path(__file__).resolve().parents[1]
-MODEL = "smollm2-flywheel"
-EXPERIMENT = "dspark-flywheel-smollm2"
-ROOT = "s3://dspark/flywheel-smollm2"
+EXPERIMENT = "dspark-flywheel-demo"
 NAMES = ["Maria", "Kenji", "Amara", "Lukas", "Sofia", "Omar", "Priya", "Jonas", "Elena", "Tariq", "Chloe", "Mateo"]
 JOBS = ["nurse", "carpenter", "teacher", "pilot", "chemist", "baker", "lawyer", "farmer", "architect", "plumber"]
 CITIES = ["Lyon", "Osaka", "Lagos", "Graz", "Porto", "Cairo", "Pune", "Oslo", "Quito", "Perth", "Leeds", "Tunis"]
 
 
 class FlywheelDemoConfig(StrictModel):
+    target: Literal["smollm2-135m", "tiny"] = Field(
+        "smollm2-135m", description="configs/serve/<target>.yaml and configs/train/<target>-dspark.yaml are the "
+        "starting configs (tiny: a few minutes, to try the loop)")
     drafter: str = Field(description="local drafter dir to start from (registered as version 1, alias serving)")
     original_rollouts: str = Field(description="the drafter's training rollouts (rollout-store dir or s3://), mixed "
                                                "with the captured traffic")
     state_dir: str = Field(".dspark/flywheel-demo", description="state.json of the finished steps (a rerun resumes)")
-    results: str = Field("benchmarks/results/flywheel", description="where flywheel_smollm2.{json,png} go")
+    results: str = Field("benchmarks/results/flywheel", description="where flywheel_<target>.{json,png} go")
     requests: int = Field(48, ge=4, description="chat requests per domain")
     holdout: float = Field(0.25, gt=0, lt=1, description="share of each domain's requests held out for the evaluation")
     concurrency: int = Field(8, ge=1, description="users sending requests at once")
@@ -58,8 +60,18 @@ class FlywheelDemoConfig(StrictModel):
     port: int = Field(8011, description="the endpoint's HTTP port on 127.0.0.1")
 
 
+def model_of(args) -> str:
+    """The registered model the demo creates (alias `serving`: what the endpoint serves; `candidate`)."""
+    return f"{args.target}-flywheel"
+
+
+def root_of(args) -> str:
+    """Where captures, the retraining set, checkpoints and evaluations go."""
+    return f"s3://dspark/flywheel-demo/{args.target}"
+
+
 def log(msg: str) -> None:
-    print(f"[flywheel_smollm2 {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+    print(f"[flywheel_demo {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
 def json_prompts(n: int, seed: int) -> list[str]:
@@ -88,9 +100,9 @@ def register(args, state: dict) -> dict:
 
     run_id = tracking.start_run(EXPERIMENT, "first-drafter")
     tracking.log_artifact(args.drafter, "drafter")
-    version = registry.register_model_version(run_id, MODEL, "drafter", ["serving"])
+    version = registry.register_model_version(run_id, model_of(args), "drafter", ["serving"])
     tracking.end_run()
-    log(f"registered {args.drafter} as models:/{MODEL}/{version} @serving")
+    log(f"registered {args.drafter} as models:/{model_of(args)}/{version} @serving")
     return {"v1": version}
 
 
@@ -99,9 +111,9 @@ def serve_config(args):
     from jobs.serve import ServeJobConfig
 
 
-    return load_config(ServeJobConfig, REPO / "configs" / "serve" / "smollm2-135m.yaml", [
-        f"model.drafter=models:/{MODEL}@serving", "engine.scheduler.mode=fixed", "engine.max_batch=16",
-        "api.api_key_env=DSPARK_FLYWHEEL_KEY", f"flywheel.output={ROOT}/live", "flywheel.summary_every_s=5",
+    return load_config(ServeJobConfig, REPO / "configs" / "serve" / f"{args.target}.yaml", [
+        f"model.drafter=models:/{model_of(args)}@serving", "engine.scheduler.mode=fixed", "engine.max_batch=16",
+        "api.api_key_env=DSPARK_FLYWHEEL_KEY", f"flywheel.output={root_of(args)}/live", "flywheel.summary_every_s=5",
         "flywheel.capture={enabled: true, sample_rate: 1.0, max_per_s: 100, domains: [math, json], "
         f"holdout_fraction: {args.holdout}, shard_rows: 16, flush_every_s: 2}}",
         f"http.port={args.port}", "ready_timeout_s=900"], read_text=None)
@@ -141,7 +153,7 @@ def traffic(args, state: dict) -> dict:
             answers = list(pool.map(ask, sent))
         log(f"{len(sent)} requests answered in {time.time() - t0:.0f} s")
         deadline = time.time() + 300
-        while read_captures(f"{ROOT}/live").num_rows < len(sent) and time.time() < deadline:
+        while read_captures(f"{root_of(args)}/live").num_rows < len(sent) and time.time() < deadline:
             time.sleep(2)
         with httpx.Client(base_url=url, headers=auth, timeout=60) as client:
             served = client.get("/v1/stats").json().get("acceptance_by_domain", {})
@@ -158,15 +170,15 @@ def retrain(args, state: dict) -> dict:
     from dspark.io import registry
 
     data = retrain_data.run(retrain_data.RetrainDataConfig(
-        flywheel_output=f"{ROOT}/live", original_rollouts=args.original_rollouts, capture_fraction=0.5,
-        output=f"{ROOT}/retrain", tracking={"experiment": EXPERIMENT}))
+        flywheel_output=f"{root_of(args)}/live", original_rollouts=args.original_rollouts, capture_fraction=0.5,
+        output=f"{root_of(args)}/retrain", tracking={"experiment": EXPERIMENT}))
     log(f"retraining set: {json.dumps({k: data[k] for k in ('captured_rows', 'original_rows', 'captured_by_domain')})}")
-    overrides = [f"init_from=models:/{MODEL}@serving", f"data.rollouts={ROOT}/retrain",
+    overrides = [f"init_from=models:/{model_of(args)}@serving", f"data.rollouts={root_of(args)}/retrain",
                  f"optim.max_steps={args.steps}", f"optim.lr={args.lr}", "optim.warmup_ratio=0.05",
                  "drafter.anchors_per_seq=32", "run_name=flywheel-smollm2-retrain",
-                 f"checkpoint.storage_path={ROOT}/checkpoints", f"checkpoint.every_steps={args.steps}",
-                 f"tracking.experiment={EXPERIMENT}", f"tracking.registered_model={MODEL}", "tracking.alias=candidate"]
-    cmd = [sys.executable, "-m", "jobs.train", "--config", "configs/train/smollm2-135m-dspark.yaml"]
+                 f"checkpoint.storage_path={root_of(args)}/checkpoints", f"checkpoint.every_steps={args.steps}",
+                 f"tracking.experiment={EXPERIMENT}", f"tracking.registered_model={model_of(args)}", "tracking.alias=candidate"]
+    cmd = [sys.executable, "-m", "jobs.train", "--config", f"configs/train/{args.target}-dspark.yaml"]
     for o in overrides:
         cmd += ["--set", o]
     t0 = time.time()
@@ -176,7 +188,7 @@ def retrain(args, state: dict) -> dict:
     summary = json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])
     log(f"retrained in {time.time() - t0:.0f} s: {summary.get('registered_model')}")
     return {"retrain_data": {k: data[k] for k in ("captured_rows", "original_rows", "captured_by_domain")},
-            "train_s": time.time() - t0, "v2": registry.version_of(MODEL, "candidate"),
+            "train_s": time.time() - t0, "v2": registry.version_of(model_of(args), "candidate"),
             "train_metrics": summary.get("metrics")}
 
 
@@ -184,12 +196,12 @@ def judge(args, state: dict) -> dict:
     from jobs import promote
 
     decode = {"greedy": True, "max_new_tokens": args.max_tokens}
-    base = {"target": "smollm2-135m", "benchmark_dir": None, "decode": decode, "workers": {"num_workers": 0},
-            "heldout": f"{ROOT}/retrain/heldout"}
+    base = {"target": args.target, "benchmark_dir": None, "decode": decode, "workers": {"num_workers": 0},
+            "heldout": f"{root_of(args)}/retrain/heldout"}
     result = promote.run(promote.PromoteConfig.model_validate({
-        "model": MODEL, "candidate": f"models:/{MODEL}/{state['v2']}", "tolerance": 0.1,
+        "model": model_of(args), "candidate": f"models:/{model_of(args)}/{state['v2']}", "tolerance": 0.1,
         "drifted_domains": ["json"], "tracking": {"experiment": EXPERIMENT},
-        "eval": {**base, "output": f"{ROOT}/eval-v{state['v2']}"}}))
+        "eval": {**base, "output": f"{root_of(args)}/eval-v{state['v2']}"}}))
     log(f"decision: {json.dumps(result['decision'])}")
     return {"decision": result["decision"], "tau": result["tau"]}
 
@@ -213,17 +225,17 @@ def plot(args, state: dict) -> dict:
                     ha="center", va="bottom", fontsize=8)
     ax.set_xticks(list(xs), [f"{d}{' (shifted)' if d == 'json' else ''}" for d in domains])
     ax.set_ylabel("τ on held-out traffic (greedy)")
-    ax.set_title("smollm2-135m drafter before / after retraining on its own traffic", fontsize=9)
+    ax.set_title(f"{args.target} drafter before / after retraining on its own traffic", fontsize=9)
     ax.set_ylim(1.0, max(before + after) * 1.25)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(out / "flywheel_smollm2.png", dpi=120)
-    report = {"benchmark": "flywheel_smollm2", "target": "smollm2-135m", "drafter": args.drafter,
+    fig.savefig(out / f"flywheel_{args.target}.png", dpi=120)
+    report = {"benchmark": "flywheel_demo", "target": args.target, "drafter": args.drafter,
               "command": "python -m jobs.flywheel_demo " + " ".join(sys.argv[1:]), "config": args.model_dump(),
               **{k: state[k] for k in ("v1", "v2", "requests", "traffic_s", "served_acceptance", "retrain_data", "train_s",
                                        "train_metrics", "decision", "tau")}}
-    (out / "flywheel_smollm2.json").write_text(json.dumps(report, indent=1))
-    log(f"wrote {out / 'flywheel_smollm2.json'} and .png")
+    (out / f"flywheel_{args.target}.json").write_text(json.dumps(report, indent=1))
+    log(f"wrote {out / f'flywheel_{args.target}.json'} and .png")
     return {"plotted": True}
 
 

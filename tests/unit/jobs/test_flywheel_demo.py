@@ -20,4 +20,4 @@ def test_the_deployed_config_captures_both_domains_with_the_demo_holdout():
     serve = serve_config(cfg)
     capture = serve.flywheel.capture
     assert capture.enabled and set(capture.domains) == {"math", "json"} and capture.holdout_fraction == cfg.holdout
-    assert serve.model.drafter == "models:/smollm2-flywheel@serving" and serve.engine.scheduler.mode == "fixed"
+    assert serve.model.drafter == "models:/smollm2-135m-flywheel@serving" and serve.engine.scheduler.mode == "fixed"

@@ -115,20 +115,20 @@ def train_loop_per_worker(loop_config: dict) -> None:
                                   "restarts": float(session.restarts)}, force=True)
     shard = ray.train.get_dataset_shard("train")
 
-    kept: list[dict] = []  # this worker's first epoch, when replay_in_memory says the rows fit
+    kept: list[dict] = []  # this worker's shard, read once, when replays_in_memory says the rows fit
 
     def epoch_batches(epoch: int):
         seed = micro_seed(cfg.optim.seed, session.rank, epoch, 0)
-        if kept:
+        buffer = cfg.data.shuffle_buffer or None
+        if kept or replays_in_memory(cfg, plan):
+            if not kept:  # every epoch, the first included, is then a reshuffle of the kept rows
+                kept.extend(shard.iter_batches(batch_size=cfg.optim.micro_batch_size, batch_format="numpy",
+                                               drop_last=True))
             batches = reshuffled_epoch(kept, seed + 1)
         else:
-            buffer = cfg.data.shuffle_buffer or None
             batches = shard.iter_batches(batch_size=cfg.optim.micro_batch_size, batch_format="numpy",
                                          drop_last=True, local_shuffle_buffer_size=buffer,
                                          local_shuffle_seed=(cfg.optim.seed + epoch) if buffer else None)
-            if replays_in_memory(cfg, plan):
-                kept.extend(batches)
-                batches = kept
         # same rows, same batch count and size, grouped by length: deterministic per (seed, rank, epoch)
         return regroup_by_length(batches, cfg.data.bucket_window, seed)
 

@@ -67,14 +67,16 @@ def bucketed_batches(order: Sequence[int], lengths: Sequence[int], batch_size: i
 
 
 def reshuffled_epoch(batches: Sequence[dict], seed: int) -> list[dict]:
-    """The rows of equal-size column batches (one epoch kept in memory) in a new random order, re-cut
-    into batches of the same size: the next epoch of a worker that replays its shard instead of
-    reading it again. Same rows, same batch count and size; depends only on the input and the seed."""
+    """The rows of equal-size column batches (a worker's shard kept in memory) in a random order drawn
+    from `seed`, re-cut into batches of the same size: an epoch of a worker that replays its shard
+    instead of reading it again. Same rows, same batch count and size; the order depends only on the
+    set of rows and the seed (rows are put in a canonical order first), not on the order they came in,
+    so a resumed run replays an epoch exactly as the run it resumes."""
     if not batches:
         return []
     size = len(batches[0]["input_ids"])
     rows = {k: [x for b in batches for x in b[k]] for k in batches[0]}
-    order = list(range(len(rows["input_ids"])))
+    order = sorted(range(len(rows["input_ids"])), key=lambda i: np.asarray(rows["input_ids"][i]).tobytes())
     random.Random(seed).shuffle(order)
     return [{k: _take(col, order[i:i + size]) for k, col in rows.items()} for i in range(0, len(order), size)]
 

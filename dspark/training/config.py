@@ -25,9 +25,10 @@ class DataSection(StrictModel):
                                "same size, in a shuffled order, so padding stays a few percent (0/1 = off)")
     replay_in_memory_mb: int = Field(
         512, ge=0, description="when the training rows take at most this many MB (rows x max_seq_len x 16 bytes, "
-        "an upper bound), each worker keeps its shard of the first epoch in memory and replays it, reshuffled, "
-        "in later epochs instead of re-reading the rollouts (Ray Data re-runs the read and split every epoch: "
-        "seconds each, most of a small run). A worker then keeps the same rows every epoch. 0 = always re-read")
+        "an upper bound) and the run has more than one epoch, each worker reads its shard once, keeps it in memory "
+        "and trains every epoch on a seeded reshuffle of it, instead of re-reading the rollouts (Ray Data re-runs "
+        "the read and split every epoch: seconds each, most of a small run). A worker then keeps the same rows "
+        "every epoch. 0 = always re-read")
 
 
 class OptimSection(StrictModel):

@@ -57,8 +57,10 @@ def test_reshuffled_epoch_keeps_rows_and_batch_sizes_in_a_new_order():
     assert key(out) == key(kept)  # the same rows, each once
     assert [len(x) for b in out for x in b["input_ids"]] != [len(x) for b in kept for x in b["input_ids"]]
     assert all((a == m).all() for b in out for a, m in zip(b["input_ids"], b["loss_mask"]))  # columns stay paired
-    again = reshuffled_epoch(kept, seed=1)
-    assert [list(x) for b in again for x in b["input_ids"]] == [list(x) for b in out for x in b["input_ids"]]
+    flat = lambda bs: [list(x) for b in bs for x in b["input_ids"]]  # noqa: E731
+    assert flat(reshuffled_epoch(kept, seed=1)) == flat(out)
+    assert flat(reshuffled_epoch(kept[::-1], seed=1)) == flat(out), "the order depends on the rows, not their order"
+    assert flat(reshuffled_epoch(kept, seed=2)) != flat(out)
     assert reshuffled_epoch([], seed=0) == []
 
 

@@ -143,7 +143,11 @@ def epoch_entry(folder: Path) -> dict:
     """One drafter of the epochs series: passes over the largest point's rows -> expected τ."""
     train = json.loads((folder / "train.json").read_text())
     est = json.loads((folder / "estimate.json").read_text()).get("alpha", {}) if (folder / "estimate.json").exists() else {}
-    return {"epochs": train["epochs"], "lr": train.get("lr"), "init_from": train.get("init_from"),
+    before = 0  # passes the drafter it continued had already made
+    if train.get("init_from"):
+        before = json.loads((folder.parents[2] / train["init_from"] / "dspark" / "train.json").read_text())["epochs"]
+    return {"epochs": train["epochs"], "total_epochs": before + train["epochs"], "lr": train.get("lr"),
+            "init_from": train.get("init_from"),
             "rollout_tokens": train["rollout_tokens"], "steps": train["steps"],
             "trained_tokens": train["trained_tokens"], "wall_s": train["wall_s"], "tokens_per_s": train["tokens_per_s"],
             "expected_tau": est.get("expected_tau"), "expected_tau_ci95": est.get("expected_tau_ci95"),

@@ -63,3 +63,12 @@ def test_phases_resume_and_report(tmp_path):
     greedy = report["decode"]["by_temperature"]["t0"]
     assert {"target", "dspark", "dspark_g3", "dspark_thr"} <= set(greedy)
     assert all(greedy[m]["tau"] >= 1.0 for m in greedy if m != "target")
+
+    # continuing a saved drafter with another peak learning rate: its own folder, the passes add up
+    run("epochs", out, "--epochs", "1", "--init-from", "e02", "--lr", "5e-4")
+    cont = out / "epochs" / "e01-lr0.0005-from-e02" / "dspark"
+    trained = json.loads((cont / "train.json").read_text())
+    assert trained["init_from"] == "epochs/e02" and trained["lr"] == 5e-4 and trained["epochs"] == 1
+    from recipes.learning_curve.report import epoch_entry
+
+    assert epoch_entry(cont)["total_epochs"] == 3 and (cont / "estimate.json").exists()

@@ -122,7 +122,13 @@ def cmd_decode(args, prof: dict) -> None:
         if path is not None and path not in drafters:
             drafters[path] = load_drafter(str(path), target)
         drafter = None if path is None else drafters[path]
-        engines[mode] = Engine(target, drafter, EngineConfig(scheduler=SchedulerConfig(**sched), max_batch=1, seed=0))
+        # seeded_sampling "stream": a seeded request draws from its own generator with the rejection rule,
+        # whose acceptance is Σ min(p, q) — what the estimator predicts and what unseeded serving gets. The
+        # engine's default ("keyed", batch-independent outputs) couples draft and target by Gumbel-max and
+        # accepts only P(draft == target sample): far less for a weak drafter (up to the 2026-12-02 re-run,
+        # every decode here measured that coupling).
+        engines[mode] = Engine(target, drafter, EngineConfig(scheduler=SchedulerConfig(**sched), max_batch=1, seed=0,
+                                                             seeded_sampling="stream"))
     dest = out / "decode" / "results.jsonl"
     dest.parent.mkdir(parents=True, exist_ok=True)
     done = {(r["benchmark"], r["index"], r["mode"], r.get("temperature", 1.0))
@@ -141,7 +147,8 @@ def cmd_decode(args, prof: dict) -> None:
                 st = req.stats
                 rec = {"benchmark": bench, "index": index, "mode": mode, "temperature": temperature,
                        "tokens": len(req.tokens), "wall_s": wall, "rounds": st.rounds, "accepted": st.accepted,
-                       "proposed": st.proposed, "finish_reason": req.finish_reason, "error": req.error}
+                       "proposed": st.proposed, "finish_reason": req.finish_reason, "error": req.error,
+                       "coupling": "rejection"}
                 with dest.open("a") as fh:
                     fh.write(json.dumps(rec) + "\n")
                 log(f"decode {bench}[{index}] t={temperature:g} {mode}: {rec['tokens']} tokens in {wall:.1f} s"

@@ -140,9 +140,13 @@ def read_rollouts(cfg: TrainJobConfig, files: list[str]):
     return ds.filter(expr=col("split") == cfg.data.split).select_columns(["input_ids", "loss_mask"])
 
 
-def build_draft_vocab(cfg: TrainJobConfig, files: list[str]) -> DraftVocabPlan:
+def build_draft_vocab(cfg: TrainJobConfig, files: list[str], init_from: str | None = None) -> DraftVocabPlan:
     """With drafter.draft_vocab_size = N: the N most frequent supervised (loss_mask = 1) tokens of the
-    training rollouts, as ascending target ids for the workers' build_drafter (Eagle3's d2t/t2d)."""
+    training rollouts, as ascending target ids for the workers' build_drafter (Eagle3's d2t/t2d). A run
+    that retrains a drafter (init_from) keeps that drafter's vocabulary: its LM head rows are those ids;
+    how much of the new rollouts it covers is printed."""
+    from dspark.drafters.draft_vocab import coverage
+
     size = cfg.drafter.draft_vocab_size
     if size is None:
         return DraftVocabPlan()
@@ -153,9 +157,25 @@ def build_draft_vocab(cfg: TrainJobConfig, files: list[str]) -> DraftVocabPlan:
     except ValueError as err:
         raise ConfigError(f"cannot build the draft vocabulary (drafter.draft_vocab_size={size}) from rollouts "
                           f"{cfg.data.rollouts!r}: {err}") from None
+    kept = init_draft_ids(init_from)
+    if kept is not None:
+        vocab = DraftVocabPlan(tuple(kept.tolist()), coverage(counts, kept))
+        print(f"[train] draft vocabulary of {init_from} kept ({size} tokens): it covers {vocab.coverage:.1%} of the "
+              f"{int(counts.sum())} supervised rollout tokens", file=sys.stderr)
+        return vocab
     print(f"[train] draft vocabulary: {size} tokens cover {vocab.coverage:.1%} of the {int(counts.sum())} "
           f"supervised rollout tokens", file=sys.stderr)
     return vocab
+
+
+def init_draft_ids(init_from: str | None):
+    """The draft vocabulary of the init_from checkpoint (None without one, or when it drafts the full vocabulary)."""
+    if not init_from:
+        return None
+    from dspark.drafters.checkpoint import saved_draft_ids
+    from dspark.io.drafter_source import local_dir
+
+    return saved_draft_ids(local_dir(init_from))
 
 
 @dataclass(frozen=True)
@@ -166,7 +186,7 @@ class AlreadyComplete:
     mlflow_run_id: str | None
 
 
-def prepare_run(cfg: TrainJobConfig) -> TrainPlan | AlreadyComplete:
+def prepare_run(cfg: TrainJobConfig, init_from: str | None = None) -> TrainPlan | AlreadyComplete:
     """Every check that can fail before training; returns the plan handed to the workers."""
     from dspark.io import storage, tracking
 
@@ -181,7 +201,7 @@ def prepare_run(cfg: TrainJobConfig) -> TrainPlan | AlreadyComplete:
     check_target_spec(cfg.target)
     files, num_rows = check_rollouts(cfg.data.rollouts, cfg.data.split)
     total_steps, steps_per_epoch = training_steps(cfg, num_rows)
-    vocab = build_draft_vocab(cfg, files)
+    vocab = build_draft_vocab(cfg, files, init_from)
     record = run_dir.read_record()
     if record:
         check_resume_matches(record, cfg)
@@ -253,7 +273,7 @@ def run(cfg: TrainJobConfig) -> dict:
     from dspark.io import tracking
 
     cfg, init_from = resolve_init_from(cfg)
-    plan = prepare_run(cfg)
+    plan = prepare_run(cfg, init_from)
     if isinstance(plan, AlreadyComplete):
         print(f"[train] run {cfg.run_name!r} already completed {plan.total_steps} steps: nothing to do "
               f"(raise optim.max_steps or optim.epochs to continue it)", file=sys.stderr)

@@ -70,6 +70,20 @@ def read_checkpoint_config(local_dir: str) -> dict:
     return data
 
 
+def saved_draft_ids(local_dir: str) -> torch.Tensor | None:
+    """The draft vocabulary (ascending target ids) a checkpoint was trained with, from its d2t/t2d maps;
+    None when it drafts over the full vocabulary."""
+    from safetensors import safe_open
+
+    from dspark.drafters.draft_vocab import check_maps
+
+    _require_local(local_dir, "saved_draft_ids", "load_drafter_ref")
+    with safe_open(os.path.join(local_dir, WEIGHTS_FILE), framework="pt") as f:
+        if "d2t" not in f.keys():
+            return None
+        return check_maps(f.get_tensor("d2t"), f.get_tensor("t2d"))
+
+
 def check_target(meta: dict, target, source: str, check_name: bool = True) -> None:
     """Fail with one clear line when `target` is not the model the drafter was trained against."""
     problems = []

@@ -93,12 +93,10 @@ def check_resume_matches(record: dict, cfg: TrainJobConfig) -> None:
 
 def init_from_checkpoint(cfg: TrainJobConfig, saved: dict, pinned: str) -> TrainJobConfig:
     """`cfg` retraining the drafter saved with config `saved` (from `pinned`): its architecture is the
-    checkpoint's; drafter fields set explicitly in the config must agree with it; training-only fields
-    (losses, anchors, ...) stay the config's."""
+    checkpoint's (its draft vocabulary included: jobs.train keeps the checkpoint's ids); drafter fields set
+    explicitly in the config must agree with it; training-only fields (losses, anchors, ...) stay the config's."""
     from dspark.drafters import DrafterConfig
 
-    if saved.get("draft_vocab_size") is not None:
-        raise ConfigError(f"init_from {pinned}: drafters with a draft vocabulary cannot be retrained yet")
     mine = config_to_dict(cfg.drafter)
     clash = sorted(k for k in cfg.drafter.model_fields_set - TRAINING_ONLY_FIELDS
                    if saved.get(k) is not None and mine.get(k) is not None and saved[k] != mine[k])

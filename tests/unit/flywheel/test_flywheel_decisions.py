@@ -107,6 +107,40 @@ def test_init_from_takes_the_checkpoints_architecture_and_refuses_clashes(tmp_pa
     assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), source.state_dict().values()))
 
 
+def test_init_from_a_draft_vocabulary_drafter_keeps_its_vocabulary(tmp_path):
+    """Every smollm2 config drafts over an 8k subset: retraining one must keep the checkpoint's ids (its
+    LM head rows), not a vocabulary rebuilt from the new rollouts."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from dspark.drafters import DrafterConfig, build_drafter, save_drafter
+    from dspark.models.target import load_target
+    from dspark.training.config import TrainJobConfig
+    from dspark.training.session import load_initial_weights
+    from jobs.train import build_draft_vocab, resolve_init_from
+
+    target = load_target("tiny")
+    ids = torch.arange(3, 3 + 2 * 24, 2)  # 24 ids the new rollouts below barely use
+    torch.manual_seed(2)
+    source = build_drafter(DrafterConfig(algo="dspark", block_size=4, num_layers=1, rank=16, draft_vocab_size=24),
+                           target, draft_ids=ids)
+    save_drafter(source, str(tmp_path / "d"))
+    rollouts = tmp_path / "r" / "part-00000.parquet"
+    rollouts.parent.mkdir()
+    pq.write_table(pa.table({"input_ids": [[1, 2, 3, 4, 5, 6]] * 4, "loss_mask": [[0, 0, 1, 1, 1, 1]] * 4,
+                             "split": ["train"] * 4}), rollouts)
+    cfg, pinned = resolve_init_from(TrainJobConfig.model_validate({
+        "run_name": "r", "data": {"rollouts": str(rollouts.parent)}, "init_from": str(tmp_path / "d"),
+        "scaling": {"num_workers": 1}, "optim": {"micro_batch_size": 4, "global_batch_size": 4}}))
+    assert cfg.drafter.draft_vocab_size == 24
+    vocab = build_draft_vocab(cfg, [str(rollouts)], pinned)
+    assert vocab.draft_ids == tuple(ids.tolist()) and vocab.coverage == pytest.approx(0.5)  # ids 3 and 5 of 4..6
+    fresh = build_drafter(cfg.drafter, target, draft_ids=vocab.ids())
+    load_initial_weights(fresh, str(tmp_path / "d"), target)
+    assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), source.state_dict().values()))
+    assert build_draft_vocab(cfg, [str(rollouts)]).draft_ids != vocab.draft_ids  # without init_from: rebuilt
+
+
 def test_wait_serving_polls_the_model_cards_until_every_one_names_the_drafter(monkeypatch):
     from jobs.promote import wait_serving
     from tests.http_stub import http_stub

@@ -83,9 +83,10 @@ def json_prompts(n: int, seed: int) -> list[str]:
 
 
 def math_prompts(n: int) -> list[str]:
-    """The drafter's own domain: data/train math prompts (decontaminated against data/eval)."""
+    """The drafter's own domain: the last n data/train math prompts (disjoint from data/eval; the
+    learning-curve rollouts the committed drafter was trained on answered them too)."""
     rows = [json.loads(line) for line in (REPO / "data" / "train" / "math.jsonl").read_text().splitlines()]
-    return [r["turns"][0] for r in rows[-n:]]  # the last ones: rollouts took the first prompts first
+    return [r["turns"][0] for r in rows[-n:]]
 
 
 def request_id_in(split: str, base: str, holdout: float) -> str:

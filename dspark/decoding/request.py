@@ -121,7 +121,8 @@ class StepReport:
     emitted: int = 0
     finished: int = 0
     failed: int = 0
-    draft_s: float = 0.0  # drafter time: the context catch-up and propose_batch (what the draft gate weighs)
+    draft_s: float = 0.0  # drafter time: the context catch-up and propose_batch
+    gate_draft_s: float = 0.0  # what the draft gate weighs: draft_s less the catch-up backlog of skipped steps
     verify_s: float = 0.0
     step_s: float = 0.0
     catch_up_tokens: int = 0  # verified positions the drafter context read this step (lazy catch-up)

@@ -391,6 +391,9 @@ def test_skipped_steps_do_no_drafter_work_and_the_context_catches_up_before_draf
     assert verified == [engine.kv.lengths[r.slot] for r in reqs]
     report = engine.step()  # step 6 drafts: catch-up first
     assert report.drafted and calls == [verified] and report.catch_up_tokens == sum(verified)  # one pass
+    # the gate is charged the propose pass plus ~one position per row of that catch-up, not the backlog
+    assert 0 < report.gate_draft_s < report.draft_s and engine._steady_share(2, sum(verified)) == 2 / sum(verified)
+    assert engine._steady_share(2, 1) == 1.0 and engine._steady_share(2, 0) == 1.0
     for p, r, n in zip(prompts, reqs, verified):
         ids = torch.tensor([(p + r.tokens)[:n]])
         eager = drafter.new_state()

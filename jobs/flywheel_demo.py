@@ -89,12 +89,6 @@ def math_prompts(n: int) -> list[str]:
     return [r["turns"][0] for r in rows[-n:]]
 
 
-def request_id_in(split: str, base: str, holdout: float) -> str:
-    from dspark.flywheel.capture import split_of
-
-    return next(f"{base}-{k}" for k in range(1000) if split_of(f"{base}-{k}", holdout) == split)
-
-
 # ---------------------------------------------------------------- steps
 def register(args, state: dict) -> dict:
     from dspark.io import registry, tracking
@@ -126,7 +120,7 @@ def traffic(args, state: dict) -> dict:
 
     from jobs.serve import deploy
     from dspark.config import RayConfig
-    from dspark.flywheel.capture import read_captures
+    from dspark.flywheel.capture import read_captures, row_id_in
     from pipelines.ray_cluster import init_ray
 
     os.environ.setdefault("DSPARK_FLYWHEEL_KEY", "sk-flywheel-smollm2")
@@ -134,19 +128,19 @@ def traffic(args, state: dict) -> dict:
     init_ray(RayConfig())
     url, _ = deploy(cfg)
     n_hold = max(1, round(args.requests * args.holdout))
-    sent = [(text, domain, request_id_in("holdout" if i < n_hold else "train", f"{domain}{i}", args.holdout))
+    sent = [(text, domain, row_id_in("holdout" if i < n_hold else "train", f"{domain}{i}", args.holdout))
             for domain, texts in (("math", math_prompts(args.requests)), ("json", json_prompts(args.requests, 0)))
             for i, text in enumerate(texts)]
     auth = {"authorization": f"Bearer {os.environ['DSPARK_FLYWHEEL_KEY']}"}
+    client = httpx.Client(base_url=url, headers=auth, timeout=900)  # thread-safe: shared by the users
 
     def ask(item):
         text, domain, rid = item
-        with httpx.Client(base_url=url, headers=auth, timeout=900) as client:
-            r = client.post("/v1/chat/completions", headers={"x-request-id": rid}, json={
-                "messages": [{"role": "user", "content": text}], "max_tokens": args.max_tokens, "temperature": 0,
-                "metadata": {"domain": domain}})
-            r.raise_for_status()
-            return domain, r.json()["spec_decode"]
+        r = client.post("/v1/chat/completions", headers={"x-request-id": rid}, json={
+            "messages": [{"role": "user", "content": text}], "max_tokens": args.max_tokens, "temperature": 0,
+            "metadata": {"domain": domain}})
+        r.raise_for_status()
+        return domain, r.json()["spec_decode"]
 
     t0 = time.time()
     try:
@@ -156,9 +150,9 @@ def traffic(args, state: dict) -> dict:
         deadline = time.time() + 300
         while read_captures(f"{root_of(args)}/live").num_rows < len(sent) and time.time() < deadline:
             time.sleep(2)
-        with httpx.Client(base_url=url, headers=auth, timeout=60) as client:
-            served = client.get("/v1/stats").json().get("acceptance_by_domain", {})
+        served = client.get("/v1/stats").json().get("acceptance_by_domain", {})
     finally:
+        client.close()
         serve.delete(cfg.deployment.name)
         serve.shutdown()
     log(f"served acceptance by domain: {json.dumps(served)}")

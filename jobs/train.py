@@ -141,41 +141,25 @@ def read_rollouts(cfg: TrainJobConfig, files: list[str]):
 
 
 def build_draft_vocab(cfg: TrainJobConfig, files: list[str], init_from: str | None = None) -> DraftVocabPlan:
-    """With drafter.draft_vocab_size = N: the N most frequent supervised (loss_mask = 1) tokens of the
-    training rollouts, as ascending target ids for the workers' build_drafter (Eagle3's d2t/t2d). A run
-    that retrains a drafter (init_from) keeps that drafter's vocabulary: its LM head rows are those ids;
-    how much of the new rollouts it covers is printed."""
-    from dspark.drafters.draft_vocab import coverage
+    """With drafter.draft_vocab_size = N: the N most frequent supervised (loss_mask = 1) rollout tokens, ascending
+    target ids for the workers' build_drafter (Eagle3's d2t/t2d); init_from keeps the drafter's own (its LM head)."""
+    from dspark.drafters.checkpoint import saved_draft_ids
+    from dspark.io.drafter_source import local_dir
 
     size = cfg.drafter.draft_vocab_size
     if size is None:
         return DraftVocabPlan()
+    kept = saved_draft_ids(local_dir(init_from)) if init_from else None
     fs, paths = parquet_paths(files)
     try:
         counts = count_parquet_frequencies(paths, None, cfg.data.split, filesystem=fs)
-        vocab = DraftVocabPlan.from_counts(counts, size, vocab_size=max(size, counts.numel()))
+        vocab = DraftVocabPlan.from_counts(counts, size, vocab_size=max(size, counts.numel()), kept=kept)
     except ValueError as err:
         raise ConfigError(f"cannot build the draft vocabulary (drafter.draft_vocab_size={size}) from rollouts "
                           f"{cfg.data.rollouts!r}: {err}") from None
-    kept = init_draft_ids(init_from)
-    if kept is not None:
-        vocab = DraftVocabPlan(tuple(kept.tolist()), coverage(counts, kept))
-        print(f"[train] draft vocabulary of {init_from} kept ({size} tokens): it covers {vocab.coverage:.1%} of the "
-              f"{int(counts.sum())} supervised rollout tokens", file=sys.stderr)
-        return vocab
-    print(f"[train] draft vocabulary: {size} tokens cover {vocab.coverage:.1%} of the {int(counts.sum())} "
-          f"supervised rollout tokens", file=sys.stderr)
+    print(f"[train] draft vocabulary{'' if kept is None else f' (kept from {init_from})'}: {size} tokens cover "
+          f"{vocab.coverage:.1%} of the {int(counts.sum())} supervised rollout tokens", file=sys.stderr)
     return vocab
-
-
-def init_draft_ids(init_from: str | None):
-    """The draft vocabulary of the init_from checkpoint (None without one, or when it drafts the full vocabulary)."""
-    if not init_from:
-        return None
-    from dspark.drafters.checkpoint import saved_draft_ids
-    from dspark.io.drafter_source import local_dir
-
-    return saved_draft_ids(local_dir(init_from))
 
 
 @dataclass(frozen=True)

@@ -115,17 +115,17 @@ def train_loop_per_worker(loop_config: dict) -> None:
                                   "restarts": float(session.restarts)}, force=True)
     shard = ray.train.get_dataset_shard("train")
 
-    kept: list[dict] = []  # this worker's shard, read once, when replays_in_memory says the rows fit
+    replay, kept = replays_in_memory(cfg, plan), []  # kept: this worker's shard, read once when replaying
 
     def epoch_batches(epoch: int):
         seed = micro_seed(cfg.optim.seed, session.rank, epoch, 0)
-        buffer = cfg.data.shuffle_buffer or None
-        if kept or replays_in_memory(cfg, plan):
-            if not kept:  # every epoch, the first included, is then a reshuffle of the kept rows
+        if replay:  # every epoch, the first included, is a reshuffle of the kept rows
+            if not kept:
                 kept.extend(shard.iter_batches(batch_size=cfg.optim.micro_batch_size, batch_format="numpy",
                                                drop_last=True))
             batches = reshuffled_epoch(kept, seed + 1)
         else:
+            buffer = cfg.data.shuffle_buffer or None
             batches = shard.iter_batches(batch_size=cfg.optim.micro_batch_size, batch_format="numpy",
                                          drop_last=True, local_shuffle_buffer_size=buffer,
                                          local_shuffle_seed=(cfg.optim.seed + epoch) if buffer else None)

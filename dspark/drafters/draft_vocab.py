@@ -35,11 +35,13 @@ class DraftVocabPlan:
     coverage: float | None = None  # share of the counted supervised tokens the subset can draft
 
     @classmethod
-    def from_counts(cls, counts: Tensor, size: int | None, vocab_size: int | None = None) -> "DraftVocabPlan":
-        """The `size` most frequent ids of `counts` (top_token_ids) and their coverage; size None = full."""
+    def from_counts(cls, counts: Tensor, size: int | None, vocab_size: int | None = None,
+                    kept: Tensor | None = None) -> "DraftVocabPlan":
+        """The `size` most frequent ids of `counts` (top_token_ids) and their coverage; size None = full.
+        kept: the ids of a drafter being retrained (its LM head rows), used instead, with their coverage."""
         if size is None:
             return cls()
-        ids = top_token_ids(counts, size, vocab_size=vocab_size)
+        ids = kept if kept is not None else top_token_ids(counts, size, vocab_size=vocab_size)
         return cls(tuple(ids.tolist()), coverage(counts, ids))  # (the module's coverage function)
 
     def ids(self) -> Tensor | None:

@@ -66,6 +66,12 @@ def split_of(row_id: str, holdout_fraction: float) -> str:
     return "holdout" if bucket < holdout_fraction else "train"
 
 
+def row_id_in(split: str, base: str, holdout_fraction: float) -> str:
+    """A row id (a client's X-Request-Id) starting with `base` that split_of puts in `split`: how a
+    client decides which side of the capture split its request lands on."""
+    return next(f"{base}-{k}" for k in range(1000) if split_of(f"{base}-{k}", holdout_fraction) == split)
+
+
 class RateLimit:
     """Token bucket: `rate` per second, burst of max(1, rate)."""
 

@@ -75,7 +75,7 @@ def reshuffled_epoch(batches: Sequence[dict], seed: int) -> list[dict]:
     if not batches:
         return []
     size = len(batches[0]["input_ids"])
-    rows = {k: [x for b in batches for x in b[k]] for k in batches[0]}
+    rows = _columns(batches)
     order = sorted(range(len(rows["input_ids"])), key=lambda i: np.asarray(rows["input_ids"][i]).tobytes())
     random.Random(seed).shuffle(order)
     return [{k: _take(col, order[i:i + size]) for k, col in rows.items()} for i in range(0, len(order), size)]
@@ -102,10 +102,15 @@ def _regroup(window: list[dict], rng: random.Random) -> list[dict]:
     sizes = {len(b["input_ids"]) for b in window}
     if len(sizes) != 1:  # only a drop_last=False tail can differ: keep such a window as it is
         return window
-    rows = {k: [x for b in window for x in b[k]] for k in window[0]}
+    rows = _columns(window)
     lengths = [len(x) for x in rows["input_ids"]]
     picks = bucket_window(list(range(len(lengths))), lengths, sizes.pop(), rng)
     return [{k: _take(col, pick) for k, col in rows.items()} for pick in picks]
+
+
+def _columns(batches: Sequence[dict]) -> dict[str, list]:
+    """Column batches -> one list per column, rows in batch order."""
+    return {k: [x for b in batches for x in b[k]] for k in batches[0]}
 
 
 def _take(column: list, pick: list[int]):

@@ -58,9 +58,9 @@ def train_one(target, prof: dict, cache, n_rows: int, algo: str, folder: Path, i
     torch.manual_seed(prof["seed"])
     drafter = build_drafter(cfg, target, draft_ids=ids)
     if init is not None:  # continue a saved drafter (same config and draft vocabulary) with a new schedule
-        from dspark.drafters import load_drafter
+        from dspark.training.session import load_initial_weights
 
-        drafter.load_state_dict(load_drafter(str(init / "drafter"), target).state_dict(), strict=True)
+        load_initial_weights(drafter, str(init / "drafter"), target)
     optim = OptimSection(lr=prof["lr"], warmup_ratio=0.04, schedule="cosine", grad_clip=1.0)
     trainer = LocalTrainer(algo, target, drafter, optim, precision="fp32")
     batch = min(prof["batch_size"], n_rows)
@@ -125,20 +125,21 @@ def cmd_baselines(args, prof: dict) -> None:
 def epochs_folder_name(epochs: int, prof: dict, args) -> str:
     """e<N>, + -lr<lr> when --lr changed the profile's learning rate, + -from-<folder> when the run
     continues an earlier epochs drafter (each a separate drafter)."""
-    name = f"e{epochs:02d}" + (f"-lr{prof['lr']:g}" if getattr(args, "lr", None) else "")
-    return name + (f"-from-{args.init_from}" if getattr(args, "init_from", None) else "")
+    name = f"e{epochs:02d}" + (f"-lr{prof['lr']:g}" if args.lr else "")
+    return name + (f"-from-{args.init_from}" if args.init_from else "")
 
 
 def cmd_epochs(args, prof: dict) -> None:
     """DSpark at the largest point trained for each of `--epochs` passes over the same rows (each its own
-    cosine schedule, from scratch), into epochs/e<N>/dspark, then its expected τ: what more passes over
-    the same data buy, beside what more data buys (the points)."""
+    cosine schedule, from scratch or, with --init-from, from a saved epochs drafter), into
+    epochs/<epochs_folder_name>/dspark, then its expected τ: what more passes over the same data buy,
+    beside what more data buys (the points)."""
     out = Path(args.out)
     target = load_target_of(prof)
     rows, cache = train_cache(target, prof, out)
     _, n = point_sizes(rows, wanted_sizes(rows, prof))[-1]
     init = None
-    if getattr(args, "init_from", None):
+    if args.init_from:
         init = out / "epochs" / args.init_from / "dspark"
         if not (init / "drafter" / "config.json").exists():
             raise SystemExit(f"--init-from {args.init_from}: no trained drafter at {init}")

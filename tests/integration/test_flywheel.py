@@ -107,14 +107,6 @@ def chat(client: httpx.Client, text: str, domain: str, request_id: str | None = 
         "metadata": {"domain": domain}}, headers={"x-request-id": request_id} if request_id else None)
 
 
-def request_id_in(split: str, base: str) -> str:
-    """An X-Request-Id whose captured row lands in `split` (the capture splits by a hash of the id):
-    the test fixes which repeats are trained on and which are held out instead of leaving it to chance."""
-    from dspark.flywheel.capture import split_of
-
-    return next(f"{base}-{k}" for k in range(1000) if split_of(f"{base}-{k}", HOLDOUT) == split)
-
-
 def wait_for(what: str, check, timeout_s: float = 90.0):
     deadline = time.time() + timeout_s
     while time.time() < deadline:
@@ -164,7 +156,7 @@ def test_flywheel_end_to_end(local_stack, tmp_path, caplog, monkeypatch):
 
     from dspark.config import RayConfig, dump_config
     from dspark.flywheel import drift as drift_lib
-    from dspark.flywheel.capture import read_captures
+    from dspark.flywheel.capture import read_captures, row_id_in
     from dspark.io import registry, storage
     from dspark.models.target import load_target
     from jobs import drift, promote, retrain_data
@@ -218,7 +210,7 @@ def test_flywheel_end_to_end(local_stack, tmp_path, caplog, monkeypatch):
     try:
         with httpx.Client(base_url=url, headers=auth, timeout=120) as client:
             assert client.get("/v1/models").json()["data"][0]["drafter"] == f"models:/{MODEL}/{v1}"
-            sent = [(t, d, request_id_in("train" if r < REPEATS - 1 else "holdout", f"{d}{i}r{r}"))
+            sent = [(t, d, row_id_in("train" if r < REPEATS - 1 else "holdout", f"{d}{i}r{r}", HOLDOUT))
                     for r in range(REPEATS) for d, texts in (("math", MATH), ("code", NEW_CODE))
                     for i, t in enumerate(texts)]
             for text, domain, request_id in sent:

@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 from dspark.config import load_config
-from dspark.flywheel.capture import split_of
-from jobs.flywheel_demo import REPO, FlywheelDemoConfig, json_prompts, math_prompts, request_id_in, serve_config
+from dspark.flywheel.capture import row_id_in, split_of
+from jobs.flywheel_demo import REPO, FlywheelDemoConfig, json_prompts, math_prompts, serve_config
 
 
 def test_traffic_is_deterministic_and_the_request_ids_fix_the_split():
@@ -11,7 +11,7 @@ def test_traffic_is_deterministic_and_the_request_ids_fix_the_split():
     assert all('"name", "age", "job" and "city"' in p for p in json_prompts(3, 0))
     assert len(math_prompts(4)) == 4 and all(isinstance(p, str) and p for p in math_prompts(4))
     for split in ("train", "holdout"):
-        rid = request_id_in(split, "json7", 0.25)
+        rid = row_id_in(split, "json7", 0.25)
         assert rid.startswith("json7-") and split_of(rid, 0.25) == split
 
 

@@ -37,6 +37,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--max-tokens", type=int, default=64, help="tokens per request")
     ap.add_argument("--prompt-len", type=int, default=48, help="tokens per prompt (from the eval prompts)")
     ap.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
+    ap.add_argument("--gamma", type=int, default=None, help="drafts proposed per round (default: the drafter's block size)")
     ap.add_argument("--sps-table", default=None, help='JSON {"B": steps/s} for dynamic (default: profile at start)')
     ap.add_argument("--out", default=None, help="write the JSON here too")
     return ap.parse_args(argv)
@@ -108,7 +109,7 @@ def main(argv=None) -> int:
         loads = {}
         for mode in modes:  # fresh engines per level: every mode starts the level from the same state
             cfg = EngineConfig(scheduler=SchedulerConfig(mode=mode, draft_gate=mode == "dynamic"),
-                               max_batch=c, max_waiting=4 * c, sps_table=sps or tables.get(mode))
+                               gamma=args.gamma, max_batch=c, max_waiting=4 * c, sps_table=sps or tables.get(mode))
             engine = Engine(target, None if mode == "off" else drafter, cfg)
             if engine.sps is not None:
                 tables[mode] = engine.sps.points
@@ -150,7 +151,7 @@ def write(args, modes: list[str], levels: list[int], tables: dict, results: list
                 skipped_ratio[str(c)] = by["dynamic"]["skipped_steps_tokens_per_s"] / off
     report = {"benchmark": "engine_ab", "target": args.target, "drafter": args.drafter, "modes": modes,
               "concurrency": levels, "steps": args.steps, "chunk": args.chunk, "max_tokens": args.max_tokens,
-              "prompt_len": args.prompt_len, "threads": args.threads,
+              "prompt_len": args.prompt_len, "gamma": args.gamma, "threads": args.threads,
               "sps_tables": {m: {str(b): v for b, v in t.items()} for m, t in tables.items()},
               "results": results, "dynamic_over_off": ratio, "dynamic_skipped_steps_over_off": skipped_ratio}
     if args.out:

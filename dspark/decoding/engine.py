@@ -65,7 +65,7 @@ from dspark.decoding.request import (EngineUnavailableError, Listener, QueueFull
                                      StepReport, TokenLogprob)
 from dspark.decoding.request_batch import RequestBatch
 from dspark.decoding.sampling import KeyedNoise, SamplingParams, accept_drafts, accept_keyed, sample, to_logprobs, to_probs
-from dspark.decoding.scheduler import DraftGate, PrefixScheduler, SPSTable
+from dspark.decoding.scheduler import DraftGate, PrefixScheduler, SPSTable, prefix_survival
 from dspark.decoding.specdec import _keep, drafter_layer_ids
 from dspark.decoding.sps_profile import engine_sps_table
 
@@ -190,8 +190,11 @@ class Engine(RequestBatch):
                 self._verify(report)
                 self._catch_up_overdue(report)
                 self._retire()
+            if self.gate is not None and report.rows:
+                self.gate.observe_verify(report.batch_tokens, report.verify_s, drafted)
             if drafted and self.gate is not None:
-                self.gate.observe(report.drafted_rows, report.gate_draft_s, report.verified, report.accepted)
+                self.gate.observe(report.drafted_rows, report.gate_draft_s, report.verified, report.accepted,
+                                  report.expected_accepted)
             report.drafted = drafted
         report.step_s = time.perf_counter() - t0
         self._account(report)
@@ -302,7 +305,7 @@ class Engine(RequestBatch):
                     self._fail(r, f"drafter context update failed: {err}", report)
         report.catch_up_tokens += sum(int(i.shape[0]) for r, _, i in todo if not r.finished)
 
-    def _schedule(self) -> list[int]:
+    def _schedule(self, report: StepReport) -> list[int]:
         """Verify lengths: the scheduler's over the requests holding drafts; 0 (a target-only row) for the
         rest (mode off, a step the gate skipped, the ones outside an exploration sample, a failed draft)."""
         lengths = [0] * len(self.active)
@@ -313,12 +316,15 @@ class Engine(RequestBatch):
         confidences = [p.confidences.tolist() if p.confidences is not None else None for p in proposals]
         for i, n in zip(drafted, self.scheduler.schedule(confidences, [int(p.tokens.shape[0]) for p in proposals])):
             lengths[i] = n
+        if all(c is not None for c in confidences):  # Σ a_{r,j} over the verified drafts (for the draft gate)
+            report.expected_accepted = sum(float(a[:lengths[i]].sum())
+                                           for i, a in zip(drafted, prefix_survival(confidences)))
         return lengths
 
     def _verify(self, report: StepReport) -> None:
         """Score [anchor, drafts[:ℓ]] of every active request in one forward; accept per request."""
         t0 = time.perf_counter()
-        lengths = self._schedule()
+        lengths = self._schedule(report)
         device = self.target.device
         rows = []
         for req, n in zip(self.active, lengths):

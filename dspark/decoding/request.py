@@ -118,6 +118,7 @@ class StepReport:
     proposed: int = 0
     verified: int = 0
     accepted: int = 0
+    expected_accepted: float | None = None  # Σ a_{r,j} (prefix survival of the confidences) over the verified drafts
     emitted: int = 0
     finished: int = 0
     failed: int = 0

@@ -257,6 +257,20 @@ class DraftGate:
 
         spec = N·(1 + a) / (N·d + 1/SPS(N·(1 + v)))        off = N / (1/SPS(N))
 
+    The accepted count of one round is a noisy sample (a round accepts 0 or several drafts): at
+    concurrency 1 a few unlucky rounds read as "drafting loses" and closed the gate on a drafter that
+    gains 1.08x. So a is estimated from the confidences instead when the engine passes them:
+    expected = Σ_{j≤ℓ_r} a_{r,j} of the verified drafts (the conditional mean of the accepted count,
+    far less noisy), times a calibration ratio (realized / expected over a long window, with a
+    one-token prior) that removes the head's bias from the estimate; without confidences, the
+    realized count.
+
+    The SPS table is profiled once, at start, with a few repeats; its error at the two operating
+    points decides a close call (at concurrency 1 on CPU it priced a 1-token step 20 % below what the
+    engine then measured). So both verify times are corrected by what the engine measures
+    (`observe_verify`): κ_off and κ_spec are running means of measured / table time of the steps that
+    skipped drafting and of those that drafted; the rule uses κ_spec·T(N(1+v)) and κ_off·T(N).
+
     Draft iff spec >= off, and at least every `interval` steps so the estimates track the load; the
     interval starts at `explore_every` and doubles (up to `max_explore_every`) after each exploration
     step while drafting keeps losing, so an unprofitable drafter costs ever less; a step that the rule
@@ -267,12 +281,24 @@ class DraftGate:
     an ordinary target-only step (the non-anticipation argument of the module docstring)."""
 
     def __init__(self, sps: SPSTable | Callable[[float], float], explore_every: int = 16, decay: float = 0.8,
-                 max_explore_every: int = 256, explore_rows: int = 4):
+                 max_explore_every: int = 256, explore_rows: int = 4, calibration_decay: float = 0.98):
         self.sps, self.explore_every, self.decay, self.max_explore_every = sps, explore_every, decay, max_explore_every
         self.interval, self.explore_rows, self.exploring = explore_every, explore_rows, False
         self.draft_s_per_req: float | None = None
-        self.verified_per_req = self.accepted_per_req = 0.0
+        self.verified_per_req = self.predicted_per_req = 0.0  # predicted: accepted per request before calibration
+        self.calibration_decay, self.realized_sum, self.expected_sum = calibration_decay, 0.0, 0.0
+        self.kappa = {False: 1.0, True: 1.0}  # measured / table verify time: of target-only steps, of drafting steps
+        self._kappa_seen = {False: False, True: False}
         self.skipped_in_a_row = 0
+
+    @property
+    def calibration(self) -> float:
+        """Realized / expected accepted drafts over the recent drafting steps (1 with no evidence)."""
+        return (self.realized_sum + 1.0) / (self.expected_sum + 1.0)
+
+    @property
+    def accepted_per_req(self) -> float:
+        return self.predicted_per_req * self.calibration
 
     def should_draft(self, n_active: int) -> bool:
         self.exploring = False
@@ -283,8 +309,9 @@ class DraftGate:
             self.exploring = True
             return self._decide(True)
         n = n_active
-        spec = n * (1 + self.accepted_per_req) / (n * self.draft_s_per_req + 1 / self.sps(n * (1 + self.verified_per_req)))
-        off = n * self.sps(n)
+        verify_spec = self.kappa[True] / self.sps(n * (1 + self.verified_per_req))
+        spec = n * (1 + self.accepted_per_req) / (n * self.draft_s_per_req + verify_spec)
+        off = n / (self.kappa[False] / self.sps(n))
         if spec >= off:
             self.interval = self.explore_every
         return self._decide(spec >= off)
@@ -293,15 +320,29 @@ class DraftGate:
         self.skipped_in_a_row = 0 if draft else self.skipped_in_a_row + 1
         return draft
 
-    def observe(self, n_requests: int, draft_s: float, verified: int, accepted: int) -> None:
-        """Fold in one drafting step (n_requests drafted and verified)."""
+    def observe_verify(self, batch_tokens: int, verify_s: float, drafted: bool) -> None:
+        """Fold in one step's measured verify time (every step: drafted or not) against the table's."""
+        if batch_tokens <= 0 or verify_s <= 0:
+            return
+        ratio = verify_s * self.sps(batch_tokens)
+        k = self.decay if self._kappa_seen[drafted] else 0.0
+        self.kappa[drafted], self._kappa_seen[drafted] = k * self.kappa[drafted] + (1 - k) * ratio, True
+
+    def observe(self, n_requests: int, draft_s: float, verified: int, accepted: int,
+                expected: float | None = None) -> None:
+        """Fold in one drafting step (n_requests drafted and verified; expected: Σ a_{r,j} over the
+        verified drafts, the confidences' prediction of `accepted`, None when there are none)."""
         if n_requests <= 0:
             return
-        sample = (draft_s / n_requests, verified / n_requests, accepted / n_requests)
+        if expected is not None:
+            k = self.calibration_decay
+            self.realized_sum, self.expected_sum = k * self.realized_sum + accepted, k * self.expected_sum + expected
+        predicted = accepted if expected is None else expected
+        sample = (draft_s / n_requests, verified / n_requests, predicted / n_requests)
         if self.draft_s_per_req is None:
-            self.draft_s_per_req, self.verified_per_req, self.accepted_per_req = sample
+            self.draft_s_per_req, self.verified_per_req, self.predicted_per_req = sample
             return
         k = self.decay
         self.draft_s_per_req = k * self.draft_s_per_req + (1 - k) * sample[0]
         self.verified_per_req = k * self.verified_per_req + (1 - k) * sample[1]
-        self.accepted_per_req = k * self.accepted_per_req + (1 - k) * sample[2]
+        self.predicted_per_req = k * self.predicted_per_req + (1 - k) * sample[2]

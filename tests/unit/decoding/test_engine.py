@@ -271,6 +271,9 @@ class _AlternatingGate:
     def observe(self, *args) -> None:
         self.observed += 1
 
+    def observe_verify(self, *args) -> None:
+        pass
+
 
 def test_engine_with_draft_gate_skipping_steps_stays_lossless(micro_target):
     """Steps where the gate skips drafting are plain target steps; mixed with drafting steps (requests
@@ -366,6 +369,9 @@ class _ScriptedGate:
         return self.calls in self.draft_steps
 
     def observe(self, *args) -> None:
+        pass
+
+    def observe_verify(self, *args) -> None:
         pass
 
 

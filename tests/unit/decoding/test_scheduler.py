@@ -175,3 +175,51 @@ def test_draft_gate_estimates_follow_the_recent_steps():
     assert gate.verified_per_req == pytest.approx(1.0) and gate.accepted_per_req == pytest.approx(0.5)
     gate.observe(0, draft_s=1.0, verified=0, accepted=0)  # nothing drafted: ignored
     assert gate.draft_s_per_req == pytest.approx(0.05)
+
+
+def test_draft_gate_reads_acceptance_from_the_confidences_not_a_few_unlucky_rounds():
+    """At concurrency 1 a round accepts 0 or several drafts: three empty rounds in a row are common
+    for a drafter that gains. With the confidences' expectation (calibrated against the realized
+    counts over a long window) the gate stays open; on the realized counts alone it closes."""
+    from dspark.decoding.scheduler import DraftGate, SPSTable
+
+    sps = SPSTable({1: 10.0, 8: 10.0})  # a verify of up to 8 tokens costs one 0.1 s target step
+    rounds = [0, 0, 0, 2] * 3  # realized accepted drafts: mean 0.5 per round
+    with_conf = DraftGate(sps)
+    for accepted in rounds:  # 0.02 s to draft: drafting pays when more than 0.2 drafts are accepted
+        with_conf.observe(1, draft_s=0.02, verified=3, accepted=accepted, expected=0.5)
+        assert with_conf.should_draft(1)
+    assert with_conf.calibration == pytest.approx(1.0, abs=0.1)
+    realized_only = DraftGate(sps)
+    for accepted in [0, 0, 0]:
+        realized_only.observe(1, draft_s=0.02, verified=3, accepted=accepted)
+    assert not realized_only.should_draft(1)
+
+
+def test_draft_gate_corrects_an_overconfident_head_with_the_realized_counts():
+    from dspark.decoding.scheduler import DraftGate, SPSTable
+
+    gate = DraftGate(SPSTable({1: 10.0, 8: 10.0}))
+    for _ in range(40):  # the head predicts 0.9 accepted drafts per round; none is ever accepted
+        gate.observe(1, draft_s=0.02, verified=3, accepted=0, expected=0.9)
+    assert gate.calibration < 0.1 and gate.accepted_per_req < 0.1
+    assert not gate.should_draft(1)
+
+
+def test_draft_gate_corrects_the_sps_table_with_the_measured_verify_times():
+    """The start-up table priced a 1-token step at 0.100 s; the engine's target-only steps take 0.125 s
+    and its 4-token verifies 0.127 s. Drafting (0.02 s, 0.3 drafts accepted) then wins: 1.3 / 0.147 s
+    = 8.8 tok/s against 8.0; on the table alone it looked like 9.7 against 10 and lost."""
+    from dspark.decoding.scheduler import DraftGate, SPSTable
+
+    sps = SPSTable({1: 10.0, 4: 1 / 0.114})
+    table_only, measured = DraftGate(sps), DraftGate(sps)
+    for gate in (table_only, measured):
+        gate.observe(1, draft_s=0.02, verified=3, accepted=0, expected=0.3)
+        gate.realized_sum = gate.expected_sum = 0.0  # a calibrated head (keeps the figures exact)
+    assert not table_only.should_draft(1)
+    for _ in range(5):
+        measured.observe_verify(1, 0.125, drafted=False)
+        measured.observe_verify(4, 0.127, drafted=True)
+    assert measured.kappa[False] == pytest.approx(1.25) and measured.kappa[True] == pytest.approx(0.127 / 0.114)
+    assert measured.should_draft(1)

@@ -57,6 +57,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--concurrency", default="1,4,16,64", help="comma-separated numbers of concurrent users")
     ap.add_argument("--requests-per-user", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--min-requests", type=int, default=0,
+                    help="requests per mode at least, at every level: a level runs max(--requests-per-user, "
+                         "ceil(N / c)) requests per user (low concurrency needs more requests to average out)")
     ap.add_argument("--threshold", type=float, default=0.5, help="threshold mode: prefix-survival threshold")
     ap.add_argument("--gamma", type=int, default=None, help="drafts per round (default: drafter block size)")
     ap.add_argument("--data-dir", default=str(REPO_ROOT / "data" / "eval"), help="eval JSONL dir (default: the repo's data/eval)")
@@ -128,7 +131,7 @@ def serve_config(args, drafter_dir: str, mode: str, max_users: int, replicas_at_
         "engine": {"scheduler": {"mode": mode, "threshold": args.threshold,
                                  "draft_gate": mode == "dynamic" and not args.no_draft_gate}, "gamma": args.gamma,
                    "max_batch": max_users, "max_waiting": 4 * max_users, "max_model_len": 2048,
-                   "sps_repeats": 1 if args.quick else 3,
+                   "sps_repeats": 1 if args.quick else 5,
                    "sps_batch_sizes": [b for b in [1, 2, 4, 8, 16, 32, 64, 128, 256, 512][: 8 if args.quick else 10]
                                        if b <= args.sps_max_batch]},
         "api": {"max_tokens_limit": max(args.max_tokens, 16), "api_key_env": "DSPARK_BENCH_UNUSED_KEY"},
@@ -198,8 +201,8 @@ def interleaved_level(args, urls: dict[str, str], prompts: list[str], modes: lis
     """--interleave: `requests_per_user` rounds of one request per user for each mode, the mode order
     reversed every round (ABBA); each mode's rounds are summed (wall times add up, the engine's
     counters span its first to last round: its own engine served nothing else meanwhile)."""
-    raw = {m: ([], [], 0.0, None, None) for m in modes}
-    for k in range(args.requests_per_user):
+    raw, rounds = {m: ([], [], 0.0, None, None) for m in modes}, rounds_at(args, users)
+    for k in range(rounds):
         for mode in (modes if k % 2 == 0 else modes[::-1]):
             records, errors, wall, before, after = asyncio.run(load_once(urls[mode], prompts, users, 1,
                                                                          args.max_tokens, first=k * users))
@@ -207,10 +210,15 @@ def interleaved_level(args, urls: dict[str, str], prompts: list[str], modes: lis
             raw[mode] = (r[0] + records, r[1] + errors, r[2] + wall, r[3] or before, after)
     rows = []
     for mode in modes:
-        row = {"mode": mode, **summarize(*raw[mode], users), "rounds": args.requests_per_user}
+        row = {"mode": mode, **summarize(*raw[mode], users), "rounds": rounds}
         print_row(row)
         rows.append(row)
     return rows
+
+
+def rounds_at(args, users: int) -> int:
+    """Requests each user sends at this level (see --min-requests)."""
+    return max(args.requests_per_user, -(-args.min_requests // users))
 
 
 def summarize(records: list[dict], errors: list[str], wall: float, before: dict, after: dict, users: int) -> dict:
@@ -261,7 +269,7 @@ def plot(results: list[dict], path: Path, title: str) -> str:
 
 
 def run_level(args, url: str, prompts: list[str], mode: str, users: int) -> dict:
-    row = {"mode": mode, **asyncio.run(closed_loop(url, prompts, users, args.requests_per_user, args.max_tokens))}
+    row = {"mode": mode, **asyncio.run(closed_loop(url, prompts, users, rounds_at(args, users), args.max_tokens))}
     print_row(row)
     return row
 
@@ -336,6 +344,7 @@ def main(argv=None) -> int:
                 vs_off[str(users)] = by_mode["dynamic"] / by_mode["off"]  # the "never slower" ratio (>= 0.95 wanted)
     report = {"benchmark": "serve_load", "target": args.target, "drafter": drafter_label, "modes": modes,
               "concurrency": levels, "max_tokens": args.max_tokens, "requests_per_user": args.requests_per_user,
+              "min_requests": args.min_requests, "gamma": args.gamma,
               "num_cpus": args.num_cpus, "interleave": args.interleave, "draft_gate": not args.no_draft_gate,
               "sps_tables": tables, "results": results, "dynamic_vs_best_other": best_other,
               "dynamic_over_off": vs_off, "plot": png}

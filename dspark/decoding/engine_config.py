@@ -20,7 +20,7 @@ class EngineConfig(StrictModel):
     max_prefill_tokens: int = Field(4096, description="prompt tokens admitted per step (at least one request always)")
     sps_batch_sizes: list[int] = Field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64, 128, 256], description="verify batch sizes (tokens) profiled for the SPS table at start")
     sps_context: int = Field(128, description="cached context per row while profiling")
-    sps_repeats: int = Field(3, description="timed forwards per profiled batch size")
+    sps_repeats: int = Field(5, description="timed forwards per profiled batch size (the sizes take turns, one forward each per round)")
     sps_table: dict[int, float] | None = Field(None, description="given table: skip profiling (tests, or a saved profile)")
     seed: int | None = Field(0, description="seeds the generators of requests without a seed of their own (None = nondeterministic)")
     max_consecutive_failures: int = Field(3, description="failed steps in a row before the engine reports unhealthy")

@@ -26,8 +26,24 @@ def test_sps_table_interpolates_step_time_and_extrapolates():
 def test_profile_sps_times_the_callable():
     calls = []
     table = profile_sps(lambda b: calls.append(b), [1, 2], repeats=3, warmup=1)
-    assert calls == [1] * 4 + [2] * 4 and set(table.points) == {1, 2}
+    assert calls == [1, 2] * 4 and set(table.points) == {1, 2}  # the sizes take turns: a warm-up round, 3 timed
     assert all(v > 0 for v in table.points.values())
+
+
+def test_profile_sps_keeps_the_ratios_when_the_machine_slows_down_midway(monkeypatch):
+    """A burst of load during the second half of the profile: timed size by size it would land on
+    the large sizes only; with the sizes taking turns every size sees it alike."""
+    clock = {"t": 0.0, "calls": 0}
+
+    def forward(batch):
+        clock["calls"] += 1
+        slow = 3.0 if clock["calls"] > 9 else 1.0  # after the warm-up and 3 of the 5 rounds
+        clock["t"] += slow * (1.0 + 0.1 * batch)
+
+    import dspark.decoding.scheduler as scheduler
+    monkeypatch.setattr(scheduler.time, "perf_counter", lambda: clock["t"])
+    table = profile_sps(forward, [1, 4], repeats=5, warmup=1)
+    assert table.step_time(4) / table.step_time(1) == pytest.approx(1.4 / 1.1)
 
 
 def test_appendix_a_early_stop_is_causal_global_search_is_not():

@@ -193,7 +193,8 @@ async def load_once(url: str, prompts: list[str], users: int, per_user: int, max
         t0 = time.perf_counter()
         await asyncio.gather(*(user(u, client) for u in range(users)))
         wall = time.perf_counter() - t0
-        after = (await client.get("/v1/stats")).json()["totals"]
+        stats = (await client.get("/v1/stats")).json()
+        after = {**stats["totals"], "draft_gate": stats.get("draft_gate")}  # the gate's estimates at the end
     return records, errors, wall, before, after
 
 
@@ -239,6 +240,7 @@ def summarize(records: list[dict], errors: list[str], wall: float, before: dict,
         # steps where the draft gate judged a target-only step faster and skipped drafting
         "draft_skipped_step_fraction": ((after.get("draft_skipped_steps", 0) - before.get("draft_skipped_steps", 0))
                                         / steps if steps else None),
+        "draft_gate": after.get("draft_gate"),
     }
 
 

@@ -427,5 +427,6 @@ class Engine(RequestBatch):
             "mean_batch_tokens": t["batch_tokens"] / t["steps"] if t["steps"] else None,
             "tokens_per_busy_s": t["generated_tokens"] / t["busy_s"] if t["busy_s"] else None,
             "sps_table": self.sps.to_dict() if self.sps else None,
+            "draft_gate": self.gate.to_dict() if isinstance(self.gate, DraftGate) else None,
             "kv_bytes": self.kv.memory_bytes(), "device": str(self.target.device),
         }

@@ -277,21 +277,24 @@ class DraftGate:
     skipped drafting and of those that drafted; the rule uses κ_spec·T(N(1+v)) and κ_off·T(N).
 
     Draft iff spec >= off, and at least every `interval` steps so the estimates track the load; the
-    interval starts at `explore_every` and doubles (up to `max_explore_every`) after each exploration
-    step while drafting keeps losing, so an unprofitable drafter costs ever less; a step that the rule
-    itself chooses to draft resets it. An exploration step (`exploring`) drafts only a sample of
+    interval starts at `explore_every` and doubles (up to `max_explore_every`) at each exploration
+    step while drafting clearly loses (spec < `backoff_below`·off), so an unprofitable drafter costs
+    ever less; near break-even it stays at `explore_every` (the estimates are what decides there, and
+    they need samples); a step that the rule itself chooses to draft resets it. An exploration step (`exploring`) drafts only a sample of
     `explore_rows` requests: the estimates are per request, and drafting all N at high load would cost
     several target steps (the engine picks the sample round-robin, never by its drafts).
     Lossless: the decision uses only finished rounds, never the current drafts, so a skipped step is
     an ordinary target-only step (the non-anticipation argument of the module docstring)."""
 
     def __init__(self, sps: SPSTable | Callable[[float], float], explore_every: int = 16, decay: float = 0.8,
-                 max_explore_every: int = 256, explore_rows: int = 4, calibration_decay: float = 0.98):
+                 max_explore_every: int = 256, explore_rows: int = 4, calibration_decay: float = 0.98,
+                 kappa_decay: float = 0.95, backoff_below: float = 0.9):
         self.sps, self.explore_every, self.decay, self.max_explore_every = sps, explore_every, decay, max_explore_every
         self.interval, self.explore_rows, self.exploring = explore_every, explore_rows, False
         self.draft_s_per_req: float | None = None
         self.verified_per_req = self.predicted_per_req = 0.0  # predicted: accepted per request before calibration
         self.calibration_decay, self.realized_sum, self.expected_sum = calibration_decay, 0.0, 0.0
+        self.kappa_decay, self.backoff_below = kappa_decay, backoff_below
         self.kappa = {False: 1.0, True: 1.0}  # measured / table verify time: of target-only steps, of drafting steps
         self._kappa_seen = {False: False, True: False}
         self.skipped_in_a_row = 0
@@ -309,28 +312,42 @@ class DraftGate:
         self.exploring = False
         if self.draft_s_per_req is None:
             return self._decide(True)
-        if self.skipped_in_a_row + 1 >= self.interval:  # exploration step
-            self.interval = min(2 * self.interval, self.max_explore_every)
-            self.exploring = True
+        gain = self.expected_gain(n_active)
+        if gain >= 1.0:
+            self.interval = self.explore_every
             return self._decide(True)
-        n = n_active
+        if self.skipped_in_a_row + 1 < self.interval:
+            return self._decide(False)
+        # exploration step: back off only when drafting clearly loses; near break-even the estimates
+        # decide, so they keep being refreshed (a marginal drafter's first unlucky samples must not
+        # shut it out for 256 steps at a time)
+        self.interval = min(2 * self.interval, self.max_explore_every) if gain < self.backoff_below else self.explore_every
+        self.exploring = True
+        return self._decide(True)
+
+    def expected_gain(self, n: int) -> float:
+        """spec / off: tokens per second of a drafting step over those of a target-only step, at n requests."""
         verify_spec = self.kappa[True] / self.sps(n * (1 + self.verified_per_req))
         spec = n * (1 + self.accepted_per_req) / (n * self.draft_s_per_req + verify_spec)
-        off = n / (self.kappa[False] / self.sps(n))
-        if spec >= off:
-            self.interval = self.explore_every
-        return self._decide(spec >= off)
+        return spec / (n / (self.kappa[False] / self.sps(n)))
 
     def _decide(self, draft: bool) -> bool:
         self.skipped_in_a_row = 0 if draft else self.skipped_in_a_row + 1
         return draft
+
+    def to_dict(self) -> dict:
+        """The estimates the rule reads (for /v1/stats and benchmarks)."""
+        return {"draft_s_per_req": self.draft_s_per_req, "verified_per_req": self.verified_per_req,
+                "accepted_per_req": self.accepted_per_req, "calibration": self.calibration,
+                "kappa_off": self.kappa[False], "kappa_spec": self.kappa[True], "interval": self.interval,
+                "expected_gain_at_1": self.expected_gain(1) if self.draft_s_per_req is not None else None}
 
     def observe_verify(self, batch_tokens: int, verify_s: float, drafted: bool) -> None:
         """Fold in one step's measured verify time (every step: drafted or not) against the table's."""
         if batch_tokens <= 0 or verify_s <= 0:
             return
         ratio = verify_s * self.sps(batch_tokens)
-        k = self.decay if self._kappa_seen[drafted] else 0.0
+        k = self.kappa_decay if self._kappa_seen[drafted] else 0.0
         self.kappa[drafted], self._kappa_seen[drafted] = k * self.kappa[drafted] + (1 - k) * ratio, True
 
     def observe(self, n_requests: int, draft_s: float, verified: int, accepted: int,

@@ -239,3 +239,17 @@ def test_draft_gate_corrects_the_sps_table_with_the_measured_verify_times():
         measured.observe_verify(4, 0.127, drafted=True)
     assert measured.kappa[False] == pytest.approx(1.25) and measured.kappa[True] == pytest.approx(0.127 / 0.114)
     assert measured.should_draft(1)
+
+
+def test_draft_gate_keeps_exploring_near_break_even_and_backs_off_when_clearly_losing():
+    from dspark.decoding.scheduler import DraftGate, SPSTable
+
+    sps = SPSTable({1: 10.0, 8: 10.0})
+    close, losing = DraftGate(sps, explore_every=4), DraftGate(sps, explore_every=4)
+    close.observe(1, draft_s=0.02, verified=3, accepted=0, expected=0.15)  # 1.15 / 0.12 s: 0.96x of off
+    losing.observe(1, draft_s=0.05, verified=3, accepted=0, expected=0.0)  # 1 / 0.15 s: 0.67x
+    for gate in (close, losing):
+        gate.realized_sum = gate.expected_sum = 0.0
+    assert close.expected_gain(1) == pytest.approx(1.15 / 1.2) and losing.expected_gain(1) == pytest.approx(1 / 1.5)
+    assert [close.should_draft(1) for _ in range(12)] == ([False] * 3 + [True]) * 3  # every 4 steps
+    assert [losing.should_draft(1) for _ in range(12)] == [False] * 3 + [True] + [False] * 7 + [True]  # 4, 8, ...

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -130,19 +131,31 @@ class Target:
                 logits_at: str | Tensor | None = "all", use_cache: bool = False) -> TargetOutput:
         """One pass of the frozen target; LM head only where `logits_at` asks
         ("all", "last", None, or a LongTensor of positions [B, K] / [K])."""
-        want_hidden = bool(layer_ids)
         cache_kw = _cache_kwarg(self.model.model)
-        out = self.model.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                               use_cache=use_cache or cache is not None, output_hidden_states=want_hidden,
-                               **{cache_kw: cache})
-        features = None
-        if want_hidden:
-            states = out.hidden_states
-            features = torch.cat([states[i + 1] for i in layer_ids], dim=-1)
+        with self._layer_outputs(layer_ids or []) as captured:
+            out = self.model.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                   use_cache=use_cache or cache is not None, **{cache_kw: cache})
+        features = torch.cat([captured[i] for i in layer_ids], dim=-1) if layer_ids else None
         final = out.last_hidden_state
         logits = self._logits_at(final, logits_at)
         return TargetOutput(features=features, final_hidden=final, logits=logits,
                             cache=getattr(out, cache_kw) if (use_cache or cache is not None) else None)
+
+    @contextmanager
+    def _layer_outputs(self, layer_ids: list[int]):
+        """The outputs of the `layer_ids` decoder layers during one forward (= hidden_states[i + 1]),
+        through hooks on those layers only: `output_hidden_states=True` hooks and records every layer,
+        Python work per layer that, in a serving replica, waits for the GIL behind the HTTP thread."""
+        captured: dict[int, Tensor] = {}
+        layers = self.model.model.layers
+        handles = [layers[i].register_forward_hook(
+            lambda _module, _inputs, output, i=i: captured.__setitem__(i, output[0] if isinstance(output, tuple) else output))
+            for i in dict.fromkeys(layer_ids)]
+        try:
+            yield captured
+        finally:
+            for handle in handles:
+                handle.remove()
 
     def _logits_at(self, final: Tensor, where) -> Tensor | None:
         if where is None:

@@ -37,7 +37,9 @@ def test_forward_returns_requested_layers(tiny):
     assert out.final_hidden.shape == (2, 11, tiny.hidden_size)
     assert out.logits.shape == (2, 1, tiny.vocab_size)
     full = tiny.model(x, output_hidden_states=True)
-    assert torch.allclose(out.features[..., tiny.hidden_size:2 * tiny.hidden_size], full.hidden_states[3], atol=1e-5)
+    h = tiny.hidden_size
+    for k, i in enumerate(layers):  # hooks on the chosen layers only = output_hidden_states' entries
+        assert torch.allclose(out.features[..., k * h:(k + 1) * h], full.hidden_states[i + 1], atol=1e-5)
     assert torch.allclose(tiny.lm_logits(out.final_hidden), full.logits, atol=1e-4)
     picked = tiny.forward(x, logits_at=torch.tensor([[1, 5], [0, 10]]))
     assert torch.allclose(picked.logits[1, 1], full.logits[1, 10], atol=1e-4)

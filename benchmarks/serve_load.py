@@ -66,6 +66,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--num-cpus", type=int, default=os.cpu_count(), help="CPUs of the local Ray (all go to the replica)")
     ap.add_argument("--port", type=int, default=None, help="Serve HTTP port (default: a free one)")
     ap.add_argument("--out", default="results/serve_load", help="directory for the PNG and the JSON")
+    ap.add_argument("--sps-table", default=None,
+                    help='JSON {"B": steps/s} given to the dynamic replica (default: it profiles one at start)')
     ap.add_argument("--no-draft-gate", action="store_true",
                     help="dynamic mode without the draft gate (Algorithm 1 alone: always draft)")
     ap.add_argument("--interleave", action="store_true",
@@ -132,6 +134,7 @@ def serve_config(args, drafter_dir: str, mode: str, max_users: int, replicas_at_
                                  "draft_gate": mode == "dynamic" and not args.no_draft_gate}, "gamma": args.gamma,
                    "max_batch": max_users, "max_waiting": 4 * max_users, "max_model_len": 2048,
                    "sps_repeats": 1 if args.quick else 5,
+                   "sps_table": {int(b): float(v) for b, v in json.loads(args.sps_table).items()} if args.sps_table else None,
                    "sps_batch_sizes": [b for b in [1, 2, 4, 8, 16, 32, 64, 128, 256, 512][: 8 if args.quick else 10]
                                        if b <= args.sps_max_batch]},
         "api": {"max_tokens_limit": max(args.max_tokens, 16), "api_key_env": "DSPARK_BENCH_UNUSED_KEY"},

@@ -144,8 +144,8 @@ class Target:
     @contextmanager
     def _layer_outputs(self, layer_ids: list[int]):
         """The outputs of the `layer_ids` decoder layers during one forward (= hidden_states[i + 1]),
-        through hooks on those layers only: `output_hidden_states=True` hooks and records every layer,
-        Python work per layer that, in a serving replica, waits for the GIL behind the HTTP thread."""
+        through hooks on those layers only (`output_hidden_states=True` hooks and records every layer;
+        the layers are never the last one, whose hidden_states entry HF may take after the final norm)."""
         captured: dict[int, Tensor] = {}
         layers = self.model.model.layers
         handles = [layers[i].register_forward_hook(

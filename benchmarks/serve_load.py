@@ -134,7 +134,7 @@ def serve_config(args, drafter_dir: str, mode: str, max_users: int, replicas_at_
                                  "draft_gate": mode == "dynamic" and not args.no_draft_gate}, "gamma": args.gamma,
                    "max_batch": max_users, "max_waiting": 4 * max_users, "max_model_len": 2048,
                    "sps_repeats": 1 if args.quick else 5,
-                   "sps_table": {int(b): float(v) for b, v in json.loads(args.sps_table).items()} if args.sps_table else None,
+                   "sps_table": json.loads(args.sps_table) if args.sps_table else None,  # the config validates it
                    "sps_batch_sizes": [b for b in [1, 2, 4, 8, 16, 32, 64, 128, 256, 512][: 8 if args.quick else 10]
                                        if b <= args.sps_max_batch]},
         "api": {"max_tokens_limit": max(args.max_tokens, 16), "api_key_env": "DSPARK_BENCH_UNUSED_KEY"},

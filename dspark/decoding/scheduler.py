@@ -295,8 +295,8 @@ class DraftGate:
         self.verified_per_req = self.predicted_per_req = 0.0  # predicted: accepted per request before calibration
         self.calibration_decay, self.realized_sum, self.expected_sum = calibration_decay, 0.0, 0.0
         self.kappa_decay, self.backoff_below = kappa_decay, backoff_below
-        self.kappa = {False: 1.0, True: 1.0}  # measured / table verify time: of target-only steps, of drafting steps
-        self._kappa_seen = {False: False, True: False}
+        # measured / table verify time of target-only steps (False) and of drafting steps (True); None: none yet
+        self.kappa: dict[bool, float | None] = {False: None, True: None}
         self.skipped_in_a_row = 0
 
     @property
@@ -327,9 +327,14 @@ class DraftGate:
 
     def expected_gain(self, n: int) -> float:
         """spec / off: tokens per second of a drafting step over those of a target-only step, at n requests."""
-        verify_spec = self.kappa[True] / self.sps(n * (1 + self.verified_per_req))
+        verify_spec = self._kappa(True) / self.sps(n * (1 + self.verified_per_req))
         spec = n * (1 + self.accepted_per_req) / (n * self.draft_s_per_req + verify_spec)
-        return spec / (n / (self.kappa[False] / self.sps(n)))
+        return spec / (n / (self._kappa(False) / self.sps(n)))
+
+    def _kappa(self, drafted: bool) -> float:
+        """The table correction of that kind of step (1 until one is measured)."""
+        kappa = self.kappa[drafted]
+        return 1.0 if kappa is None else kappa
 
     def _decide(self, draft: bool) -> bool:
         self.skipped_in_a_row = 0 if draft else self.skipped_in_a_row + 1
@@ -339,16 +344,16 @@ class DraftGate:
         """The estimates the rule reads (for /v1/stats and benchmarks)."""
         return {"draft_s_per_req": self.draft_s_per_req, "verified_per_req": self.verified_per_req,
                 "accepted_per_req": self.accepted_per_req, "calibration": self.calibration,
-                "kappa_off": self.kappa[False], "kappa_spec": self.kappa[True], "interval": self.interval,
+                "kappa_off": self._kappa(False), "kappa_spec": self._kappa(True), "interval": self.interval,
                 "expected_gain_at_1": self.expected_gain(1) if self.draft_s_per_req is not None else None}
 
     def observe_verify(self, batch_tokens: int, verify_s: float, drafted: bool) -> None:
         """Fold in one step's measured verify time (every step: drafted or not) against the table's."""
         if batch_tokens <= 0 or verify_s <= 0:
             return
-        ratio = verify_s * self.sps(batch_tokens)
-        k = self.kappa_decay if self._kappa_seen[drafted] else 0.0
-        self.kappa[drafted], self._kappa_seen[drafted] = k * self.kappa[drafted] + (1 - k) * ratio, True
+        ratio, mean = verify_s * self.sps(batch_tokens), self.kappa[drafted]
+        k = self.kappa_decay
+        self.kappa[drafted] = ratio if mean is None else k * mean + (1 - k) * ratio
 
     def observe(self, n_requests: int, draft_s: float, verified: int, accepted: int,
                 expected: float | None = None) -> None:

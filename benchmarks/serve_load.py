@@ -244,6 +244,12 @@ def summarize(records: list[dict], errors: list[str], wall: float, before: dict,
         "draft_skipped_step_fraction": ((after.get("draft_skipped_steps", 0) - before.get("draft_skipped_steps", 0))
                                         / steps if steps else None),
         "draft_gate": after.get("draft_gate"),
+        # the engine's own time: steps and their summed duration (what the load left to HTTP, queueing, idling)
+        "engine_steps": steps,
+        "engine_busy_s": round(after.get("busy_s", 0.0) - before.get("busy_s", 0.0), 3),
+        "ms_per_step": 1e3 * (after.get("busy_s", 0.0) - before.get("busy_s", 0.0)) / steps if steps else None,
+        **{f"engine_{k}": round(after.get(k, 0.0) - before.get(k, 0.0), 3)
+           for k in ("prefill_s", "draft_s", "verify_s", "catch_up_s")},
     }
 
 
@@ -285,7 +291,10 @@ def print_row(row: dict) -> None:
           f"per-user {row['per_user_tokens_per_s'] or 0:6.2f} tok/s  budget "
           f"{row['mean_verify_budget'] if row['mean_verify_budget'] is not None else float('nan'):.2f}  "
           f"tau {row['mean_accepted_length'] or float('nan'):.2f}  "
-          f"skipped {row['draft_skipped_step_fraction'] or 0:.2f}  errors {row['errors']}", file=sys.stderr, flush=True)
+          f"skipped {row['draft_skipped_step_fraction'] or 0:.2f}  engine {row.get('engine_busy_s', 0):.1f}/{row['wall_s']:.1f} s "
+          f"({row.get('ms_per_step') or 0:.0f} ms/step; prefill {row.get('engine_prefill_s', 0):.1f} draft "
+          f"{row.get('engine_draft_s', 0):.1f} verify {row.get('engine_verify_s', 0):.1f} catch-up "
+          f"{row.get('engine_catch_up_s', 0):.1f} s)  errors {row['errors']}", file=sys.stderr, flush=True)
 
 
 def _free_port() -> int:

@@ -181,6 +181,7 @@ class Engine(RequestBatch):
         if newcomers:
             self._prefill(newcomers, report)
             self._retire()
+            report.prefill_s = time.perf_counter() - t0
         if self.active:
             drafted = self.drafting and (self.gate is None or self.gate.should_draft(len(self.active)))
             if drafted:
@@ -279,7 +280,7 @@ class Engine(RequestBatch):
         """Feed the requests' pending target features to their drafter contexts: all verified positions
         since each one's last catch-up, in order, in ONE `extend_contexts` pass over the requests (a
         failure is retried request by request, so only a failing request fails)."""
-        todo = []
+        t0, todo = time.perf_counter(), []
         for r in reqs:
             pending, r.ctx_pending = r.ctx_pending, []
             if not pending or r.finished:
@@ -304,6 +305,7 @@ class Engine(RequestBatch):
                 except Exception as err:
                     self._fail(r, f"drafter context update failed: {err}", report)
         report.catch_up_tokens += sum(int(i.shape[0]) for r, _, i in todo if not r.finished)
+        report.catch_up_s += time.perf_counter() - t0
 
     def _schedule(self, report: StepReport) -> list[int]:
         """Verify lengths: the scheduler's over the requests holding drafts; 0 (a target-only row) for the

@@ -122,7 +122,9 @@ class StepReport:
     emitted: int = 0
     finished: int = 0
     failed: int = 0
+    prefill_s: float = 0.0  # the newcomers' prefill forward
     draft_s: float = 0.0  # drafter time: the context catch-up and propose_batch
+    catch_up_s: float = 0.0  # drafter context catch-up, whether before drafting or overdue (`_catch_up`)
     gate_draft_s: float = 0.0  # what the draft gate weighs: draft_s less the catch-up backlog of skipped steps
     verify_s: float = 0.0
     step_s: float = 0.0

@@ -20,6 +20,7 @@ import torch
 from dspark.decoding.batched_cache import KVSlots
 from dspark.decoding.engine_config import EngineConfig
 from dspark.decoding.request import EngineUnavailableError, QueueFullError, Request, StepReport
+from dspark.models.openmp_pool import release_openmp_pool
 
 log = logging.getLogger("dspark.decoding.engine")  # the engine's own log (this is part of the engine)
 
@@ -43,7 +44,9 @@ class RequestBatch:
         self.step_listeners: list[Callable[[StepReport], None]] = []
         self.totals = dict(submitted=0, rejected=0, finished=0, failed=0, cancelled=0, steps=0, rounds=0,
                            prompt_tokens=0, generated_tokens=0, proposed=0, verified=0, accepted=0,
-                           batch_tokens=0, busy_s=0.0, draft_skipped_steps=0)
+                           batch_tokens=0, busy_s=0.0, draft_skipped_steps=0,
+                           # where busy_s went: prefill forwards, drafter (catch-up + proposals), verify forwards
+                           prefill_s=0.0, draft_s=0.0, verify_s=0.0, catch_up_s=0.0)
         self.started_at = time.time()
 
     def step(self) -> StepReport:
@@ -94,7 +97,11 @@ class RequestBatch:
 
     # ---- background loop ---------------------------------------------------------------------
     def start(self) -> "RequestBatch":
+        """Step in a background thread from now on. The calling thread's OpenMP pool (left by loading
+        the models and profiling) is released first, so the loop thread's pool is the only one and keeps
+        spin-waiting between parallel regions (dspark.models.openmp_pool)."""
         if self._thread is None:
+            release_openmp_pool()
             self._stop = False
             self._thread = threading.Thread(target=self._loop, name="dspark-engine", daemon=True)
             self._thread.start()
@@ -196,6 +203,8 @@ class RequestBatch:
         for key in ("proposed", "verified", "accepted", "batch_tokens"):
             t[key] += getattr(report, key)
         t["busy_s"] += report.step_s
+        for key in ("prefill_s", "draft_s", "verify_s", "catch_up_s"):
+            t[key] += getattr(report, key)
         t["draft_skipped_steps"] += int(self.drafting and report.rows > 0 and not report.drafted)
         for fn in self.step_listeners:
             try:

@@ -47,6 +47,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--micro-batch", type=int, default=2, help="sequences per worker per micro batch")
     ap.add_argument("--accum", type=int, default=1, help="micro batches per optimizer step")
+    ap.add_argument("--cpus-per-worker", type=float, default=None,
+                    help="CPUs reserved per worker (default: the local Ray's CPUs less one, shared by the workers)")
+    ap.add_argument("--torch-threads", type=int, default=None, help="torch threads per worker (default: Ray's, see "
+                                                                    "scaling.torch_threads)")
     ap.add_argument("--seq-len", type=int, default=256, help="tokens per sequence")
     ap.add_argument("--steps", type=int, default=4, help="optimizer steps per stage (the first is not timed)")
     ap.add_argument("--gpu", action="store_true", help="one GPU per worker, bf16")
@@ -100,6 +104,7 @@ def stage_overrides(args, stage: int, rollouts: str, storage: str, cpus_per_work
             f"optim.global_batch_size={global_batch}", f"optim.max_steps={args.steps}", "optim.warmup_ratio=0",
             f"deepspeed.zero_stage={stage}", f"scaling.num_workers={args.workers}",
             f"scaling.use_gpu={str(args.gpu).lower()}", f"scaling.cpus_per_worker={cpus_per_worker}",
+            f"scaling.torch_threads={args.torch_threads or 'null'}",
             f"checkpoint.storage_path={storage}", f"checkpoint.every_steps={args.steps}",
             "checkpoint.max_failures=0", "tracking.enabled=false", "fault=null",
             f"ray.address={ray.get_runtime_context().gcs_address}"]
@@ -109,6 +114,8 @@ def cpus_per_worker(args) -> float:
     """Leave one CPU for Ray Data (and the driver) beside the workers."""
     import ray
 
+    if args.cpus_per_worker:
+        return args.cpus_per_worker
     total = ray.cluster_resources().get("CPU", 1.0)
     return round(max(0.25, min(4.0, (total - 1) / args.workers)), 2)
 
@@ -243,7 +250,7 @@ def main(argv=None) -> dict:
             print(f"[bench] ZeRO-{stage}: {results[f'zero{stage}']}", file=sys.stderr, flush=True)
     report = {"benchmark": "train_throughput", "target": base.target, "algo": base.drafter.algo,
               "drafter_layers": base.drafter.depth, "workers": args.workers, "device": "gpu" if args.gpu else "cpu",
-              "precision": "bf16" if args.gpu else "fp32", "cpus_per_worker": cpus,
+              "precision": "bf16" if args.gpu else "fp32", "cpus_per_worker": cpus, "torch_threads": args.torch_threads,
               "batch": {"micro_batch": args.micro_batch, "accum": args.accum, "seq_len": args.seq_len,
                         "global_batch_sequences": args.micro_batch * args.workers * args.accum},
               "timed_steps": args.steps - 1, "results": results}

@@ -56,13 +56,20 @@ class RankZeroLogger:
             tracking.log_metrics(metrics, step=step)
 
 
+def say(message: str) -> None:
+    """One line to the worker's stderr (streamed to the driver). Not print(): Ray Train patches it to log
+    through the root logger and also tee to a wrapped stderr, so every line reached the driver twice."""
+    sys.stderr.write(message + "\n")
+    sys.stderr.flush()
+
+
 def print_progress(result: StepResult, total: int, every: int) -> None:
     if result.step % every and result.step != total:
         return
     m = result.metrics
-    print(f"[train] step {result.step}/{total} loss {m.get('loss', float('nan')):.4f} "
-          f"accept_len {m.get('expected_accept_len', float('nan')):.3f} lr {m.get('lr', 0.0):.2e} "
-          f"{m.get('tokens_per_s', 0.0):.0f} tok/s", file=sys.stderr, flush=True)
+    say(f"[train] step {result.step}/{total} loss {m.get('loss', float('nan')):.4f} "
+        f"accept_len {m.get('expected_accept_len', float('nan')):.3f} lr {m.get('lr', 0.0):.2e} "
+        f"{m.get('tokens_per_s', 0.0):.0f} tok/s")
 
 
 def maybe_inject_fault(cfg, rank: int, step: int) -> None:
@@ -78,7 +85,7 @@ def maybe_inject_fault(cfg, rank: int, step: int) -> None:
     ray.train.get_all_reported_checkpoints(consistency_mode=CheckpointConsistencyMode.COMMITTED, timeout_s=120)
     Path(fault.marker).parent.mkdir(parents=True, exist_ok=True)
     Path(fault.marker).write_text(f"rank {rank} killed at step {step}\n")
-    print(f"[train] fault injection: rank {rank} exits at step {step}", file=sys.stderr, flush=True)
+    say(f"[train] fault injection: rank {rank} exits at step {step}")
     os._exit(1)
 
 
@@ -93,6 +100,10 @@ def train_loop_per_worker(loop_config: dict) -> None:
     from dspark.training.config import TrainJobConfig
 
     cfg = TrainJobConfig.model_validate(loop_config["job"])
+    if cfg.scaling.torch_threads:
+        import torch
+
+        torch.set_num_threads(cfg.scaling.torch_threads)
     plan: TrainPlan = loop_config["plan"]
     if plan.init_from:  # the driver pinned it; each worker reads it from its local cache
         from dspark.io.drafter_source import local_dir
@@ -108,7 +119,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
     if checkpoint is not None:
         with checkpoint.as_directory() as ckpt_dir:
             session.restore(ckpt_dir)
-        print(f"[train] rank {session.rank}: resumed from step {session.step}", file=sys.stderr, flush=True)
+        say(f"[train] rank {session.rank}: resumed from step {session.step}")
     logger = RankZeroLogger(cfg, plan.mlflow_run_id) if session.rank == 0 else None
     if logger and session.restored_from is not None:
         logger.log(session.step, {"resumed_from_step": float(session.step),

@@ -7,8 +7,8 @@ of the hundreds of regions in a forward then hands work over through a futex sle
 Serve replica builds its engine in one thread (loading the drafter and profiling the SPS table run
 forwards there) and steps it in another, so a replica with a drafter left a second pool behind and its
 engine thread kept the second core busy only half the time: on 2 cores, the same target-only steps ran
-10-20 % slower than in a replica without a drafter (measured with a replica-like process, see
-benchmarks/results/serve_load/openmp_pool_*.json). `omp_pause_resource_all` (OpenMP 5.0) frees the
+10-20 % slower than in a replica without a drafter (benchmarks/engine_thread.py measures both, side by
+side; benchmarks/serve_load.py through Ray Serve). `omp_pause_resource_all` (OpenMP 5.0) frees the
 calling thread's pool; the next parallel region in that thread simply builds a new one.
 
 Invariant: only the calling thread's idle workers are released; results and thread settings

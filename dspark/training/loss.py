@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from dspark.drafters.anchors import all_anchors, sample_anchors
-from dspark.drafters.draft_vocab import draft_labels, extend_to_vocab
+from dspark.drafters.draft_vocab import draft_labels
 from dspark.training.losses import (acceptance_label, acceptance_metrics, ce_loss, conf_loss, loss_denominator,
                            position_weights, sequence_step_weights, soft_ce_loss, tv_loss)
 
@@ -80,14 +80,17 @@ def drafter_loss(drafter, target, input_ids: Tensor, loss_mask: Tensor, attentio
     labels = input_ids.gather(1, label_pos.flatten(1)).view_as(label_pos)[select]
 
     draft = drafter(out.features, input_ids, attention_mask.bool(), anchors, select)
-    # With a draft vocabulary the logits cover its N tokens: p_d is extended by zeros to V, so TV and the
-    # acceptance label c* compare against the full target distribution (target mass outside the subset
-    # counts as lost), and CE ignores labels outside the subset (they cannot be drafted).
+    # With a draft vocabulary the logits cover its N tokens and p_d is zero outside them: TV and the
+    # acceptance label c* compare against the full target distribution, computed on the N columns plus
+    # the target mass outside them (`lost`, which counts in full), so no [pairs, V] tensor is built;
+    # CE ignores labels outside the subset (they cannot be drafted).
     draft_ids = getattr(model, "draft_ids", None)  # columns of draft.logits; None = the full vocabulary
+    p_t_cols, lost = p_target, None  # the target on the drafter's columns, and its mass elsewhere
+    if draft_ids is not None:
+        p_t_cols = p_target[..., draft_ids.to(device)]
+        lost = (p_target.sum(-1) - p_t_cols.sum(-1)).clamp_min(0.0)
     with torch.set_grad_enabled(torch.is_grad_enabled() and cfg.loss_tv != 0):  # no TV term: metrics only
         p_draft = torch.softmax(draft.logits.float(), dim=-1)
-        if draft_ids is not None:
-            p_draft = extend_to_vocab(p_draft, draft_ids, p_target.shape[-1])
     ce_labels, predicted = labels, draft.logits.argmax(-1)
     if draft_ids is not None:
         ce_labels, predicted = draft_labels(labels, model.t2d), draft_ids[predicted]
@@ -100,11 +103,11 @@ def drafter_loss(drafter, target, input_ids: Tensor, loss_mask: Tensor, attentio
         denom = loss_denominator(weights, n_blocks, cfg.resolved_loss_norm)
 
     if cfg.ce_target == "soft":  # soft CE against the target distribution, on the draft vocabulary if any
-        l_ce = soft_ce_loss(draft.logits, soft_targets(p_target, draft_ids), weights, denom)
+        l_ce = soft_ce_loss(draft.logits, soft_targets(p_t_cols, lost), weights, denom)
     else:
         l_ce = ce_loss(draft.logits, ce_labels, weights, denom)
-    l_tv = tv_loss(p_draft, p_target, weights, denom)
-    c_star = acceptance_label(p_draft, p_target)
+    l_tv = tv_loss(p_draft, p_t_cols, weights, denom, lost)
+    c_star = acceptance_label(p_draft, p_t_cols, lost)
     loss = cfg.loss_ce * l_ce + cfg.loss_tv * l_tv
     metrics = {"loss_ce": l_ce.item(), "loss_tv": l_tv.item(), "loss_conf": 0.0}
     if draft.conf_logits is not None:
@@ -121,11 +124,11 @@ def drafter_loss(drafter, target, input_ids: Tensor, loss_mask: Tensor, attentio
     return LossOutput(loss, metrics)
 
 
-def soft_targets(p_target: Tensor, draft_ids: Tensor | None) -> Tensor:
-    """The soft-CE targets: p_t itself, or with a draft vocabulary p_t restricted to its tokens and
-    renormalised (the drafter puts no mass outside them, so CE against mass there would be infinite)."""
-    if draft_ids is None:
-        return p_target
-    sub = p_target[..., draft_ids]
-    return sub / sub.sum(-1, keepdim=True).clamp_min(1e-12)
+def soft_targets(p_t_cols: Tensor, lost: Tensor | None) -> Tensor:
+    """The soft-CE targets: p_t itself, or with a draft vocabulary p_t on its tokens (`p_t_cols`, with
+    `lost` the mass elsewhere) renormalised (the drafter puts no mass outside them, so CE against mass
+    there would be infinite)."""
+    if lost is None:
+        return p_t_cols
+    return p_t_cols / p_t_cols.sum(-1, keepdim=True).clamp_min(1e-12)
 

@@ -55,9 +55,12 @@ def sequence_step_weights(select: Tensor, w: Tensor) -> tuple[Tensor, float]:
     return per_pair.unsqueeze(1).expand_as(select)[select], max(denom, 1e-12)
 
 
-def tv_l1(p_draft: Tensor, p_target: Tensor) -> Tensor:
-    """‖p_d − p_t‖₁ per row (twice the total-variation distance, in [0, 2])."""
-    return (p_draft - p_target).abs().sum(-1)
+def tv_l1(p_draft: Tensor, p_target: Tensor, lost: Tensor | None = None) -> Tensor:
+    """‖p_d − p_t‖₁ per row (twice the total-variation distance, in [0, 2]). With a draft vocabulary the
+    two are given on its columns only and `lost` is the target mass outside them, where p_d is zero:
+    ‖p_d − p_t‖₁ over the full vocabulary = Σ_draft |p_d − p_t| + lost (the same sum, split)."""
+    l1 = (p_draft - p_target).abs().sum(-1)
+    return l1 if lost is None else l1 + lost
 
 
 def ce_loss(draft_logits: Tensor, labels: Tensor, weights: Tensor, denom: float) -> Tensor:
@@ -72,13 +75,14 @@ def soft_ce_loss(draft_logits: Tensor, p_target: Tensor, weights: Tensor, denom:
     return (weights * -(p_target.detach() * logp).sum(-1)).sum() / denom
 
 
-def tv_loss(p_draft: Tensor, p_target: Tensor, weights: Tensor, denom: float) -> Tensor:
-    return (weights * tv_l1(p_draft, p_target)).sum() / denom
+def tv_loss(p_draft: Tensor, p_target: Tensor, weights: Tensor, denom: float, lost: Tensor | None = None) -> Tensor:
+    return (weights * tv_l1(p_draft, p_target, lost)).sum() / denom
 
 
-def acceptance_label(p_draft: Tensor, p_target: Tensor) -> Tensor:
+def acceptance_label(p_draft: Tensor, p_target: Tensor, lost: Tensor | None = None) -> Tensor:
     """c*_k = 1 − ½‖p_d − p_t‖₁: the exact probability that speculative sampling accepts draft k."""
-    return (1.0 - 0.5 * tv_l1(p_draft.detach(), p_target.detach())).clamp(0.0, 1.0)
+    lost = None if lost is None else lost.detach()
+    return (1.0 - 0.5 * tv_l1(p_draft.detach(), p_target.detach(), lost)).clamp(0.0, 1.0)
 
 
 def conf_loss(conf_logits: Tensor, c_star: Tensor, weights: Tensor, denom: float) -> Tensor:

@@ -143,18 +143,18 @@ def test_markov_w2_and_lm_head_act_on_the_subset(target):
 
 
 # ---------------------------------------------------------------- training
-def test_losses_use_the_subset_extended_by_zeros(target, monkeypatch):
-    """TV and c* compare p_d (zero outside the subset) with the full target distribution; CE skips
-    labels the drafter cannot produce."""
+def test_losses_compare_with_the_full_target_distribution(target, monkeypatch):
+    """TV and c* compare p_d (zero outside the subset) with the full target distribution, computed on
+    the subset's columns plus the target mass outside them; CE skips labels the drafter cannot produce."""
     import dspark.training.loss as training
 
     drafter = make(target, "dspark", anchors_per_seq=6)
     seen = {}
     real_tv = training.tv_loss
 
-    def spy_tv(p_draft, p_target, weights, n_blocks):
-        seen["p"] = (p_draft.detach(), p_target.detach())
-        return real_tv(p_draft, p_target, weights, n_blocks)
+    def spy_tv(p_draft, p_t_cols, weights, n_blocks, lost):
+        seen["p"] = (p_draft.detach(), p_t_cols.detach(), lost.detach())
+        return real_tv(p_draft, p_t_cols, weights, n_blocks, lost)
 
     def spy_ce(logits, labels, weights, n_blocks):
         seen["ce_labels"] = labels
@@ -164,13 +164,17 @@ def test_losses_use_the_subset_extended_by_zeros(target, monkeypatch):
     monkeypatch.setattr(training, "ce_loss", spy_ce)
     ids = torch.randint(0, V, (2, 16), generator=torch.Generator().manual_seed(0))
     out = drafter_loss(drafter, target, ids, torch.ones_like(ids), None, torch.Generator().manual_seed(0))
-    p_draft, p_target = seen["p"]
-    outside = [i for i in range(V) if i not in DRAFT_IDS]
-    assert p_draft.shape[-1] == V and p_draft[:, outside].abs().sum() == 0
+    p_draft, p_t_cols, lost = seen["p"]
+    assert p_draft.shape[-1] == p_t_cols.shape[-1] == len(DRAFT_IDS)  # no [pairs, V] tensor
     assert torch.allclose(p_draft.sum(-1), torch.ones(len(p_draft)))
-    # ‖p_d − p_t‖₁ = Σ_subset |p_d − p_t| + the target mass outside the subset
-    split = (p_draft[:, DRAFT_IDS] - p_target[:, DRAFT_IDS]).abs().sum(-1) + p_target[:, outside].sum(-1)
-    assert torch.allclose(tv_l1(p_draft, p_target), split, atol=1e-6)
+    assert (lost > 0).all() and torch.allclose(p_t_cols.sum(-1) + lost, torch.ones(len(lost)), atol=1e-6)
+    # the split sum equals ‖p_d − p_t‖₁ over the full vocabulary, p_d extended by zeros
+    full_draft = dv.extend_to_vocab(p_draft, torch.tensor(DRAFT_IDS), V)
+    full_target = torch.zeros(len(lost), V)
+    full_target[:, DRAFT_IDS] = p_t_cols
+    outside = [i for i in range(V) if i not in DRAFT_IDS]
+    full_target[:, outside] = (lost / len(outside)).unsqueeze(-1)  # any spread of the lost mass gives the same norm
+    assert torch.allclose(tv_l1(p_draft, p_t_cols, lost), tv_l1(full_draft, full_target), atol=1e-6)
     labels = seen["ce_labels"]
     assert ((labels == dv.IGNORE_LABEL) | ((labels >= 0) & (labels < len(DRAFT_IDS)))).all()
     assert (labels == dv.IGNORE_LABEL).any() and (labels >= 0).any()
@@ -290,7 +294,7 @@ def test_soft_ce_with_a_draft_vocabulary_targets_the_renormalised_subset(target)
 
     p = torch.softmax(torch.randn(3, V, generator=torch.Generator().manual_seed(1)), -1)
     ids = torch.tensor(DRAFT_IDS)
-    sub = soft_targets(p, ids)
+    sub = soft_targets(p[:, ids], 1 - p[:, ids].sum(-1))
     assert torch.allclose(sub.sum(-1), torch.ones(3)) and torch.allclose(sub, p[:, ids] / p[:, ids].sum(-1, keepdim=True))
     drafter = make(target, "eagle3", dense_ttt=True, ce_target="soft", position_weight="geometric")
     ids_in = torch.randint(0, V, (2, 16), generator=torch.Generator().manual_seed(0))

@@ -153,6 +153,22 @@ def compare_rows(n: int, args, vocab: int, seed: int = 0) -> list[dict]:
     return rows
 
 
+def draft_ids_of(base, rows: list[dict], vocab: int):
+    """The config's draft vocabulary (drafter.draft_vocab_size) built from these rows' supervised tokens,
+    as jobs.train builds it from the rollouts; None without one (the full vocabulary)."""
+    if not base.drafter.draft_vocab_size:
+        return None
+    import torch
+
+    from dspark.drafters.draft_vocab import top_token_ids
+
+    counts = torch.zeros(vocab, dtype=torch.long)
+    for r in rows:
+        ids, mask = torch.tensor(r["input_ids"]), torch.tensor(r["loss_mask"], dtype=torch.bool)
+        counts += torch.bincount(ids[mask], minlength=vocab)
+    return top_token_ids(counts, base.drafter.draft_vocab_size)
+
+
 def measure_interleaved(base, target, rows: list[dict], args, precision: str) -> dict:
     """Padded (window 1) and bucketed (--bucket-window) LocalTrainer runs over the same rows, their steps
     interleaved in ABBA order so load drift on a shared machine hits both alike; each step is timed on
@@ -167,7 +183,8 @@ def measure_interleaved(base, target, rows: list[dict], args, precision: str) ->
     runs = {}
     for name, window in (("padded", 1), ("bucketed", args.bucket_window)):
         torch.manual_seed(0)
-        trainer = LocalTrainer(base.drafter.algo, target, build_drafter(base.drafter, target), base.optim, precision)
+        drafter = build_drafter(base.drafter, target, draft_ids=draft_ids_of(base, rows, target.vocab_size))
+        trainer = LocalTrainer(base.drafter.algo, target, drafter, base.optim, precision)
         trainer.set_schedule(args.steps)
         picks = bucketed_batches(list(range(len(rows))), lengths, args.micro_batch, window, seed=0)
         runs[name] = {"trainer": trainer, "picks": picks, "s": 0.0, "tokens": 0.0, "flops": 0.0, "m": {}}

@@ -111,14 +111,10 @@ def summarize(args, rows: list[dict]) -> dict:
     variants = {f"{m}/{p}": {"tokens_per_s": sum(r["tokens"] for r in rs) / sum(r["wall_s"] for r in rs),
                              "cpu_per_wall": sum(r["cpu_per_wall"] for r in rs) / len(rs), "runs": len(rs)}
                 for (m, p), rs in by.items()}
-    ratios = {}
-    for m in args.modes.split(","):
-        if f"{m}/released" in variants and f"{m}/kept" in variants:
-            ratios[f"{m}: released/kept"] = variants[f"{m}/released"]["tokens_per_s"] / variants[f"{m}/kept"]["tokens_per_s"]
-    if "off/released" in variants and "dynamic/released" in variants:
-        ratios["dynamic/off (released)"] = variants["dynamic/released"]["tokens_per_s"] / variants["off/released"]["tokens_per_s"]
-    if "off/kept" in variants and "dynamic/kept" in variants:
-        ratios["dynamic/off (kept)"] = variants["dynamic/kept"]["tokens_per_s"] / variants["off/kept"]["tokens_per_s"]
+    pairs = {f"{m}: released/kept": (f"{m}/released", f"{m}/kept") for m in args.modes.split(",") if m}
+    pairs |= {f"dynamic/off ({p})": (f"dynamic/{p}", f"off/{p}") for p in ("released", "kept")}
+    ratios = {name: variants[a]["tokens_per_s"] / variants[b]["tokens_per_s"]
+              for name, (a, b) in pairs.items() if a in variants and b in variants}
     return {"benchmark": "engine_thread", "target": args.target, "drafter": args.drafter, "users": args.users,
             "requests": args.requests, "max_tokens": args.max_tokens, "prompt_len": args.prompt_len,
             "gamma": args.gamma, "threads": args.threads, "repeats": args.repeats, "variants": variants,

@@ -156,17 +156,10 @@ def compare_rows(n: int, args, vocab: int, seed: int = 0) -> list[dict]:
 def draft_ids_of(base, rows: list[dict], vocab: int):
     """The config's draft vocabulary (drafter.draft_vocab_size) built from these rows' supervised tokens,
     as jobs.train builds it from the rollouts; None without one (the full vocabulary)."""
-    if not base.drafter.draft_vocab_size:
-        return None
-    import torch
+    from dspark.drafters.draft_vocab import DraftVocabPlan, count_token_frequencies
 
-    from dspark.drafters.draft_vocab import top_token_ids
-
-    counts = torch.zeros(vocab, dtype=torch.long)
-    for r in rows:
-        ids, mask = torch.tensor(r["input_ids"]), torch.tensor(r["loss_mask"], dtype=torch.bool)
-        counts += torch.bincount(ids[mask], minlength=vocab)
-    return top_token_ids(counts, base.drafter.draft_vocab_size)
+    counts = count_token_frequencies(((r["input_ids"], r["loss_mask"]) for r in rows), vocab)
+    return DraftVocabPlan.from_counts(counts, base.drafter.draft_vocab_size).ids()
 
 
 def measure_interleaved(base, target, rows: list[dict], args, precision: str) -> dict:

@@ -122,7 +122,7 @@ class StepReport:
     emitted: int = 0
     finished: int = 0
     failed: int = 0
-    prefill_s: float = 0.0  # the newcomers' prefill forward
+    prefill_s: float = 0.0  # step start through the newcomers' prefill (admission included: the forward dominates)
     draft_s: float = 0.0  # drafter time: the context catch-up and propose_batch
     catch_up_s: float = 0.0  # drafter context catch-up, whether before drafting or overdue (`_catch_up`)
     gate_draft_s: float = 0.0  # what the draft gate weighs: draft_s less the catch-up backlog of skipped steps

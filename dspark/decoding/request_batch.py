@@ -200,11 +200,9 @@ class RequestBatch:
         t["rounds"] += report.rows
         t["prompt_tokens"] += report.prefill_tokens
         t["generated_tokens"] += report.emitted
-        for key in ("proposed", "verified", "accepted", "batch_tokens"):
+        for key in ("proposed", "verified", "accepted", "batch_tokens", "prefill_s", "draft_s", "verify_s", "catch_up_s"):
             t[key] += getattr(report, key)
         t["busy_s"] += report.step_s
-        for key in ("prefill_s", "draft_s", "verify_s", "catch_up_s"):
-            t[key] += getattr(report, key)
         t["draft_skipped_steps"] += int(self.drafting and report.rows > 0 and not report.drafted)
         for fn in self.step_listeners:
             try:

@@ -103,7 +103,7 @@ def drafter_loss(drafter, target, input_ids: Tensor, loss_mask: Tensor, attentio
         denom = loss_denominator(weights, n_blocks, cfg.resolved_loss_norm)
 
     if cfg.ce_target == "soft":  # soft CE against the target distribution, on the draft vocabulary if any
-        l_ce = soft_ce_loss(draft.logits, soft_targets(p_t_cols, lost), weights, denom)
+        l_ce = soft_ce_loss(draft.logits, soft_targets(p_t_cols, subset=draft_ids is not None), weights, denom)
     else:
         l_ce = ce_loss(draft.logits, ce_labels, weights, denom)
     l_tv = tv_loss(p_draft, p_t_cols, weights, denom, lost)
@@ -124,11 +124,10 @@ def drafter_loss(drafter, target, input_ids: Tensor, loss_mask: Tensor, attentio
     return LossOutput(loss, metrics)
 
 
-def soft_targets(p_t_cols: Tensor, lost: Tensor | None) -> Tensor:
-    """The soft-CE targets: p_t itself, or with a draft vocabulary p_t on its tokens (`p_t_cols`, with
-    `lost` the mass elsewhere) renormalised (the drafter puts no mass outside them, so CE against mass
-    there would be infinite)."""
-    if lost is None:
+def soft_targets(p_t_cols: Tensor, subset: bool) -> Tensor:
+    """The soft-CE targets: p_t itself, or with a draft vocabulary (`subset`) p_t on its tokens
+    renormalised (the drafter puts no mass outside them, so CE against mass there would be infinite)."""
+    if not subset:
         return p_t_cols
     return p_t_cols / p_t_cols.sum(-1, keepdim=True).clamp_min(1e-12)
 

@@ -158,10 +158,11 @@ def collate_cached(cache: FeatureCache, rows: Sequence[int], pad_id: int, device
             "target_out": out}
 
 
-def cached_step(trainer, batch: dict, seed: int) -> dict[str, float]:
+def cached_step(trainer, batch: dict, seed: int, update: bool = True) -> dict[str, float]:
     """One optimiser step of a `dspark.training.loop.LocalTrainer` on a cached batch (the same update as
-    `LocalTrainer.step`, with the target's outputs read from the cache). `flops` counts the drafter
-    work only (forward + backward and its frozen LM head); the target forward was paid at build time."""
+    `LocalTrainer.step`, with the target's outputs read from the cache; update=False drops the gradients:
+    a timed step that leaves the weights unchanged). `flops` counts the drafter work only (forward +
+    backward and its frozen LM head); the target forward was paid at build time."""
     from dspark.training.loop import autocast
     from dspark.training.loss import drafter_loss
 
@@ -171,7 +172,7 @@ def cached_step(trainer, batch: dict, seed: int) -> dict[str, float]:
     backend = trainer.backend  # the shared AdamW + clip + schedule update (dspark.training.step.TorchUpdate)
     backend.accum, backend.micro_done = 1, 0
     backend.backward(out.loss, 1.0)
-    backend.step()
+    backend.step(update)
     tokens = float(batch["attention_mask"].sum())
     fm = trainer.flops_model
     n_anchor, n_sup = out.metrics.get("n_anchors", 0.0), out.metrics.get("n_supervised", 0.0)

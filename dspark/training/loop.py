@@ -12,7 +12,9 @@ FLOPs model (`train_flops`, for tokens/s -> MFU; attention scores are not counte
     drafter forward+backward  6 · N_drafter · drafter positions (context tokens + anchor-block slots)
     drafter LM head (frozen)  4 · d · V · supervised predictions (forward + gradient w.r.t. its input)
 MFU = achieved FLOPs/s / the device's dense peak at the training precision (`peak_flops`; unknown
-devices, CPUs included, report FLOPs/s only).
+devices, CPUs included, report FLOPs/s only). A CPU has no data-sheet peak here; benchmarks that want an
+MFU on one pass `peak=measured_matmul_peak(...)`: what a large fp32 matmul reaches on this machine now,
+with this process's threads — an upper bound a training step can approach, not a vendor figure.
 """
 from __future__ import annotations
 
@@ -40,12 +42,25 @@ def peak_flops(device: str | torch.device, precision: str) -> float | None:
     return None
 
 
+def measured_matmul_peak(device: str | torch.device = "cpu", size: int = 1024, seconds: float = 1.0) -> float:
+    """FLOPs/s of repeated fp32 [size, size] @ [size, size] matmuls on `device` for ~`seconds` (after one
+    warm-up), with the current torch thread count: the achievable dense peak MFU is measured against."""
+    a = torch.randn(size, size, device=device)
+    b = torch.randn(size, size, device=device)
+    (a @ b).sum().item()
+    n, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        (a @ b).sum().item()  # .item(): the work is done (CUDA) before the clock is read
+        n += 1
+    return 2.0 * size ** 3 * n / (time.perf_counter() - start)
+
+
 def flops_rates(flops: float, seconds: float, device: str | torch.device, precision: str,
-                world: int = 1) -> dict[str, float | None]:
-    """model_tflops_per_s over `world` devices in `seconds`, and mfu (None where the device's peak is
-    unknown, e.g. on CPU)."""
+                world: int = 1, peak: float | None = None) -> dict[str, float | None]:
+    """model_tflops_per_s over `world` devices in `seconds`, and mfu against `peak` FLOPs/s per device
+    (default: the data-sheet peak; None where it is unknown, e.g. on CPU)."""
     per_s = flops / max(seconds, 1e-9)
-    peak = peak_flops(device, precision)
+    peak = peak or peak_flops(device, precision)
     return {"model_tflops_per_s": per_s / 1e12, "mfu": per_s / (peak * world) if peak else None}
 
 

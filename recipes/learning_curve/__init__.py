@@ -7,6 +7,8 @@ plus equal-budget baselines, a report (JSON + plot) and the inputs of `dspark pl
     python -m recipes.learning_curve baselines [--profile cpu|gpu] [--out DIR]   # 4 algos, real τ + speed
     python -m recipes.learning_curve epochs    [--profile cpu|gpu] [--out DIR] --epochs 2 6  # the largest point, more passes
         [--lr 5e-4] [--init-from e05]   # another peak learning rate; continue a saved drafter
+    python -m recipes.learning_curve sweep     [--out DIR] --layers 1 2 3 --anchors 32 128 512  # training tok/s + MFU
+    python -m recipes.learning_curve capacity  [--out DIR] --layers 1 2 --anchors 512 --minutes 20  # equal CPU-minutes
     python -m recipes.learning_curve report    [--profile cpu|gpu] [--out DIR]   # JSON + plot
 
 Every phase is resumable from its output folder (DIR, default /work/learn-runs/<profile>): rollouts commit a
@@ -25,13 +27,14 @@ import argparse
 
 from recipes.learning_curve.profiles import PROFILES, REPO, log
 from recipes.learning_curve.rollouts import cmd_rollouts
-from recipes.learning_curve.training import cmd_baselines, cmd_epochs, cmd_train
+from recipes.learning_curve.training import cmd_baselines, cmd_capacity, cmd_epochs, cmd_sweep, cmd_train
 from recipes.learning_curve.measure import cmd_decode, cmd_evaluate
 from recipes.learning_curve.report import cmd_report
 
 # ---------------------------------------------------------------- CLI
 PHASES = {"rollouts": cmd_rollouts, "train": cmd_train, "baselines": cmd_baselines, "evaluate": cmd_evaluate,
-          "decode": cmd_decode, "epochs": cmd_epochs, "report": cmd_report}
+          "decode": cmd_decode, "epochs": cmd_epochs, "report": cmd_report, "sweep": cmd_sweep,
+          "capacity": cmd_capacity}
 # `after-rollouts`: everything after the rollouts in ONE process (imports and the target load once), the
 # curve first (train, evaluate), then real decoding of what exists (DSpark at the largest point: the
 # estimator's check), then the baselines and their decoding; a stop at any point leaves valid results.
@@ -52,6 +55,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "the drafter goes to epochs/e<N>-lr<lr>")
     p.add_argument("--init-from", default=None, help="epochs: continue this epochs/<folder> drafter (e.g. e05) "
                    "with a new schedule instead of starting from scratch")
+    p.add_argument("--layers", type=int, nargs="+", default=None, help="sweep/capacity: drafter layers per setting")
+    p.add_argument("--anchors", type=int, nargs="+", default=None, help="sweep/capacity: anchors per sequence")
+    p.add_argument("--minutes", type=float, default=None, help="capacity: wall-clock training budget per setting")
     p.add_argument("--modes", nargs="+", default=None, help="decode: only these modes (and target-only)")
     p.add_argument("--results", default=str(REPO / "benchmarks" / "results" / "learning_curve"),
                    help="report: where <profile>.json and .png go")

@@ -8,7 +8,8 @@ from pathlib import Path
 
 from recipes.learning_curve.profiles import EVAL_DIR, REPO, log
 from recipes.learning_curve.shared import (
-    ALGOS, committed_rows, ensure_cache, epoch_drafters, epoch_mode, load_target_of, trained_drafters)
+    ALGOS, capacity_drafters, committed_rows, ensure_cache, epoch_drafters, epoch_mode, load_target_of,
+    trained_drafters)
 
 
 # ---------------------------------------------------------------- expected τ (teacher-forced estimate)
@@ -83,12 +84,14 @@ DECODE_TEMPERATURES = (1.0, 0.0)
 
 def decode_modes(largest: Path) -> dict:
     """mode -> (drafter folder or None, SchedulerConfig kwargs): the largest point's drafters, DSpark's
-    variants, and each drafter of the epochs series (`dspark_eNN`: fixed γ, γ = 3 and confidence threshold)."""
+    variants, and each drafter of the epochs and capacity series (`dspark_<folder>`: fixed γ, γ = 3 and
+    confidence threshold)."""
     modes = {"target": (None, {"mode": "off"})}
     modes |= {a: (largest / a / "drafter", {"mode": "fixed"}) for a in ALGOS if (largest / a / "drafter").exists()}
     if "dspark" in modes:
         modes |= {name: (largest / "dspark" / "drafter", sched) for name, sched in DSPARK_VARIANTS.items()}
-    for folder in epoch_drafters(largest.parent.parent):
+    out = largest.parent.parent
+    for folder in epoch_drafters(out) + capacity_drafters(out):
         name = epoch_mode(folder)
         modes |= {name: (folder / "drafter", {"mode": "fixed"}),
                   name + "_g3": (folder / "drafter", DSPARK_VARIANTS["dspark_g3"]),

@@ -5,7 +5,7 @@ import json
 from pathlib import Path
 
 from recipes.learning_curve.profiles import REPO
-from recipes.learning_curve.shared import epoch_drafters, epoch_mode, trained_drafters
+from recipes.learning_curve.shared import capacity_drafters, epoch_drafters, epoch_mode, trained_drafters
 from recipes.learning_curve.measure import DECODE_TEMPERATURES, decode_modes
 
 # ---------------------------------------------------------------- report
@@ -91,8 +91,9 @@ def cmd_report(args, prof: dict) -> dict:
                      decode_prompts=d.get("prompts"))
     points.sort(key=lambda p: p["rollout_tokens"])
     epochs_series = [epoch_entry(f) for f in epoch_drafters(out)]
-    for entry in epochs_series:  # real decoding of the same drafter, where the decode phase ran it
-        for suffix in ("", "_thr"):
+    capacity_series = [capacity_entry(f) for f in capacity_drafters(out)]
+    for entry in epochs_series + capacity_series:  # real decoding of the same drafter, where decode ran it
+        for suffix in ("", "_g3", "_thr"):
             d = decode.get(entry["mode"] + suffix, {})
             entry["decoded" + suffix] = {k: d.get(k) for k in ("tau", "tau_ci95", "speedup_batch1", "prompts")}
     rollout_manifest = out / "rollouts-train" / "manifest.json"
@@ -105,6 +106,8 @@ def cmd_report(args, prof: dict) -> dict:
                      "(dspark/eval/acceptance_estimate.py); ci95 = prompt bootstrap",
         "points": points, "baselines": baselines,
         "epochs_series": epochs_series,  # the largest point trained for more passes (phase `epochs`)
+        "capacity_series": capacity_series,  # layers x anchors at equal wall-clock (phase `capacity`)
+        "training_sweep": json.loads((out / "sweep.json").read_text()) if (out / "sweep.json").exists() else None,
         "target_only": decode.get("target"), "fit": fit_curve(points),
         "decode": {"modes": {m: {"drafter": None if p is None else p.parent.name, "scheduler": sched}
                              for m, (p, sched) in decode_modes(out / "points" / largest).items()}
@@ -118,7 +121,7 @@ def cmd_report(args, prof: dict) -> dict:
     }
     results = Path(args.results)
     results.mkdir(parents=True, exist_ok=True)
-    best = best_dspark(out, largest, points, epochs_series)
+    best = best_dspark(out, largest, points, epochs_series + capacity_series)
     if best is not None:  # the committed drafter: the best expected τ at the largest point (any epochs)
         report["drafter"] = {**export_bf16(best, results / f"drafter-{args.profile}"),
                              "source": str(best.relative_to(out))}
@@ -128,12 +131,13 @@ def cmd_report(args, prof: dict) -> dict:
     return report
 
 
-def best_dspark(out: Path, largest: str | None, points: list[dict], epochs_series: list[dict]) -> Path | None:
-    """The DSpark drafter folder with the highest expected τ among the largest point and its epochs series."""
+def best_dspark(out: Path, largest: str | None, points: list[dict], series: list[dict]) -> Path | None:
+    """The DSpark drafter folder with the highest expected τ among the largest point and its epochs and
+    capacity series."""
     if not largest or not (out / "points" / largest / "dspark" / "drafter").exists():
         return None
     best, best_tau = out / "points" / largest / "dspark" / "drafter", (points[-1]["expected_tau"] if points else 0) or 0
-    for e in epochs_series:
+    for e in series:
         if (e["expected_tau"] or 0) > best_tau:
             best_tau, best = e["expected_tau"], out / e["folder"] / "dspark" / "drafter"
     return best
@@ -153,6 +157,21 @@ def epoch_entry(folder: Path) -> dict:
             "expected_tau": est.get("expected_tau"), "expected_tau_ci95": est.get("expected_tau_ci95"),
             "acceptance_per_position": est.get("acceptance_per_position"),
             "final_loss": train.get("final_metrics", {}).get("loss"), "folder": f"epochs/{folder.parent.name}",
+            "mode": epoch_mode(folder)}
+
+
+def capacity_entry(folder: Path) -> dict:
+    """One drafter of the capacity series: a (layers, anchors) setting trained for a fixed wall-clock."""
+    train = json.loads((folder / "train.json").read_text())
+    est = json.loads((folder / "estimate.json").read_text()).get("alpha", {}) if (folder / "estimate.json").exists() else {}
+    keys = ("num_layers", "anchors_per_seq", "budget_minutes", "probe_step_s", "threads", "steps", "epochs",
+            "trained_tokens", "wall_s", "cpu_minutes", "tokens_per_s", "drafter_tflops_per_s", "mfu",
+            "mfu_peak_tflops", "rollout_tokens")
+    params = sum(f.stat().st_size for f in (folder / "drafter").glob("*.safetensors"))
+    return {**{k: train.get(k) for k in keys}, "checkpoint_bytes_fp32": params,
+            "expected_tau": est.get("expected_tau"), "expected_tau_ci95": est.get("expected_tau_ci95"),
+            "acceptance_per_position": est.get("acceptance_per_position"),
+            "final_loss": train.get("final_metrics", {}).get("loss"), "folder": f"capacity/{folder.parent.name}",
             "mode": epoch_mode(folder)}
 
 

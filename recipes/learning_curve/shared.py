@@ -116,6 +116,11 @@ def epoch_drafters(out: Path) -> list[Path]:
     return sorted(p for p in (out / "epochs").glob("e*/dspark") if (p / "train.json").exists())
 
 
+def capacity_drafters(out: Path) -> list[Path]:
+    return sorted(p for p in (out / "capacity").glob("*/dspark") if (p / "train.json").exists())
+
+
 def epoch_mode(folder: Path) -> str:
-    """Decode-mode name of an epochs-series drafter folder (epochs/e05/dspark -> dspark_e05)."""
+    """Decode-mode name of an epochs- or capacity-series drafter folder (epochs/e05/dspark -> dspark_e05,
+    capacity/L1-a256-m20/dspark -> dspark_L1-a256-m20)."""
     return f"dspark_{folder.parent.name}"

@@ -1,14 +1,15 @@
-"""Phases `train`, `baselines`, `epochs`: one drafter per training point (nested prefixes of the
-rollouts), each skipped when already saved."""
+"""Phases `train`, `baselines`, `epochs`, `capacity`: one drafter per training point (nested prefixes of
+the rollouts) or setting, each skipped when already saved; `sweep`: training throughput per setting."""
 from __future__ import annotations
 
+import functools
 import json
 import time
 from pathlib import Path
 
 from recipes.learning_curve.profiles import log
 from recipes.learning_curve.shared import (
-    ALGOS, epoch_drafters, load_target_of, point_sizes, train_cache, wanted_sizes)
+    ALGOS, capacity_drafters, epoch_drafters, load_target_of, point_sizes, train_cache, wanted_sizes)
 from recipes.learning_curve.measure import estimate_folders
 
 
@@ -35,18 +36,17 @@ def draft_ids_of(cache, n_rows: int, vocab: int, size: int | None):
     return ids, coverage(counts, ids)
 
 
-def train_one(target, prof: dict, cache, n_rows: int, algo: str, folder: Path, init: Path | None = None) -> dict:
-    """Train one drafter on the first n_rows cached rows (`epochs` passes); skip if already saved.
+def train_one(target, prof: dict, cache, n_rows: int, algo: str, folder: Path, init: Path | None = None,
+              minutes: float | None = None) -> dict:
+    """Train one drafter on the first n_rows cached rows (`epochs` passes, or with `minutes` as many steps
+    as the probed step time fits in that wall-clock budget); skip if already saved.
     `init`: a drafter folder of the same config to start from instead of a fresh initialisation."""
-    import random
-
     import numpy as np
     import torch
 
     from dspark.drafters import build_drafter, save_drafter
-    from dspark.training.batching import bucketed_batches
     from dspark.training.config import OptimSection
-    from dspark.training.feature_cache import cached_step, collate_cached
+    from dspark.training.feature_cache import cached_step
     from dspark.training.loop import LocalTrainer, flops_rates
 
     done = folder / "train.json"
@@ -64,43 +64,93 @@ def train_one(target, prof: dict, cache, n_rows: int, algo: str, folder: Path, i
     optim = OptimSection(lr=prof["lr"], warmup_ratio=0.04, schedule="cosine", grad_clip=1.0)
     trainer = LocalTrainer(algo, target, drafter, optim, precision="fp32")
     batch = min(prof["batch_size"], n_rows)
-    per_epoch = n_rows // batch
-    steps = per_epoch * prof["epochs"]
+    batches = cached_batches(cache, n_rows, batch, prof, target)
+    probe_s = None
+    if minutes:  # the schedule is sized from the measured step time, the weights untouched by the probe
+        probe_s = probe_step(trainer, cache, n_rows, batch, target)["step_s"]
+        steps = max(1, int(minutes * 60 / probe_s))
+    else:
+        steps = n_rows // batch * prof["epochs"]
     trainer.set_schedule(steps)
-    lengths = [min(len(x), prof["max_len"]) for x in cache.input_ids[:n_rows]]
-    log(f"{folder.parent.name}/{algo}: {n_rows} rows, {steps} steps of {batch} ({prof['epochs']} epochs), draft vocab "
-        f"{cfg.draft_vocab_size} (coverage {cov if cov is None else round(cov, 4)})")
-    t0, tokens, flops, step, curve, last = time.perf_counter(), 0.0, 0.0, 0, [], []
-    for epoch in range(prof["epochs"]):
-        order = list(range(n_rows))
-        random.Random(prof["seed"] * 7919 + epoch).shuffle(order)
-        for rows in bucketed_batches(order, lengths, batch, window=8, seed=prof["seed"] + epoch):
-            b = collate_cached(cache, rows, target.pad_token_id, target.device)
-            m = cached_step(trainer, b, seed=prof["seed"] * 1_000_003 + step)
-            step += 1
-            tokens, flops = tokens + m["tokens"], flops + m["flops"]
-            last = (last + [m])[-20:]
-            if step % prof["log_every"] == 0 or step == steps:
-                dt = time.perf_counter() - t0
-                row = {"step": step, "loss": m["loss"], "tokens_per_s": tokens / dt,
-                       **{k: float(np.mean([x[k] for x in last if k in x])) for k in ("loss", "token_acc") if k in m}}
-                curve.append(row)
-                log(f"  {algo} step {step}/{steps} loss {row['loss']:.3f} acc {row.get('token_acc', 0):.3f} "
-                    f"{row['tokens_per_s']:.0f} tok/s, {dt:.0f} s")
+    plan = f"{minutes:g} min at {probe_s:.2f} s/step" if minutes else f"{prof['epochs']} epochs"
+    log(f"{folder.parent.name}/{algo}: {n_rows} rows, {steps} steps of {batch} ({plan}), "
+        f"{cfg.num_layers} layers, {cfg.anchors_per_seq} anchors/seq, draft vocab {cfg.draft_vocab_size} "
+        f"(coverage {cov if cov is None else round(cov, 4)})")
+    t0, tokens, flops, curve, last = time.perf_counter(), 0.0, 0.0, [], []
+    for step in range(1, steps + 1):
+        m = cached_step(trainer, next(batches), seed=prof["seed"] * 1_000_003 + step - 1)
+        tokens, flops = tokens + m["tokens"], flops + m["flops"]
+        last = (last + [m])[-20:]
+        if step % prof["log_every"] == 0 or step == steps:
+            dt = time.perf_counter() - t0
+            row = {"step": step, "loss": m["loss"], "tokens_per_s": tokens / dt,
+                   **{k: float(np.mean([x[k] for x in last if k in x])) for k in ("loss", "token_acc") if k in m}}
+            curve.append(row)
+            log(f"  {algo} step {step}/{steps} loss {row['loss']:.3f} acc {row.get('token_acc', 0):.3f} "
+                f"{row['tokens_per_s']:.0f} tok/s, {dt:.0f} s")
     wall = time.perf_counter() - t0
     save_drafter(drafter, str(folder / "drafter"))
-    rates = flops_rates(flops, wall, target.device, "fp32")
+    peak = matmul_peak(str(target.device))
+    rates = flops_rates(flops, wall, target.device, "fp32", peak=peak)
     result = {"algo": algo, "rows": n_rows, "rollout_tokens": int(sum(m for m in cache.generated_tokens()[:n_rows])),
-              "trained_tokens": tokens, "steps": steps, "epochs": prof["epochs"], "batch_size": batch, "lr": prof["lr"],
+              "trained_tokens": tokens, "steps": steps, "epochs": steps * batch / n_rows if minutes else prof["epochs"],
+              "batch_size": batch, "lr": prof["lr"], "budget_minutes": minutes, "probe_step_s": probe_s,
+              "threads": torch.get_num_threads(),
               "init_from": None if init is None else f"{init.parent.parent.name}/{init.parent.name}",
-              "anchors_per_seq": cfg.anchors_per_seq, "draft_vocab_size": cfg.draft_vocab_size,
-              "draft_vocab_coverage": cov, "wall_s": wall, "cpu_minutes": wall / 60 * prof["threads"],
-              "tokens_per_s": tokens / wall, "drafter_tflops_per_s": rates["model_tflops_per_s"],
-              "mfu": rates["mfu"], "final_metrics": {k: float(np.mean([x[k] for x in last]))
-                                                     for k in last[-1] if isinstance(last[-1][k], float)},
+              "num_layers": cfg.num_layers, "anchors_per_seq": cfg.anchors_per_seq,
+              "draft_vocab_size": cfg.draft_vocab_size, "draft_vocab_coverage": cov, "wall_s": wall,
+              "cpu_minutes": wall / 60 * torch.get_num_threads(), "tokens_per_s": tokens / wall,
+              "drafter_tflops_per_s": rates["model_tflops_per_s"], "mfu": rates["mfu"],
+              "mfu_peak_tflops": peak / 1e12, "mfu_basis": "measured fp32 1024^3 matmul, same threads",
+              "final_metrics": {k: float(np.mean([x[k] for x in last])) for k in last[-1] if isinstance(last[-1][k], float)},
               "curve": curve, "drafter_config": cfg.model_dump()}
     done.write_text(json.dumps(result, indent=1))
     return result
+
+
+@functools.lru_cache(maxsize=None)
+def matmul_peak(device: str) -> float:
+    """This machine's measured matmul FLOPs/s (the MFU basis), once per process and device."""
+    from dspark.training.loop import measured_matmul_peak
+
+    return measured_matmul_peak(device)
+
+
+def cached_batches(cache, n_rows: int, batch: int, prof: dict, target):
+    """Endless collated batches of the first n_rows cached rows: a new shuffle per epoch, length-bucketed."""
+    import random
+
+    from dspark.training.batching import bucketed_batches
+    from dspark.training.feature_cache import collate_cached
+
+    lengths = [min(len(x), prof["max_len"]) for x in cache.input_ids[:n_rows]]
+    epoch = 0
+    while True:
+        order = list(range(n_rows))
+        random.Random(prof["seed"] * 7919 + epoch).shuffle(order)
+        for rows in bucketed_batches(order, lengths, batch, window=8, seed=prof["seed"] + epoch):
+            yield collate_cached(cache, rows, target.pad_token_id, target.device)
+        epoch += 1
+
+
+def probe_step(trainer, cache, n_rows: int, batch: int, target, seed: int = 0) -> dict[str, float]:
+    """One cached step (update=False) timed on a short, a median and a long batch after a warm-up (one
+    random batch would mis-size a budgeted run by the spread of row lengths): mean seconds per step
+    (`step_s`) and mean tokens, FLOPs, anchors and supervised positions per step."""
+    from dspark.training.feature_cache import cached_step, collate_cached
+
+    order = sorted(range(n_rows), key=lambda i: len(cache.input_ids[i]))
+    picks = [order[s:s + batch] for s in sorted({0, max(0, n_rows // 2 - batch // 2), max(0, n_rows - batch)})]
+    batches = [collate_cached(cache, rows, target.pad_token_id, target.device) for rows in picks]
+    cached_step(trainer, batches[0], seed, update=False)
+    sums: dict[str, float] = {}
+    start = time.perf_counter()
+    for i, b in enumerate(batches):
+        m = cached_step(trainer, b, seed + i + 1, update=False)
+        for k in ("tokens", "flops", "n_anchors", "n_supervised"):
+            sums[k] = sums.get(k, 0.0) + m.get(k, 0.0)
+    elapsed = time.perf_counter() - start
+    return {"step_s": elapsed / len(batches), **{k: v / len(batches) for k, v in sums.items()}}
 
 
 def cmd_train(args, prof: dict) -> None:
@@ -147,3 +197,73 @@ def cmd_epochs(args, prof: dict) -> None:
         train_one(target, {**prof, "epochs": epochs}, cache, n, "dspark",
                   out / "epochs" / epochs_folder_name(epochs, prof, args) / "dspark", init)
     estimate_folders(target, prof, out, epoch_drafters(out))
+
+
+def capacity_folder(out: Path, layers: int, anchors: int, minutes: float) -> Path:
+    return out / "capacity" / f"L{layers}-a{anchors}-m{minutes:g}" / "dspark"
+
+
+def with_drafter(prof: dict, **overrides) -> dict:
+    return {**prof, "drafter": {**prof["drafter"], **overrides}}
+
+
+def cmd_capacity(args, prof: dict) -> None:
+    """DSpark at the largest point, one drafter per (--layers, --anchors) setting, each trained from scratch
+    for the same wall-clock budget (--minutes, schedule sized from the probed step time), into
+    capacity/L<layers>-a<anchors>-m<minutes>/dspark, then its expected τ: what capacity and anchor density
+    buy per CPU-minute."""
+    if not args.minutes:
+        raise SystemExit("capacity: --minutes is required (the equal wall-clock budget of every setting)")
+    out = Path(args.out)
+    target = load_target_of(prof)
+    rows, cache = train_cache(target, prof, out)
+    _, n = point_sizes(rows, wanted_sizes(rows, prof))[-1]
+    for layers in args.layers or [prof["drafter"]["num_layers"]]:
+        for anchors in args.anchors or [prof["drafter"]["anchors_per_seq"]]:
+            train_one(target, with_drafter(prof, num_layers=layers, anchors_per_seq=anchors), cache, n, "dspark",
+                      capacity_folder(out, layers, anchors, args.minutes), minutes=args.minutes)
+    estimate_folders(target, prof, out, capacity_drafters(out))
+
+
+def cmd_sweep(args, prof: dict) -> None:
+    """Training throughput of DSpark on the cached features per (--layers, --anchors): tokens/s, anchor
+    blocks/s, drafter TFLOP/s and MFU against this machine's measured matmul peak, each from the same
+    three probe batches (short, median, long rows); written to sweep.json (the report copies it)."""
+    import torch
+
+    from dspark.drafters import build_drafter
+    from dspark.training.config import OptimSection
+    from dspark.training.loop import LocalTrainer, flops_rates
+
+    out = Path(args.out)
+    target = load_target_of(prof)
+    rows, cache = train_cache(target, prof, out)
+    _, n = point_sizes(rows, wanted_sizes(rows, prof))[-1]
+    batch = min(prof["batch_size"], n)
+    peak = matmul_peak(str(target.device))
+    settings = []
+    for layers in args.layers or [prof["drafter"]["num_layers"]]:
+        for anchors in args.anchors or [prof["drafter"]["anchors_per_seq"]]:
+            cfg = drafter_config(with_drafter(prof, num_layers=layers, anchors_per_seq=anchors), "dspark")
+            ids, _ = draft_ids_of(cache, n, int(target.vocab_size), cfg.draft_vocab_size)
+            torch.manual_seed(prof["seed"])
+            drafter = build_drafter(cfg, target, draft_ids=ids)
+            trainer = LocalTrainer("dspark", target, drafter, OptimSection(lr=prof["lr"]), precision="fp32")
+            m = probe_step(trainer, cache, n, batch, target)
+            rates = flops_rates(m["flops"], m["step_s"], target.device, "fp32", peak=peak)
+            entry = {"num_layers": layers, "anchors_per_seq": anchors, "batch_size": batch,
+                     "trainable_params": sum(p.numel() for p in drafter.parameters() if p.requires_grad),
+                     "step_s": m["step_s"], "tokens_per_s": m["tokens"] / m["step_s"],
+                     "anchor_blocks_per_s": m["n_anchors"] / m["step_s"],
+                     "supervised_per_s": m["n_supervised"] / m["step_s"],
+                     "anchors_per_step": m["n_anchors"], "drafter_tflops_per_s": rates["model_tflops_per_s"],
+                     "mfu": rates["mfu"]}
+            settings.append(entry)
+            log(f"sweep L{layers} a{anchors}: {entry['tokens_per_s']:.0f} tok/s, "
+                f"{entry['anchor_blocks_per_s']:.0f} anchor blocks/s, MFU {entry['mfu']:.3f}")
+    result = {"device": prof["device_label"], "threads": torch.get_num_threads(), "rows": n,
+              "mfu_peak_tflops": peak / 1e12, "mfu_basis": "measured fp32 1024^3 matmul, same threads",
+              "method": "mean of 3 timed cached steps (short, median, long batch) after a warm-up, no update",
+              "settings": settings}
+    (out / "sweep.json").write_text(json.dumps(result, indent=1))
+    print(json.dumps(result))

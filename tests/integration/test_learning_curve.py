@@ -72,3 +72,26 @@ def test_phases_resume_and_report(tmp_path):
     from recipes.learning_curve.report import epoch_entry
 
     assert epoch_entry(cont)["total_epochs"] == 3 and (cont / "estimate.json").exists()
+
+    # training throughput per (layers, anchors), then two capacities at the same wall-clock budget
+    run("sweep", out, "--layers", "1", "2", "--anchors", "4", "16")
+    sweep = json.loads((out / "sweep.json").read_text())
+    assert [(s["num_layers"], s["anchors_per_seq"]) for s in sweep["settings"]] == [(1, 4), (1, 16), (2, 4), (2, 16)]
+    assert sweep["mfu_peak_tflops"] > 0
+    for s in sweep["settings"]:
+        assert s["tokens_per_s"] > 0 and 0 < s["mfu"] < 1.5 and s["anchors_per_step"] > 0
+    by = {(s["num_layers"], s["anchors_per_seq"]): s for s in sweep["settings"]}
+    assert by[(1, 16)]["anchors_per_step"] > by[(1, 4)]["anchors_per_step"]  # denser anchors, more blocks
+    assert by[(2, 4)]["trainable_params"] > by[(1, 4)]["trainable_params"]
+    run("capacity", out, "--layers", "1", "2", "--anchors", "16", "--minutes", "0.05")
+    cap = {p.parent.name: json.loads((p / "train.json").read_text())
+           for p in sorted((out / "capacity").glob("*/dspark"))}
+    assert set(cap) == {"L1-a16-m0.05", "L2-a16-m0.05"}
+    for name, t in cap.items():
+        assert t["budget_minutes"] == 0.05 and t["steps"] >= 1 and t["probe_step_s"] > 0
+        assert t["num_layers"] == int(name[1]) and (out / "capacity" / name / "dspark" / "estimate.json").exists()
+    report = lc.cmd_report(lc.parse_args(["report", "--profile", "tiny", "--out", str(out),
+                                          "--results", str(tmp_path / "results")]), lc.PROFILES["tiny"])
+    assert [c["folder"] for c in report["capacity_series"]] == ["capacity/L1-a16-m0.05", "capacity/L2-a16-m0.05"]
+    assert all(c["expected_tau"] >= 1.0 and c["mfu"] > 0 for c in report["capacity_series"])
+    assert report["training_sweep"]["settings"] == sweep["settings"]

@@ -152,3 +152,13 @@ def test_train_throughput_compare_reports_padded_and_bucketed_side_by_side():
     padded, bucketed = report["results"]["fp32/padded"], report["results"]["fp32/bucketed"]
     assert padded["timed_steps"] == bucketed["timed_steps"] == 2
     assert bucketed["padding_fraction"] <= padded["padding_fraction"] and bucketed["tokens_per_s"] > 0
+
+
+def test_measured_matmul_peak_is_the_mfu_basis():
+    from dspark.training.loop import flops_rates, measured_matmul_peak
+
+    peak = measured_matmul_peak("cpu", size=256, seconds=0.05)
+    assert 1e8 < peak < 1e14  # a plausible CPU: more than 0.1 GFLOP/s, less than 100 TFLOP/s
+    rates = flops_rates(2e9, 1.0, "cpu", "fp32", peak=4e9)
+    assert rates["model_tflops_per_s"] == pytest.approx(2e-3) and rates["mfu"] == pytest.approx(0.5)
+    assert flops_rates(2e9, 1.0, "cpu", "fp32")["mfu"] is None  # no data-sheet peak for a CPU

@@ -244,6 +244,13 @@ class Drafter(nn.Module):
         return self.block_len
 
     @property
+    def context_params_per_token(self) -> int:
+        """Trainable weights every context token passes through in training (the FLOPs model's 6·N per
+        context token): the fused-feature projection `fc`, plus what each algorithm adds (DFlash: the
+        layers' K/V projections of the injected context)."""
+        return sum(p.numel() for p in self.fc.parameters() if p.requires_grad)
+
+    @property
     def trains_every_position(self) -> bool:
         """True when training supervises every eligible position (Eagle3's dense TTT) rather than the
         sampled anchors."""

@@ -45,6 +45,13 @@ class DFlashDrafter(Drafter):
         return self.config.block_size + 1  # anchor + γ masks
 
     @property
+    def context_params_per_token(self) -> int:
+        """fc, then every layer's K/V projection of the context states (queries, MLPs: block slots only)."""
+        kv = sum(p.numel() for layer in self.layers for proj in (layer.self_attn.k_proj, layer.self_attn.v_proj)
+                 for p in proj.parameters() if p.requires_grad)
+        return super().context_params_per_token + kv
+
+    @property
     def first_pred_slot(self) -> int:
         return 1  # slot j >= 1 predicts token t+j
 

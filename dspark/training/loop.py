@@ -6,11 +6,14 @@ step (DrafterStep: the library loss, AdamW with the training job's optimiser sec
 gradient clipping, bf16 autocast on CUDA with fp32 master weights; fp32 on CPU) on one device.
 
 FLOPs model (`train_flops`, for tokens/s -> MFU; attention scores are not counted, as in the usual
-6·N·D estimate):
+6·N·D estimate; N counts matmul weights only — embedding tables are lookups):
     target forward            2 · N_target · tokens
     target LM head            2 · d · V · supervised predictions (p_t at the supervised positions)
-    drafter forward+backward  6 · N_drafter · drafter positions (context tokens + anchor-block slots)
-    drafter LM head (frozen)  4 · d · V · supervised predictions (forward + gradient w.r.t. its input)
+    drafter context           6 · N_context · tokens (the weights a context token passes through:
+                              `Drafter.context_params_per_token`, e.g. DFlash's fc and K/V projections)
+    drafter anchor blocks     6 · N_drafter · anchor-block slots
+    drafter LM head (frozen)  4 · d · V_draft · supervised predictions (forward + gradient w.r.t. its
+                              input; V_draft = the draft vocabulary where one is set)
 MFU = achieved FLOPs/s / the device's dense peak at the training precision (`peak_flops`; unknown
 devices, CPUs included, report FLOPs/s only). A CPU has no data-sheet peak here; benchmarks that want an
 MFU on one pass `peak=measured_matmul_peak(...)`: what a large fp32 matmul reaches on this machine now,
@@ -68,28 +71,35 @@ def param_count(module: torch.nn.Module, trainable_only: bool = False) -> int:
     return sum(p.numel() for p in module.parameters() if p.requires_grad or not trainable_only)
 
 
+def matmul_param_count(module: torch.nn.Module) -> int:
+    """Trainable parameters outside embedding tables (a lookup costs no multiply-adds)."""
+    lookups = {id(p) for m in module.modules() if isinstance(m, torch.nn.Embedding) for p in m.parameters()}
+    return sum(p.numel() for p in module.parameters() if p.requires_grad and id(p) not in lookups)
+
+
 @dataclass(frozen=True)
 class FlopsModel:
     """Sizes `train_flops` needs, read once from the target and the drafter."""
     target_params: int
-    drafter_params: int  # trainable drafter parameters
+    drafter_params: int  # trainable drafter matmul weights (embedding tables excluded)
+    context_params: int  # of those, the ones every context token passes through
     hidden: int
-    vocab: int
+    vocab: int  # the target's (p_t is normalised over all of it)
+    draft_vocab: int  # the drafter's output columns
     block_slots: int  # drafter positions per anchor: γ+1 (dflash / dspark), ttt_steps (eagle3)
 
     @classmethod
     def of(cls, target, drafter) -> "FlopsModel":
         model = getattr(drafter, "module", drafter)
-        slots = model.slots_per_anchor
-        return cls(param_count(target.model), param_count(model, trainable_only=True), int(target.hidden_size),
-                   int(target.vocab_size), int(slots))
+        return cls(param_count(target.model), matmul_param_count(model), int(model.context_params_per_token),
+                   int(target.hidden_size), int(target.vocab_size), int(model.draft_vocab_size),
+                   int(model.slots_per_anchor))
 
     def train_flops(self, tokens: float, n_anchors: float, n_supervised: float) -> float:
         """FLOPs of one micro batch (see the module docstring); tokens = non-padding tokens."""
-        head = self.hidden * self.vocab * n_supervised
-        drafter_positions = tokens + n_anchors * self.block_slots
-        return 2.0 * self.target_params * tokens + 2.0 * head + 6.0 * self.drafter_params * drafter_positions \
-            + 4.0 * head
+        target = 2.0 * self.target_params * tokens + 2.0 * self.hidden * self.vocab * n_supervised
+        drafter = 6.0 * (self.context_params * tokens + self.drafter_params * n_anchors * self.block_slots)
+        return target + drafter + 4.0 * self.hidden * self.draft_vocab * n_supervised
 
 
 @dataclass

@@ -95,11 +95,22 @@ def test_precision_and_flops_model(target):
         resolve_precision("cpu", "fp16")
     drafter = build_drafter(DrafterConfig(algo="dflash", block_size=4, num_layers=1), target)
     fm = FlopsModel.of(target, drafter)
-    assert fm.block_slots == 5 and fm.vocab == 16
+    assert fm.block_slots == 5 and fm.vocab == fm.draft_vocab == 16
     n_t = sum(p.numel() for p in target.model.parameters())
-    # 10 tokens, 2 anchors, 6 supervised: 2·N_t·10 + 6·d·V·6 + 6·N_d·(10 + 2·5)
-    expect = 2 * n_t * 10 + 6 * fm.hidden * 16 * 6 + 6 * fm.drafter_params * 20
+    attn = drafter.layers[0].self_attn
+    n_ctx = drafter.fc.weight.numel() + attn.k_proj.weight.numel() + attn.v_proj.weight.numel()
+    assert fm.context_params == n_ctx < fm.drafter_params
+    # 10 tokens, 2 anchors, 6 supervised: 2·N_t·10 + 2·d·V·6 (p_t) + 6·N_ctx·10 + 6·N_d·(2·5) + 4·d·V·6
+    expect = 2 * n_t * 10 + 6 * fm.hidden * 16 * 6 + 6 * n_ctx * 10 + 6 * fm.drafter_params * 10
     assert fm.train_flops(10, 2, 6) == pytest.approx(expect)
+    # DSpark's Markov head: its previous-token table is a lookup (no FLOPs); a draft vocabulary shrinks
+    # the drafter's head term only (p_t still normalises over the whole target vocabulary)
+    ds = build_drafter(DrafterConfig(algo="dspark", block_size=4, num_layers=1, rank=4, draft_vocab_size=8), target,
+                       draft_ids=torch.arange(8))
+    fm2 = FlopsModel.of(target, ds)
+    trainable = sum(p.numel() for p in ds.parameters() if p.requires_grad)
+    assert fm2.drafter_params == trainable - ds.markov_head.markov_w1.weight.numel() and fm2.draft_vocab == 8
+    assert fm2.train_flops(0, 0, 1) == pytest.approx(2 * fm2.hidden * 16 + 4 * fm2.hidden * 8)
     rates = Throughput("cpu", "fp32").mark(100.0, 1e9)
     assert rates["tokens_per_s"] > 0 and "mfu" not in rates  # no known peak on a CPU
 

@@ -143,36 +143,35 @@ def best_dspark(out: Path, largest: str | None, points: list[dict], series: list
     return best
 
 
-def epoch_entry(folder: Path) -> dict:
-    """One drafter of the epochs series: passes over the largest point's rows -> expected τ."""
+def series_entry(folder: Path, keys: tuple[str, ...]) -> dict:
+    """One drafter of a series beside the curve (epochs/<name>/dspark, capacity/<name>/dspark): `keys` of
+    its train.json, its expected τ, final loss, folder and decode-mode name."""
     train = json.loads((folder / "train.json").read_text())
     est = json.loads((folder / "estimate.json").read_text()).get("alpha", {}) if (folder / "estimate.json").exists() else {}
-    before = 0  # passes the drafter it continued had already made
-    if train.get("init_from"):
-        before = json.loads((folder.parents[2] / train["init_from"] / "dspark" / "train.json").read_text())["epochs"]
-    return {"epochs": train["epochs"], "total_epochs": before + train["epochs"], "lr": train.get("lr"),
-            "init_from": train.get("init_from"),
-            "rollout_tokens": train["rollout_tokens"], "steps": train["steps"],
-            "trained_tokens": train["trained_tokens"], "wall_s": train["wall_s"], "tokens_per_s": train["tokens_per_s"],
+    return {**{k: train.get(k) for k in keys},
             "expected_tau": est.get("expected_tau"), "expected_tau_ci95": est.get("expected_tau_ci95"),
             "acceptance_per_position": est.get("acceptance_per_position"),
-            "final_loss": train.get("final_metrics", {}).get("loss"), "folder": f"epochs/{folder.parent.name}",
-            "mode": epoch_mode(folder)}
+            "final_loss": train.get("final_metrics", {}).get("loss"),
+            "folder": f"{folder.parent.parent.name}/{folder.parent.name}", "mode": epoch_mode(folder)}
+
+
+def epoch_entry(folder: Path) -> dict:
+    """One drafter of the epochs series: passes over the largest point's rows -> expected τ."""
+    entry = series_entry(folder, ("epochs", "lr", "init_from", "rollout_tokens", "steps", "trained_tokens",
+                                  "wall_s", "tokens_per_s"))
+    before = 0  # passes the drafter it continued had already made
+    if entry["init_from"]:
+        before = json.loads((folder.parents[2] / entry["init_from"] / "dspark" / "train.json").read_text())["epochs"]
+    return {**entry, "total_epochs": before + entry["epochs"]}
 
 
 def capacity_entry(folder: Path) -> dict:
     """One drafter of the capacity series: a (layers, anchors) setting trained for a fixed wall-clock."""
-    train = json.loads((folder / "train.json").read_text())
-    est = json.loads((folder / "estimate.json").read_text()).get("alpha", {}) if (folder / "estimate.json").exists() else {}
-    keys = ("num_layers", "anchors_per_seq", "budget_minutes", "probe_step_s", "threads", "steps", "epochs",
-            "trained_tokens", "wall_s", "cpu_minutes", "tokens_per_s", "drafter_tflops_per_s", "mfu",
-            "mfu_peak_tflops", "rollout_tokens")
-    params = sum(f.stat().st_size for f in (folder / "drafter").glob("*.safetensors"))
-    return {**{k: train.get(k) for k in keys}, "checkpoint_bytes_fp32": params,
-            "expected_tau": est.get("expected_tau"), "expected_tau_ci95": est.get("expected_tau_ci95"),
-            "acceptance_per_position": est.get("acceptance_per_position"),
-            "final_loss": train.get("final_metrics", {}).get("loss"), "folder": f"capacity/{folder.parent.name}",
-            "mode": epoch_mode(folder)}
+    entry = series_entry(folder, ("num_layers", "anchors_per_seq", "budget_minutes", "probe_step_s", "threads",
+                                  "steps", "epochs", "trained_tokens", "wall_s", "cpu_minutes", "tokens_per_s",
+                                  "drafter_tflops_per_s", "mfu", "mfu_peak_tflops", "rollout_tokens"))
+    checkpoint_bytes = sum(f.stat().st_size for f in (folder / "drafter").glob("*.safetensors"))
+    return {**entry, "checkpoint_bytes_fp32": checkpoint_bytes}
 
 
 def export_bf16(src: Path, dest: Path) -> dict:

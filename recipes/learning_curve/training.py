@@ -27,13 +27,14 @@ def drafter_config(prof: dict, algo: str):
 
 
 def draft_ids_of(cache, n_rows: int, vocab: int, size: int | None):
-    from dspark.drafters.draft_vocab import count_token_frequencies, coverage, top_token_ids
+    """(draft ids, coverage) of the first n_rows cached rows, as jobs.train plans them; (None, None) = full."""
+    from dspark.drafters.draft_vocab import DraftVocabPlan, count_token_frequencies
 
     if not size:
         return None, None
     counts = count_token_frequencies(zip(cache.input_ids[:n_rows], cache.loss_mask[:n_rows]), vocab, "cache")
-    ids = top_token_ids(counts, size, vocab)
-    return ids, coverage(counts, ids)
+    plan = DraftVocabPlan.from_counts(counts, size, vocab)
+    return plan.ids(), plan.coverage
 
 
 def train_one(target, prof: dict, cache, n_rows: int, algo: str, folder: Path, init: Path | None = None,
@@ -163,11 +164,18 @@ def cmd_train(args, prof: dict) -> None:
         train_one(target, prof, cache, n, "dspark", out / "points" / f"{tokens:09d}" / "dspark")
 
 
-def cmd_baselines(args, prof: dict) -> None:
+def largest_point(args, prof: dict):
+    """(output folder, target, feature cache, rollout tokens, rows) of the largest point: what every phase
+    that trains beside the curve (baselines, epochs, capacity, sweep) works on."""
     out = Path(args.out)
     target = load_target_of(prof)
     rows, cache = train_cache(target, prof, out)
     tokens, n = point_sizes(rows, wanted_sizes(rows, prof))[-1]
+    return out, target, cache, tokens, n
+
+
+def cmd_baselines(args, prof: dict) -> None:
+    out, target, cache, tokens, n = largest_point(args, prof)
     for algo in ("dflash_tv", "dflash", "eagle3"):
         train_one(target, prof, cache, n, algo, out / "points" / f"{tokens:09d}" / algo)
 
@@ -184,10 +192,7 @@ def cmd_epochs(args, prof: dict) -> None:
     cosine schedule, from scratch or, with --init-from, from a saved epochs drafter), into
     epochs/<epochs_folder_name>/dspark, then its expected τ: what more passes over the same data buy,
     beside what more data buys (the points)."""
-    out = Path(args.out)
-    target = load_target_of(prof)
-    rows, cache = train_cache(target, prof, out)
-    _, n = point_sizes(rows, wanted_sizes(rows, prof))[-1]
+    out, target, cache, _, n = largest_point(args, prof)
     init = None
     if args.init_from:
         init = out / "epochs" / args.init_from / "dspark"
@@ -203,8 +208,12 @@ def capacity_folder(out: Path, layers: int, anchors: int, minutes: float) -> Pat
     return out / "capacity" / f"L{layers}-a{anchors}-m{minutes:g}" / "dspark"
 
 
-def with_drafter(prof: dict, **overrides) -> dict:
-    return {**prof, "drafter": {**prof["drafter"], **overrides}}
+def settings(args, prof: dict):
+    """(layers, anchors, the profile with them) for every --layers x --anchors pair (default: the profile's)."""
+    for layers in args.layers or [prof["drafter"]["num_layers"]]:
+        for anchors in args.anchors or [prof["drafter"]["anchors_per_seq"]]:
+            yield layers, anchors, {**prof, "drafter": {**prof["drafter"], "num_layers": layers,
+                                                        "anchors_per_seq": anchors}}
 
 
 def cmd_capacity(args, prof: dict) -> None:
@@ -214,14 +223,10 @@ def cmd_capacity(args, prof: dict) -> None:
     buy per CPU-minute."""
     if not args.minutes:
         raise SystemExit("capacity: --minutes is required (the equal wall-clock budget of every setting)")
-    out = Path(args.out)
-    target = load_target_of(prof)
-    rows, cache = train_cache(target, prof, out)
-    _, n = point_sizes(rows, wanted_sizes(rows, prof))[-1]
-    for layers in args.layers or [prof["drafter"]["num_layers"]]:
-        for anchors in args.anchors or [prof["drafter"]["anchors_per_seq"]]:
-            train_one(target, with_drafter(prof, num_layers=layers, anchors_per_seq=anchors), cache, n, "dspark",
-                      capacity_folder(out, layers, anchors, args.minutes), minutes=args.minutes)
+    out, target, cache, _, n = largest_point(args, prof)
+    for layers, anchors, setting in settings(args, prof):
+        train_one(target, setting, cache, n, "dspark", capacity_folder(out, layers, anchors, args.minutes),
+                  minutes=args.minutes)
     estimate_folders(target, prof, out, capacity_drafters(out))
 
 
@@ -233,37 +238,33 @@ def cmd_sweep(args, prof: dict) -> None:
 
     from dspark.drafters import build_drafter
     from dspark.training.config import OptimSection
-    from dspark.training.loop import LocalTrainer, flops_rates
+    from dspark.training.loop import LocalTrainer, flops_rates, param_count
 
-    out = Path(args.out)
-    target = load_target_of(prof)
-    rows, cache = train_cache(target, prof, out)
-    _, n = point_sizes(rows, wanted_sizes(rows, prof))[-1]
+    out, target, cache, _, n = largest_point(args, prof)
     batch = min(prof["batch_size"], n)
     peak = matmul_peak(str(target.device))
-    settings = []
-    for layers in args.layers or [prof["drafter"]["num_layers"]]:
-        for anchors in args.anchors or [prof["drafter"]["anchors_per_seq"]]:
-            cfg = drafter_config(with_drafter(prof, num_layers=layers, anchors_per_seq=anchors), "dspark")
-            ids, _ = draft_ids_of(cache, n, int(target.vocab_size), cfg.draft_vocab_size)
-            torch.manual_seed(prof["seed"])
-            drafter = build_drafter(cfg, target, draft_ids=ids)
-            trainer = LocalTrainer("dspark", target, drafter, OptimSection(lr=prof["lr"]), precision="fp32")
-            m = probe_step(trainer, cache, n, batch, target)
-            rates = flops_rates(m["flops"], m["step_s"], target.device, "fp32", peak=peak)
-            entry = {"num_layers": layers, "anchors_per_seq": anchors, "batch_size": batch,
-                     "trainable_params": sum(p.numel() for p in drafter.parameters() if p.requires_grad),
-                     "step_s": m["step_s"], "tokens_per_s": m["tokens"] / m["step_s"],
-                     "anchor_blocks_per_s": m["n_anchors"] / m["step_s"],
-                     "supervised_per_s": m["n_supervised"] / m["step_s"],
-                     "anchors_per_step": m["n_anchors"], "drafter_tflops_per_s": rates["model_tflops_per_s"],
-                     "mfu": rates["mfu"]}
-            settings.append(entry)
-            log(f"sweep L{layers} a{anchors}: {entry['tokens_per_s']:.0f} tok/s, "
-                f"{entry['anchor_blocks_per_s']:.0f} anchor blocks/s, MFU {entry['mfu']:.3f}")
+    settings_done = []
+    for layers, anchors, setting in settings(args, prof):
+        cfg = drafter_config(setting, "dspark")
+        ids, _ = draft_ids_of(cache, n, int(target.vocab_size), cfg.draft_vocab_size)
+        torch.manual_seed(prof["seed"])
+        drafter = build_drafter(cfg, target, draft_ids=ids)
+        trainer = LocalTrainer("dspark", target, drafter, OptimSection(lr=prof["lr"]), precision="fp32")
+        m = probe_step(trainer, cache, n, batch, target)
+        rates = flops_rates(m["flops"], m["step_s"], target.device, "fp32", peak=peak)
+        entry = {"num_layers": layers, "anchors_per_seq": anchors, "batch_size": batch,
+                 "trainable_params": param_count(drafter, trainable_only=True),
+                 "step_s": m["step_s"], "tokens_per_s": m["tokens"] / m["step_s"],
+                 "anchor_blocks_per_s": m["n_anchors"] / m["step_s"],
+                 "supervised_per_s": m["n_supervised"] / m["step_s"],
+                 "anchors_per_step": m["n_anchors"], "drafter_tflops_per_s": rates["model_tflops_per_s"],
+                 "mfu": rates["mfu"]}
+        settings_done.append(entry)
+        log(f"sweep L{layers} a{anchors}: {entry['tokens_per_s']:.0f} tok/s, "
+            f"{entry['anchor_blocks_per_s']:.0f} anchor blocks/s, MFU {entry['mfu']:.3f}")
     result = {"device": prof["device_label"], "threads": torch.get_num_threads(), "rows": n,
               "mfu_peak_tflops": peak / 1e12, "mfu_basis": "measured fp32 1024^3 matmul, same threads",
               "method": "mean of 3 timed cached steps (short, median, long batch) after a warm-up, no update",
-              "settings": settings}
+              "settings": settings_done}
     (out / "sweep.json").write_text(json.dumps(result, indent=1))
     print(json.dumps(result))

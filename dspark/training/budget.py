@@ -91,6 +91,12 @@ def measure_step_s(trainer, batches: Sequence[dict], chunks: int = 1, stop: Dead
     return (time.perf_counter() - start) / done if done else warm
 
 
+def replanned_steps(done: int, elapsed_s: float, seconds: float) -> int:
+    """Total steps of a `seconds` budget at the mean step time measured so far (`done` steps in `elapsed_s`):
+    the steps taken plus as many as the time left fits (never fewer than taken)."""
+    return done + max(0, int((seconds - elapsed_s) * done / max(elapsed_s, 1e-9)))
+
+
 @dataclass
 class TrainReport:
     planned_steps: int = 0

@@ -129,8 +129,8 @@ class LocalTrainer:
     def opt(self):
         return self.backend.opt
 
-    def set_schedule(self, total_steps: int) -> None:
-        self.backend.set_schedule(total_steps)
+    def set_schedule(self, total_steps: int, done: int = 0) -> None:
+        self.backend.set_schedule(total_steps, done)
 
     def step(self, batch: dict[str, torch.Tensor], seed: int, update: bool = True, chunks: int = 1) -> dict[str, float]:
         """One optimiser step on `batch`. chunks > 1 splits its rows into that many micro batches whose

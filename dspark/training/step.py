@@ -73,11 +73,15 @@ class TorchUpdate:
         self.micro_done = 0
         self.last_grad_norm: float | None = None
 
-    def set_schedule(self, total_steps: int) -> None:
+    def set_schedule(self, total_steps: int, done: int = 0) -> None:
+        """A schedule of `total_steps` optimiser steps, `done` of them already taken (a run re-sized in
+        flight continues at step `done` of the new schedule; the peak lr is the optimiser's initial one)."""
         from dspark.training.lr_schedule import build_scheduler
 
         o = self.optim
         self.sched = build_scheduler(self.opt, total_steps, o.warmup_ratio, o.schedule, o.min_lr_ratio)
+        for _ in range(done):
+            self.sched.step()
 
     def forward(self, *args):
         return self.module(*args)

@@ -123,10 +123,10 @@ def cmd_report(args, prof: dict) -> dict:
     results.mkdir(parents=True, exist_ok=True)
     best = best_dspark(out, largest, points, epochs_series + capacity_series)
     if best is not None:  # the committed drafter: the best expected τ at the largest point (any epochs)
-        report["drafter"] = {**export_bf16(best, results / f"drafter-{args.profile}"),
+        report["drafter"] = {**export_bf16(best, results / f"drafter-{args.name}"),
                              "source": str(best.relative_to(out))}
-    (results / f"{args.profile}.json").write_text(json.dumps(report, indent=1))
-    plot(report, results / f"{args.profile}.png")
+    (results / f"{args.name}.json").write_text(json.dumps(report, indent=1))
+    plot(report, results / f"{args.name}.png")
     print(json.dumps({k: report[k] for k in ("device", "points", "baselines", "fit")}, default=str))
     return report
 

@@ -71,6 +71,25 @@ def test_lr_schedule_warmup_then_cosine():
     assert lr_factor(total, total, warm, min_ratio=0.1) == pytest.approx(0.1)
 
 
+def test_schedule_resized_in_flight_continues_at_the_steps_taken():
+    """A wall-clock budget re-plans its step count from the measured step time; the new cosine schedule
+    picks up at the steps already taken, from the optimiser's original peak lr."""
+    from dspark.training.budget import replanned_steps
+    from dspark.training.config import OptimSection
+    from dspark.training.step import TorchUpdate
+
+    assert replanned_steps(10, 20.0, 100.0) == 50  # 2 s/step measured: 40 more fit in the 80 s left
+    assert replanned_steps(10, 120.0, 100.0) == 10  # over budget already: never fewer than taken
+    module = torch.nn.Linear(1, 1)
+    backend = TorchUpdate(module, OptimSection(lr=1.0, warmup_ratio=0.04))
+    backend.set_schedule(100)
+    for _ in range(10):
+        module.weight.grad = torch.ones_like(module.weight)
+        backend.opt.step(), backend.sched.step()
+    backend.set_schedule(200, done=10)
+    assert backend.lr() == pytest.approx(lr_factor(10, 200, warmup_steps(200, 0.04)))
+
+
 
 def test_deepspeed_config_from_job_config():
     cfg = job_config("x", **{"deepspeed.zero_stage": 3, "optim.global_batch_size": 16, "optim.grad_clip": 0.5})

@@ -51,6 +51,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--scheduler", choices=["fixed", "dynamic"], default="fixed")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    ap.add_argument("--dtypes", default="float32",
+                    help="comma-separated target dtypes (float32, bfloat16): every mode runs once per dtype, the "
+                         "drafters cast to it; the first is the speedup reference, `speedup_vs_fastest_target` "
+                         "compares with the fastest target-only (on a CPU with avx512_bf16, bf16 target-only "
+                         "decoding can beat fp32)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--quick", action="store_true", help="1 prompt per dataset, 24 new tokens, tiny target")
     args = ap.parse_args(argv)
@@ -112,28 +117,36 @@ def main(argv=None) -> dict:
     from dspark.models.target import load_target
 
     t0 = time.perf_counter()
-    target = load_target(args.target, device=args.device, local_copy=storage.local_copy)
-    drafters = load_drafters(args, target)
-    prompts = load_prompts(target, args.data_dir, args.datasets, args.prompts)
+    dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    unknown = [d for d in dtypes if d not in ("float32", "bfloat16")]
+    if unknown:
+        raise SystemExit(f"--dtypes: unknown {unknown}; use float32 and/or bfloat16")
     sp = SamplingParams(temperature=args.temperature)
-    stops = target.eos_token_ids
-    print(f"target {target.name} ({target.num_layers} layers, vocab {target.vocab_size}) on {args.device}; "
-          f"{len(prompts)} prompts x {args.max_new_tokens} new tokens; modes: target, {', '.join(drafters)}",
-          flush=True)
-
-    verify_len = None
-    sps_points = None
-    if args.scheduler == "dynamic":
-        block = max(d.config.block_size for d in drafters.values())
-        sps = profile_sps(target_verify_fn(target, context_len=128), list(range(1, (args.gamma or block) + 2)))
-        sps_points = sps.to_dict()
-        verify_len = PrefixScheduler(SchedulerConfig(mode="dynamic"), sps).verify_len_hook()
-
-    modes = {"target": lambda ids, gen: target_generate(target, ids, sp, args.max_new_tokens, stops, gen)}
-    for name, drafter in drafters.items():
-        hook = verify_len if (verify_len and drafter.has_confidences) else None
-        modes[name] = (lambda d, h: lambda ids, gen: speculative_generate(
-            target, d, ids, sp, args.max_new_tokens, stops, verify_len=h, generator=gen, gamma=args.gamma))(drafter, hook)
+    modes, verify_len, sps_points = {}, None, None
+    for i, dtype in enumerate(dtypes):
+        suffix = "" if i == 0 else f"@{dtype}"
+        target = load_target(args.target, device=args.device, local_copy=storage.local_copy,
+                             dtype=getattr(torch, dtype))
+        drafters = {name: d.to(getattr(torch, dtype)) for name, d in load_drafters(args, target).items()}
+        if i == 0:
+            prompts = load_prompts(target, args.data_dir, args.datasets, args.prompts)
+            print(f"target {target.name} ({target.num_layers} layers, vocab {target.vocab_size}) on {args.device}; "
+                  f"{len(prompts)} prompts x {args.max_new_tokens} new tokens; dtypes {dtypes}; modes: target, "
+                  f"{', '.join(drafters)}", flush=True)
+        stops = target.eos_token_ids
+        hook = None
+        if args.scheduler == "dynamic":
+            block = max(d.config.block_size for d in drafters.values())
+            sps = profile_sps(target_verify_fn(target, context_len=128), list(range(1, (args.gamma or block) + 2)))
+            sps_points = sps_points or sps.to_dict()
+            hook = PrefixScheduler(SchedulerConfig(mode="dynamic"), sps).verify_len_hook()
+        modes["target" + suffix] = (lambda t, st: lambda ids, gen: target_generate(
+            t, ids, sp, args.max_new_tokens, st, gen))(target, stops)
+        for name, drafter in drafters.items():
+            h = hook if drafter.has_confidences else None
+            modes[name + suffix] = (lambda t, d, h, st: lambda ids, gen: speculative_generate(
+                t, d, ids, sp, args.max_new_tokens, st, verify_len=h, generator=gen, gamma=args.gamma))(
+                target, drafter, h, stops)
 
     warm = prompts[:1]
     for decode in modes.values():  # one short warm-up per mode: allocator, kernels, lazy imports
@@ -145,18 +158,21 @@ def main(argv=None) -> dict:
         print(f"  {name:24s} {summaries[name]['tokens_per_s']:8.2f} tok/s  tau {summaries[name]['tau'] or 1:.2f}",
               flush=True)
     base = summaries["target"]["tokens_per_s"]
+    fastest = max(v["tokens_per_s"] for k, v in summaries.items() if k.split("@")[0] == "target")
     rows = []
     for name, s in summaries.items():
         s["speedup"] = s["tokens_per_s"] / base if base else None
+        s["speedup_vs_fastest_target"] = s["tokens_per_s"] / fastest if fastest else None
         rows.append({"mode": name, "tok/s": s["tokens_per_s"], "speedup": s["speedup"],
-                     "tau": s["tau"] if name != "target" else 1.0, "verified/round": s["mean_verified"],
+                     "vs fastest target": s["speedup_vs_fastest_target"],
+                     "tau": s["tau"] if not name.startswith("target") else 1.0, "verified/round": s["mean_verified"],
                      "draft ms/round": 1e3 * s["draft_s_per_round"], "verify ms/round": 1e3 * s["verify_s_per_round"]})
     print("\n" + metrics.markdown_table(rows, floatfmt=".2f"))
-    spec = {k: v for k, v in summaries.items() if k != "target"}
+    spec = {k: v for k, v in summaries.items() if not k.startswith("target")}
     print("\nposition-wise conditional acceptance\n" + metrics.markdown_table(metrics.position_rows(spec)))
     report = {"benchmark": "decode_speed", "target": target.name, "device": args.device,
               "threads": torch.get_num_threads(), "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
-              "temperature": args.temperature, "gamma": args.gamma, "scheduler": args.scheduler,
+              "temperature": args.temperature, "gamma": args.gamma, "scheduler": args.scheduler, "dtypes": dtypes,
               "sps": sps_points, "modes": summaries, "elapsed_s": round(time.perf_counter() - t0, 2)}
     print(json.dumps(report, default=float))
     return report

@@ -48,7 +48,7 @@ class FeatureCache:
 
 def _meta(target, layer_ids: Sequence[int], max_len: int) -> dict:
     return {"target": target.name, "revision": target.revision, "hidden_size": int(target.hidden_size),
-            "layer_ids": list(layer_ids), "max_len": int(max_len)}
+            "layer_ids": list(layer_ids), "max_len": int(max_len), "dtype": str(target.dtype).removeprefix("torch.")}
 
 
 @torch.no_grad()

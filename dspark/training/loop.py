@@ -45,11 +45,12 @@ def peak_flops(device: str | torch.device, precision: str) -> float | None:
     return None
 
 
-def measured_matmul_peak(device: str | torch.device = "cpu", size: int = 1024, seconds: float = 1.0) -> float:
-    """FLOPs/s of repeated fp32 [size, size] @ [size, size] matmuls on `device` for ~`seconds` (after one
-    warm-up), with the current torch thread count: the achievable dense peak MFU is measured against."""
-    a = torch.randn(size, size, device=device)
-    b = torch.randn(size, size, device=device)
+def measured_matmul_peak(device: str | torch.device = "cpu", size: int = 1024, seconds: float = 1.0,
+                         dtype: torch.dtype = torch.float32) -> float:
+    """FLOPs/s of repeated [size, size] @ [size, size] matmuls in `dtype` on `device` for ~`seconds` (after
+    one warm-up), with the current torch thread count: the achievable dense peak MFU is measured against."""
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
     (a @ b).sum().item()
     n, start = 0, time.perf_counter()
     while time.perf_counter() - start < seconds:

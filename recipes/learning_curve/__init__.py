@@ -51,6 +51,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--chunk-prompts", type=int, default=None,
                    help="rollouts: prompts per committed chunk, also the engine's batch (default: the profile's; "
                         "64 measured 2x the tok/s of 24 on 2 cores); a folder keeps the size it started with")
+    p.add_argument("--data-dtype", choices=["float32", "bfloat16"], default=None,
+                   help="the target's dtype for the training data only (train rollouts, training feature cache); "
+                        "evaluation and decoding keep the profile's (default: the profile's dtype)")
+    p.add_argument("--precision", choices=["fp32", "bf16"], default=None,
+                   help="train/epochs/capacity/sweep: the drafter's training precision (bf16 = autocast; default fp32)")
     p.add_argument("--limit-prompts", type=int, default=None, help="rollouts: first N train prompts only")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: the profile's)")
     p.add_argument("--epochs", type=int, nargs="+", default=None, help="epochs: passes per run (one drafter each)")
@@ -79,6 +84,10 @@ def main(argv=None) -> None:
         prof = {**prof, "threads": args.threads}
     if args.lr:
         prof = {**prof, "lr": args.lr}
+    if args.data_dtype:
+        prof = {**prof, "data_dtype": args.data_dtype}
+    if args.precision:
+        prof = {**prof, "precision": args.precision}
     if args.chunk_prompts:
         prof = {**prof, "chunk_prompts": args.chunk_prompts, "max_batch": args.chunk_prompts}
     phases = {"all": ["rollouts", *AFTER_ROLLOUTS], "after-rollouts": AFTER_ROLLOUTS}.get(args.phase, [args.phase])

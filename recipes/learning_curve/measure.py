@@ -82,21 +82,28 @@ DSPARK_VARIANTS = {"dspark_g3": {"mode": "fixed", "gamma": 3},
 DECODE_TEMPERATURES = (1.0, 0.0)
 
 
-def decode_modes(largest: Path) -> dict:
-    """mode -> (drafter folder or None, SchedulerConfig kwargs): the largest point's drafters, DSpark's
-    variants, and each drafter of the epochs and capacity series (`dspark_<folder>`: fixed γ, γ = 3 and
-    confidence threshold)."""
+def decode_modes(out: Path) -> dict:
+    """mode -> (drafter folder or None, SchedulerConfig kwargs): the largest point's drafters (if the run
+    trained points), DSpark's variants, and each drafter of the epochs and capacity series
+    (`dspark_<folder>`: fixed γ, γ = 3 and confidence threshold)."""
     modes = {"target": (None, {"mode": "off"})}
-    modes |= {a: (largest / a / "drafter", {"mode": "fixed"}) for a in ALGOS if (largest / a / "drafter").exists()}
+    largest = largest_point_folder(out)
+    if largest is not None:
+        modes |= {a: (largest / a / "drafter", {"mode": "fixed"}) for a in ALGOS if (largest / a / "drafter").exists()}
     if "dspark" in modes:
         modes |= {name: (largest / "dspark" / "drafter", sched) for name, sched in DSPARK_VARIANTS.items()}
-    out = largest.parent.parent
     for folder in epoch_drafters(out) + capacity_drafters(out):
         name = epoch_mode(folder)
         modes |= {name: (folder / "drafter", {"mode": "fixed"}),
                   name + "_g3": (folder / "drafter", DSPARK_VARIANTS["dspark_g3"]),
                   name + "_thr": (folder / "drafter", DSPARK_VARIANTS["dspark_thr"])}
     return modes
+
+
+def largest_point_folder(out: Path) -> Path | None:
+    """points/<largest rollout tokens>, or None for a run that trained only beside the curve (capacity)."""
+    points = sorted((out / "points").glob("*"))
+    return points[-1] if points else None
 
 
 def cmd_decode(args, prof: dict) -> None:
@@ -113,9 +120,8 @@ def cmd_decode(args, prof: dict) -> None:
 
     out = Path(args.out)
     target = load_target_of(prof)
-    largest = sorted((out / "points").glob("*"))[-1]
     engines, drafters = {}, {}
-    wanted = decode_modes(largest)
+    wanted = decode_modes(out)
     if args.modes:  # --modes: a subset (target-only is always decoded: the speed reference)
         unknown = set(args.modes) - set(wanted)
         if unknown:

@@ -108,10 +108,12 @@ def cmd_report(args, prof: dict) -> dict:
         "epochs_series": epochs_series,  # the largest point trained for more passes (phase `epochs`)
         "capacity_series": capacity_series,  # layers x anchors at equal wall-clock (phase `capacity`)
         "training_sweep": json.loads((out / "sweep.json").read_text()) if (out / "sweep.json").exists() else None,
+        "training_sweep_bf16": (json.loads((out / "sweep-bf16.json").read_text())
+                                if (out / "sweep-bf16.json").exists() else None),
         "target_only": decode.get("target"), "fit": fit_curve(points),
-        "decode": {"modes": {m: {"drafter": None if p is None else p.parent.name, "scheduler": sched}
-                             for m, (p, sched) in decode_modes(out / "points" / largest).items()}
-                   if largest else {}, "by_temperature": decode_by_temperature},
+        "decode": {"modes": {m: {"drafter": None if p is None else str(p.parent.relative_to(out)), "scheduler": sched}
+                             for m, (p, sched) in decode_modes(out).items()},
+                   "by_temperature": decode_by_temperature},
         "rollouts": json.loads(rollout_manifest.read_text()) if rollout_manifest.exists() else None,
         "rollout_log": prof.get("rollout_tokens_per_s_note"),
         "decode_settings": {"prompts_per_benchmark": prof["decode_prompts"],
@@ -132,11 +134,11 @@ def cmd_report(args, prof: dict) -> dict:
 
 
 def best_dspark(out: Path, largest: str | None, points: list[dict], series: list[dict]) -> Path | None:
-    """The DSpark drafter folder with the highest expected τ among the largest point and its epochs and
-    capacity series."""
-    if not largest or not (out / "points" / largest / "dspark" / "drafter").exists():
-        return None
-    best, best_tau = out / "points" / largest / "dspark" / "drafter", (points[-1]["expected_tau"] if points else 0) or 0
+    """The DSpark drafter folder with the highest expected τ among the largest point (if the run trained
+    points) and its epochs and capacity series."""
+    best, best_tau = None, 0.0
+    if largest and (out / "points" / largest / "dspark" / "drafter").exists():
+        best, best_tau = out / "points" / largest / "dspark" / "drafter", (points[-1]["expected_tau"] if points else 0) or 0
     for e in series:
         if (e["expected_tau"] or 0) > best_tau:
             best_tau, best = e["expected_tau"], out / e["folder"] / "dspark" / "drafter"
@@ -169,7 +171,8 @@ def capacity_entry(folder: Path) -> dict:
     """One drafter of the capacity series: a (layers, anchors) setting trained for a fixed wall-clock."""
     entry = series_entry(folder, ("num_layers", "anchors_per_seq", "budget_minutes", "probe_step_s", "threads",
                                   "steps", "epochs", "trained_tokens", "wall_s", "cpu_minutes", "tokens_per_s",
-                                  "drafter_tflops_per_s", "mfu", "mfu_peak_tflops", "rollout_tokens"))
+                                  "drafter_tflops_per_s", "mfu", "mfu_peak_tflops", "rollout_tokens", "precision",
+                                  "planned_steps", "stopped_by"))
     checkpoint_bytes = sum(f.stat().st_size for f in (folder / "drafter").glob("*.safetensors"))
     return {**entry, "checkpoint_bytes_fp32": checkpoint_bytes}
 

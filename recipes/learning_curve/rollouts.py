@@ -60,8 +60,10 @@ def rollout_plan(prompts: list, passes: int, chunk_prompts: int, settings: dict)
     return Plan(chunks, fp)
 
 
-def generate_rollouts(out: str, prompts: list, prof: dict, passes: int, seed: int) -> dict:
-    """Generate every uncommitted chunk of the plan into `out` (rollout-store format); returns the manifest."""
+def generate_rollouts(out: str, prompts: list, prof: dict, passes: int, seed: int, dtype: str = "float32") -> dict:
+    """Generate every uncommitted chunk of the plan into `out` (rollout-store format) with the target in
+    `dtype`; returns the manifest. A non-fp32 dtype is part of the plan's fingerprint (a folder never mixes
+    precisions; fp32 folders keep the fingerprint they had before the option existed)."""
     import torch
 
     from dspark.models import builtin as models_builtin
@@ -71,7 +73,8 @@ def generate_rollouts(out: str, prompts: list, prof: dict, passes: int, seed: in
     from dspark.io.rollout_store import commit_chunk, prepare_output, read_commits
 
     sampling = SamplingConfig(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=prof["max_new_tokens"], seed=seed)
-    settings = {"target": prof["target"], "sampling": sampling.model_dump()}
+    settings = {"target": prof["target"], "sampling": sampling.model_dump(),
+                **({"dtype": dtype} if dtype != "float32" else {})}
     plan = rollout_plan(prompts, passes, prof["chunk_prompts"], settings)
     prepare_output(out, plan, overwrite=False)
     done = read_commits(out)
@@ -82,7 +85,7 @@ def generate_rollouts(out: str, prompts: list, prof: dict, passes: int, seed: in
         torch.set_num_threads(prof["threads"])
         if prof["target"] in models_builtin.BUILTIN:
             models_builtin.prepare(prof["target"])
-        target = load_target(prof["target"], dtype=getattr(torch, prof["dtype"]), device=prof["device"])
+        target = load_target(prof["target"], dtype=getattr(torch, dtype), device=prof["device"])
         engine = RolloutEngine(target, sampling, backend="engine",
                                engine=GeneratorConfig(max_batch=prof["max_batch"]))
         total = sum(m["generated_tokens"] for m in done.values())
@@ -127,7 +130,8 @@ def cmd_rollouts(args, prof: dict) -> None:
     if args.which in ("eval", "both"):
         held_out = eval_prompts()
         held_out = held_out[:args.limit_prompts] if args.limit_prompts else held_out
-        log(f"held-out: {generate_rollouts(str(Path(args.out) / 'rollouts-eval'), held_out, prof, 1, 1)}")
+        log(f"held-out: {generate_rollouts(str(Path(args.out) / 'rollouts-eval'), held_out, prof, 1, 1, prof['dtype'])}")
     if args.which in ("train", "both"):
         passes = args.passes or prof["passes"]
-        log(f"train: {generate_rollouts(str(Path(args.out) / 'rollouts-train'), kept, prof, passes, 0)}")
+        dtype = prof.get("data_dtype") or prof["dtype"]
+        log(f"train: {generate_rollouts(str(Path(args.out) / 'rollouts-train'), kept, prof, passes, 0, dtype)}")

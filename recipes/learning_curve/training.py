@@ -65,7 +65,8 @@ def train_one(target, prof: dict, cache, n_rows: int, algo: str, folder: Path, i
 
         load_initial_weights(drafter, str(init / "drafter"), target)
     optim = OptimSection(lr=prof["lr"], warmup_ratio=0.04, schedule="cosine", grad_clip=1.0)
-    trainer = LocalTrainer(algo, target, drafter, optim, precision="fp32")
+    precision = prof.get("precision", "fp32")
+    trainer = LocalTrainer(algo, target, drafter, optim, precision=precision)
     batch = min(prof["batch_size"], n_rows)
     batches = cached_batches(cache, n_rows, batch, prof, target)
     probe_s, budget_s = None, (minutes * 60 if minutes else None)
@@ -106,8 +107,8 @@ def train_one(target, prof: dict, cache, n_rows: int, algo: str, folder: Path, i
     steps = step
     wall = time.perf_counter() - t0
     save_drafter(drafter, str(folder / "drafter"))
-    peak = matmul_peak(str(target.device))
-    rates = flops_rates(flops, wall, target.device, "fp32", peak=peak)
+    peak = matmul_peak(str(target.device), precision)
+    rates = flops_rates(flops, wall, target.device, precision, peak=peak)
     result = {"algo": algo, "rows": n_rows, "rollout_tokens": int(sum(m for m in cache.generated_tokens()[:n_rows])),
               "trained_tokens": tokens, "steps": steps, "epochs": steps * batch / n_rows if minutes else prof["epochs"],
               "batch_size": batch, "lr": prof["lr"], "budget_minutes": minutes, "probe_step_s": probe_s,
@@ -118,7 +119,8 @@ def train_one(target, prof: dict, cache, n_rows: int, algo: str, folder: Path, i
               "draft_vocab_size": cfg.draft_vocab_size, "draft_vocab_coverage": cov, "wall_s": wall,
               "cpu_minutes": wall / 60 * torch.get_num_threads(), "tokens_per_s": tokens / wall,
               "drafter_tflops_per_s": rates["model_tflops_per_s"], "mfu": rates["mfu"],
-              "mfu_peak_tflops": peak / 1e12, "mfu_basis": "measured fp32 1024^3 matmul, same threads",
+              "precision": precision, "mfu_peak_tflops": peak / 1e12,
+              "mfu_basis": f"measured {precision} 1024^3 matmul, same threads",
               "final_metrics": {k: float(np.mean([x[k] for x in last])) for k in last[-1] if isinstance(last[-1][k], float)},
               "curve": curve, "drafter_config": cfg.model_dump()}
     done.write_text(json.dumps(result, indent=1))
@@ -126,11 +128,13 @@ def train_one(target, prof: dict, cache, n_rows: int, algo: str, folder: Path, i
 
 
 @functools.lru_cache(maxsize=None)
-def matmul_peak(device: str) -> float:
-    """This machine's measured matmul FLOPs/s (the MFU basis), once per process and device."""
+def matmul_peak(device: str, precision: str = "fp32") -> float:
+    """This machine's measured matmul FLOPs/s in `precision` (the MFU basis), once per process and device."""
+    import torch
+
     from dspark.training.loop import measured_matmul_peak
 
-    return measured_matmul_peak(device)
+    return measured_matmul_peak(device, dtype=torch.bfloat16 if precision == "bf16" else torch.float32)
 
 
 def cached_batches(cache, n_rows: int, batch: int, prof: dict, target):
@@ -199,7 +203,7 @@ def cmd_baselines(args, prof: dict) -> None:
 def epochs_folder_name(epochs: int, prof: dict, args) -> str:
     """e<N>, + -lr<lr> when --lr changed the profile's learning rate, + -from-<folder> when the run
     continues an earlier epochs drafter (each a separate drafter)."""
-    name = f"e{epochs:02d}" + (f"-lr{prof['lr']:g}" if args.lr else "")
+    name = f"e{epochs:02d}" + (f"-lr{prof['lr']:g}" if args.lr else "") + precision_suffix(prof)
     return name + (f"-from-{args.init_from}" if args.init_from else "")
 
 
@@ -220,8 +224,13 @@ def cmd_epochs(args, prof: dict) -> None:
     estimate_folders(target, prof, out, epoch_drafters(out))
 
 
-def capacity_folder(out: Path, layers: int, anchors: int, minutes: float) -> Path:
-    return out / "capacity" / f"L{layers}-a{anchors}-m{minutes:g}" / "dspark"
+def precision_suffix(prof: dict) -> str:
+    """'' for the default fp32 training, '-bf16' otherwise (a folder name says what it holds)."""
+    return "" if prof.get("precision", "fp32") == "fp32" else f"-{prof['precision']}"
+
+
+def capacity_folder(out: Path, layers: int, anchors: int, minutes: float, prof: dict) -> Path:
+    return out / "capacity" / f"L{layers}-a{anchors}-m{minutes:g}{precision_suffix(prof)}" / "dspark"
 
 
 def settings(args, prof: dict):
@@ -241,7 +250,7 @@ def cmd_capacity(args, prof: dict) -> None:
         raise SystemExit("capacity: --minutes is required (the equal wall-clock budget of every setting)")
     out, target, cache, _, n = largest_point(args, prof)
     for layers, anchors, setting in settings(args, prof):
-        train_one(target, setting, cache, n, "dspark", capacity_folder(out, layers, anchors, args.minutes),
+        train_one(target, setting, cache, n, "dspark", capacity_folder(out, layers, anchors, args.minutes, prof),
                   minutes=args.minutes)
     estimate_folders(target, prof, out, capacity_drafters(out))
 
@@ -249,7 +258,8 @@ def cmd_capacity(args, prof: dict) -> None:
 def cmd_sweep(args, prof: dict) -> None:
     """Training throughput of DSpark on the cached features per (--layers, --anchors): tokens/s, anchor
     blocks/s, drafter TFLOP/s and MFU against this machine's measured matmul peak, each from the same
-    three probe batches (short, median, long rows); written to sweep.json (the report copies it)."""
+    three probe batches (short, median, long rows); written to sweep.json (sweep-bf16.json with --precision
+    bf16; the report copies both)."""
     import torch
 
     from dspark.drafters import build_drafter
@@ -258,17 +268,18 @@ def cmd_sweep(args, prof: dict) -> None:
 
     out, target, cache, _, n = largest_point(args, prof)
     batch = min(prof["batch_size"], n)
-    peak = matmul_peak(str(target.device))
+    precision = prof.get("precision", "fp32")
+    peak = matmul_peak(str(target.device), precision)
     settings_done = []
     for layers, anchors, setting in settings(args, prof):
         cfg = drafter_config(setting, "dspark")
         ids, _ = draft_ids_of(cache, n, int(target.vocab_size), cfg.draft_vocab_size)
         torch.manual_seed(prof["seed"])
         drafter = build_drafter(cfg, target, draft_ids=ids)
-        trainer = LocalTrainer("dspark", target, drafter, OptimSection(lr=prof["lr"]), precision="fp32")
+        trainer = LocalTrainer("dspark", target, drafter, OptimSection(lr=prof["lr"]), precision=precision)
         m = probe_step(trainer, cache, n, batch, target)
-        rates = flops_rates(m["flops"], m["step_s"], target.device, "fp32", peak=peak)
-        entry = {"num_layers": layers, "anchors_per_seq": anchors, "batch_size": batch,
+        rates = flops_rates(m["flops"], m["step_s"], target.device, precision, peak=peak)
+        entry = {"num_layers": layers, "anchors_per_seq": anchors, "batch_size": batch, "precision": precision,
                  "trainable_params": param_count(drafter, trainable_only=True),
                  "step_s": m["step_s"], "tokens_per_s": m["tokens"] / m["step_s"],
                  "anchor_blocks_per_s": m["n_anchors"] / m["step_s"],
@@ -279,8 +290,8 @@ def cmd_sweep(args, prof: dict) -> None:
         log(f"sweep L{layers} a{anchors}: {entry['tokens_per_s']:.0f} tok/s, "
             f"{entry['anchor_blocks_per_s']:.0f} anchor blocks/s, MFU {entry['mfu']:.3f}")
     result = {"device": prof["device_label"], "threads": torch.get_num_threads(), "rows": n,
-              "mfu_peak_tflops": peak / 1e12, "mfu_basis": "measured fp32 1024^3 matmul, same threads",
+              "mfu_peak_tflops": peak / 1e12, "mfu_basis": f"measured {precision} 1024^3 matmul, same threads",
               "method": "mean of 3 timed cached steps (short, median, long batch) after a warm-up, no update",
               "settings": settings_done}
-    (out / "sweep.json").write_text(json.dumps(result, indent=1))
+    (out / f"sweep{precision_suffix(prof)}.json").write_text(json.dumps(result, indent=1))
     print(json.dumps(result))

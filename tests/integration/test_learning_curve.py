@@ -90,8 +90,15 @@ def test_phases_resume_and_report(tmp_path):
     for name, t in cap.items():
         assert t["budget_minutes"] == 0.05 and t["steps"] >= 1 and t["probe_step_s"] > 0
         assert t["num_layers"] == int(name[1]) and (out / "capacity" / name / "dspark" / "estimate.json").exists()
+        # the budget holds whatever the probe guessed: no step starts past it (at most one step over)
+        assert t["stopped_by"] in ("steps", "deadline") and t["wall_s"] <= 3.0 + 2 * t["wall_s"] / t["steps"]
+    run("capacity", out, "--layers", "1", "--anchors", "16", "--minutes", "0.05", "--precision", "bf16")
+    bf16 = json.loads((out / "capacity" / "L1-a16-m0.05-bf16" / "dspark" / "train.json").read_text())
+    assert bf16["precision"] == "bf16" and "bf16" in bf16["mfu_basis"] and bf16["steps"] >= 1
+    cap["L1-a16-m0.05-bf16"] = bf16
     report = lc.cmd_report(lc.parse_args(["report", "--profile", "tiny", "--out", str(out),
                                           "--results", str(tmp_path / "results")]), lc.PROFILES["tiny"])
-    assert [c["folder"] for c in report["capacity_series"]] == ["capacity/L1-a16-m0.05", "capacity/L2-a16-m0.05"]
+    assert [c["folder"] for c in report["capacity_series"]] == [
+        "capacity/L1-a16-m0.05", "capacity/L1-a16-m0.05-bf16", "capacity/L2-a16-m0.05"]
     assert all(c["expected_tau"] >= 1.0 and c["mfu"] > 0 for c in report["capacity_series"])
     assert report["training_sweep"]["settings"] == sweep["settings"]

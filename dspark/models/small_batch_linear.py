@@ -6,6 +6,9 @@ below memory bandwidth: on 2 cores SmolLM2-135M's 49152×576 LM head takes ~35-5
 same product computed as (W · xᵀ)ᵀ reads W once in its stored order: ~9-14 ms for 4 rows. Measured on
 SmolLM2 (benchmarks/small_batch_linear.py): LM head 2.2-3.4x faster at 2-16 rows, the MLP projections
 1.1-2x, the 576×576 projections within noise; smaller layers gain nothing and are left alone.
+Only fp32 gains: with bf16 weights (avx512_bf16) F.linear is already fast for a few rows and the other
+order is slower (LM head, 4 rows: 3.8 ms F.linear, 5.7 ms (W · xᵀ)ᵀ; measured 2026-12-02), so bf16 and
+other dtypes keep F.linear.
 
 Invariant: `small_batch_linear(x, W, b) == F.linear(x, W, b)` up to float summation order (it is the
 same matrix product); only inference calls (no autograd graph) with rows in [2, max_rows] on CPU take
@@ -24,8 +27,8 @@ MIN_WEIGHT_NUMEL = 300_000  # smaller layers (192x576, the tiny test models) gai
 def small_batch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                        max_rows: int = MAX_ROWS) -> torch.Tensor:
     rows = x.numel() // x.shape[-1] if x.numel() else 0
-    if not 2 <= rows <= max_rows or x.device.type != "cpu":  # one row (a decoding step): F.linear's gemv
-        return F.linear(x, weight, bias)
+    if not 2 <= rows <= max_rows or x.device.type != "cpu" or weight.dtype != torch.float32:
+        return F.linear(x, weight, bias)  # one row (a decoding step): F.linear's gemv; bf16: F.linear is faster
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):  # training builds a graph
         return F.linear(x, weight, bias)
     flat = x.reshape(rows, x.shape[-1])

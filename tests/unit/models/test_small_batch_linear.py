@@ -24,6 +24,19 @@ def test_equals_f_linear_for_any_rows(shape, bias):
     torch.testing.assert_close(out, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
 
 
+def test_only_fp32_takes_the_other_order(monkeypatch):
+    """bf16 weights keep F.linear (measured faster for a few rows there); fp32 with 2+ rows takes torch.mm."""
+    import dspark.models.small_batch_linear as sbl
+
+    calls = []
+    monkeypatch.setattr(sbl.torch, "mm", lambda a, b: calls.append(a.dtype) or torch.matmul(a, b))
+    x, w = torch.randn(4, 16), torch.randn(24, 16)
+    with torch.no_grad():
+        sbl.small_batch_linear(x, w)
+        out = sbl.small_batch_linear(x.bfloat16(), w.bfloat16())
+    assert calls == [torch.float32] and out.dtype == torch.bfloat16
+
+
 def test_training_calls_keep_the_autograd_path():
     lin = nn.Linear(16, 8)
     use_small_batch_linear(lin)

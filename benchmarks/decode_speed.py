@@ -87,7 +87,11 @@ def load_drafters(args, target) -> dict:
     drafters = {}
     for ref in args.drafter:
         drafter = load_drafter_ref(ref, target).eval()
-        drafters[f"{drafter.config.algo}:{Path(ref.rstrip('/')).name}"] = drafter
+        parts = Path(ref.rstrip("/")).parts
+        k = 1  # the folder name, or as many parent folders as make it unique (two ".../dspark/drafter" refs)
+        while k < len(parts) and f"{drafter.config.algo}:{'/'.join(parts[-k:])}" in drafters:
+            k += 1
+        drafters[f"{drafter.config.algo}:{'/'.join(parts[-k:])}"] = drafter
     for algo in args.algo:
         extra = {"num_layers": args.drafter_layers} if args.drafter_layers else {}  # eagle3 keeps its one layer
         torch.manual_seed(args.seed)

@@ -6,7 +6,7 @@ plus equal-budget baselines, a report (JSON + plot) and the inputs of `dspark pl
     python -m recipes.learning_curve evaluate  [--profile cpu|gpu] [--out DIR]   # expected τ per point
     python -m recipes.learning_curve baselines [--profile cpu|gpu] [--out DIR]   # 4 algos, real τ + speed
     python -m recipes.learning_curve epochs    [--profile cpu|gpu] [--out DIR] --epochs 2 6  # the largest point, more passes
-        [--lr 5e-4] [--init-from e05]   # another peak learning rate; continue a saved drafter
+        [--lr 5e-4] [--init-from e05 | capacity/L1-a32-m60 --layers 1 --anchors 32]  # continue a saved drafter
     python -m recipes.learning_curve sweep     [--out DIR] --layers 1 2 3 --anchors 32 128 512  # training tok/s + MFU
     python -m recipes.learning_curve capacity  [--out DIR] --layers 1 2 --anchors 512 --minutes 20  # equal CPU-minutes
     python -m recipes.learning_curve report    [--profile cpu|gpu] [--out DIR]   # JSON + plot
@@ -61,8 +61,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--epochs", type=int, nargs="+", default=None, help="epochs: passes per run (one drafter each)")
     p.add_argument("--lr", type=float, default=None, help="epochs: peak learning rate (default: the profile's); "
                    "the drafter goes to epochs/e<N>-lr<lr>")
-    p.add_argument("--init-from", default=None, help="epochs: continue this epochs/<folder> drafter (e.g. e05) "
-                   "with a new schedule instead of starting from scratch")
+    p.add_argument("--init-from", default=None, help="epochs: continue this drafter (an epochs folder such as "
+                   "e05, or capacity/<name> with the same --layers/--anchors) with a new schedule instead of "
+                   "starting from scratch")
     p.add_argument("--layers", type=int, nargs="+", default=None, help="sweep/capacity: drafter layers per setting")
     p.add_argument("--anchors", type=int, nargs="+", default=None, help="sweep/capacity: anchors per sequence")
     p.add_argument("--minutes", type=float, default=None, help="capacity: wall-clock training budget per setting")

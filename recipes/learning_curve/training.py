@@ -201,21 +201,28 @@ def cmd_baselines(args, prof: dict) -> None:
 
 
 def epochs_folder_name(epochs: int, prof: dict, args) -> str:
-    """e<N>, + -lr<lr> when --lr changed the profile's learning rate, + -from-<folder> when the run
-    continues an earlier epochs drafter (each a separate drafter)."""
-    name = f"e{epochs:02d}" + (f"-lr{prof['lr']:g}" if args.lr else "") + precision_suffix(prof)
-    return name + (f"-from-{args.init_from}" if args.init_from else "")
+    """e<N>, + -L<layers>-a<anchors> when --layers/--anchors changed the drafter, + -lr<lr> when --lr changed
+    the profile's learning rate, + -from-<folder> when the run continues an earlier drafter (each a separate
+    drafter; a capacity/<name> source is written capacity-<name>)."""
+    shape = f"-L{prof['drafter']['num_layers']}-a{prof['drafter']['anchors_per_seq']}" if (args.layers or args.anchors) else ""
+    name = f"e{epochs:02d}{shape}" + (f"-lr{prof['lr']:g}" if args.lr else "") + precision_suffix(prof)
+    return name + (f"-from-{args.init_from.replace('/', '-')}" if args.init_from else "")
 
 
 def cmd_epochs(args, prof: dict) -> None:
     """DSpark at the largest point trained for each of `--epochs` passes over the same rows (each its own
-    cosine schedule, from scratch or, with --init-from, from a saved epochs drafter), into
+    cosine schedule, from scratch or, with --init-from, from a saved drafter: an epochs folder name such as
+    e05, or capacity/<name>; --layers/--anchors (one value each) set its shape), into
     epochs/<epochs_folder_name>/dspark, then its expected τ: what more passes over the same data buy,
     beside what more data buys (the points)."""
     out, target, cache, _, n = largest_point(args, prof)
+    if args.layers or args.anchors:
+        (_, _, prof), *more = list(settings(args, prof))
+        if more:
+            raise SystemExit("epochs: give one --layers and one --anchors value")
     init = None
     if args.init_from:
-        init = out / "epochs" / args.init_from / "dspark"
+        init = out / (args.init_from if "/" in args.init_from else f"epochs/{args.init_from}") / "dspark"
         if not (init / "drafter" / "config.json").exists():
             raise SystemExit(f"--init-from {args.init_from}: no trained drafter at {init}")
     for epochs in args.epochs or []:

@@ -96,6 +96,12 @@ def test_phases_resume_and_report(tmp_path):
     bf16 = json.loads((out / "capacity" / "L1-a16-m0.05-bf16" / "dspark" / "train.json").read_text())
     assert bf16["precision"] == "bf16" and "bf16" in bf16["mfu_basis"] and bf16["steps"] >= 1
     cap["L1-a16-m0.05-bf16"] = bf16
+    # a capacity drafter continued for more passes, in its own shape (1 layer), from its weights
+    run("epochs", out, "--epochs", "1", "--layers", "1", "--anchors", "16", "--init-from", "capacity/L1-a16-m0.05")
+    cont = out / "epochs" / "e01-L1-a16-from-capacity-L1-a16-m0.05" / "dspark"
+    trained = json.loads((cont / "train.json").read_text())
+    assert trained["init_from"] == "capacity/L1-a16-m0.05" and trained["num_layers"] == 1
+    assert epoch_entry(cont)["total_epochs"] == 1 + cap["L1-a16-m0.05"]["epochs"]
     report = lc.cmd_report(lc.parse_args(["report", "--profile", "tiny", "--out", str(out),
                                           "--results", str(tmp_path / "results")]), lc.PROFILES["tiny"])
     assert [c["folder"] for c in report["capacity_series"]] == [

@@ -602,7 +602,9 @@ def test_a_20mb_body_is_refused_fast_while_others_keep_their_latency(live_server
     for resp, seconds in (chunked, (big_resp, big_s)):  # by Content-Length, and a chunked upload
         assert _check_error_shape(resp, 413)["code"] == "request_too_large" and seconds < 1.0
     assert all(r.status_code == 200 for r, _ in others)
-    assert max(s for _, s in others) < alone + 0.5, (alone, [s for _, s in others])
+    # the small requests share the client's event loop with the 20 MB upload, so under xdist on 2 cores they
+    # wait for its chunks too (0.7 s seen once); a server that parsed the body inline would take seconds
+    assert max(s for _, s in others) < alone + 1.0, (alone, [s for _, s in others])
     print(f"\n[serve] 20 MB body refused in {big_s * 1000:.0f} ms; small requests {alone * 1000:.0f} ms alone, "
           f"{max(s for _, s in others) * 1000:.0f} ms next to it")
 

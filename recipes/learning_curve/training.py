@@ -65,7 +65,7 @@ def train_one(target, prof: dict, cache, n_rows: int, algo: str, folder: Path, i
 
         load_initial_weights(drafter, str(init / "drafter"), target)
     optim = OptimSection(lr=prof["lr"], warmup_ratio=0.04, schedule="cosine", grad_clip=1.0)
-    precision = prof.get("precision", "fp32")
+    precision = precision_of(prof)
     trainer = LocalTrainer(algo, target, drafter, optim, precision=precision)
     batch = min(prof["batch_size"], n_rows)
     batches = cached_batches(cache, n_rows, batch, prof, target)
@@ -130,11 +130,10 @@ def train_one(target, prof: dict, cache, n_rows: int, algo: str, folder: Path, i
 @functools.lru_cache(maxsize=None)
 def matmul_peak(device: str, precision: str = "fp32") -> float:
     """This machine's measured matmul FLOPs/s in `precision` (the MFU basis), once per process and device."""
-    import torch
-
     from dspark.training.loop import measured_matmul_peak
+    from dspark.training.step import precision_dtype
 
-    return measured_matmul_peak(device, dtype=torch.bfloat16 if precision == "bf16" else torch.float32)
+    return measured_matmul_peak(device, dtype=precision_dtype(precision))
 
 
 def cached_batches(cache, n_rows: int, batch: int, prof: dict, target):
@@ -231,9 +230,14 @@ def cmd_epochs(args, prof: dict) -> None:
     estimate_folders(target, prof, out, epoch_drafters(out))
 
 
+def precision_of(prof: dict) -> str:
+    """The drafter's training precision: --precision, fp32 by default."""
+    return prof.get("precision", "fp32")
+
+
 def precision_suffix(prof: dict) -> str:
     """'' for the default fp32 training, '-bf16' otherwise (a folder name says what it holds)."""
-    return "" if prof.get("precision", "fp32") == "fp32" else f"-{prof['precision']}"
+    return "" if precision_of(prof) == "fp32" else f"-{precision_of(prof)}"
 
 
 def capacity_folder(out: Path, layers: int, anchors: int, minutes: float, prof: dict) -> Path:
@@ -275,7 +279,7 @@ def cmd_sweep(args, prof: dict) -> None:
 
     out, target, cache, _, n = largest_point(args, prof)
     batch = min(prof["batch_size"], n)
-    precision = prof.get("precision", "fp32")
+    precision = precision_of(prof)
     peak = matmul_peak(str(target.device), precision)
     settings_done = []
     for layers, anchors, setting in settings(args, prof):

@@ -2,6 +2,7 @@
 plus equal-budget baselines, a report (JSON + plot) and the inputs of `dspark plan`. Single process, no Ray.
 
     python -m recipes.learning_curve rollouts  [--profile cpu|gpu] [--out DIR]   # train + held-out rollouts
+        [--which train --extra-prompts URI --extra-name magpie]  # more train prompts (e.g. jobs.synthesize output)
     python -m recipes.learning_curve train     [--profile cpu|gpu] [--out DIR]   # every training point
     python -m recipes.learning_curve evaluate  [--profile cpu|gpu] [--out DIR]   # expected τ per point
     python -m recipes.learning_curve baselines [--profile cpu|gpu] [--out DIR]   # 4 algos, real τ + speed
@@ -24,6 +25,7 @@ seed). Held-out: the first turn of every data/eval prompt, one answer each, for 
 from __future__ import annotations
 
 import argparse
+import re
 
 from recipes.learning_curve.profiles import PROFILES, REPO, log
 from recipes.learning_curve.rollouts import cmd_rollouts
@@ -39,6 +41,12 @@ PHASES = {"rollouts": cmd_rollouts, "train": cmd_train, "baselines": cmd_baselin
 # curve first (train, evaluate), then real decoding of what exists (DSpark at the largest point: the
 # estimator's check), then the baselines and their decoding; a stop at any point leaves valid results.
 AFTER_ROLLOUTS = ["train", "evaluate", "report", "decode", "report", "baselines", "evaluate", "decode", "report"]
+
+
+def _folder_name(text: str) -> str:
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", text):
+        raise argparse.ArgumentTypeError(f"{text!r}: use letters, digits, '.', '_' and '-' (it names a folder)")
+    return text
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -57,13 +65,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--precision", choices=["fp32", "bf16"], default=None,
                    help="train/epochs/capacity/sweep: the drafter's training precision (bf16 = autocast; default fp32)")
     p.add_argument("--limit-prompts", type=int, default=None, help="rollouts: first N train prompts only")
+    p.add_argument("--extra-prompts", default=None, help="rollouts --which train: another prompt set (a jobs.synthesize "
+                   "output such as Magpie prompts, a JSONL file), decontaminated likewise, into rollouts-train-<--extra-name>; "
+                   "training then uses rollouts-train and every rollouts-train-<name> after it")
+    p.add_argument("--extra-name", default=None, type=_folder_name, help="rollouts: the extra set's name")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: the profile's)")
     p.add_argument("--epochs", type=int, nargs="+", default=None, help="epochs: passes per run (one drafter each)")
     p.add_argument("--lr", type=float, default=None, help="epochs: peak learning rate (default: the profile's); "
                    "the drafter goes to epochs/e<N>-lr<lr>")
     p.add_argument("--init-from", default=None, help="epochs: continue this drafter (an epochs folder such as "
-                   "e05, or capacity/<name> with the same --layers/--anchors) with a new schedule instead of "
-                   "starting from scratch")
+                   "e05, capacity/<name>, or the path of any saved drafter folder, with the same --layers/--anchors) "
+                   "with a new schedule instead of starting from scratch; it keeps its draft vocabulary")
     p.add_argument("--layers", type=int, nargs="+", default=None, help="sweep/capacity: drafter layers per setting")
     p.add_argument("--anchors", type=int, nargs="+", default=None, help="sweep/capacity: anchors per sequence")
     p.add_argument("--minutes", type=float, default=None, help="capacity: wall-clock training budget per setting")

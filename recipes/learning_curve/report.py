@@ -161,7 +161,9 @@ def epoch_entry(folder: Path) -> dict:
     """One drafter of the epochs series: passes over the largest point's rows -> expected τ."""
     entry = series_entry(folder, ("epochs", "lr", "init_from", "rollout_tokens", "steps", "trained_tokens",
                                   "wall_s", "tokens_per_s"))
-    before = 0  # passes the drafter it continued had already made
+    before = 0  # passes the drafter it continued had already made (over these rows)
+    if entry["init_from"] and Path(entry["init_from"]).is_absolute():
+        return {**entry, "total_epochs": None}  # continued a drafter trained elsewhere (other rows)
     if entry["init_from"]:
         before = json.loads((folder.parents[2] / entry["init_from"] / "dspark" / "train.json").read_text())["epochs"]
     return {**entry, "total_epochs": before + entry["epochs"]}

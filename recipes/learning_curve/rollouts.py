@@ -11,14 +11,16 @@ from pathlib import Path
 from recipes.learning_curve.profiles import EVAL_DIR, REPO, TRAIN_FILES, log
 
 # ---------------------------------------------------------------- prompts
-def train_prompts(decontam_ngram: int = 13, max_ngram_prompts: int = 3) -> tuple[list, list]:
-    """(kept, dropped) first-turn prompts of data/train; dropped = overlap with any data/eval prompt."""
+def train_prompts(decontam_ngram: int = 13, max_ngram_prompts: int = 3, uri: str | None = None) -> tuple[list, list]:
+    """(kept, dropped) first-turn prompts of data/train (or of `uri`: a jobs.synthesize output, a JSONL file);
+    dropped = overlap with any data/eval prompt."""
     from dspark.data.prompt_filters import build_eval_index
     from dspark.data.prompts import PromptSource, load_prompts
 
     texts = {str(f): f.read_text(encoding="utf-8") for f in sorted((REPO / EVAL_DIR).glob("*.jsonl"))}
     index = build_eval_index(texts, decontam_ngram, max_ngram_prompts)  # every eval file, as jobs.synthesize
-    sources = [PromptSource(uri=str(REPO / f), domain=Path(f).stem, user_turns="first") for f in TRAIN_FILES]
+    sources = ([PromptSource(uri=uri, user_turns="first")] if uri else
+               [PromptSource(uri=str(REPO / f), domain=Path(f).stem, user_turns="first") for f in TRAIN_FILES])
     kept, dropped = [], []
     for p in load_prompts(sources).prompts:
         hit = next((m for m in (index.match(t) for t in p.turns) if m), None)
@@ -118,14 +120,27 @@ def write_manifest(out: str, plan) -> dict:
     return manifest
 
 
+def extra_folder(out: Path, name: str) -> Path:
+    """Where an extra training prompt set's rollouts go (training reads rollouts-train, then these by name)."""
+    return out / f"rollouts-train-{name}"
+
+
 def cmd_rollouts(args, prof: dict) -> None:
-    kept, dropped = train_prompts()
+    """Held-out and train rollouts; with --extra-prompts URI --extra-name NAME, the train rollouts of another
+    prompt set (a jobs.synthesize output, a JSONL file; decontaminated by the same rule) into
+    rollouts-train-NAME, which every later training phase adds after rollouts-train."""
+    if args.extra_prompts and (not args.extra_name or args.which != "train"):
+        raise SystemExit("--extra-prompts needs --extra-name NAME and --which train")
+    kept, dropped = train_prompts(uri=args.extra_prompts)
     kept = kept[:args.limit_prompts] if args.limit_prompts else kept
-    log(f"train prompts: {len(kept)} kept, {len(dropped)} dropped as overlapping data/eval "
+    what = f"{args.extra_prompts} prompts" if args.extra_prompts else "train prompts"
+    log(f"{what}: {len(kept)} kept, {len(dropped)} dropped as overlapping data/eval "
         f"({dict(Counter(p.domain for p, _ in dropped))})")
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / "decontamination.json").write_text(json.dumps(
-        {"kept": len(kept), "kept_by_domain": dict(Counter(p.domain for p in kept)),
+    suffix = f"-{args.extra_name}" if args.extra_prompts else ""
+    (Path(args.out) / f"decontamination{suffix}.json").write_text(json.dumps(
+        {"source": args.extra_prompts or TRAIN_FILES, "kept": len(kept),
+         "kept_by_domain": dict(Counter(p.domain for p in kept)),
          "dropped": [{"prompt_id": p.prompt_id, "domain": p.domain, "why": why} for p, why in dropped]}, indent=1))
     if args.which in ("eval", "both"):
         held_out = eval_prompts()
@@ -134,4 +149,5 @@ def cmd_rollouts(args, prof: dict) -> None:
     if args.which in ("train", "both"):
         passes = args.passes or prof["passes"]
         dtype = prof.get("data_dtype") or prof["dtype"]
-        log(f"train: {generate_rollouts(str(Path(args.out) / 'rollouts-train'), kept, prof, passes, 0, dtype)}")
+        folder = extra_folder(Path(args.out), args.extra_name) if args.extra_prompts else Path(args.out) / "rollouts-train"
+        log(f"train: {generate_rollouts(str(folder), kept, prof, passes, 0, dtype)}")

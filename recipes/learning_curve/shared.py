@@ -66,8 +66,19 @@ def data_target(target, prof: dict):
     return target if dtype == prof["dtype"] else load_target_of({**prof, "dtype": dtype})
 
 
+def train_sets(out: Path) -> list[tuple[Path, Path]]:
+    """(rollout folder, feature-cache folder) of every training set, in training-row order: rollouts-train,
+    then each rollouts-train-<name> (an extra prompt set, `rollouts --extra-prompts`) by name."""
+    extras = sorted(p for p in out.glob("rollouts-train-*") if p.is_dir())
+    return [(out / "rollouts-train", out / "features-train"),
+            *((p, out / p.name.replace("rollouts-", "features-", 1)) for p in extras)]
+
+
 def train_cache(target, prof: dict, out: Path):
-    rows = committed_rows(out / "rollouts-train")
+    """(rows, feature cache) of the training set: every train set's committed rows, concatenated, cut to the
+    row count frozen at the first training run (train-rows.json; nested points stay nested)."""
+    sets = [(folder, cache_dir, committed_rows(folder)) for folder, cache_dir in train_sets(out)]
+    rows = [r for _, _, part in sets for r in part]
     if not rows:
         raise SystemExit(f"no committed train rollouts under {out / 'rollouts-train'}; run the rollouts phase first")
     frozen = out / "train-rows.json"  # the training set is fixed at the first training run (nested prefixes)
@@ -77,8 +88,25 @@ def train_cache(target, prof: dict, out: Path):
             raise SystemExit(f"{frozen} says {n} rows but only {len(rows)} are committed")
         rows = rows[:n]
     else:
-        frozen.write_text(json.dumps({"rows": len(rows), "generated_tokens": sum(r["num_generated_tokens"] for r in rows)}))
-    return rows, ensure_cache(data_target(target, prof), prof, rows, out / "features-train", prof["max_len"])
+        frozen.write_text(json.dumps({"rows": len(rows), "generated_tokens": sum(r["num_generated_tokens"] for r in rows),
+                                      "sets": {folder.name: len(part) for folder, _, part in sets}}))
+    caches, start = [], 0
+    for folder, cache_dir, part in sets:
+        take = part[:max(0, len(rows) - start)]
+        start += len(part)
+        if take:
+            caches.append(ensure_cache(data_target(target, prof), prof, take, cache_dir, prof["max_len"]))
+    return rows, concat_caches(caches)
+
+
+def concat_caches(caches: list):
+    """One FeatureCache holding the rows of `caches` in order (lists of per-row views: nothing copied)."""
+    if len(caches) == 1:
+        return caches[0]
+    from dspark.training.feature_cache import FeatureCache
+
+    return FeatureCache(*([x for c in caches for x in getattr(c, name)]
+                          for name in ("input_ids", "loss_mask", "features", "final")))
 
 
 def wanted_sizes(rows: list[dict], prof: dict) -> list[int]:

@@ -26,14 +26,15 @@ def drafter_config(prof: dict, algo: str):
     return DrafterConfig(**cfg)
 
 
-def draft_ids_of(cache, n_rows: int, vocab: int, size: int | None):
-    """(draft ids, coverage) of the first n_rows cached rows, as jobs.train plans them; (None, None) = full."""
+def draft_ids_of(cache, n_rows: int, vocab: int, size: int | None, kept=None):
+    """(draft ids, coverage) of the first n_rows cached rows, as jobs.train plans them; (None, None) = full.
+    kept: the draft ids of a drafter being continued (kept, with their coverage of these rows)."""
     from dspark.drafters.draft_vocab import DraftVocabPlan, count_token_frequencies
 
     if not size:
         return None, None
     counts = count_token_frequencies(zip(cache.input_ids[:n_rows], cache.loss_mask[:n_rows]), vocab, "cache")
-    plan = DraftVocabPlan.from_counts(counts, size, vocab)
+    plan = DraftVocabPlan.from_counts(counts, size, vocab, kept=kept)
     return plan.ids(), plan.coverage
 
 
@@ -42,7 +43,8 @@ def train_one(target, prof: dict, cache, n_rows: int, algo: str, folder: Path, i
     """Train one drafter on the first n_rows cached rows (`epochs` passes, or with `minutes` a wall-clock
     budget: the cosine schedule is first sized from a probed step time, re-sized from the measured mean
     step time after 5 %, 25 % and 50 % of it, and no step starts past the budget); skip if already saved.
-    `init`: a drafter folder of the same config to start from instead of a fresh initialisation."""
+    `init`: a saved drafter (its folder holds config.json) of the same config to start from instead of a
+    fresh initialisation; its draft vocabulary is kept."""
     import numpy as np
     import torch
 
@@ -57,13 +59,18 @@ def train_one(target, prof: dict, cache, n_rows: int, algo: str, folder: Path, i
         log(f"{folder}: trained already, skipping")
         return json.loads(done.read_text())
     cfg = drafter_config(prof, algo)
-    ids, cov = draft_ids_of(cache, n_rows, int(target.vocab_size), cfg.draft_vocab_size)
+    kept = None
+    if init is not None:
+        from dspark.drafters.checkpoint import saved_draft_ids
+
+        kept = saved_draft_ids(str(init))
+    ids, cov = draft_ids_of(cache, n_rows, int(target.vocab_size), cfg.draft_vocab_size, kept)
     torch.manual_seed(prof["seed"])
     drafter = build_drafter(cfg, target, draft_ids=ids)
     if init is not None:  # continue a saved drafter (same config and draft vocabulary) with a new schedule
         from dspark.training.session import load_initial_weights
 
-        load_initial_weights(drafter, str(init / "drafter"), target)
+        load_initial_weights(drafter, str(init), target)
     optim = OptimSection(lr=prof["lr"], warmup_ratio=0.04, schedule="cosine", grad_clip=1.0)
     precision = precision_of(prof)
     trainer = LocalTrainer(algo, target, drafter, optim, precision=precision)
@@ -114,7 +121,7 @@ def train_one(target, prof: dict, cache, n_rows: int, algo: str, folder: Path, i
               "batch_size": batch, "lr": prof["lr"], "budget_minutes": minutes, "probe_step_s": probe_s,
               "planned_steps": planned, "stopped_by": stopped_by,
               "threads": torch.get_num_threads(),
-              "init_from": None if init is None else f"{init.parent.parent.name}/{init.parent.name}",
+              "init_from": init_label(init, folder),
               "num_layers": cfg.num_layers, "anchors_per_seq": cfg.anchors_per_seq,
               "draft_vocab_size": cfg.draft_vocab_size, "draft_vocab_coverage": cov, "wall_s": wall,
               "cpu_minutes": wall / 60 * torch.get_num_threads(), "tokens_per_s": tokens / wall,
@@ -199,13 +206,45 @@ def cmd_baselines(args, prof: dict) -> None:
         train_one(target, prof, cache, n, algo, out / "points" / f"{tokens:09d}" / algo)
 
 
+def resolve_init(out: Path, init_from: str) -> Path:
+    """The saved drafter folder --init-from names: a path holding config.json, or a folder of this run
+    (e05 = epochs/e05, capacity/<name>) whose dspark/drafter it is."""
+    given = Path(init_from)
+    init = given if (given / "config.json").exists() else (
+        out / (init_from if "/" in init_from else f"epochs/{init_from}") / "dspark" / "drafter")
+    if not (init / "config.json").exists():
+        raise SystemExit(f"--init-from {init_from}: no saved drafter at {given} or {init}")
+    return init
+
+
+def init_label(init: Path | None, folder: Path) -> str | None:
+    """How train.json names the drafter a run continued: "<series>/<name>" inside this run folder (as
+    --init-from takes it), else its absolute path."""
+    if init is None:
+        return None
+    run_dir = folder.parents[2]
+    if init.parent.name == "dspark" and init.parents[2].parent.resolve() == run_dir.resolve():
+        return f"{init.parents[2].name}/{init.parents[1].name}"
+    return str(init.resolve())
+
+
 def epochs_folder_name(epochs: int, prof: dict, args) -> str:
     """e<N>, + -L<layers>-a<anchors> when --layers/--anchors changed the drafter, + -lr<lr> when --lr changed
     the profile's learning rate, + -from-<folder> when the run continues an earlier drafter (each a separate
     drafter; a capacity/<name> source is written capacity-<name>)."""
     shape = f"-L{prof['drafter']['num_layers']}-a{prof['drafter']['anchors_per_seq']}" if (args.layers or args.anchors) else ""
     name = f"e{epochs:02d}{shape}" + (f"-lr{prof['lr']:g}" if args.lr else "") + precision_suffix(prof)
-    return name + (f"-from-{args.init_from.replace('/', '-')}" if args.init_from else "")
+    return name + (f"-from-{init_name(args.init_from)}" if args.init_from else "")
+
+
+def init_name(init_from: str) -> str:
+    """A folder-name part for --init-from: capacity/L1-a32-m60 -> capacity-L1-a32-m60; a drafter path
+    .../<name>/dspark/drafter -> <name>; any other drafter path -> its last folder's name."""
+    path = Path(init_from)
+    if not (path / "config.json").exists():
+        return init_from.replace("/", "-")
+    parts = path.resolve().parts
+    return parts[-3] if len(parts) >= 3 and parts[-2:] == ("dspark", "drafter") else parts[-1]
 
 
 def cmd_epochs(args, prof: dict) -> None:
@@ -219,11 +258,7 @@ def cmd_epochs(args, prof: dict) -> None:
         (_, _, prof), *more = list(settings(args, prof))
         if more:
             raise SystemExit("epochs: give one --layers and one --anchors value")
-    init = None
-    if args.init_from:
-        init = out / (args.init_from if "/" in args.init_from else f"epochs/{args.init_from}") / "dspark"
-        if not (init / "drafter" / "config.json").exists():
-            raise SystemExit(f"--init-from {args.init_from}: no trained drafter at {init}")
+    init = resolve_init(out, args.init_from) if args.init_from else None
     for epochs in args.epochs or []:
         train_one(target, {**prof, "epochs": epochs}, cache, n, "dspark",
                   out / "epochs" / epochs_folder_name(epochs, prof, args) / "dspark", init)

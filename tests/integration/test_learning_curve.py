@@ -108,3 +108,43 @@ def test_phases_resume_and_report(tmp_path):
         "capacity/L1-a16-m0.05", "capacity/L1-a16-m0.05-bf16", "capacity/L2-a16-m0.05"]
     assert all(c["expected_tau"] >= 1.0 and c["mfu"] > 0 for c in report["capacity_series"])
     assert report["training_sweep"]["settings"] == sweep["settings"]
+
+
+def test_extra_prompt_set_joins_the_training_rows_and_a_drafter_path_continues(tmp_path):
+    """`rollouts --extra-prompts F --extra-name N` writes rollouts-train-N (its own resumable plan); every
+    training phase then trains on rollouts-train + rollouts-train-N; `epochs --init-from <drafter path>`
+    continues a drafter saved anywhere and keeps its draft vocabulary."""
+    out = tmp_path / "lc"
+    run("rollouts", out, "--limit-prompts", "4", "--passes", "1")
+    extra = tmp_path / "extra.jsonl"
+    extra.write_text("".join(json.dumps({"turns": [f"Tell me a fact about the number {k}, please."]}) + "\n"
+                             for k in range(5)))
+    with pytest.raises(SystemExit, match="extra-name"):
+        run("rollouts", out, "--extra-prompts", str(extra), "--which", "train")
+    run("rollouts", out, "--which", "train", "--extra-prompts", str(extra), "--extra-name", "more", "--passes", "1")
+    base, more = committed_rows(out / "rollouts-train"), committed_rows(out / "rollouts-train-more")
+    assert len(base) == 4 and len(more) == 5
+    assert json.loads((out / "decontamination-more.json").read_text())["kept"] == 5
+
+    run("epochs", out, "--epochs", "1")
+    first = json.loads((out / "epochs" / "e01" / "dspark" / "train.json").read_text())
+    assert first["rows"] == 9 and json.loads((out / "train-rows.json").read_text())["sets"] == {
+        "rollouts-train": 4, "rollouts-train-more": 5}
+    assert (out / "features-train-more" / "meta.json").exists()
+
+    from dspark.drafters.checkpoint import saved_draft_ids
+
+    saved = tmp_path / "elsewhere" / "my-drafter"
+    import shutil
+
+    shutil.copytree(out / "epochs" / "e01" / "dspark" / "drafter", saved)
+    run("epochs", out, "--epochs", "1", "--init-from", str(saved))
+    cont = out / "epochs" / "e01-from-my-drafter" / "dspark"
+    trained = json.loads((cont / "train.json").read_text())
+    assert trained["init_from"] == str(saved.resolve()) and trained["rows"] == 9
+    assert saved_draft_ids(str(cont / "drafter")).tolist() == saved_draft_ids(str(saved)).tolist()
+    from recipes.learning_curve.report import epoch_entry
+
+    assert epoch_entry(cont)["total_epochs"] is None  # passes over other rows are not added up
+    with pytest.raises(SystemExit, match="no saved drafter"):
+        run("epochs", out, "--epochs", "1", "--init-from", str(tmp_path / "nowhere"))

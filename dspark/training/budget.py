@@ -4,8 +4,9 @@ time measured over batches from several length buckets, and the schedule sized f
 `train_for(trainer, batches, seconds, deadline)` trains one drafter (a dspark.training.loop.LocalTrainer,
 i.e. the shared step) for its own share of the time: it measures the step time first (one warm-up, then
 forward + backward without an update on a short, a median and a long batch: a single random batch
-mis-sizes the run by the length spread), sets the learning-rate schedule to the steps that fit, then
-steps until the planned steps are done or `min(start + seconds, deadline)` passes — whichever is first,
+mis-sizes the run by the length spread), sets the learning-rate schedule to the steps that fit, re-sizes
+it from the real step time as it goes (StepBudget, shared with the learning-curve recipe), and steps
+until the planned steps are done or `min(start + seconds, deadline)` passes — whichever is first,
 checked before every step, so a slow step overruns by at most one step.
 """
 from __future__ import annotations
@@ -97,6 +98,55 @@ def replanned_steps(done: int, elapsed_s: float, seconds: float) -> int:
     return done + max(0, int((seconds - elapsed_s) * done / max(elapsed_s, 1e-9)))
 
 
+class StepBudget:
+    """The step count of one training run, shared by every budgeted loop (train_for here, the learning-curve
+    recipe's train_one). Without `seconds` it is just `planned` steps. With it, the plan (from a probed step
+    time: a guess) is re-sized from the mean step time measured after 5 %, 25 % and 50 % of it (the trainer's
+    cosine schedule with it), capped at `max_steps`; invariant: no step starts once `seconds` have passed
+    since the budget was made (or once `stop`, an absolute Deadline, has passed), so a slow step overruns
+    by at most one step.
+
+        budget = StepBudget(planned, seconds); trainer.set_schedule(budget.total)
+        while budget.more():
+            ...one step...
+            budget.stepped(trainer)
+    """
+
+    def __init__(self, planned: int, seconds: float | None = None, max_steps: int | None = None,
+                 stop: Deadline | None = None):
+        self.planned = self.total = max(1, min(planned, max_steps) if max_steps else planned)
+        self.seconds, self.max_steps, self.stop = seconds, max_steps, stop
+        self.done, self.stopped_by = 0, "steps"
+        self.replan_at = {max(3, self.total // 20), self.total // 4, self.total // 2} if seconds else set()
+        self.t0 = time.perf_counter()
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def more(self) -> bool:
+        """Whether another step may start (and why not: stopped_by = "steps" or "deadline")."""
+        if self.done >= self.total:
+            return False
+        if self.stop.passed() if self.stop is not None else (self.seconds is not None and self.elapsed() >= self.seconds):
+            self.stopped_by = "deadline"
+            return False
+        return True
+
+    def stepped(self, trainer) -> int | None:
+        """Count a finished step; at a re-plan point re-size the plan and `trainer`'s schedule. Returns the
+        previous total when it changed (for the caller's log), else None."""
+        self.done += 1
+        if self.done not in self.replan_at:
+            return None
+        resized = replanned_steps(self.done, self.elapsed(), self.seconds)
+        resized = min(resized, self.max_steps) if self.max_steps else resized
+        if resized == self.total:
+            return None
+        before, self.total = self.total, resized
+        trainer.set_schedule(resized, done=self.done)
+        return before
+
+
 @dataclass
 class TrainReport:
     planned_steps: int = 0
@@ -120,28 +170,26 @@ def train_for(trainer, batches: Iterator[dict], probe: Sequence[dict], seconds: 
     report = TrainReport()
     report.step_s = measure_step_s(trainer, probe, chunks, stop)
     report.probe_s = time.time() - start
-    report.planned_steps = max(1, int(stop.left() / max(report.step_s, 1e-6)))
-    if max_steps:
-        report.planned_steps = min(report.planned_steps, max_steps)
-    trainer.set_schedule(report.planned_steps)
+    budget = StepBudget(int(stop.left() / max(report.step_s, 1e-6)), max(0.0, stop.left()), max_steps, stop)
+    report.planned_steps = budget.planned
+    trainer.set_schedule(budget.total)
     t0 = time.time()
-    report.stopped_by = "steps"
-    for step in range(report.planned_steps):
-        if stop.passed():  # invariant: no step starts after the deadline
-            report.stopped_by = "deadline"
-            break
+    while budget.more():  # invariant: no step starts after the deadline
+        step = budget.done
         batch = next(batches)
         epoch = batch.pop("epoch", 0)
         m = trainer.step(batch, seed * 1_000_003 + step, chunks=chunks)
         report.steps, report.epochs = step + 1, epoch + 1
         report.tokens += m["tokens"]
         report.flops += m["flops"]
-        if step % log_every == 0 or step == report.planned_steps - 1:
+        budget.stepped(trainer)
+        if step % log_every == 0 or step + 1 == budget.total:
             point = {"step": step + 1, "epoch": epoch, "seconds": round(time.time() - t0, 2),
                      **{k: round(v, 5) for k, v in m.items() if k != "flops"}}
             report.curve.append(point)
             if on_log:
                 on_log(point)
+    report.stopped_by = budget.stopped_by
     sync(trainer.target.device)
     report.train_s = time.time() - t0
     trainer.drafter.eval()

@@ -50,7 +50,7 @@ def train_one(target, prof: dict, cache, n_rows: int, algo: str, folder: Path, i
 
     from dspark.drafters import build_drafter, save_drafter
     from dspark.training.config import OptimSection
-    from dspark.training.budget import replanned_steps
+    from dspark.training.budget import StepBudget
     from dspark.training.feature_cache import cached_step
     from dspark.training.loop import LocalTrainer, flops_rates
 
@@ -76,43 +76,35 @@ def train_one(target, prof: dict, cache, n_rows: int, algo: str, folder: Path, i
     trainer = LocalTrainer(algo, target, drafter, optim, precision=precision)
     batch = min(prof["batch_size"], n_rows)
     batches = cached_batches(cache, n_rows, batch, prof, target)
-    probe_s, budget_s = None, (minutes * 60 if minutes else None)
-    if minutes:  # the first plan comes from a probe (weights untouched); the real steps re-size it below
+    probe_s = None
+    if minutes:  # the first plan comes from a probe (weights untouched); StepBudget re-sizes it from real steps
         probe_s = probe_step(trainer, cache, n_rows, batch, target)["step_s"]
-        steps = max(1, int(budget_s / probe_s))
-    else:
-        steps = n_rows // batch * prof["epochs"]
-    trainer.set_schedule(steps)
-    planned, replan_at = steps, ({max(3, steps // 20), steps // 4, steps // 2} if minutes else set())
+    budget = StepBudget(int(minutes * 60 / probe_s) if minutes else n_rows // batch * prof["epochs"],
+                        minutes * 60 if minutes else None)
+    trainer.set_schedule(budget.total)
     plan = f"{minutes:g} min at {probe_s:.2f} s/step (probed)" if minutes else f"{prof['epochs']} epochs"
-    log(f"{folder.parent.name}/{algo}: {n_rows} rows, {steps} steps of {batch} ({plan}), "
+    log(f"{folder.parent.name}/{algo}: {n_rows} rows, {budget.total} steps of {batch} ({plan}), "
         f"{cfg.num_layers} layers, {cfg.anchors_per_seq} anchors/seq, draft vocab {cfg.draft_vocab_size} "
         f"(coverage {cov if cov is None else round(cov, 4)})")
-    t0, tokens, flops, curve, last, step, stopped_by = time.perf_counter(), 0.0, 0.0, [], [], 0, "steps"
-    while step < steps:
-        if budget_s and time.perf_counter() - t0 >= budget_s:  # invariant: no step starts past the budget
-            stopped_by = "deadline"
-            break
-        step += 1
+    tokens, flops, curve, last = 0.0, 0.0, [], []
+    while budget.more():
+        step = budget.done + 1
         m = cached_step(trainer, next(batches), seed=prof["seed"] * 1_000_003 + step - 1)
         tokens, flops = tokens + m["tokens"], flops + m["flops"]
         last = (last + [m])[-20:]
-        if step in replan_at:  # the schedule re-sized to the step time measured so far (the probe's is a guess)
-            resized = replanned_steps(step, time.perf_counter() - t0, budget_s)
-            if resized != steps:
-                log(f"  {algo} step {step}: {(time.perf_counter() - t0) / step:.2f} s/step measured, "
-                    f"schedule {steps} -> {resized} steps")
-                trainer.set_schedule(resized, done=step)
-                steps = resized
-        if step % prof["log_every"] == 0 or step == steps:
-            dt = time.perf_counter() - t0
+        before = budget.stepped(trainer)
+        if before is not None:
+            log(f"  {algo} step {step}: {budget.elapsed() / step:.2f} s/step measured, schedule {before} -> "
+                f"{budget.total} steps")
+        if step % prof["log_every"] == 0 or step == budget.total:
+            dt = budget.elapsed()
             row = {"step": step, "loss": m["loss"], "tokens_per_s": tokens / dt,
                    **{k: float(np.mean([x[k] for x in last if k in x])) for k in ("loss", "token_acc") if k in m}}
             curve.append(row)
-            log(f"  {algo} step {step}/{steps} loss {row['loss']:.3f} acc {row.get('token_acc', 0):.3f} "
+            log(f"  {algo} step {step}/{budget.total} loss {row['loss']:.3f} acc {row.get('token_acc', 0):.3f} "
                 f"{row['tokens_per_s']:.0f} tok/s, {dt:.0f} s")
-    steps = step
-    wall = time.perf_counter() - t0
+    steps, planned, stopped_by = budget.done, budget.planned, budget.stopped_by
+    wall = budget.elapsed()
     save_drafter(drafter, str(folder / "drafter"))
     peak = matmul_peak(str(target.device), precision)
     rates = flops_rates(flops, wall, target.device, precision, peak=peak)

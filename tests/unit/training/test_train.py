@@ -304,3 +304,32 @@ def test_session_zero3_checkpoint_resumes_exactly_and_exports(tmp_path, gloo_wor
     drafter = load_drafter(os.path.join(ckpt, "drafter"), target=session.target)
     assert all(p.numel() > 0 for p in drafter.parameters()), "ZeRO-3 export holds gathered (full) weights"
     assert drafter.draft_ids.tolist() == draft_ids and drafter.markov_head.markov_w2.weight.shape == (24, 16)
+
+
+def test_step_budget_resizes_at_its_replan_points_and_stops_at_its_seconds(monkeypatch):
+    """StepBudget (the loop of train_for and the learning-curve recipe): a probed plan of 100 steps in a
+    200 s budget, real steps of 4 s -> re-sized at step 5 to 50 (schedule too), then no step starts at 200 s."""
+    from dspark.training import budget as budget_mod
+
+    clock = [0.0]
+    monkeypatch.setattr(budget_mod.time, "perf_counter", lambda: clock[0])
+
+    class Trainer:
+        schedules = []
+
+        def set_schedule(self, total, done=0):
+            self.schedules.append((total, done))
+
+    trainer, budget = Trainer(), budget_mod.StepBudget(100, seconds=200.0)
+    while budget.more():
+        clock[0] += 4.0
+        budget.stepped(trainer)
+    assert trainer.schedules == [(50, 5)]  # 5 steps in 20 s: 45 more fit in the 180 s left; 25 % / 50 % agree
+    assert budget.done == 50 and budget.stopped_by == "steps"
+    plan = budget_mod.StepBudget(10, seconds=30.0)  # re-planned at steps 2, 3, 5 (1 s each): 30 steps fit
+    for seconds in [1.0] * 6 + [40.0]:  # ... then one step runs long: the budget, not the plan, stops the run
+        assert plan.more()
+        clock[0] += seconds
+        plan.stepped(trainer)
+    assert plan.total == 30 and not plan.more() and plan.done == 7 and plan.stopped_by == "deadline"
+    assert budget_mod.StepBudget(10).replan_at == set()  # without seconds: exactly the planned steps

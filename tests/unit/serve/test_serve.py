@@ -347,6 +347,23 @@ def test_auto_device_is_cuda_only_with_gpus_and_cuda(monkeypatch):
     assert resolve_device("cpu", True) == "cpu" and resolve_device("cuda", False) == "cuda"
 
 
+def test_auto_dtype_is_bf16_only_where_the_device_computes_it_natively(monkeypatch):
+    from dspark.serve.config import resolve_dtype
+
+    assert resolve_dtype("float32", "cpu") == "float32" and resolve_dtype("bfloat16", "cpu") == "bfloat16"
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
+    assert resolve_dtype("auto", "cpu") == "float32"  # emulated bf16 is slower than fp32
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
+    assert resolve_dtype("auto", "cpu") == "bfloat16"
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    assert resolve_dtype("auto", "cuda") == "float32"
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    assert resolve_dtype("auto", "cuda") == "bfloat16"
+    with pytest.raises(ValueError):
+        ServeConfig.model_validate({"model": {"dtype": "float16"}})
+
+
 
 def test_build_engine_puts_target_drafter_and_engine_on_the_resolved_device(drafter_dir):
     from dspark.serve.config import build_engine

@@ -54,6 +54,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--drafter", default=None, help="drafter reference: dir | s3:// | runs:/ | models:/ "
                                                     "(default: the target's registered DSpark drafter)")
     ap.add_argument("--modes", default=",".join(MODES), help="comma-separated scheduler modes")
+    ap.add_argument("--dtypes", default="float32", help="comma-separated model.dtype values (float32, bfloat16, "
+                    "auto); with more than one, every mode is served in each and labelled <mode>-<dtype>")
     ap.add_argument("--concurrency", default="1,4,16,64", help="comma-separated numbers of concurrent users")
     ap.add_argument("--requests-per-user", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=64)
@@ -122,14 +124,15 @@ def resolve_drafter(args) -> tuple[str, str]:
 
 
 # ---- deployment ------------------------------------------------------------------------------------------
-def serve_config(args, drafter_dir: str, mode: str, max_users: int, replicas_at_once: int = 1):
+def serve_config(args, drafter_dir: str, mode: str, max_users: int, replicas_at_once: int = 1,
+                 dtype: str = "float32", label: str | None = None):
     """One mode's app. With `replicas_at_once` > 1 (--interleave) the app is named after its mode and
     reserves its share of the local Ray's CPUs (a logical reservation: each replica still runs
     `num_cpus` torch threads, and only one of them is under load at a time)."""
     from dspark.serve.config import ServeConfig
 
     return ServeConfig.model_validate({
-        "model": {"target": args.target, "drafter": drafter_dir, "served_name": "bench"},
+        "model": {"target": args.target, "drafter": drafter_dir, "served_name": "bench", "dtype": dtype},
         "engine": {"scheduler": {"mode": mode, "threshold": args.threshold,
                                  "draft_gate": mode == "dynamic" and not args.no_draft_gate}, "gamma": args.gamma,
                    "max_batch": max_users, "max_waiting": 4 * max_users, "max_model_len": 2048,
@@ -138,7 +141,7 @@ def serve_config(args, drafter_dir: str, mode: str, max_users: int, replicas_at_
                    "sps_batch_sizes": [b for b in [1, 2, 4, 8, 16, 32, 64, 128, 256, 512][: 8 if args.quick else 10]
                                        if b <= args.sps_max_batch]},
         "api": {"max_tokens_limit": max(args.max_tokens, 16), "api_key_env": "DSPARK_BENCH_UNUSED_KEY"},
-        "deployment": {"name": "dspark-bench" if replicas_at_once == 1 else f"dspark-bench-{mode}",
+        "deployment": {"name": "dspark-bench" if replicas_at_once == 1 else f"dspark-bench-{label or mode}",
                        "num_cpus": args.num_cpus / replicas_at_once, "torch_threads": args.num_cpus,
                        "max_ongoing_requests": 8 * max_users, "max_queued_requests": 8 * max_users},
     })
@@ -310,6 +313,9 @@ def main(argv=None) -> int:
     if unknown:
         raise SystemExit(f"error: unknown modes {sorted(unknown)}; choose from {MODES + ('async_topk',)}")
     levels = [int(c) for c in args.concurrency.split(",") if c]
+    dtypes = [d for d in args.dtypes.split(",") if d]
+    if set(dtypes) - {"float32", "bfloat16", "auto"}:
+        raise SystemExit(f"error: --dtypes takes float32, bfloat16, auto; got {args.dtypes!r}")
     prompts = load_prompts(args.data_dir)
     drafter_dir, drafter_label = resolve_drafter(args)
 
@@ -322,23 +328,28 @@ def main(argv=None) -> int:
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     url = f"http://127.0.0.1:{port}"
     results, tables = [], {}
+    variants = {label: (mode, dtype) for dtype in dtypes for mode in modes
+                for label in [mode if len(dtypes) == 1 else f"{mode}-{dtype}"]}
     try:
         if args.interleave:
             urls = {}
-            for mode in modes:
-                urls[mode] = f"{url}/{mode}"
-                health = deploy(serve_config(args, drafter_dir, mode, max(levels), len(modes)), urls[mode], f"/{mode}")
-                tables[mode] = health.get("sps_table")
-                asyncio.run(closed_loop(urls[mode], prompts, 2, 1, min(8, args.max_tokens)))  # warm-up
+            for label, (mode, dtype) in variants.items():
+                urls[label] = f"{url}/{label}"
+                health = deploy(serve_config(args, drafter_dir, mode, max(levels), len(variants), dtype, label),
+                                urls[label], f"/{label}")
+                tables[label] = health.get("sps_table")
+                asyncio.run(closed_loop(urls[label], prompts, 2, 1, min(8, args.max_tokens)))  # warm-up
             for users in levels:
-                results += interleaved_level(args, urls, prompts, modes, users)
+                results += interleaved_level(args, urls, prompts, list(variants), users)
         else:
-            for mode in modes:
-                health = deploy(serve_config(args, drafter_dir, mode, max(levels)), url)
-                tables[mode] = health.get("sps_table")
+            for label, (mode, dtype) in variants.items():
+                health = deploy(serve_config(args, drafter_dir, mode, max(levels), 1, dtype, label), url)
+                tables[label] = health.get("sps_table")
                 asyncio.run(closed_loop(url, prompts, 2, 1, min(8, args.max_tokens)))  # warm-up
                 for users in levels:
-                    results.append(run_level(args, url, prompts, mode, users))
+                    results.append(run_level(args, url, prompts, label, users))
+        for row in results:
+            row["scheduler"], row["dtype"] = variants[row["mode"]]
     finally:
         serve.shutdown()
         import ray
@@ -347,21 +358,29 @@ def main(argv=None) -> int:
     out = Path(args.out)
     png = plot(results, out / "serve_load.png",
                f"{args.target} + {drafter_label}: closed-loop load, {args.max_tokens} tokens/request")
-    best_other, vs_off = {}, {}
+    best_other, vs_off, vs_fastest_off = {}, {}, {}
     for users in levels:
-        by_mode = {r["mode"]: r["agg_tokens_per_s"] or 0.0 for r in results if r["concurrency"] == users}
-        if "dynamic" in by_mode:
-            others = {m: v for m, v in by_mode.items() if m != "dynamic"}
-            best_other[str(users)] = {"dynamic": by_mode["dynamic"], "best_other": max(others.values(), default=None),
-                                      "best_other_mode": max(others, key=others.get) if others else None}
-            if by_mode.get("off"):
-                vs_off[str(users)] = by_mode["dynamic"] / by_mode["off"]  # the "never slower" ratio (>= 0.95 wanted)
+        level = [r for r in results if r["concurrency"] == users]
+        for dtype in dtypes:
+            suffix = "" if len(dtypes) == 1 else f"-{dtype}"
+            by_mode = {r["scheduler"]: r["agg_tokens_per_s"] or 0.0 for r in level if r["dtype"] == dtype}
+            key = f"{users}{suffix}"
+            if "dynamic" in by_mode:
+                others = {m: v for m, v in by_mode.items() if m != "dynamic"}
+                best_other[key] = {"dynamic": by_mode["dynamic"], "best_other": max(others.values(), default=None),
+                                   "best_other_mode": max(others, key=others.get) if others else None}
+                if by_mode.get("off"):
+                    vs_off[key] = by_mode["dynamic"] / by_mode["off"]  # the "never slower" ratio (>= 0.95 wanted)
+        fastest_off = max((r["agg_tokens_per_s"] or 0.0 for r in level if r["scheduler"] == "off"), default=0.0)
+        if fastest_off and len(dtypes) > 1:  # every variant against the fastest target-only configuration
+            vs_fastest_off[str(users)] = {r["mode"]: (r["agg_tokens_per_s"] or 0.0) / fastest_off for r in level}
     report = {"benchmark": "serve_load", "target": args.target, "drafter": drafter_label, "modes": modes,
               "concurrency": levels, "max_tokens": args.max_tokens, "requests_per_user": args.requests_per_user,
               "min_requests": args.min_requests, "gamma": args.gamma,
               "num_cpus": args.num_cpus, "interleave": args.interleave, "draft_gate": not args.no_draft_gate,
               "sps_tables": tables, "results": results, "dynamic_vs_best_other": best_other,
-              "dynamic_over_off": vs_off, "plot": png}
+              "dynamic_over_off": vs_off, "dtypes": dtypes, "over_fastest_target_only": vs_fastest_off,
+              "plot": png}
     (out / "serve_load.json").write_text(json.dumps(report, indent=2))
     print(json.dumps(report))
     return 0

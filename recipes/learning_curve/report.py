@@ -5,7 +5,8 @@ import json
 from pathlib import Path
 
 from recipes.learning_curve.profiles import REPO
-from recipes.learning_curve.shared import capacity_drafters, epoch_drafters, epoch_mode, trained_drafters
+from recipes.learning_curve.shared import (capacity_drafters, epoch_drafters, epoch_mode, train_sets,
+                                         trained_drafters)
 from recipes.learning_curve.measure import DECODE_TEMPERATURES, decode_modes
 
 # ---------------------------------------------------------------- report
@@ -115,6 +116,9 @@ def cmd_report(args, prof: dict) -> dict:
                              for m, (p, sched) in decode_modes(out).items()},
                    "by_temperature": decode_by_temperature},
         "rollouts": json.loads(rollout_manifest.read_text()) if rollout_manifest.exists() else None,
+        "extra_rollouts": {folder.name: json.loads((folder / "manifest.json").read_text())  # rollouts --extra-prompts
+                           for folder, _ in train_sets(out)[1:] if (folder / "manifest.json").exists()},
+        "train_rows": json.loads((out / "train-rows.json").read_text()) if (out / "train-rows.json").exists() else None,
         "rollout_log": prof.get("rollout_tokens_per_s_note"),
         "decode_settings": {"prompts_per_benchmark": prof["decode_prompts"],
                             "max_new_tokens": prof["decode_max_new_tokens"], "batch": 1,

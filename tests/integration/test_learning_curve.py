@@ -146,5 +146,8 @@ def test_extra_prompt_set_joins_the_training_rows_and_a_drafter_path_continues(t
     from recipes.learning_curve.report import epoch_entry
 
     assert epoch_entry(cont)["total_epochs"] is None  # passes over other rows are not added up
+    report = lc.cmd_report(lc.parse_args(["report", "--profile", "tiny", "--out", str(out), "--results",
+                                          str(tmp_path / "results")]), lc.PROFILES["tiny"])
+    assert report["extra_rollouts"]["rollouts-train-more"]["rows"] == 5 and report["train_rows"]["rows"] == 9
     with pytest.raises(SystemExit, match="no saved drafter"):
         run("epochs", out, "--epochs", "1", "--init-from", str(tmp_path / "nowhere"))

@@ -11,6 +11,7 @@ plus equal-budget baselines, a report (JSON + plot) and the inputs of `dspark pl
     python -m recipes.learning_curve sweep     [--out DIR] --layers 1 2 3 --anchors 32 128 512  # training tok/s + MFU
     python -m recipes.learning_curve capacity  [--out DIR] --layers 1 2 --anchors 512 --minutes 20  # equal CPU-minutes
     python -m recipes.learning_curve report    [--profile cpu|gpu] [--out DIR]   # JSON + plot
+    python -m recipes.learning_curve compare   [--out DIR] --drafters BASE OTHER  # paired τ difference
 
 Every phase is resumable from its output folder (DIR, default /work/learn-runs/<profile>): rollouts commit a
 Parquet shard per chunk in the rollout-store format (dspark/io/rollout_store.py) and skip committed
@@ -30,13 +31,13 @@ import re
 from recipes.learning_curve.profiles import PROFILES, REPO, log
 from recipes.learning_curve.rollouts import cmd_rollouts
 from recipes.learning_curve.training import cmd_baselines, cmd_capacity, cmd_epochs, cmd_sweep, cmd_train
-from recipes.learning_curve.measure import cmd_decode, cmd_evaluate
+from recipes.learning_curve.measure import cmd_compare, cmd_decode, cmd_evaluate
 from recipes.learning_curve.report import cmd_report
 
 # ---------------------------------------------------------------- CLI
 PHASES = {"rollouts": cmd_rollouts, "train": cmd_train, "baselines": cmd_baselines, "evaluate": cmd_evaluate,
           "decode": cmd_decode, "epochs": cmd_epochs, "report": cmd_report, "sweep": cmd_sweep,
-          "capacity": cmd_capacity}
+          "capacity": cmd_capacity, "compare": cmd_compare}
 # `after-rollouts`: everything after the rollouts in ONE process (imports and the target load once), the
 # curve first (train, evaluate), then real decoding of what exists (DSpark at the largest point: the
 # estimator's check), then the baselines and their decoding; a stop at any point leaves valid results.
@@ -80,6 +81,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--anchors", type=int, nargs="+", default=None, help="sweep/capacity: anchors per sequence")
     p.add_argument("--minutes", type=float, default=None, help="capacity: wall-clock training budget per setting")
     p.add_argument("--modes", nargs="+", default=None, help="decode: only these modes (and target-only)")
+    p.add_argument("--drafters", nargs="+", default=None, help="compare: saved drafter folders, the baseline first")
     p.add_argument("--results", default=str(REPO / "benchmarks" / "results" / "learning_curve"),
                    help="report: where <name>.json, <name>.png and drafter-<name>/ go")
     p.add_argument("--name", default=None, help="report: their name (default: the profile's), e.g. a second "

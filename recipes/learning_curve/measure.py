@@ -18,10 +18,8 @@ def cmd_evaluate(args, prof: dict) -> None:
     estimate_folders(target, prof, Path(args.out), trained_drafters(Path(args.out)))
 
 
-def estimate_folders(target, prof: dict, out: Path, folders: list[Path]) -> None:
-    """Expected τ of each drafter folder on the held-out rollouts (estimate.json beside it; skipped if there)."""
-    from dspark.drafters import load_drafter
-    from dspark.eval.acceptance_estimate import estimate
+def held_out(target, prof: dict, out: Path):
+    """(rows, cached target outputs, sampling) of the held-out set every expected τ is measured on."""
     from dspark.decoding.sampling import SamplingParams
     from dspark.models.target import TargetOutput
 
@@ -30,23 +28,65 @@ def estimate_folders(target, prof: dict, out: Path, folders: list[Path]) -> None
     cache = ensure_cache(target, prof, rows, out / "features-eval", prof["eval_max_len"])
     outs = [TargetOutput(features=f[None], final_hidden=h[None], logits=None, cache=None)
             for f, h in zip(cache.features, cache.final)]
-    sp = SamplingParams(temperature=1.0, top_p=1.0, top_k=0)
-    p_cache: dict = {}  # the target's distributions per held-out row, shared by every drafter
-    for folder in folders:
-        dest = folder / "estimate.json"
-        if dest.exists():
-            continue
-        t0 = time.perf_counter()
-        drafter = load_drafter(str(folder / "drafter"), target)
-        gamma = drafter.config.block_size
-        stride = prof.get("anchor_stride", 1)
-        result = estimate(drafter, target, rows, gamma, sp, max_len=prof["eval_max_len"], target_outs=outs,
-                          anchor_stride=stride, p_cache=p_cache)
-        result["gamma"], result["wall_s"], result["anchor_stride"] = gamma, time.perf_counter() - t0, stride
-        dest.write_text(json.dumps(result, indent=1))
+    return rows, outs, SamplingParams(temperature=1.0, top_p=1.0, top_k=0)
+
+
+def estimate_drafter(drafter_dir: Path, target, prof: dict, held: tuple, p_cache: dict) -> dict:
+    """Expected τ of one saved drafter on the held-out set (`held_out`), both estimators."""
+    from dspark.drafters import load_drafter
+    from dspark.eval.acceptance_estimate import estimate
+
+    rows, outs, sp = held
+    t0 = time.perf_counter()
+    drafter = load_drafter(str(drafter_dir), target)
+    gamma, stride = drafter.config.block_size, prof.get("anchor_stride", 1)
+    result = estimate(drafter, target, rows, gamma, sp, max_len=prof["eval_max_len"], target_outs=outs,
+                      anchor_stride=stride, p_cache=p_cache)
+    result["gamma"], result["wall_s"], result["anchor_stride"] = gamma, time.perf_counter() - t0, stride
+    return result
+
+
+def estimate_folders(target, prof: dict, out: Path, folders: list[Path]) -> None:
+    """Expected τ of each drafter folder on the held-out rollouts (estimate.json beside it; skipped if there)."""
+    todo = [f for f in folders if not (f / "estimate.json").exists()]
+    if not todo:
+        return
+    held, p_cache = held_out(target, prof, out), {}  # p_cache: the target's distributions, shared by every drafter
+    for folder in todo:
+        result = estimate_drafter(folder / "drafter", target, prof, held, p_cache)
+        (folder / "estimate.json").write_text(json.dumps(result, indent=1))
         log(f"{folder.parent.name}/{folder.name}: expected τ {result['alpha']['expected_tau']} "
             f"{result['alpha']['expected_tau_ci95']} (alpha), {result['iw']['expected_tau']} (iw) "
             f"in {result['wall_s']:.0f} s")
+
+
+def cmd_compare(args, prof: dict) -> dict:
+    """Expected τ of saved drafters (--drafters PATH ...: any drafter folders, e.g. from other run folders)
+    on this run's held-out rows, and each one's paired difference to the first (the same prompts resampled
+    jointly: a far narrower interval than comparing two τ intervals); written to compare.json."""
+    from dspark.eval.acceptance_estimate import paired_difference
+
+    if not args.drafters or len(args.drafters) < 2:
+        raise SystemExit("compare: give --drafters BASELINE OTHER [...] (saved drafter folders)")
+    out, target = Path(args.out), load_target_of(prof)
+    held, p_cache, results = held_out(target, prof, out), {}, {}
+    for path in args.drafters:
+        if not (Path(path) / "config.json").exists():
+            raise SystemExit(f"compare: no saved drafter at {path}")
+        results[path] = estimate_drafter(Path(path), target, prof, held, p_cache)
+    base = args.drafters[0]
+    report = {"held_out": str(out / "rollouts-eval"), "baseline": base, "drafters": {
+        path: {"expected_tau": r["alpha"]["expected_tau"], "expected_tau_ci95": r["alpha"]["expected_tau_ci95"],
+               "expected_tau_per_benchmark": {g: v["expected_tau"] for g, v in r["alpha"]["per_group"].items()},
+               "vs_baseline": None if path == base else
+               paired_difference(r["alpha"]["per_prompt"], results[base]["alpha"]["per_prompt"])}
+        for path, r in results.items()}}
+    (out / "compare.json").write_text(json.dumps(report, indent=1))
+    for path, r in report["drafters"].items():
+        d = r["vs_baseline"]
+        log(f"compare {path}: expected τ {r['expected_tau']:.3f}"
+            + ("" if d is None else f", {d['difference']:+.3f} {[round(x, 3) for x in d['ci95']]} vs the baseline"))
+    return report
 
 
 def interleave(rows: list[dict], key: str) -> list[dict]:

@@ -151,3 +151,13 @@ def test_extra_prompt_set_joins_the_training_rows_and_a_drafter_path_continues(t
     assert report["extra_rollouts"]["rollouts-train-more"]["rows"] == 5 and report["train_rows"]["rows"] == 9
     with pytest.raises(SystemExit, match="no saved drafter"):
         run("epochs", out, "--epochs", "1", "--init-from", str(tmp_path / "nowhere"))
+
+    # two drafters on the same held-out prompts: each one's τ and the paired difference to the first
+    run("rollouts", out, "--which", "eval", "--limit-prompts", "4")
+    other = str(cont / "drafter")
+    rep = lc.cmd_compare(lc.parse_args(["compare", "--profile", "tiny", "--out", str(out), "--drafters", str(saved),
+                                        other]), lc.PROFILES["tiny"])
+    assert json.loads((out / "compare.json").read_text()) == json.loads(json.dumps(rep))
+    assert rep["drafters"][other]["vs_baseline"]["prompts"] >= 1
+    lo, hi = rep["drafters"][other]["vs_baseline"]["ci95"]
+    assert lo <= rep["drafters"][other]["vs_baseline"]["difference"] <= hi

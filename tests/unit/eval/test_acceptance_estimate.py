@@ -135,3 +135,22 @@ def test_anchor_stride_keeps_every_kth_anchor_unchanged(target):
     assert half.alpha.shape[0] == (full.alpha.shape[0] + 1) // 2
     assert torch.allclose(half.alpha, full.alpha[::2], atol=1e-6)
     assert torch.equal(half.select, full.select[::2])
+
+
+def test_paired_difference_cancels_the_shared_prompt_spread():
+    """Two drafters on the same prompts: B is A + 0.05 on every prompt's τ. The unpaired intervals (the
+    prompt-to-prompt spread, here 1.2 to 2.6) overlap completely; the paired one is the 0.05 exactly."""
+    from dspark.eval.acceptance_estimate import paired_difference
+
+    rng = np.random.default_rng(0)
+    anchors = rng.integers(10, 50, size=40)
+    tau = rng.uniform(1.2, 2.6, size=40)
+    a = {f"p{i}": [int(n), float(n * t)] for i, (n, t) in enumerate(zip(anchors, tau))}
+    b = {k: [n, s + 0.05 * n] for k, (n, s) in a.items()}
+    d = paired_difference(b, a)
+    assert d["difference"] == pytest.approx(0.05) and d["prompts"] == 40
+    assert d["ci95"][0] == pytest.approx(0.05) and d["ci95"][1] == pytest.approx(0.05)
+    assert d["share_of_resamples_above_0"] == 1.0
+    assert paired_difference(a, a)["difference"] == 0.0
+    with pytest.raises(ValueError, match="share no prompts"):
+        paired_difference(a, {"other": [3, 4.0]})

@@ -4,6 +4,7 @@ plus equal-budget baselines, a report (JSON + plot) and the inputs of `dspark pl
     python -m recipes.learning_curve rollouts  [--profile cpu|gpu] [--out DIR]   # train + held-out rollouts
         [--which train --extra-prompts URI --extra-name magpie]  # more train prompts (e.g. jobs.synthesize output)
     python -m recipes.learning_curve train     [--profile cpu|gpu] [--out DIR]   # every training point
+        [--point-epochs 2 --layers 1 --anchors 32]  # another point recipe (a point trained otherwise stops it)
     python -m recipes.learning_curve evaluate  [--profile cpu|gpu] [--out DIR]   # expected τ per point
     python -m recipes.learning_curve baselines [--profile cpu|gpu] [--out DIR]   # 4 algos, real τ + speed
     python -m recipes.learning_curve epochs    [--profile cpu|gpu] [--out DIR] --epochs 2 6  # the largest point, more passes
@@ -30,7 +31,8 @@ import re
 
 from recipes.learning_curve.profiles import PROFILES, REPO, log
 from recipes.learning_curve.rollouts import cmd_rollouts
-from recipes.learning_curve.training import cmd_baselines, cmd_capacity, cmd_epochs, cmd_sweep, cmd_train
+from recipes.learning_curve.training import (cmd_baselines, cmd_capacity, cmd_epochs, cmd_sweep, cmd_train,
+                                             one_setting)
 from recipes.learning_curve.measure import cmd_compare, cmd_decode, cmd_evaluate
 from recipes.learning_curve.report import cmd_report
 
@@ -72,13 +74,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--extra-name", default=None, type=_folder_name, help="rollouts: the extra set's name")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: the profile's)")
     p.add_argument("--epochs", type=int, nargs="+", default=None, help="epochs: passes per run (one drafter each)")
+    p.add_argument("--point-epochs", type=int, default=None,
+                   help="train/baselines: passes over its rows per curve point (default: the profile's)")
     p.add_argument("--lr", type=float, default=None, help="epochs: peak learning rate (default: the profile's); "
                    "the drafter goes to epochs/e<N>-lr<lr>")
     p.add_argument("--init-from", default=None, help="epochs: continue this drafter (an epochs folder such as "
                    "e05, capacity/<name>, or the path of any saved drafter folder, with the same --layers/--anchors) "
                    "with a new schedule instead of starting from scratch; it keeps its draft vocabulary")
-    p.add_argument("--layers", type=int, nargs="+", default=None, help="sweep/capacity: drafter layers per setting")
-    p.add_argument("--anchors", type=int, nargs="+", default=None, help="sweep/capacity: anchors per sequence")
+    p.add_argument("--layers", type=int, nargs="+", default=None,
+                   help="sweep/capacity: drafter layers per setting; train/baselines/epochs: one value, the drafter's")
+    p.add_argument("--anchors", type=int, nargs="+", default=None,
+                   help="sweep/capacity: anchors per sequence per setting; train/baselines/epochs: one value")
     p.add_argument("--minutes", type=float, default=None, help="capacity: wall-clock training budget per setting")
     p.add_argument("--modes", nargs="+", default=None, help="decode: only these modes (and target-only)")
     p.add_argument("--drafters", nargs="+", default=None, help="compare: saved drafter folders, the baseline first")
@@ -86,6 +92,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="report: where <name>.json, <name>.png and drafter-<name>/ go")
     p.add_argument("--name", default=None, help="report: their name (default: the profile's), e.g. a second "
                    "run folder of the same profile reported beside the first")
+    p.add_argument("--no-drafter", action="store_true",
+                   help="report: do not export the best drafter into the results folder (JSON and plot only)")
     args = p.parse_args(argv)
     args.out = args.out or f"/work/learn-runs/{args.profile}"
     args.name = args.name or args.profile
@@ -103,6 +111,10 @@ def main(argv=None) -> None:
         prof = {**prof, "data_dtype": args.data_dtype}
     if args.precision:
         prof = {**prof, "precision": args.precision}
+    if args.point_epochs:
+        prof = {**prof, "epochs": args.point_epochs}
+    if args.phase in ("train", "baselines", "after-rollouts", "all"):
+        prof = one_setting(args, prof, args.phase)
     if args.chunk_prompts:
         prof = {**prof, "chunk_prompts": args.chunk_prompts, "max_batch": args.chunk_prompts}
     phases = {"all": ["rollouts", *AFTER_ROLLOUTS], "after-rollouts": AFTER_ROLLOUTS}.get(args.phase, [args.phase])

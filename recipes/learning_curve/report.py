@@ -76,7 +76,8 @@ def cmd_report(args, prof: dict) -> dict:
                  "expected_tau_per_benchmark": {g: v["expected_tau"] for g, v in est.get("alpha", {}).get("per_group", {}).items()},
                  "training": {k: train[k] for k in ("steps", "epochs", "batch_size", "trained_tokens", "wall_s",
                                                     "cpu_minutes", "tokens_per_s", "drafter_tflops_per_s", "mfu",
-                                                    "anchors_per_seq", "draft_vocab_size", "draft_vocab_coverage")}}
+                                                    "anchors_per_seq", "draft_vocab_size", "draft_vocab_coverage")},
+                 "drafter": {k: train.get(k) for k in ("num_layers", "lr", "init_from")}}
         if train["algo"] == "dspark":
             points.append(entry)
         if folder.parent.name == largest:
@@ -102,7 +103,7 @@ def cmd_report(args, prof: dict) -> dict:
         "benchmark": "learning_curve", "profile": args.profile, "device": prof["device_label"],
         "device_kind": prof["device"],  # what `dspark plan` matches against rollout-throughput JSONs
         "target": prof["target"], "temperature": 1.0, "gamma": prof["drafter"]["block_size"],
-        "points_mode": f"same epochs ({prof['epochs']}) per point, nested prefixes of the rollouts",
+        "points_mode": points_mode(points),
         "estimator": "teacher-forced expected tau: 1 + sum_k prod_{j<=k} alpha_j, alpha = sum_x min(p, q) "
                      "(dspark/eval/acceptance_estimate.py); ci95 = prompt bootstrap",
         "points": points, "baselines": baselines,
@@ -128,13 +129,22 @@ def cmd_report(args, prof: dict) -> dict:
     results = Path(args.results)
     results.mkdir(parents=True, exist_ok=True)
     best = best_dspark(out, largest, points, epochs_series + capacity_series)
-    if best is not None:  # the committed drafter: the best expected τ at the largest point (any epochs)
+    if best is not None and not getattr(args, "no_drafter", False):  # the committed drafter: the best expected τ at the largest point (any epochs)
         report["drafter"] = {**export_bf16(best, results / f"drafter-{args.name}"),
                              "source": str(best.relative_to(out))}
     (results / f"{args.name}.json").write_text(json.dumps(report, indent=1))
     plot(report, results / f"{args.name}.png")
     print(json.dumps({k: report[k] for k in ("device", "points", "baselines", "fit")}, default=str))
     return report
+
+
+def points_mode(points: list[dict]) -> str:
+    """How the curve's points were trained, from their train.json (not the profile: --point-epochs, --layers
+    and --anchors change it)."""
+    shapes = sorted({(p["training"]["epochs"], p["drafter"]["num_layers"], p["training"]["anchors_per_seq"],
+                      p["drafter"]["lr"]) for p in points}, key=str)
+    text = "; ".join(f"{e} epochs, {layers} layers, {a} anchors/seq, lr {lr}" for e, layers, a, lr in shapes)
+    return f"same epochs per point ({text}), nested prefixes of the rollouts"
 
 
 def best_dspark(out: Path, largest: str | None, points: list[dict], series: list[dict]) -> Path | None:

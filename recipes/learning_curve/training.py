@@ -55,10 +55,12 @@ def train_one(target, prof: dict, cache, n_rows: int, algo: str, folder: Path, i
     from dspark.training.loop import LocalTrainer, flops_rates
 
     done = folder / "train.json"
-    if done.exists() and (folder / "drafter" / "config.json").exists():
-        log(f"{folder}: trained already, skipping")
-        return json.loads(done.read_text())
     cfg = drafter_config(prof, algo)
+    if done.exists() and (folder / "drafter" / "config.json").exists():
+        saved = json.loads(done.read_text())
+        check_same_settings(saved, cfg, prof, minutes, folder)
+        log(f"{folder}: trained already, skipping")
+        return saved
     kept = None
     if init is not None:
         from dspark.drafters.checkpoint import saved_draft_ids
@@ -124,6 +126,17 @@ def train_one(target, prof: dict, cache, n_rows: int, algo: str, folder: Path, i
               "curve": curve, "drafter_config": cfg.model_dump()}
     done.write_text(json.dumps(result, indent=1))
     return result
+
+
+def check_same_settings(saved: dict, cfg, prof: dict, minutes: float | None, folder: Path) -> None:
+    """A resumed phase must not count a drafter trained with other settings as done (e.g. `train --layers 1`
+    in a folder whose points were trained with 2 layers): stop and name the difference."""
+    wanted = {"num_layers": cfg.num_layers, "anchors_per_seq": cfg.anchors_per_seq, "lr": prof["lr"],
+              **({} if minutes else {"epochs": prof["epochs"]})}
+    differ = {k: (saved.get(k), v) for k, v in wanted.items() if k in saved and saved[k] != v}
+    if differ:
+        detail = ", ".join(f"{k} {old} (saved) vs {new} (asked)" for k, (old, new) in differ.items())
+        raise SystemExit(f"{folder} was trained with other settings: {detail}; use another --out folder")
 
 
 @functools.lru_cache(maxsize=None)
@@ -209,14 +222,20 @@ def resolve_init(out: Path, init_from: str) -> Path:
     return init
 
 
+def owner_of(drafter: Path) -> Path | None:
+    """The training folder (<run>/<series>/<name>) whose dspark/drafter `drafter` is, else None."""
+    path = drafter.resolve()
+    return path.parents[1] if path.parts[-2:] == ("dspark", "drafter") else None
+
+
 def init_label(init: Path | None, folder: Path) -> str | None:
     """How train.json names the drafter a run continued: "<series>/<name>" inside this run folder (as
     --init-from takes it), else its absolute path."""
     if init is None:
         return None
-    run_dir = folder.parents[2]
-    if init.parent.name == "dspark" and init.parents[2].parent.resolve() == run_dir.resolve():
-        return f"{init.parents[2].name}/{init.parents[1].name}"
+    owner = owner_of(init)
+    if owner is not None and owner.parent.parent == folder.parents[2].resolve():
+        return f"{owner.parent.name}/{owner.name}"
     return str(init.resolve())
 
 
@@ -235,8 +254,7 @@ def init_name(init_from: str) -> str:
     path = Path(init_from)
     if not (path / "config.json").exists():
         return init_from.replace("/", "-")
-    parts = path.resolve().parts
-    return parts[-3] if len(parts) >= 3 and parts[-2:] == ("dspark", "drafter") else parts[-1]
+    return (owner_of(path) or path.resolve()).name
 
 
 def cmd_epochs(args, prof: dict) -> None:
@@ -246,10 +264,7 @@ def cmd_epochs(args, prof: dict) -> None:
     epochs/<epochs_folder_name>/dspark, then its expected τ: what more passes over the same data buy,
     beside what more data buys (the points)."""
     out, target, cache, _, n = largest_point(args, prof)
-    if args.layers or args.anchors:
-        (_, _, prof), *more = list(settings(args, prof))
-        if more:
-            raise SystemExit("epochs: give one --layers and one --anchors value")
+    prof = one_setting(args, prof, "epochs")
     init = resolve_init(out, args.init_from) if args.init_from else None
     for epochs in args.epochs or []:
         train_one(target, {**prof, "epochs": epochs}, cache, n, "dspark",
@@ -277,6 +292,16 @@ def settings(args, prof: dict):
         for anchors in args.anchors or [prof["drafter"]["anchors_per_seq"]]:
             yield layers, anchors, {**prof, "drafter": {**prof["drafter"], "num_layers": layers,
                                                         "anchors_per_seq": anchors}}
+
+
+def one_setting(args, prof: dict, phase: str) -> dict:
+    """The profile with the one --layers / --anchors value given (phases that train a single shape)."""
+    if not (args.layers or args.anchors):
+        return prof
+    (_, _, setting), *more = list(settings(args, prof))
+    if more:
+        raise SystemExit(f"{phase}: give one --layers and one --anchors value")
+    return setting
 
 
 def cmd_capacity(args, prof: dict) -> None:

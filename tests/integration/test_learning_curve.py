@@ -132,6 +132,19 @@ def test_extra_prompt_set_joins_the_training_rows_and_a_drafter_path_continues(t
         "rollouts-train": 4, "rollouts-train-more": 5}
     assert (out / "features-train-more" / "meta.json").exists()
 
+    # another point recipe in its own folder: its settings reach every point and the report; a rerun
+    # with other settings stops instead of counting those points as done
+    run("train", out, "--point-epochs", "2", "--layers", "2", "--anchors", "16")
+    trained = [json.loads(p.read_text()) for p in sorted((out / "points").glob("*/dspark/train.json"))]
+    assert trained and all((t["epochs"], t["num_layers"], t["anchors_per_seq"]) == (2, 2, 16) for t in trained)
+    with pytest.raises(SystemExit, match="other settings: epochs 2 .saved. vs 1"):
+        run("train", out, "--layers", "2", "--anchors", "16")
+    run("evaluate", out)
+    curve = lc.cmd_report(lc.parse_args(["report", "--profile", "tiny", "--out", str(out), "--no-drafter",
+                                         "--results", str(tmp_path / "curve")]), lc.PROFILES["tiny"])
+    assert "2 epochs, 2 layers, 16 anchors/seq" in curve["points_mode"] and "drafter" not in curve
+    assert not list((tmp_path / "curve").glob("drafter-*"))
+
     from dspark.drafters.checkpoint import saved_draft_ids
 
     saved = tmp_path / "elsewhere" / "my-drafter"

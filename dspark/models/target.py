@@ -265,6 +265,14 @@ def load_target(spec: str, *, dtype: torch.dtype = torch.float32, device: str = 
     return Target(model.to(device), tokenizer, name=name, revision=revision or "")
 
 
+def bf16_is_native(device: str) -> bool:
+    """Whether `device` computes bf16 in hardware (a CUDA GPU with bf16; a CPU with avx512_bf16 or AMX).
+    Elsewhere bf16 is emulated and slower than float32."""
+    if device == "cuda":
+        return torch.cuda.is_bf16_supported()
+    return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+
+
 def build_tiny_model(vocab_size: int = 16, seed: int = 0, num_layers: int = 4, hidden_size: int = 32,
                      init_std: float = 0.3) -> Target:
     """A micro Qwen3 with no tokenizer, for math tests that want a tiny vocabulary."""

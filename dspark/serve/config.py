@@ -101,14 +101,11 @@ def resolve_dtype(setting: str, device: str) -> str:
     """model.dtype -> the weights dtype on `device`. "auto" is bfloat16 only where the hardware has bf16
     arithmetic (measured on a 2-core avx512_bf16 CPU: smollm2-135m target-only decoding 1.7-2.3x the fp32
     tok/s, benchmarks/results/decode_speed/); emulated bf16 is slower than fp32, so elsewhere float32."""
-    import torch
+    from dspark.models.target import bf16_is_native
 
     if setting != "auto":
         return setting
-    if device == "cuda":
-        return "bfloat16" if torch.cuda.is_bf16_supported() else "float32"
-    native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
-    return "bfloat16" if native else "float32"
+    return "bfloat16" if bf16_is_native(device) else "float32"
 
 
 def build_engine(cfg: ServeConfig, device: str | None = None, has_gpus: bool | None = None) -> Engine:

@@ -96,7 +96,17 @@ class DeepSpeedUpdate:
         return float(torch.stack(sq).sum().sqrt()) if sq else 0.0
 
 
-def init_engine(cfg, plan: TrainPlan, target):
+def bf16_forward(setting: str, precision: str, device_type: str) -> bool:
+    """Whether a bf16 copy of the target runs the frozen forward: asked for (bfloat16, or auto where the
+    device computes bf16 natively) and the training precision is not bf16 already (then the target is)."""
+    from dspark.models.target import bf16_is_native
+
+    if precision == "bf16" or setting == "same":
+        return False
+    return setting == "bfloat16" or bf16_is_native(device_type)
+
+
+def init_engine(cfg, plan: TrainPlan, target, forward_target=None):
     """Build the drafter (same seed on every rank) and wrap it in a DeepSpeed engine."""
     import deepspeed
 
@@ -117,7 +127,7 @@ def init_engine(cfg, plan: TrainPlan, target):
                                   weight_decay=cfg.optim.weight_decay)
     schedule = (plan.total_steps, cfg.optim.warmup_ratio, cfg.optim.schedule, cfg.optim.min_lr_ratio)
     engine, _, _, _ = deepspeed.initialize(
-        model=LossModule(drafter, target), optimizer=optimizer, config=plan.ds_config,
+        model=LossModule(drafter, target, forward_target), optimizer=optimizer, config=plan.ds_config,
         lr_scheduler=lambda opt: build_scheduler(opt, *schedule))  # stepped by DeepSpeed per optimizer step
     return engine
 
@@ -178,12 +188,22 @@ class TrainSession:
             torch.cuda.set_device(self.device)
         self.target = load_target(self.cfg.target, dtype=precision_dtype(precision), device=str(self.device),
                                   local_copy=self.local_copy)
-        self.engine = init_engine(self.cfg, self.plan, self.target)
+        forward_target = self.forward_target_of(precision)
+        self.engine = init_engine(self.cfg, self.plan, self.target, forward_target)
         self._step = DrafterStep(DeepSpeedUpdate(self.engine, self.plan), self.device, precision)
         from dspark.training.loop import FlopsModel
 
         self._flops_model = FlopsModel.of(self.target, drafter_of(self.engine))
         return self
+
+    def forward_target_of(self, precision: str):
+        """A bf16 copy of the target for the frozen forward (cfg.target_forward_dtype), or None."""
+        from dspark.models.target import load_target
+
+        if not bf16_forward(self.cfg.target_forward_dtype, precision, self.device.type):
+            return None
+        return load_target(self.cfg.target, dtype=torch.bfloat16, device=str(self.device),
+                           local_copy=self.local_copy)
 
     # ---- checkpoints ---------------------------------------------------------------------
     def save(self, out_dir: str) -> None:

@@ -47,18 +47,35 @@ def autocast(device: str | torch.device, precision: str):
 class LossModule(nn.Module):
     """drafter + loss as one module whose forward returns (loss tensor, metrics): what an engine such as
     DeepSpeed must see (its hooks and ZeRO-3 gathering need the forward to go through it). The target
-    is held by reference, outside the module tree: no optimizer or engine ever sees its weights."""
+    is held by reference, outside the module tree: no optimizer or engine ever sees its weights.
+    `forward_target`: a lower-precision copy of the target (TrainJobConfig.target_forward_dtype) that runs
+    the frozen forward instead; its features and final states are cast to the target's dtype, and the
+    target distribution still comes from `target`'s LM head."""
 
-    def __init__(self, drafter: nn.Module, target):
+    def __init__(self, drafter: nn.Module, target, forward_target=None):
         super().__init__()
         self.drafter = drafter
         object.__setattr__(self, "target", target)
+        object.__setattr__(self, "forward_target", forward_target)
 
     def forward(self, input_ids, loss_mask, attention_mask, generator):
         from dspark.training.loss import drafter_loss
 
-        out = drafter_loss(self.drafter, self.target, input_ids, loss_mask, attention_mask, generator)
+        target_out = None if self.forward_target is None else self.frozen_forward(input_ids, attention_mask)
+        out = drafter_loss(self.drafter, self.target, input_ids, loss_mask, attention_mask, generator,
+                           target_out=target_out)
         return out.loss, out.metrics
+
+    @torch.no_grad()
+    def frozen_forward(self, input_ids, attention_mask):
+        from dspark.models.target import TargetOutput
+
+        model = getattr(self.drafter, "module", self.drafter)
+        dev, dtype = self.target.device, self.target.dtype
+        out = self.forward_target.forward(input_ids.to(dev), attention_mask=attention_mask.to(dev),
+                                          layer_ids=model.layer_ids, logits_at=None)
+        return TargetOutput(features=out.features.to(dtype), final_hidden=out.final_hidden.to(dtype),
+                            logits=None, cache=None)
 
 
 class TorchUpdate:

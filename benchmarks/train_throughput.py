@@ -6,6 +6,7 @@ jobs.train per DeepSpeed ZeRO stage (default), each measured side by side in one
     python benchmarks/train_throughput.py                  # smollm2-135m, ZeRO 0, 2 and 3, 2 CPU workers
     python benchmarks/train_throughput.py --quick          # the tiny target (a smoke check, seconds per stage)
     python benchmarks/train_throughput.py --stages 2,3 --steps 6 --seq-len 512 --gpu --workers 8
+    python benchmarks/train_throughput.py --stages 2 --seq-len 384 --target-forward-dtypes same,auto  # bf16 forward
 
 Each stage is a full Ray Train run (TorchTrainer, DeepSpeed, target features computed online) of
 `--steps` optimizer steps on the same synthetic rollouts (random tokens, a quarter prompt and three
@@ -53,6 +54,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                                                                     "scaling.torch_threads)")
     ap.add_argument("--seq-len", type=int, default=256, help="tokens per sequence")
     ap.add_argument("--steps", type=int, default=4, help="optimizer steps per stage (the first is not timed)")
+    ap.add_argument("--target-forward-dtypes", default="same",
+                    help="comma-separated target_forward_dtype values run per stage, side by side (e.g. same,auto: "
+                         "the frozen target forward in fp32 vs a bf16 copy)")
     ap.add_argument("--gpu", action="store_true", help="one GPU per worker, bf16")
     ap.add_argument("--quick", action="store_true", help="tiny target, 3 steps, 128 tokens")
     ap.add_argument("--compare", action="store_true", help="padded vs bucketed (and fp32 vs bf16 on CUDA), one process")
@@ -120,10 +124,11 @@ def cpus_per_worker(args) -> float:
     return round(max(0.25, min(4.0, (total - 1) / args.workers)), 2)
 
 
-def measure(args, stage: int, rollouts: str, workdir: str, cpus: float) -> dict:
+def measure(args, stage: int, rollouts: str, workdir: str, cpus: float, forward_dtype: str = "same") -> dict:
     import subprocess
 
-    overrides = stage_overrides(args, stage, rollouts, os.path.join(workdir, f"ckpt-{stage}"), cpus)
+    overrides = stage_overrides(args, stage, rollouts, os.path.join(workdir, f"ckpt-{stage}-{forward_dtype}"), cpus)
+    overrides.append(f"target_forward_dtype={forward_dtype}")
     cmd = [sys.executable, "-m", "jobs.train", "--config", str(REPO_ROOT / args.config)]
     for item in overrides:
         cmd += ["--set", item]
@@ -253,16 +258,25 @@ def main(argv=None) -> dict:
         rollouts = write_rollouts(os.path.join(workdir, "rollouts.parquet"), rows, args.seq_len,
                                   vocab_size(base.target))
         cpus = cpus_per_worker(args)
+        forward_dtypes = args.target_forward_dtypes.split(",")
         for stage in stages:
-            print(f"[bench] ZeRO-{stage}: {args.workers} workers x {args.micro_batch} seq x {args.seq_len} tokens "
-                  f"x {args.accum} accum, {args.steps} steps", file=sys.stderr, flush=True)
-            results[f"zero{stage}"] = measure(args, stage, rollouts, workdir, cpus)
-            print(f"[bench] ZeRO-{stage}: {results[f'zero{stage}']}", file=sys.stderr, flush=True)
+            for forward_dtype in forward_dtypes:
+                key = f"zero{stage}" + (f"-{forward_dtype}" if len(forward_dtypes) > 1 else "")
+                print(f"[bench] {key}: {args.workers} workers x {args.micro_batch} seq x {args.seq_len} tokens "
+                      f"x {args.accum} accum, {args.steps} steps", file=sys.stderr, flush=True)
+                results[key] = measure(args, stage, rollouts, workdir, cpus, forward_dtype)
+                print(f"[bench] {key}: {results[key]}", file=sys.stderr, flush=True)
+            if len(forward_dtypes) > 1:  # each forward dtype's tokens/s over the first one's, this stage
+                first = results[f"zero{stage}-{forward_dtypes[0]}"]["tokens_per_s"]
+                for forward_dtype in forward_dtypes[1:]:
+                    entry = results[f"zero{stage}-{forward_dtype}"]
+                    entry[f"over_{forward_dtypes[0]}"] = round(entry["tokens_per_s"] / first, 3) if first else None
     report = {"benchmark": "train_throughput", "target": base.target, "algo": base.drafter.algo,
               "drafter_layers": base.drafter.depth, "workers": args.workers, "device": "gpu" if args.gpu else "cpu",
               "precision": "bf16" if args.gpu else "fp32", "cpus_per_worker": cpus, "torch_threads": args.torch_threads,
               "batch": {"micro_batch": args.micro_batch, "accum": args.accum, "seq_len": args.seq_len,
                         "global_batch_sequences": args.micro_batch * args.workers * args.accum},
+              "target_forward_dtypes": args.target_forward_dtypes.split(","),
               "timed_steps": args.steps - 1, "results": results}
     print(json.dumps(report))
     return report

@@ -183,7 +183,7 @@ def format_table(rows: Sequence[PlanRow]) -> str:
 
 
 # ---------------------------------------------------------------- the demo's "where next"
-CPU_CURVE = "benchmarks/results/learning_curve/cpu.json"
+CPU_CURVE = "benchmarks/results/learning_curve/cpu-5k.json"
 CPU_ROLLOUTS = "benchmarks/results/rollout_throughput/cpu-smollm2-135m-64x128.json"
 
 

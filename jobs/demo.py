@@ -12,7 +12,7 @@
 4. a few chat requests through the `openai` client, then a summary (tau per benchmark, speedup,
    bucket locations, MLflow link, endpoint, how to stop) also written to .dspark/demo/summary.json.
 
-Profiles: `smoke` (tiny target, a few minutes; CI), `default` (smollm2-135m, ~30 min on 2 cores),
+Profiles: `smoke` (tiny target, a few minutes; CI), `default` (smollm2-135m, ~25 min on 2 cores),
 `full` (also trains DFlash and Eagle3 with the same budget and prints the comparison table).
 
 Profiles live in configs/demo/<name>.yaml. The stage runner (markers, job submission) is
@@ -276,7 +276,7 @@ def run(profile, until: str = "chat") -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="Run the whole dspark lifecycle on the local stack as Ray jobs.")
     ap.add_argument("--profile", choices=sorted(PROFILES), default="default",
-                    help="smoke: tiny target, minutes (CI); default: smollm2-135m, ~30 min; full: + DFlash, Eagle3")
+                    help="smoke: tiny target, minutes (CI); default: smollm2-135m, ~25 min; full: + DFlash, Eagle3")
     ap.add_argument("--until", choices=STEPS, default="chat", help="stop after this step (default: run everything)")
     args = ap.parse_args(argv)
     os.chdir(REPO)  # `--working-dir .` and the config paths are relative to the repo root

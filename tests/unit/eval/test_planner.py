@@ -70,7 +70,7 @@ def test_demo_next_step_reads_the_committed_curve_and_says_when_it_extrapolates(
 
     text = planner.next_step(REPO, tau=3.0)
     assert "τ 3" in text and "dspark plan --curve benchmarks/results/learning_curve/cpu-5k.json" in text
-    assert "not a forecast" in text  # τ 3 is far beyond the CPU curve's 69k tokens
+    assert "not a forecast" in text  # τ 3 is far beyond the CPU curve's 623k tokens
 
     # a steep synthetic curve (τ 1 -> 2.5 over 1k -> 100k tokens): τ 2 is inside the measured range
     (tmp_path / planner.CPU_CURVE).parent.mkdir(parents=True)

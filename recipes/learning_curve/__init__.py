@@ -59,6 +59,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", default=None, help="output folder (default /work/learn-runs/<profile>)")
     p.add_argument("--which", choices=["eval", "train", "both"], default="both", help="rollouts: which set")
     p.add_argument("--passes", type=int, default=None, help="rollouts: samples per train prompt")
+    p.add_argument("--first-pass", type=int, default=0,
+                   help="rollouts --which train: start at this pass (answers ~p<first-pass> .. ~p<passes-1>): fresh "
+                        "answers for a drafter trained on a folder that stopped before it")
     p.add_argument("--chunk-prompts", type=int, default=None,
                    help="rollouts: prompts per committed chunk, also the engine's batch (default: the profile's; "
                         "64 measured 2x the tok/s of 24 on 2 cores); a folder keeps the size it started with")

@@ -42,10 +42,11 @@ def _fingerprint(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def rollout_plan(prompts: list, passes: int, chunk_prompts: int, settings: dict):
-    """Chunks in commit order: pass 0 over every prompt (in a fixed shuffled order), then pass 1, ... (so
-    any committed prefix mixes the domains and covers all prompts before repeating any). Prompt ids get
-    `~p<k>` suffixes."""
+def rollout_plan(prompts: list, passes: int, chunk_prompts: int, settings: dict, first_pass: int = 0):
+    """Chunks in commit order: pass `first_pass` over every prompt (in a fixed shuffled order), then the next,
+    ... up to pass `passes - 1` (so any committed prefix mixes the domains and covers all prompts before
+    repeating any). Prompt ids get `~p<k>` suffixes, so passes from `first_pass` on are answers no folder
+    started at pass 0 and stopped before it holds (fresh data for a drafter trained on those)."""
     from dataclasses import replace
 
     from dspark.data.schema import Plan
@@ -55,14 +56,16 @@ def rollout_plan(prompts: list, passes: int, chunk_prompts: int, settings: dict)
     prompts = sorted(prompts, key=lambda p: p.prompt_id)
     random.Random(0).shuffle(prompts)  # domains interleaved: any committed prefix mixes math, code and chat
     chunks = []
-    for k in range(passes):
+    for k in range(first_pass, passes):
         rows = [replace(p, prompt_id=f"{p.prompt_id}~p{k}") for p in prompts]
         chunks += [rows[i:i + chunk_prompts] for i in range(0, len(rows), chunk_prompts)]
-    fp = _fingerprint({"ids": [p.prompt_id for p in prompts], "passes": passes, "chunk": chunk_prompts, **settings})
+    fp = _fingerprint({"ids": [p.prompt_id for p in prompts], "passes": passes, "chunk": chunk_prompts, **settings,
+                       **({"first_pass": first_pass} if first_pass else {})})  # older folders keep their fingerprint
     return Plan(chunks, fp)
 
 
-def generate_rollouts(out: str, prompts: list, prof: dict, passes: int, seed: int, dtype: str = "float32") -> dict:
+def generate_rollouts(out: str, prompts: list, prof: dict, passes: int, seed: int, dtype: str = "float32",
+                      first_pass: int = 0) -> dict:
     """Generate every uncommitted chunk of the plan into `out` (rollout-store format) with the target in
     `dtype`; returns the manifest. A non-fp32 dtype is part of the plan's fingerprint (a folder never mixes
     precisions; fp32 folders keep the fingerprint they had before the option existed)."""
@@ -77,7 +80,7 @@ def generate_rollouts(out: str, prompts: list, prof: dict, passes: int, seed: in
     sampling = SamplingConfig(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=prof["max_new_tokens"], seed=seed)
     settings = {"target": prof["target"], "sampling": sampling.model_dump(),
                 **({"dtype": dtype} if dtype != "float32" else {})}
-    plan = rollout_plan(prompts, passes, prof["chunk_prompts"], settings)
+    plan = rollout_plan(prompts, passes, prof["chunk_prompts"], settings, first_pass)
     prepare_output(out, plan, overwrite=False)
     done = read_commits(out)
     todo = [k for k in range(len(plan.chunks)) if k not in done]
@@ -148,6 +151,8 @@ def cmd_rollouts(args, prof: dict) -> None:
         log(f"held-out: {generate_rollouts(str(Path(args.out) / 'rollouts-eval'), held_out, prof, 1, 1, prof['dtype'])}")
     if args.which in ("train", "both"):
         passes = args.passes or prof["passes"]
+        if not 0 <= args.first_pass < passes:
+            raise SystemExit(f"--first-pass {args.first_pass}: must be in [0, passes={passes})")
         dtype = prof.get("data_dtype") or prof["dtype"]
         folder = extra_folder(Path(args.out), args.extra_name) if args.extra_prompts else Path(args.out) / "rollouts-train"
-        log(f"train: {generate_rollouts(str(folder), kept, prof, passes, 0, dtype)}")
+        log(f"train: {generate_rollouts(str(folder), kept, prof, passes, 0, dtype, args.first_pass)}")

@@ -3,6 +3,7 @@ plus equal-budget baselines, a report (JSON + plot) and the inputs of `dspark pl
 
     python -m recipes.learning_curve rollouts  [--profile cpu|gpu] [--out DIR]   # train + held-out rollouts
         [--which train --extra-prompts URI --extra-name magpie]  # more train prompts (e.g. jobs.synthesize output)
+        [--which train --first-pass 5 --passes 16]  # only answers ~p5..~p15: fresh rows for a drafter of passes 0-4
     python -m recipes.learning_curve train     [--profile cpu|gpu] [--out DIR]   # every training point
         [--point-epochs 2 --layers 1 --anchors 32]  # another point recipe (a point trained otherwise stops it)
     python -m recipes.learning_curve evaluate  [--profile cpu|gpu] [--out DIR]   # expected τ per point

@@ -9,7 +9,7 @@ from pathlib import Path
 from recipes.learning_curve.profiles import EVAL_DIR, REPO, log
 from recipes.learning_curve.shared import (
     ALGOS, capacity_drafters, committed_rows, ensure_cache, epoch_drafters, epoch_mode, load_target_of,
-    trained_drafters)
+    owner_of, trained_drafters)
 
 
 # ---------------------------------------------------------------- expected τ (teacher-forced estimate)
@@ -75,11 +75,15 @@ def cmd_compare(args, prof: dict) -> dict:
             raise SystemExit(f"compare: no saved drafter at {path}")
         results[path] = estimate_drafter(Path(path), target, prof, held, p_cache)
     base = args.drafters[0]
-    report = {"held_out": str(out / "rollouts-eval"), "baseline": base, "drafters": {
-        path: {"expected_tau": r["alpha"]["expected_tau"], "expected_tau_ci95": r["alpha"]["expected_tau_ci95"],
+    domain_of = {r["prompt_id"]: r["domain"] for r in held[0]}
+    report = {"held_out": str(out / "rollouts-eval"), "held_out_rows": len(held[0]), "baseline": base, "drafters": {
+        path: {"label": drafter_label(Path(path)), "trained": training_summary(Path(path)),
+               "expected_tau": r["alpha"]["expected_tau"], "expected_tau_ci95": r["alpha"]["expected_tau_ci95"],
                "expected_tau_per_benchmark": {g: v["expected_tau"] for g, v in r["alpha"]["per_group"].items()},
                "vs_baseline": None if path == base else
-               paired_difference(r["alpha"]["per_prompt"], results[base]["alpha"]["per_prompt"])}
+               paired_difference(r["alpha"]["per_prompt"], results[base]["alpha"]["per_prompt"]),
+               "vs_baseline_per_benchmark": None if path == base else
+               paired_by_group(r["alpha"]["per_prompt"], results[base]["alpha"]["per_prompt"], domain_of)}
         for path, r in results.items()}}
     (out / "compare.json").write_text(json.dumps(report, indent=1))
     for path, r in report["drafters"].items():
@@ -87,6 +91,38 @@ def cmd_compare(args, prof: dict) -> dict:
         log(f"compare {path}: expected τ {r['expected_tau']:.3f}"
             + ("" if d is None else f", {d['difference']:+.3f} {[round(x, 3) for x in d['ci95']]} vs the baseline"))
     return report
+
+
+def drafter_label(drafter: Path) -> str:
+    """A name for a drafter folder that outlives this machine: its path in the repository (a committed
+    drafter), else <run folder>/<series>/<name> of the training run that saved it, else the path."""
+    path = drafter.resolve()
+    if path.is_relative_to(REPO):
+        return str(path.relative_to(REPO))
+    owner = owner_of(path)
+    return "/".join(owner.parts[-3:]) if owner is not None else str(path)
+
+
+def training_summary(drafter: Path) -> dict | None:
+    """What a drafter saved by a training run was trained on (its train.json), None for other folders."""
+    owner = owner_of(drafter)
+    record = owner / "dspark" / "train.json" if owner is not None else None
+    if record is None or not record.exists():
+        return None
+    saved = json.loads(record.read_text())
+    init = saved.get("init_from")
+    return {**{k: saved.get(k) for k in ("rows", "rollout_tokens", "trained_tokens", "steps", "epochs", "lr",
+                                         "wall_s", "draft_vocab_coverage")},
+            "init_from": drafter_label(Path(init)) if init and Path(init).exists() else init}
+
+
+def paired_by_group(a: dict, b: dict, group_of: dict) -> dict:
+    """`paired_difference` of two per-prompt estimates within each group (benchmark) of `group_of`."""
+    from dspark.eval.acceptance_estimate import paired_difference
+
+    groups = sorted({group_of[k] for k in set(a) & set(b) if k in group_of})
+    return {g: paired_difference({k: v for k, v in a.items() if group_of.get(k) == g},
+                                 {k: v for k, v in b.items() if group_of.get(k) == g}) for g in groups}
 
 
 def interleave(rows: list[dict], key: str) -> list[dict]:

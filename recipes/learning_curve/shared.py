@@ -145,6 +145,12 @@ ALGOS = {
 }
 
 
+def owner_of(drafter: Path) -> Path | None:
+    """The training folder (<run>/<series>/<name>) whose dspark/drafter `drafter` is, else None."""
+    path = drafter.resolve()
+    return path.parents[1] if path.parts[-2:] == ("dspark", "drafter") else None
+
+
 def trained_drafters(out: Path) -> list[Path]:
     return sorted(p for p in (out / "points").glob("*/*") if (p / "train.json").exists())
 

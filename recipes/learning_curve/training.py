@@ -9,7 +9,7 @@ from pathlib import Path
 
 from recipes.learning_curve.profiles import log
 from recipes.learning_curve.shared import (
-    ALGOS, capacity_drafters, epoch_drafters, load_target_of, point_sizes, train_cache, wanted_sizes)
+    ALGOS, capacity_drafters, epoch_drafters, load_target_of, owner_of, point_sizes, train_cache, wanted_sizes)
 from recipes.learning_curve.measure import estimate_folders
 
 
@@ -220,12 +220,6 @@ def resolve_init(out: Path, init_from: str) -> Path:
     if not (init / "config.json").exists():
         raise SystemExit(f"--init-from {init_from}: no saved drafter at {given} or {init}")
     return init
-
-
-def owner_of(drafter: Path) -> Path | None:
-    """The training folder (<run>/<series>/<name>) whose dspark/drafter `drafter` is, else None."""
-    path = drafter.resolve()
-    return path.parents[1] if path.parts[-2:] == ("dspark", "drafter") else None
 
 
 def init_label(init: Path | None, folder: Path) -> str | None:

@@ -174,3 +174,5 @@ def test_extra_prompt_set_joins_the_training_rows_and_a_drafter_path_continues(t
     assert rep["drafters"][other]["vs_baseline"]["prompts"] >= 1
     lo, hi = rep["drafters"][other]["vs_baseline"]["ci95"]
     assert lo <= rep["drafters"][other]["vs_baseline"]["difference"] <= hi
+    assert rep["drafters"][other]["trained"]["rows"] == 9 and rep["drafters"][str(saved)]["label"]
+    assert set(rep["drafters"][other]["vs_baseline_per_benchmark"]) <= set(rep["drafters"][other]["expected_tau_per_benchmark"])

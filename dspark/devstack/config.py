@@ -44,6 +44,13 @@ def _port_from_env(name: str) -> int:
     return int(raw)
 
 
+# SeaweedFS's admin server listens on its HTTP port + 10000 for gRPC (no flag moves it). Its default,
+# 23646, puts that at 33646: inside Linux's ephemeral range (32768-60999), where any client connection
+# can hold the port for a while and `stack up` then fails its free-port check. 21646 keeps it below.
+ADMIN_PORT = 21646
+EPHEMERAL_FLOOR = 32768
+
+
 @dataclass(frozen=True)
 class StackConfig:
     """Where the stack keeps its state and which loopback ports it uses.
@@ -73,7 +80,7 @@ class StackConfig:
     def weed_ports(self) -> dict[str, int]:
         shift = self.s3_port - DEFAULT_PORTS["s3"]
         http = {"s3": self.s3_port, "master": 9333 + shift, "volume": 9340 + shift,
-                "filer": 8888 + shift, "admin": 23646 + shift}
+                "filer": 8888 + shift, "admin": ADMIN_PORT + shift}
         return http | {f"{name} gRPC": port + GRPC_OFFSET for name, port in http.items()}
 
     def ray_side_ports(self) -> dict[str, int]:

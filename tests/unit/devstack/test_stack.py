@@ -82,6 +82,16 @@ def test_config_ports_and_derived_ports(monkeypatch, tmp_path):
     assert not shifted & defaults, "a shifted stack must not share any port with a default one"
 
 
+def test_weed_ports_stay_below_the_ephemeral_range(tmp_path):
+    """A port in 32768-60999 can be held by any client connection; the stack's own (and the shifted ones the
+    integration tests use) stay below it. Ray's dashboard agent (52365) is Ray's choice, not ours."""
+    from dspark.devstack.config import EPHEMERAL_FLOOR
+
+    for s3_port in (8333, 8633, 8733, 8833):
+        ports = stack.StackConfig(state_dir=tmp_path, s3_port=s3_port).weed_ports()
+        assert max(ports.values()) < EPHEMERAL_FLOOR, ports
+
+
 
 def test_bad_port_value_is_one_clear_error(monkeypatch, tmp_path):
     monkeypatch.setenv("DSPARK_MLFLOW_PORT", "fivethousand")

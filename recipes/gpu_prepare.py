@@ -103,7 +103,8 @@ def folder_bytes(folder: Path) -> int:
 def main() -> int:
     from recipes import gpu_transfer
 
-    too_big = working_tree_problems(travelling_files())
+    files = travelling_files()  # the wheels and parts below go to ignored folders: the tree stays as listed
+    too_big = working_tree_problems(files)
     if too_big:
         print(json.dumps({"problems": too_big}))
         return 1
@@ -112,7 +113,7 @@ def main() -> int:
             shutil.rmtree(folder)
     wheels = download_wheels(BUNDLE / "wheels")
     write_script(BUNDLE / "run.sh", LAUNCHER)
-    tree = sum(f.stat().st_size for f in travelling_files())
+    tree = sum(f.stat().st_size for f in files)
     room = TRANSFER_LIMIT - tree - MARGIN  # what one call may carry beside the working tree
     manifest = gpu_transfer.split(target_wheel(), STAGE, BUNDLE / "target", room, room - folder_bytes(BUNDLE))
     for folder in sorted(STAGE.iterdir()):

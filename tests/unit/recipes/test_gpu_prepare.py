@@ -1,10 +1,7 @@
 """The working tree travels with every device call: it must leave room for the target in three calls."""
-from pathlib import Path
-
 from recipes import gpu_prepare
 from recipes.gpu_prepare import MiB, WORKING_TREE_BUDGET, travelling_files, working_tree_problems
-
-REPO = Path(__file__).resolve().parents[3]
+from tests.paths import REPO
 
 
 def test_this_checkout_fits_the_device_calls(monkeypatch):

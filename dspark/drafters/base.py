@@ -53,6 +53,7 @@ class Drafter(nn.Module):
     """Base class. Subclasses implement forward (training), extend_context and propose."""
 
     algo = ""
+    draft_vocab_rows: tuple[str, ...] = ()  # parameters whose rows are indexed by draft id (change_draft_vocab)
 
     def __init__(self, config: DrafterConfig, target_meta: dict):
         super().__init__()
@@ -112,6 +113,20 @@ class Drafter(nn.Module):
         self.d2t.copy_(draft_vocab.d2t_from_ids(ids))
         self.t2d.copy_(draft_vocab.t2d_from_ids(ids, self.vocab_size))
         self._refresh_draft_vocab()
+
+    def change_draft_vocab(self, draft_ids: Tensor) -> None:
+        """Move a trained drafter to another draft vocabulary of the same size (e.g. one counted on new
+        data): the weights indexed by draft id (`draft_vocab_rows`) keep each shared token's row and give
+        new tokens zeros; the LM-head rows are the frozen target's, so they follow the maps."""
+        if self.draft_ids is None:
+            raise ValueError("this drafter predicts the full target vocabulary; there is no draft vocabulary to change")
+        old = self.draft_ids.clone()
+        ids = draft_vocab.check_draft_ids(draft_ids, self.vocab_size, self.config.draft_vocab_size)
+        with torch.no_grad():
+            for name in self.draft_vocab_rows:
+                param = self.get_parameter(name)
+                param.copy_(draft_vocab.carry_rows(param, old, ids))
+        self.set_draft_vocab(ids)
 
     def _refresh_draft_vocab(self) -> None:
         """Recompute draft_ids from the (possibly just loaded) d2t/t2d, checking they agree."""

@@ -25,6 +25,11 @@ from dspark.decoding.sampling import Generators, rows_generators, sample
 class DSparkDrafter(DFlashDrafter):
     algo = "dspark"
 
+    @property
+    def draft_vocab_rows(self) -> tuple[str, ...]:
+        """The sequential head's bias B_k has one row per draft token (change_draft_vocab carries them)."""
+        return () if self.markov_head is None else ("markov_head.markov_w2.weight",)
+
     def __init__(self, config: DrafterConfig, target_meta: dict):
         super().__init__(config, target_meta)
         d, r = self.hidden_size, config.rank

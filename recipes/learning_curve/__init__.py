@@ -10,6 +10,7 @@ plus equal-budget baselines, a report (JSON + plot) and the inputs of `dspark pl
     python -m recipes.learning_curve baselines [--profile cpu|gpu] [--out DIR]   # 4 algos, real τ + speed
     python -m recipes.learning_curve epochs    [--profile cpu|gpu] [--out DIR] --epochs 2 6  # the largest point, more passes
         [--lr 5e-4] [--init-from e05 | capacity/L1-a32-m60 --layers 1 --anchors 32]  # continue a saved drafter
+        [--init-from DRAFTER --refresh-vocab]  # ... moved to the draft vocabulary of this run's rows
     python -m recipes.learning_curve sweep     [--out DIR] --layers 1 2 3 --anchors 32 128 512  # training tok/s + MFU
     python -m recipes.learning_curve capacity  [--out DIR] --layers 1 2 --anchors 512 --minutes 20  # equal CPU-minutes
     python -m recipes.learning_curve report    [--profile cpu|gpu] [--out DIR]   # JSON + plot
@@ -82,6 +83,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="train/baselines: passes over its rows per curve point (default: the profile's)")
     p.add_argument("--lr", type=float, default=None, help="epochs: peak learning rate (default: the profile's); "
                    "the drafter goes to epochs/e<N>-lr<lr>")
+    p.add_argument("--refresh-vocab", action="store_true",
+                   help="epochs with --init-from: recount the draft vocabulary on this run's rows and move the "
+                        "drafter to it (tokens in both keep their weights, new ones start at zero; folder -vocab)")
     p.add_argument("--init-from", default=None, help="epochs: continue this drafter (an epochs folder such as "
                    "e05, capacity/<name>, or the path of any saved drafter folder, with the same --layers/--anchors) "
                    "with a new schedule instead of starting from scratch; it keeps its draft vocabulary")

@@ -66,13 +66,19 @@ def train_one(target, prof: dict, cache, n_rows: int, algo: str, folder: Path, i
         from dspark.drafters.checkpoint import saved_draft_ids
 
         kept = saved_draft_ids(str(init))
-    ids, cov = draft_ids_of(cache, n_rows, int(target.vocab_size), cfg.draft_vocab_size, kept)
+    refresh = bool(prof.get("refresh_vocab")) and kept is not None  # recount the vocabulary on these rows
+    ids, cov = draft_ids_of(cache, n_rows, int(target.vocab_size), cfg.draft_vocab_size, None if refresh else kept)
     torch.manual_seed(prof["seed"])
-    drafter = build_drafter(cfg, target, draft_ids=ids)
+    drafter = build_drafter(cfg, target, draft_ids=kept if refresh else ids)
     if init is not None:  # continue a saved drafter (same config and draft vocabulary) with a new schedule
         from dspark.training.session import load_initial_weights
 
         load_initial_weights(drafter, str(init), target)
+    shared = None
+    if refresh:  # then move it to this data's vocabulary (shared tokens keep their rows, new ones start at 0)
+        shared = len(set(kept.tolist()) & set(ids.tolist()))
+        drafter.change_draft_vocab(ids)
+        log(f"{folder.parent.name}: draft vocabulary recounted on these rows: {shared} of {len(ids)} tokens kept")
     optim = OptimSection(lr=prof["lr"], warmup_ratio=0.04, schedule="cosine", grad_clip=1.0)
     precision = precision_of(prof)
     trainer = LocalTrainer(algo, target, drafter, optim, precision=precision)
@@ -118,6 +124,7 @@ def train_one(target, prof: dict, cache, n_rows: int, algo: str, folder: Path, i
               "init_from": init_label(init, folder),
               "num_layers": cfg.num_layers, "anchors_per_seq": cfg.anchors_per_seq,
               "draft_vocab_size": cfg.draft_vocab_size, "draft_vocab_coverage": cov, "wall_s": wall,
+              **({"draft_vocab_recounted": {"kept_tokens": shared}} if refresh else {}),
               "cpu_minutes": wall / 60 * torch.get_num_threads(), "tokens_per_s": tokens / wall,
               "drafter_tflops_per_s": rates["model_tflops_per_s"], "mfu": rates["mfu"],
               "precision": precision, "mfu_peak_tflops": peak / 1e12,
@@ -239,7 +246,8 @@ def epochs_folder_name(epochs: int, prof: dict, args) -> str:
     drafter; a capacity/<name> source is written capacity-<name>)."""
     shape = f"-L{prof['drafter']['num_layers']}-a{prof['drafter']['anchors_per_seq']}" if (args.layers or args.anchors) else ""
     name = f"e{epochs:02d}{shape}" + (f"-lr{prof['lr']:g}" if args.lr else "") + precision_suffix(prof)
-    return name + (f"-from-{init_name(args.init_from)}" if args.init_from else "")
+    name += f"-from-{init_name(args.init_from)}" if args.init_from else ""
+    return name + ("-vocab" if args.init_from and getattr(args, "refresh_vocab", False) else "")
 
 
 def init_name(init_from: str) -> str:
@@ -258,7 +266,7 @@ def cmd_epochs(args, prof: dict) -> None:
     epochs/<epochs_folder_name>/dspark, then its expected τ: what more passes over the same data buy,
     beside what more data buys (the points)."""
     out, target, cache, _, n = largest_point(args, prof)
-    prof = one_setting(args, prof, "epochs")
+    prof = {**one_setting(args, prof, "epochs"), "refresh_vocab": bool(args.init_from and args.refresh_vocab)}
     init = resolve_init(out, args.init_from) if args.init_from else None
     for epochs in args.epochs or []:
         train_one(target, {**prof, "epochs": epochs}, cache, n, "dspark",

@@ -165,6 +165,23 @@ def test_extra_prompt_set_joins_the_training_rows_and_a_drafter_path_continues(t
     with pytest.raises(SystemExit, match="no saved drafter"):
         run("epochs", out, "--epochs", "1", "--init-from", str(tmp_path / "nowhere"))
 
+    # --refresh-vocab: a drafter with another vocabulary is moved to the one counted on this run's rows
+    import torch
+
+    from dspark.drafters import load_drafter, save_drafter
+    from recipes.learning_curve.shared import load_target_of
+
+    run_ids = saved_draft_ids(str(saved))
+    moved = load_drafter(str(saved), load_target_of(lc.PROFILES["tiny"]))
+    elsewhere = torch.tensor(sorted(set(range(int(moved.vocab_size))) - set(run_ids[:8].tolist())))[:len(run_ids)]
+    moved.change_draft_vocab(elsewhere)
+    save_drafter(moved, str(tmp_path / "elsewhere" / "other-vocab"))
+    run("epochs", out, "--epochs", "1", "--init-from", str(tmp_path / "elsewhere" / "other-vocab"), "--refresh-vocab")
+    recounted = out / "epochs" / "e01-from-other-vocab-vocab" / "dspark"
+    assert saved_draft_ids(str(recounted / "drafter")).tolist() == run_ids.tolist()
+    kept = json.loads((recounted / "train.json").read_text())["draft_vocab_recounted"]["kept_tokens"]
+    assert kept == len(set(run_ids.tolist()) & set(elsewhere.tolist())) < len(run_ids)
+
     # two drafters on the same held-out prompts: each one's τ and the paired difference to the first
     run("rollouts", out, "--which", "eval", "--limit-prompts", "4")
     other = str(cont / "drafter")

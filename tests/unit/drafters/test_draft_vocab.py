@@ -307,3 +307,48 @@ def test_soft_ce_with_a_draft_vocabulary_targets_the_renormalised_subset(target)
         opt.step()
         losses.append(out.loss.item())
     assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0], losses
+
+
+# ---------------------------------------------------------------- moving a trained drafter to a new vocabulary
+NEW_IDS = [0, 1, 3, 5, 8, 10, 12, 15]  # shares 0, 3, 5, 8, 12, 15 with DRAFT_IDS; 1 and 10 are new
+
+
+def test_carry_rows_keeps_shared_tokens_and_zeroes_new_ones():
+    rows = torch.arange(8.0).unsqueeze(1).repeat(1, 3)  # row i = i: the draft id in the old vocabulary
+    moved = dv.carry_rows(rows, torch.tensor(DRAFT_IDS), torch.tensor(NEW_IDS))
+    expect = [DRAFT_IDS.index(t) if t in DRAFT_IDS else 0.0 for t in NEW_IDS]
+    assert moved[:, 0].tolist() == expect and moved.shape == (8, 3)
+    assert moved[NEW_IDS.index(1)].abs().sum() == 0 and moved[NEW_IDS.index(10)].abs().sum() == 0
+
+
+@pytest.mark.parametrize("algo,head", VARIANTS + [("dspark", "none")])
+def test_change_draft_vocab_keeps_the_logits_of_shared_tokens(target, algo, head):
+    """After the move, every token in both vocabularies has the logit it had; a new token has the frozen
+    target head's logit plus a zero sequential bias; the maps and a save/load follow the new ids."""
+    drafter = make(target, algo, head)
+    with torch.no_grad():
+        for p in drafter.parameters():  # non-zero sequential bias, so carrying rows is what is tested
+            p.add_(0.05 * torch.randn_like(p))
+    n = len(DRAFT_IDS)
+    listed = set(drafter.draft_vocab_rows)
+    assert listed == {name for name, p in drafter.named_parameters() if p.shape[0] == n}
+    ids = torch.randint(0, V, (1, 14), generator=torch.Generator().manual_seed(5))
+    args = (features(target, drafter, ids), ids, torch.ones_like(ids, dtype=torch.bool), torch.tensor([[6]]),
+            torch.ones(1, 1, 4, dtype=torch.bool))
+    before = drafter(*args).logits
+    drafter.change_draft_vocab(torch.tensor(NEW_IDS))
+    after = drafter(*args).logits
+    assert drafter.draft_ids.tolist() == NEW_IDS and drafter.t2d.nonzero().flatten().tolist() == NEW_IDS
+    for t in set(DRAFT_IDS) & set(NEW_IDS):
+        assert torch.allclose(after[:, NEW_IDS.index(t)], before[:, DRAFT_IDS.index(t)], atol=1e-5)
+    if listed:
+        w2 = drafter.get_parameter(next(iter(listed)))
+        assert w2[NEW_IDS.index(1)].abs().sum() == 0 and w2[NEW_IDS.index(10)].abs().sum() == 0
+
+
+def test_change_draft_vocab_refuses_a_full_vocabulary_drafter_and_a_wrong_size(target):
+    full = build_drafter(DrafterConfig(algo="dspark", rank=8, block_size=4, num_layers=1), target)
+    with pytest.raises(ValueError, match="full target vocabulary"):
+        full.change_draft_vocab(torch.tensor(NEW_IDS))
+    with pytest.raises(ValueError):
+        make(target, "dspark").change_draft_vocab(torch.tensor(NEW_IDS[:-1]))

@@ -120,12 +120,11 @@ class Drafter(nn.Module):
         new tokens zeros; the LM-head rows are the frozen target's, so they follow the maps."""
         if self.draft_ids is None:
             raise ValueError("this drafter predicts the full target vocabulary; there is no draft vocabulary to change")
-        old = self.draft_ids.clone()
         ids = draft_vocab.check_draft_ids(draft_ids, self.vocab_size, self.config.draft_vocab_size)
-        with torch.no_grad():
+        with torch.no_grad():  # t2d is still the old vocabulary's until set_draft_vocab below
             for name in self.draft_vocab_rows:
                 param = self.get_parameter(name)
-                param.copy_(draft_vocab.carry_rows(param, old, ids))
+                param.copy_(draft_vocab.carry_rows(param, self.t2d, ids))
         self.set_draft_vocab(ids)
 
     def _refresh_draft_vocab(self) -> None:

@@ -171,15 +171,12 @@ def coverage(counts: Tensor, draft_ids: Tensor) -> float:
     return float(counts[draft_ids[draft_ids < counts.numel()]].sum()) / total if total else 0.0
 
 
-def carry_rows(rows: Tensor, old_ids: Tensor, new_ids: Tensor) -> Tensor:
-    """A weight indexed by draft id ([N_old, ...], row i for target token old_ids[i]) re-indexed for the
-    vocabulary new_ids [N_new]: a token in both keeps its row, a token new to the vocabulary gets zeros.
+def carry_rows(rows: Tensor, old_t2d: Tensor, new_ids: Tensor) -> Tensor:
+    """A weight indexed by draft id ([N_old, ...] for the vocabulary whose membership mask is old_t2d [V])
+    re-indexed for the vocabulary new_ids [N_new]: a token in both keeps its row, a new token gets zeros.
     Invariant: for every target token t in both vocabularies, new[new_ids⁻¹(t)] == old[old_ids⁻¹(t)]."""
-    old_ids, new_ids = old_ids.to(rows.device), new_ids.to(rows.device)
-    where_old = torch.full((int(max(old_ids.max(), new_ids.max())) + 1,), -1, dtype=torch.long, device=rows.device)
-    where_old[old_ids] = torch.arange(old_ids.numel(), device=rows.device)
-    src = where_old[new_ids]  # row of each new token in the old weight, -1 where it was not drafted
+    src = draft_labels(new_ids.to(rows.device), old_t2d)  # old draft id of each new token, IGNORE_LABEL if none
     out = rows.new_zeros((new_ids.numel(), *rows.shape[1:]))
-    kept = src >= 0
+    kept = src != IGNORE_LABEL
     out[kept] = rows[src[kept]]
     return out

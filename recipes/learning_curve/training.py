@@ -243,11 +243,12 @@ def init_label(init: Path | None, folder: Path) -> str | None:
 def epochs_folder_name(epochs: int, prof: dict, args) -> str:
     """e<N>, + -L<layers>-a<anchors> when --layers/--anchors changed the drafter, + -lr<lr> when --lr changed
     the profile's learning rate, + -from-<folder> when the run continues an earlier drafter (each a separate
-    drafter; a capacity/<name> source is written capacity-<name>)."""
+    drafter; a capacity/<name> source is written capacity-<name>), + -vocab when it moves to a recounted
+    draft vocabulary (--refresh-vocab)."""
     shape = f"-L{prof['drafter']['num_layers']}-a{prof['drafter']['anchors_per_seq']}" if (args.layers or args.anchors) else ""
     name = f"e{epochs:02d}{shape}" + (f"-lr{prof['lr']:g}" if args.lr else "") + precision_suffix(prof)
     name += f"-from-{init_name(args.init_from)}" if args.init_from else ""
-    return name + ("-vocab" if args.init_from and getattr(args, "refresh_vocab", False) else "")
+    return name + ("-vocab" if prof.get("refresh_vocab") else "")
 
 
 def init_name(init_from: str) -> str:

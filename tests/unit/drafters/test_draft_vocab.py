@@ -315,7 +315,7 @@ NEW_IDS = [0, 1, 3, 5, 8, 10, 12, 15]  # shares 0, 3, 5, 8, 12, 15 with DRAFT_ID
 
 def test_carry_rows_keeps_shared_tokens_and_zeroes_new_ones():
     rows = torch.arange(8.0).unsqueeze(1).repeat(1, 3)  # row i = i: the draft id in the old vocabulary
-    moved = dv.carry_rows(rows, torch.tensor(DRAFT_IDS), torch.tensor(NEW_IDS))
+    moved = dv.carry_rows(rows, dv.t2d_from_ids(torch.tensor(DRAFT_IDS), V), torch.tensor(NEW_IDS))
     expect = [DRAFT_IDS.index(t) if t in DRAFT_IDS else 0.0 for t in NEW_IDS]
     assert moved[:, 0].tolist() == expect and moved.shape == (8, 3)
     assert moved[NEW_IDS.index(1)].abs().sum() == 0 and moved[NEW_IDS.index(10)].abs().sum() == 0

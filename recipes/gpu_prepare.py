@@ -74,12 +74,13 @@ def travelling_files() -> list[Path]:
 def working_tree_problems(files: list[Path]) -> list[str]:
     """Why the working tree is too big for the planned device calls (empty when it fits), naming the
     largest files: what to move out of the tree."""
-    total = sum(f.stat().st_size for f in files)
+    size_of = {f: f.stat().st_size for f in files}
+    total = sum(size_of.values())
     if total <= WORKING_TREE_BUDGET:
         return []
-    largest = sorted(files, key=lambda f: f.stat().st_size, reverse=True)[:5]
+    largest = sorted(size_of, key=size_of.get, reverse=True)[:5]
     return [f"the working tree is {total / MiB:.1f} MiB > {WORKING_TREE_BUDGET / MiB:.0f} MiB: every device call "
-            f"carries it; largest files: " + ", ".join(f"{f} ({f.stat().st_size / MiB:.1f} MiB)" for f in largest)]
+            f"carries it; largest files: " + ", ".join(f"{f} ({size_of[f] / MiB:.1f} MiB)" for f in largest)]
 
 
 def target_wheel() -> Path:

@@ -103,6 +103,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-drafter", action="store_true",
                    help="report: do not export the best drafter into the results folder (JSON and plot only)")
     args = p.parse_args(argv)
+    if args.refresh_vocab and not args.init_from:
+        p.error("--refresh-vocab moves a saved drafter to a new vocabulary: it needs --init-from DRAFTER "
+                "(a drafter trained from scratch already counts its vocabulary on this run's rows)")
     args.out = args.out or f"/work/learn-runs/{args.profile}"
     args.name = args.name or args.profile
     return args

@@ -267,7 +267,7 @@ def cmd_epochs(args, prof: dict) -> None:
     epochs/<epochs_folder_name>/dspark, then its expected τ: what more passes over the same data buy,
     beside what more data buys (the points)."""
     out, target, cache, _, n = largest_point(args, prof)
-    prof = {**one_setting(args, prof, "epochs"), "refresh_vocab": bool(args.init_from and args.refresh_vocab)}
+    prof = {**one_setting(args, prof, "epochs"), "refresh_vocab": args.refresh_vocab}
     init = resolve_init(out, args.init_from) if args.init_from else None
     for epochs in args.epochs or []:
         train_one(target, {**prof, "epochs": epochs}, cache, n, "dspark",

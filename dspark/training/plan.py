@@ -94,14 +94,18 @@ def check_resume_matches(record: dict, cfg: TrainJobConfig) -> None:
 def init_from_checkpoint(cfg: TrainJobConfig, saved: dict, pinned: str) -> TrainJobConfig:
     """`cfg` retraining the drafter saved with config `saved` (from `pinned`): its architecture is the
     checkpoint's (its draft vocabulary included: jobs.train keeps the checkpoint's ids); drafter fields set
-    explicitly in the config must agree with it; training-only fields (losses, anchors, ...) stay the config's."""
+    explicitly in the config must agree with it, except a larger `num_layers` for a layer-stack drafter (the
+    checkpoint is deepened: dspark.drafters.deepen); training-only fields (losses, anchors, ...) stay the config's."""
     from dspark.drafters import DrafterConfig
+    from dspark.drafters.deepen import DEEPENABLE
 
     mine = config_to_dict(cfg.drafter)
-    clash = sorted(k for k in cfg.drafter.model_fields_set - TRAINING_ONLY_FIELDS
+    deeper = ("num_layers" in cfg.drafter.model_fields_set and saved.get("algo") in DEEPENABLE
+              and mine["num_layers"] > saved.get("num_layers", mine["num_layers"]))
+    clash = sorted(k for k in cfg.drafter.model_fields_set - TRAINING_ONLY_FIELDS - ({"num_layers"} if deeper else set())
                    if saved.get(k) is not None and mine.get(k) is not None and saved[k] != mine[k])
     if clash:
         raise ConfigError(f"init_from {pinned}: drafter fields {clash} differ from the checkpoint's "
                           f"({ {k: saved[k] for k in clash} }); drop them from the config or match them")
-    merged = {**saved, **{k: v for k, v in mine.items() if k in TRAINING_ONLY_FIELDS}}
+    merged = {**saved, **{k: v for k, v in mine.items() if k in TRAINING_ONLY_FIELDS or (deeper and k == "num_layers")}}
     return cfg.model_copy(update={"drafter": DrafterConfig.model_validate(merged)})

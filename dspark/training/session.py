@@ -133,10 +133,15 @@ def init_engine(cfg, plan: TrainPlan, target, forward_target=None):
 
 
 def load_initial_weights(drafter: nn.Module, init_dir: str, target) -> None:
-    """Copy a saved drafter's weights into the freshly built one (same architecture: strict)."""
+    """Copy a saved drafter's weights into the freshly built one (same architecture: strict; or the same
+    but deeper: the added layers start as no-ops, dspark.drafters.deepen)."""
     from dspark.drafters import load_drafter
+    from dspark.drafters.deepen import deepen_from
 
     source = load_drafter(init_dir, target, device=target.device)
+    if len(getattr(source, "layers", ())) < len(getattr(drafter, "layers", ())):
+        deepen_from(drafter, source)
+        return
     try:
         drafter.load_state_dict(source.state_dict(), strict=True)
     except RuntimeError as err:

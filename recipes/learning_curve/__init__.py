@@ -11,6 +11,7 @@ plus equal-budget baselines, a report (JSON + plot) and the inputs of `dspark pl
     python -m recipes.learning_curve epochs    [--profile cpu|gpu] [--out DIR] --epochs 2 6  # the largest point, more passes
         [--lr 5e-4] [--init-from e05 | capacity/L1-a32-m60 --layers 1 --anchors 32]  # continue a saved drafter
         [--init-from DRAFTER --refresh-vocab]  # ... moved to the draft vocabulary of this run's rows
+        [--init-from DRAFTER --layers 2]  # ... deepened (dspark.drafters.deepen: drafts as before until trained)
     python -m recipes.learning_curve sweep     [--out DIR] --layers 1 2 3 --anchors 32 128 512  # training tok/s + MFU
     python -m recipes.learning_curve capacity  [--out DIR] --layers 1 2 --anchors 512 --minutes 20  # equal CPU-minutes
     python -m recipes.learning_curve report    [--profile cpu|gpu] [--out DIR]   # JSON + plot
@@ -87,8 +88,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="epochs with --init-from: recount the draft vocabulary on this run's rows and move the "
                         "drafter to it (tokens in both keep their weights, new ones start at zero; folder -vocab)")
     p.add_argument("--init-from", default=None, help="epochs: continue this drafter (an epochs folder such as "
-                   "e05, capacity/<name>, or the path of any saved drafter folder, with the same --layers/--anchors) "
-                   "with a new schedule instead of starting from scratch; it keeps its draft vocabulary")
+                   "e05, capacity/<name>, or the path of any saved drafter folder, with the same --layers/--anchors, or more "
+                   "--layers: it is deepened, the added layers starting as no-ops) with a new schedule instead of "
+                   "starting from scratch; it keeps its draft vocabulary")
     p.add_argument("--layers", type=int, nargs="+", default=None,
                    help="sweep/capacity: drafter layers per setting; train/baselines/epochs: one value, the drafter's")
     p.add_argument("--anchors", type=int, nargs="+", default=None,

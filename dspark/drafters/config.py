@@ -12,6 +12,11 @@ from pydantic import Field, model_validator
 
 from dspark.config import StrictModel
 
+# fields that shape how a drafter is trained, not what it computes: they may change between a run and its
+# resume, or when a saved drafter is continued or deepened
+TRAINING_ONLY_FIELDS = {"loss_ce", "loss_tv", "loss_conf", "anchors_per_seq", "position_weight", "init_std",
+                        "ttt_steps", "position_decay", "ce_target", "loss_norm", "dense_ttt"}
+
 
 class DrafterConfig(StrictModel):
     algo: Literal["dspark", "dflash", "eagle3"] = Field("dspark", description="dspark (parallel block + sequential head + confidences), dflash (parallel block) or eagle3 (autoregressive, one layer)")

@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dspark.drafters.config import TRAINING_ONLY_FIELDS
+
 DEEPENABLE = ("dflash", "dspark")  # drafters with a stack of `layers` (eagle3 has one fixed midlayer)
 RESIDUAL_OUTPUTS = ("self_attn.o_proj.weight", "mlp.down_proj.weight")
 
@@ -19,10 +21,10 @@ def deepen_from(drafter: nn.Module, source: nn.Module) -> int:
     if drafter.algo not in DEEPENABLE or source.algo != drafter.algo:
         raise ValueError(f"only {DEEPENABLE} drafters can be deepened, from the same algo "
                          f"(got {source.algo} -> {drafter.algo})")
-    mine, theirs = (d.config.model_dump(exclude={"num_layers"}) for d in (drafter, source))
+    mine, theirs = (d.config.model_dump(exclude={"num_layers", *TRAINING_ONLY_FIELDS}) for d in (drafter, source))
     differ = sorted(k for k in mine if mine[k] != theirs[k])
     if differ:
-        raise ValueError(f"a drafter is deepened from one of the same config but num_layers; these differ: {differ}")
+        raise ValueError(f"a drafter is deepened from one of the same architecture but num_layers; these differ: {differ}")
     have, want = len(source.layers), len(drafter.layers)
     if have >= want:
         raise ValueError(f"deepening goes from fewer layers to more: {have} -> {want}")

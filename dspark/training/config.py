@@ -8,10 +8,7 @@ from pydantic import Field, model_validator
 
 from dspark.config import RayConfig, StrictModel, TrackingConfig
 from dspark.drafters import DrafterConfig
-
-# drafter fields that may change between a run and its resume
-TRAINING_ONLY_FIELDS = {"loss_ce", "loss_tv", "loss_conf", "anchors_per_seq", "position_weight", "init_std",
-                        "ttt_steps", "position_decay", "ce_target", "loss_norm", "dense_ttt"}
+from dspark.drafters.config import TRAINING_ONLY_FIELDS  # noqa: F401  (the resume and init_from rules use it)
 
 
 # ----------------------------------------------------------------------------- config

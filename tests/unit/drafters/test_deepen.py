@@ -90,3 +90,8 @@ def test_a_training_job_may_ask_for_more_layers_than_its_init_checkpoint_but_not
         init_from_checkpoint(job(num_layers=1), {**saved, "num_layers": 2}, "d")
     with pytest.raises(ConfigError, match="rank"):
         init_from_checkpoint(job(num_layers=2, rank=8), saved, "d")
+
+
+def test_training_only_fields_may_differ_from_the_source(target):
+    deeper = make(target, layers=2, loss_ce=0.5, anchors_per_seq=8)
+    assert deepen_from(deeper, make(target, layers=1)) == 1

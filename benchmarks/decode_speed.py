@@ -85,18 +85,28 @@ def load_drafters(args, target) -> dict:
     from dspark.drafters import DrafterConfig, build_drafter
 
     drafters = {}
-    for ref in args.drafter:
+    for ref, name in zip(args.drafter, distinct_names(args.drafter)):
         drafter = load_drafter_ref(ref, target).eval()
-        parts = Path(ref.rstrip("/")).parts
-        k = 1  # the folder name, or as many parent folders as make it unique (two ".../dspark/drafter" refs)
-        while k < len(parts) and f"{drafter.config.algo}:{'/'.join(parts[-k:])}" in drafters:
-            k += 1
-        drafters[f"{drafter.config.algo}:{'/'.join(parts[-k:])}"] = drafter
+        drafters[f"{drafter.config.algo}:{name}"] = drafter
     for algo in args.algo:
         extra = {"num_layers": args.drafter_layers} if args.drafter_layers else {}  # eagle3 keeps its one layer
         torch.manual_seed(args.seed)
         drafters[f"{algo}:untrained"] = build_drafter(DrafterConfig(algo=algo, **extra), target).eval()
     return drafters
+
+
+def distinct_names(refs: list[str]) -> list[str]:
+    """Each drafter's folder name, or its last k path parts for the smallest k that no other ref shares
+    (two ".../e01-L1-.../dspark/drafter" refs are named from their run folders, not "drafter")."""
+    parts = [Path(ref.rstrip("/")).parts for ref in refs]
+
+    def name(mine: tuple) -> str:
+        k = 1
+        while k < len(mine) and sum(p[-k:] == mine[-k:] for p in parts) > 1:
+            k += 1
+        return "/".join(mine[-k:])
+
+    return [name(p) for p in parts]
 
 
 def decode_all(prompts, decode) -> list:

@@ -19,3 +19,13 @@ def test_modes_per_dtype_and_both_speedups():
 def test_unknown_dtype_is_refused():
     with pytest.raises(SystemExit, match="float16"):
         main(["--target", "tiny", "--quick", "--algo", "dspark", "--dtypes", "float16"])
+
+
+def test_drafters_are_named_by_what_tells_them_apart():
+    from benchmarks.decode_speed import distinct_names
+
+    assert distinct_names(["results/drafter-cpu-p24", "runs/x"]) == ["drafter-cpu-p24", "x"]
+    two = ["runs/e01-L1/dspark/drafter", "runs/e01-L2/dspark/drafter"]
+    named = ["e01-L1/dspark/drafter", "e01-L2/dspark/drafter"]
+    assert distinct_names(two) == named
+    assert distinct_names(["results/drafter-cpu-p24", *two]) == ["drafter-cpu-p24", *named]

@@ -8,7 +8,6 @@ from pydantic import Field, model_validator
 
 from dspark.config import RayConfig, StrictModel, TrackingConfig
 from dspark.drafters import DrafterConfig
-from dspark.drafters.config import TRAINING_ONLY_FIELDS  # noqa: F401  (the resume and init_from rules use it)
 
 
 # ----------------------------------------------------------------------------- config

@@ -6,7 +6,8 @@ from dataclasses import dataclass, field
 
 from dspark.config import ConfigError, config_to_dict, deep_merge
 from dspark.drafters.draft_vocab import DraftVocabPlan
-from dspark.training.config import TRAINING_ONLY_FIELDS, TrainJobConfig
+from dspark.drafters.config import TRAINING_ONLY_FIELDS
+from dspark.training.config import TrainJobConfig
 
 
 # ----------------------------------------------------------------------------- plan
@@ -102,10 +103,11 @@ def init_from_checkpoint(cfg: TrainJobConfig, saved: dict, pinned: str) -> Train
     mine = config_to_dict(cfg.drafter)
     deeper = ("num_layers" in cfg.drafter.model_fields_set and saved.get("algo") in DEEPENABLE
               and mine["num_layers"] > saved.get("num_layers", mine["num_layers"]))
-    clash = sorted(k for k in cfg.drafter.model_fields_set - TRAINING_ONLY_FIELDS - ({"num_layers"} if deeper else set())
+    config_wins = TRAINING_ONLY_FIELDS | ({"num_layers"} if deeper else set())  # fields taken from cfg, not saved
+    clash = sorted(k for k in cfg.drafter.model_fields_set - config_wins
                    if saved.get(k) is not None and mine.get(k) is not None and saved[k] != mine[k])
     if clash:
         raise ConfigError(f"init_from {pinned}: drafter fields {clash} differ from the checkpoint's "
                           f"({ {k: saved[k] for k in clash} }); drop them from the config or match them")
-    merged = {**saved, **{k: v for k, v in mine.items() if k in TRAINING_ONLY_FIELDS or (deeper and k == "num_layers")}}
+    merged = {**saved, **{k: v for k, v in mine.items() if k in config_wins}}
     return cfg.model_copy(update={"drafter": DrafterConfig.model_validate(merged)})

@@ -9,7 +9,11 @@ Every mode decodes the same prompts (the first turn of the first `--prompts` lin
 `--datasets` file, chat template applied) with the same per-prompt seed. Reported per mode:
 tokens/s (all new tokens over all wall time, prefill included), speedup over target-only, τ
 (accepted + 1 per round), position-wise conditional acceptance, mean draft / verify seconds per
-round. `--drafter` takes any drafter reference (local dir, s3://, runs:/, models:/) and may repeat;
+round, and the speedup's 95 % interval from resampling prompts (paired: a resampled prompt brings
+every mode's run of it). Modes take turns prompt by prompt, in an order that rotates, so a slow spell
+of a noisy machine lands on every mode alike; the drafters after the first are also compared with
+the first (`vs_first_drafter`, with its interval), the question "is the new drafter faster than the
+committed one". `--drafter` takes any drafter reference (local dir, s3://, runs:/, models:/) and may repeat;
 without one, untrained drafters are built for each `--algo` (τ ≈ 1: a floor, not a result).
 `--scheduler dynamic` verifies the Algorithm-1 prefix (R = 1) on an SPS table profiled at start.
 The last stdout line is one JSON object.
@@ -23,6 +27,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -109,8 +114,27 @@ def distinct_names(refs: list[str]) -> list[str]:
     return [name(p) for p in parts]
 
 
-def decode_all(prompts, decode) -> list:
-    return [decode(ids, torch.Generator(device="cpu").manual_seed(1000 + i)) for i, (_, ids) in enumerate(prompts)]
+def decode_interleaved(prompts, modes: dict) -> dict:
+    """Each mode's GenerationResult per prompt. Prompt i is decoded by every mode in turn, the order rotated by
+    i, each with the same seed (1000 + i): drift in machine speed is shared by all modes instead of falling on
+    whichever ran last."""
+    names = list(modes)
+    results = {name: [] for name in names}
+    for i, (_, ids) in enumerate(prompts):
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            results[name].append(modes[name](ids, torch.Generator(device="cpu").manual_seed(1000 + i)))
+    return results
+
+
+def paired_speed_ratio(results, base_results, resamples: int = 2000, seed: int = 0) -> list[float]:
+    """95 % interval of (tok/s of `results`) / (tok/s of `base_results`), prompts resampled with replacement,
+    each resampled prompt carrying both sides' runs of it."""
+    tok = np.array([[len(r.token_ids), len(b.token_ids)] for r, b in zip(results, base_results)], dtype=float)
+    wall = np.array([[r.wall_s, b.wall_s] for r, b in zip(results, base_results)], dtype=float)
+    idx = np.random.default_rng(seed).integers(0, len(tok), size=(resamples, len(tok)))
+    t, w = tok[idx].sum(1), np.maximum(wall[idx].sum(1), 1e-12)  # (resamples, 2)
+    ratios = (t[:, 0] / w[:, 0]) / np.maximum(t[:, 1] / w[:, 1], 1e-12)
+    return [float(x) for x in np.percentile(ratios, [2.5, 97.5])]
 
 
 def mode_summary(results) -> dict:
@@ -166,21 +190,30 @@ def main(argv=None) -> dict:
     for decode in modes.values():  # one short warm-up per mode: allocator, kernels, lazy imports
         decode(warm[0][1], torch.Generator().manual_seed(0))
 
-    summaries = {}
-    for name, decode in modes.items():
-        summaries[name] = mode_summary(decode_all(prompts, decode))
-        print(f"  {name:24s} {summaries[name]['tokens_per_s']:8.2f} tok/s  tau {summaries[name]['tau'] or 1:.2f}",
-              flush=True)
+    results = decode_interleaved(prompts, modes)
+    summaries = {name: mode_summary(res) for name, res in results.items()}
+    for name, s in summaries.items():
+        print(f"  {name:24s} {s['tokens_per_s']:8.2f} tok/s  tau {s['tau'] or 1:.2f}", flush=True)
     base = summaries["target"]["tokens_per_s"]
     fastest = max(v["tokens_per_s"] for k, v in summaries.items() if k.split("@")[0] == "target")
+    spec_names = [k for k in summaries if not k.startswith("target")]
     rows = []
     for name, s in summaries.items():
         s["speedup"] = s["tokens_per_s"] / base if base else None
+        s["speedup_ci95"] = paired_speed_ratio(results[name], results["target"])
+        if name in spec_names[1:]:
+            first = spec_names[0]
+            s["vs_first_drafter"] = {"drafter": first, "ratio": s["tokens_per_s"] / summaries[first]["tokens_per_s"],
+                                     "ci95": paired_speed_ratio(results[name], results[first])}
         s["speedup_vs_fastest_target"] = s["tokens_per_s"] / fastest if fastest else None
         rows.append({"mode": name, "tok/s": s["tokens_per_s"], "speedup": s["speedup"],
+                     "speedup 95%": "[{:.2f}, {:.2f}]".format(*s["speedup_ci95"]),
                      "vs fastest target": s["speedup_vs_fastest_target"],
                      "tau": s["tau"] if not name.startswith("target") else 1.0, "verified/round": s["mean_verified"],
-                     "draft ms/round": 1e3 * s["draft_s_per_round"], "verify ms/round": 1e3 * s["verify_s_per_round"]})
+                     "draft ms/round": 1e3 * s["draft_s_per_round"], "verify ms/round": 1e3 * s["verify_s_per_round"],
+                     "vs first drafter": ("{ratio:.3f} [{0:.3f}, {1:.3f}]".format(*s["vs_first_drafter"]["ci95"],
+                                                                           **s["vs_first_drafter"])
+                                          if "vs_first_drafter" in s else None)})
     print("\n" + metrics.markdown_table(rows, floatfmt=".2f"))
     spec = {k: v for k, v in summaries.items() if not k.startswith("target")}
     print("\nposition-wise conditional acceptance\n" + metrics.markdown_table(metrics.position_rows(spec)))

@@ -29,3 +29,41 @@ def test_drafters_are_named_by_what_tells_them_apart():
     named = ["e01-L1/dspark/drafter", "e01-L2/dspark/drafter"]
     assert distinct_names(two) == named
     assert distinct_names(["results/drafter-cpu-p24", *two]) == ["drafter-cpu-p24", *named]
+
+
+def test_modes_take_turns_and_speedups_carry_paired_intervals():
+    from benchmarks.decode_speed import decode_interleaved
+
+    calls = []
+
+    def mode(name):
+        def decode(ids, gen):
+            calls.append(name)
+            return ids
+        return decode
+
+    prompts = [("p", [i]) for i in range(4)]
+    out = decode_interleaved(prompts, {m: mode(m) for m in "abc"})
+    assert calls == list("abc" "bca" "cab" "abc")  # the order rotates prompt by prompt
+    assert out == {m: [[0], [1], [2], [3]] for m in "abc"}  # per mode, in prompt order
+
+    report = main(["--target", "tiny", "--quick", "--algo", "dspark", "--algo", "dflash", "--datasets",
+                   "gsm8k,humaneval", "--max-new-tokens", "6", "--device", "cpu"])
+    modes = report["modes"]
+    for m in modes.values():
+        lo, hi = m["speedup_ci95"]
+        assert lo <= m["speedup"] <= hi
+    assert modes["target"]["speedup_ci95"] == pytest.approx([1.0, 1.0])
+    second = modes["dflash:untrained"]["vs_first_drafter"]
+    assert second["drafter"] == "dspark:untrained" and second["ci95"][0] <= second["ratio"] <= second["ci95"][1]
+    assert "vs_first_drafter" not in modes["dspark:untrained"]
+
+
+def test_paired_ratio_interval_is_the_ratio_when_every_prompt_agrees():
+    from types import SimpleNamespace as R
+
+    from benchmarks.decode_speed import paired_speed_ratio
+
+    fast = [R(token_ids=[0] * 10, wall_s=1.0), R(token_ids=[0] * 20, wall_s=2.0)]
+    slow = [R(token_ids=[0] * 10, wall_s=2.0), R(token_ids=[0] * 20, wall_s=4.0)]
+    assert paired_speed_ratio(fast, slow) == pytest.approx([2.0, 2.0])

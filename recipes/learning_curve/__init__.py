@@ -16,6 +16,7 @@ plus equal-budget baselines, a report (JSON + plot) and the inputs of `dspark pl
     python -m recipes.learning_curve capacity  [--out DIR] --layers 1 2 --anchors 512 --minutes 20  # equal CPU-minutes
     python -m recipes.learning_curve report    [--profile cpu|gpu] [--out DIR]   # JSON + plot
     python -m recipes.learning_curve compare   [--out DIR] --drafters BASE OTHER  # paired τ difference
+        [--gamma 3 --answer-tokens 64 --benchmarks gsm8k humaneval mt-bench]  # ... at a decode run's setting
 
 Every phase is resumable from its output folder (DIR, default /work/learn-runs/<profile>): rollouts commit a
 Parquet shard per chunk in the rollout-store format (dspark/io/rollout_store.py) and skip committed
@@ -98,6 +99,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--minutes", type=float, default=None, help="capacity: wall-clock training budget per setting")
     p.add_argument("--modes", nargs="+", default=None, help="decode: only these modes (and target-only)")
     p.add_argument("--drafters", nargs="+", default=None, help="compare: saved drafter folders, the baseline first")
+    p.add_argument("--gamma", type=int, default=None,
+                   help="compare: drafts per round to estimate τ at (a decode run's γ; default each drafter's block size)")
+    p.add_argument("--answer-tokens", type=int, default=None,
+                   help="compare: anchors only in each held-out answer's first N tokens (a decode run's max_new_tokens)")
+    p.add_argument("--benchmarks", nargs="+", default=None,
+                   help="compare: held-out rows of these benchmarks only (a decode run's --datasets)")
     p.add_argument("--results", default=str(REPO / "benchmarks" / "results" / "learning_curve"),
                    help="report: where <name>.json, <name>.png and drafter-<name>/ go")
     p.add_argument("--name", default=None, help="report: their name (default: the profile's), e.g. a second "
@@ -108,6 +115,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.refresh_vocab and not args.init_from:
         p.error("--refresh-vocab moves a saved drafter to a new vocabulary: it needs --init-from DRAFTER "
                 "(a drafter trained from scratch already counts its vocabulary on this run's rows)")
+    for name in ("gamma", "answer_tokens"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1")
     args.out = args.out or f"/work/learn-runs/{args.profile}"
     args.name = args.name or args.profile
     return args

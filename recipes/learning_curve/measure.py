@@ -31,15 +31,43 @@ def held_out(target, prof: dict, out: Path):
     return rows, outs, SamplingParams(temperature=1.0, top_p=1.0, top_k=0)
 
 
-def estimate_drafter(drafter_dir: Path, target, prof: dict, held: tuple, p_cache: dict) -> dict:
-    """Expected τ of one saved drafter on the held-out set (`held_out`), both estimators."""
+def decode_setting(held: tuple, benchmarks: list[str] | None, answer_tokens: int | None) -> tuple:
+    """The held-out set cut to what a decode run measures: only the rows of `benchmarks`, and each answer
+    cut after its first `answer_tokens` tokens (a decode with max_new_tokens N drafts only there; the cached
+    target outputs are causal, so their prefix is the cut row's)."""
+    from dspark.models.target import TargetOutput
+
+    rows, outs, sp = held
+    kept = [i for i, r in enumerate(rows) if not benchmarks or r["domain"] in benchmarks]
+    if not kept:
+        raise SystemExit(f"compare --benchmarks {benchmarks}: no held-out rows; they have "
+                         f"{sorted({r['domain'] for r in rows})}")
+    cut_rows, cut_outs = [], []
+    for i in kept:
+        row, out = rows[i], outs[i]
+        n = len(row["input_ids"])
+        if answer_tokens:
+            mask = list(row["loss_mask"])
+            n = min(n, (mask.index(1) if 1 in mask else n) + answer_tokens)
+        cut_rows.append({**row, "input_ids": list(row["input_ids"])[:n], "loss_mask": list(row["loss_mask"])[:n]})
+        cut_outs.append(TargetOutput(features=out.features[:, :n], final_hidden=out.final_hidden[:, :n],
+                                     logits=None, cache=None))
+    return cut_rows, cut_outs, sp
+
+
+def estimate_drafter(drafter_dir: Path, target, prof: dict, held: tuple, p_cache: dict,
+                     gamma: int | None = None) -> dict:
+    """Expected τ of one saved drafter on the held-out set (`held_out`), both estimators, at `gamma`
+    drafts per round (default: the drafter's block size)."""
     from dspark.drafters import load_drafter
     from dspark.eval.acceptance_estimate import estimate
 
     rows, outs, sp = held
     t0 = time.perf_counter()
     drafter = load_drafter(str(drafter_dir), target)
-    gamma, stride = drafter.config.block_size, prof.get("anchor_stride", 1)
+    gamma, stride = gamma or drafter.config.block_size, prof.get("anchor_stride", 1)
+    if gamma > drafter.config.block_size:
+        raise SystemExit(f"compare --gamma {gamma}: {drafter_dir} drafts at most {drafter.config.block_size}")
     result = estimate(drafter, target, rows, gamma, sp, max_len=prof["eval_max_len"], target_outs=outs,
                       anchor_stride=stride, p_cache=p_cache)
     result["gamma"], result["wall_s"], result["anchor_stride"] = gamma, time.perf_counter() - t0, stride
@@ -60,23 +88,40 @@ def estimate_folders(target, prof: dict, out: Path, folders: list[Path]) -> None
             f"in {result['wall_s']:.0f} s")
 
 
+def compare_file(args) -> str:
+    """compare.json, or compare-g3-a64-gsm8k+mt-bench.json for a run at a decode's setting."""
+    parts = [f"g{args.gamma}" if args.gamma else "", f"a{args.answer_tokens}" if args.answer_tokens else "",
+             "+".join(args.benchmarks or [])]
+    return "-".join(["compare", *filter(None, parts)]) + ".json"
+
+
 def cmd_compare(args, prof: dict) -> dict:
     """Expected τ of saved drafters (--drafters PATH ...: any drafter folders, e.g. from other run folders)
     on this run's held-out rows, and each one's paired difference to the first (the same prompts resampled
-    jointly: a far narrower interval than comparing two τ intervals); written to compare.json."""
+    jointly: a far narrower interval than comparing two τ intervals); written to compare.json.
+    --gamma, --answer-tokens and --benchmarks estimate at a decode run's setting instead (its γ, its
+    max_new_tokens, its benchmarks), the figure to hold a decoded τ against; with --answer-tokens every
+    anchor of the cut answers is used (no `anchor_stride` subsample)."""
     from dspark.eval.acceptance_estimate import paired_difference
 
     if not args.drafters or len(args.drafters) < 2:
         raise SystemExit("compare: give --drafters BASELINE OTHER [...] (saved drafter folders)")
     out, target = Path(args.out), load_target_of(prof)
     held, p_cache, results = held_out(target, prof, out), {}, {}
+    if args.benchmarks or args.answer_tokens:
+        held = decode_setting(held, args.benchmarks, args.answer_tokens)
+    if args.answer_tokens:  # every anchor of the cut answers, as a decode drafts at each: cheap at this length
+        prof = {**prof, "anchor_stride": 1}
     for path in args.drafters:
         if not (Path(path) / "config.json").exists():
             raise SystemExit(f"compare: no saved drafter at {path}")
-        results[path] = estimate_drafter(Path(path), target, prof, held, p_cache)
+        results[path] = estimate_drafter(Path(path), target, prof, held, p_cache, gamma=args.gamma)
     base = args.drafters[0]
     domain_of = {r["prompt_id"]: r["domain"] for r in held[0]}
-    report = {"held_out": str(out / "rollouts-eval"), "held_out_rows": len(held[0]), "baseline": base, "drafters": {
+    report = {"held_out": str(out / "rollouts-eval"), "held_out_rows": len(held[0]), "baseline": base,
+              "setting": {"gamma": {p: r["gamma"] for p, r in results.items()}, "answer_tokens": args.answer_tokens,
+                          "benchmarks": args.benchmarks, "anchor_stride": results[base]["anchor_stride"]},
+              "drafters": {
         path: {"label": drafter_label(Path(path)), "trained": training_summary(Path(path)),
                "expected_tau": r["alpha"]["expected_tau"], "expected_tau_ci95": r["alpha"]["expected_tau_ci95"],
                "expected_tau_per_benchmark": {g: v["expected_tau"] for g, v in r["alpha"]["per_group"].items()},
@@ -85,7 +130,7 @@ def cmd_compare(args, prof: dict) -> dict:
                "vs_baseline_per_benchmark": None if path == base else
                paired_by_group(r["alpha"]["per_prompt"], results[base]["alpha"]["per_prompt"], domain_of)}
         for path, r in results.items()}}
-    (out / "compare.json").write_text(json.dumps(report, indent=1))
+    (out / compare_file(args)).write_text(json.dumps(report, indent=1))
     for path, r in report["drafters"].items():
         d = r["vs_baseline"]
         log(f"compare {path}: expected τ {r['expected_tau']:.3f}"

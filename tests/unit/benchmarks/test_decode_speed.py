@@ -48,15 +48,19 @@ def test_modes_take_turns_and_speedups_carry_paired_intervals():
     assert out == {m: [[0], [1], [2], [3]] for m in "abc"}  # per mode, in prompt order
 
     report = main(["--target", "tiny", "--quick", "--algo", "dspark", "--algo", "dflash", "--datasets",
-                   "gsm8k,humaneval", "--max-new-tokens", "6", "--device", "cpu"])
+                   "gsm8k,humaneval", "--max-new-tokens", "6", "--device", "cpu", "--dtypes", "float32,bfloat16"])
     modes = report["modes"]
-    for m in modes.values():
+    for name, m in modes.items():
         lo, hi = m["speedup_ci95"]
         assert lo <= m["speedup"] <= hi
+        if not name.startswith("target"):
+            assert m["tau_ci95"][0] <= m["tau"] <= m["tau_ci95"][1]
     assert modes["target"]["speedup_ci95"] == pytest.approx([1.0, 1.0])
-    second = modes["dflash:untrained"]["vs_first_drafter"]
-    assert second["drafter"] == "dspark:untrained" and second["ci95"][0] <= second["ratio"] <= second["ci95"][1]
-    assert "vs_first_drafter" not in modes["dspark:untrained"]
+    for suffix in ("", "@bfloat16"):  # each drafter is compared with the first drafter of its own dtype
+        second = modes["dflash:untrained" + suffix]["vs_first_drafter"]
+        assert second["drafter"] == "dspark:untrained" + suffix
+        assert second["ci95"][0] <= second["ratio"] <= second["ci95"][1]
+        assert "vs_first_drafter" not in modes["dspark:untrained" + suffix]
 
 
 def test_paired_ratio_interval_is_the_ratio_when_every_prompt_agrees():

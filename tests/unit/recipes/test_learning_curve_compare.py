@@ -41,3 +41,41 @@ def test_paired_by_group_splits_the_prompts_by_benchmark():
     assert set(out) == {"gsm8k", "mbpp"}
     assert out["gsm8k"]["difference"] == pytest.approx(1.0) and out["gsm8k"]["prompts"] == 2
     assert out["mbpp"]["difference"] == pytest.approx(0.0) and out["mbpp"]["ci95"] == [0.0, 0.0]
+
+
+def test_decode_setting_keeps_the_benchmarks_and_cuts_each_answer():
+    import torch
+
+    from dspark.models.target import TargetOutput
+    from recipes.learning_curve.measure import decode_setting
+
+    def row(pid, domain, prompt_len, answer_len):
+        n = prompt_len + answer_len
+        return {"prompt_id": pid, "domain": domain, "input_ids": list(range(n)),
+                "loss_mask": [0] * prompt_len + [1] * answer_len}
+
+    rows = [row("g", "gsm8k", 3, 10), row("m", "mbpp", 2, 10), row("t", "mt-bench", 4, 2)]
+    outs = [TargetOutput(features=torch.randn(1, len(r["input_ids"]), 6), final_hidden=torch.randn(1, len(r["input_ids"]), 2),
+                         logits=None, cache=None) for r in rows]
+    cut_rows, cut_outs, sp = decode_setting((rows, outs, "sp"), ["gsm8k", "mt-bench"], 5)
+    assert [r["prompt_id"] for r in cut_rows] == ["g", "t"] and sp == "sp"
+    assert [len(r["input_ids"]) for r in cut_rows] == [3 + 5, 4 + 2]  # the short answer is kept whole
+    assert cut_rows[0]["loss_mask"] == [0, 0, 0, 1, 1, 1, 1, 1]
+    assert torch.equal(cut_outs[0].features, outs[0].features[:, :8])
+    assert torch.equal(cut_outs[1].final_hidden, outs[2].final_hidden)
+    assert [len(r["input_ids"]) for r in decode_setting((rows, outs, sp), None, None)[0]] == [13, 12, 6]
+    with pytest.raises(SystemExit, match="no held-out rows"):
+        decode_setting((rows, outs, sp), ["humaneval"], None)
+
+
+def test_a_decode_setting_run_writes_its_own_file():
+    from recipes.learning_curve import parse_args
+    from recipes.learning_curve.measure import compare_file
+
+    plain = parse_args(["compare", "--drafters", "a", "b"])
+    assert compare_file(plain) == "compare.json"
+    decode = parse_args(["compare", "--drafters", "a", "b", "--gamma", "3", "--answer-tokens", "64",
+                         "--benchmarks", "gsm8k", "mt-bench"])
+    assert compare_file(decode) == "compare-g3-a64-gsm8k+mt-bench.json"
+    with pytest.raises(SystemExit):
+        parse_args(["compare", "--drafters", "a", "b", "--gamma", "0"])

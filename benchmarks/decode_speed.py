@@ -8,11 +8,11 @@
 Every mode decodes the same prompts (the first turn of the first `--prompts` lines of each
 `--datasets` file, chat template applied) with the same per-prompt seed. Reported per mode:
 tokens/s (all new tokens over all wall time, prefill included), speedup over target-only, τ
-(accepted + 1 per round), position-wise conditional acceptance, mean draft / verify seconds per
+(accepted + 1 per round, with its 95 % prompt-bootstrap interval), position-wise conditional acceptance, mean draft / verify seconds per
 round, and the speedup's 95 % interval from resampling prompts (paired: a resampled prompt brings
 every mode's run of it). Modes take turns prompt by prompt, in an order that rotates, so a slow spell
-of a noisy machine lands on every mode alike; the drafters after the first are also compared with
-the first (`vs_first_drafter`, with its interval), the question "is the new drafter faster than the
+of a noisy machine lands on every mode alike; each drafter after the first of its dtype is also
+compared with that first one (`vs_first_drafter`, with its interval), the question "is the new drafter faster than the
 committed one". `--drafter` takes any drafter reference (local dir, s3://, runs:/, models:/) and may repeat;
 without one, untrained drafters are built for each `--algo` (τ ≈ 1: a floor, not a result).
 `--scheduler dynamic` verifies the Algorithm-1 prefix (R = 1) on an SPS table profiled at start.
@@ -34,6 +34,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
 from dspark.eval import metrics  # noqa: E402
+from dspark.eval.acceptance_estimate import bootstrap_ratio  # noqa: E402
 from dspark.eval.benchmark_files import parse_benchmark  # noqa: E402
 from dspark.decoding.sampling import SamplingParams  # noqa: E402
 from dspark.decoding.scheduler import PrefixScheduler, SchedulerConfig, profile_sps, target_verify_fn  # noqa: E402
@@ -126,6 +127,11 @@ def decode_interleaved(prompts, modes: dict) -> dict:
     return results
 
 
+def dtype_suffix(mode: str) -> str:
+    """'' for the first dtype's modes, '@bfloat16' etc. for the others (see `main`)."""
+    return mode[mode.index("@"):] if "@" in mode else ""
+
+
 def paired_speed_ratio(results, base_results, resamples: int = 2000, seed: int = 0) -> list[float]:
     """95 % interval of (tok/s of `results`) / (tok/s of `base_results`), prompts resampled with replacement,
     each resampled prompt carrying both sides' runs of it."""
@@ -141,8 +147,11 @@ def mode_summary(results) -> dict:
     s = metrics.summarize_results(results)
     rounds = [r for res in results for r in res.rounds]
     n = max(len(rounds), 1)
+    tau_sums = [sum(r.accepted + 1 for r in res.rounds) for res in results]
+    tau_ci = bootstrap_ratio(tau_sums, [len(res.rounds) for res in results]) if rounds else None
     return {"tokens": s["tokens"], "wall_s": round(s["wall_s"], 4), "tokens_per_s": s["tokens_per_s"],
-            "tau": s["tau"], "mean_verified": s["mean_verified"], "cond_accept": s["cond_accept"],
+            "tau": s["tau"], "tau_ci95": list(tau_ci) if tau_ci else None,
+            "mean_verified": s["mean_verified"], "cond_accept": s["cond_accept"],
             "draft_s_per_round": sum(r.draft_s for r in rounds) / n,
             "verify_s_per_round": sum(r.verify_s for r in rounds) / n, "rounds": s["rounds"]}
 
@@ -196,20 +205,25 @@ def main(argv=None) -> dict:
         print(f"  {name:24s} {s['tokens_per_s']:8.2f} tok/s  tau {s['tau'] or 1:.2f}", flush=True)
     base = summaries["target"]["tokens_per_s"]
     fastest = max(v["tokens_per_s"] for k, v in summaries.items() if k.split("@")[0] == "target")
-    spec_names = [k for k in summaries if not k.startswith("target")]
+    first_drafter = {}  # dtype suffix -> the first drafter mode of that dtype
+    for k in summaries:
+        if not k.startswith("target"):
+            first_drafter.setdefault(dtype_suffix(k), k)
     rows = []
     for name, s in summaries.items():
         s["speedup"] = s["tokens_per_s"] / base if base else None
         s["speedup_ci95"] = paired_speed_ratio(results[name], results["target"])
-        if name in spec_names[1:]:
-            first = spec_names[0]
+        first = first_drafter.get(dtype_suffix(name))
+        if not name.startswith("target") and name != first:
             s["vs_first_drafter"] = {"drafter": first, "ratio": s["tokens_per_s"] / summaries[first]["tokens_per_s"],
                                      "ci95": paired_speed_ratio(results[name], results[first])}
         s["speedup_vs_fastest_target"] = s["tokens_per_s"] / fastest if fastest else None
         rows.append({"mode": name, "tok/s": s["tokens_per_s"], "speedup": s["speedup"],
                      "speedup 95%": "[{:.2f}, {:.2f}]".format(*s["speedup_ci95"]),
                      "vs fastest target": s["speedup_vs_fastest_target"],
-                     "tau": s["tau"] if not name.startswith("target") else 1.0, "verified/round": s["mean_verified"],
+                     "tau": s["tau"] if not name.startswith("target") else 1.0,
+                     "tau 95%": None if name.startswith("target") else "[{:.2f}, {:.2f}]".format(*s["tau_ci95"]),
+                     "verified/round": s["mean_verified"],
                      "draft ms/round": 1e3 * s["draft_s_per_round"], "verify ms/round": 1e3 * s["verify_s_per_round"],
                      "vs first drafter": ("{ratio:.3f} [{0:.3f}, {1:.3f}]".format(*s["vs_first_drafter"]["ci95"],
                                                                            **s["vs_first_drafter"])

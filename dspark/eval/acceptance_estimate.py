@@ -20,6 +20,17 @@ the expected tokens per target step at an anchor, τ = 1 + Σ_{k=1}^{γ} P(first
 Positions past the end of the sequence count as rejected (a block cut by the end of the answer), as in
 decoding with a token budget. τ is pooled over anchors; its 95 % interval is a percentile bootstrap over
 prompts (resampling whole prompts: anchors of one prompt are correlated).
+
+Both weigh every anchor alike, but decoding does not start its rounds at every position: a round starts
+where the previous one stopped, right after a rejected draft, where drafting tends to be hard; easy
+stretches are crossed in few, long rounds. So they read above decoding's τ (= tokens / rounds): by 0.09 for
+a 1-layer smollm2 drafter at γ 3. "renewal" estimates decoding's τ itself. Given the whole trajectory,
+draft k of a round anchored at t is accepted with probability w_{t,k} (the accept event depends on x_{t+k}
+only, never on later tokens: what follows is target-distributed either way), so the expected number of
+rounds that emit the trajectory obeys
+    R(t) = 1 + Σ_{k=0}^{γ} P(exactly k accepted at t) · R(t + k + 1),    R(past the last anchor) = 0
+and τ_decode = tokens / R(first anchor), pooled over prompts as Σ tokens / Σ R. It needs every anchor
+(anchor_stride 1).
 """
 from __future__ import annotations
 
@@ -32,16 +43,18 @@ from torch import Tensor
 
 from dspark.decoding.sampling import SamplingParams, to_probs
 
-ESTIMATORS = ("alpha", "iw")
+ESTIMATORS = ("alpha", "iw")  # per-anchor estimators; "renewal" (decoding's τ) comes with every stride-1 estimate
 
 
 @dataclass
 class SequenceAcceptance:
-    """Per anchor of one sequence: α [N, K], trajectory weights w [N, K], supported pairs [N, K]."""
+    """Per anchor of one sequence: α [N, K], trajectory weights w [N, K], supported pairs [N, K], and the
+    anchors' positions [N]."""
 
     alpha: Tensor
     weight: Tensor
     select: Tensor
+    positions: Tensor | None = None
 
     def prefix_probs(self, gamma: int, estimator: str = "alpha") -> Tensor:
         """P(first k accepted) [N, γ] for k = 1..γ (0 where the block is cut by the sequence end)."""
@@ -57,6 +70,23 @@ class SequenceAcceptance:
     def taus(self, gamma: int, estimator: str = "alpha") -> Tensor:
         """Expected tokens per target step at each anchor: 1 + Σ_k P(first k accepted)  [N]."""
         return 1.0 + self.prefix_probs(gamma, estimator).sum(dim=1)
+
+    def expected_rounds(self, gamma: int) -> float:
+        """Expected draft-verify rounds that decoding spends emitting this trajectory's tokens after its first
+        anchor (the "renewal" recursion of the module doc; every anchor must be present)."""
+        if self.positions is None:
+            raise ValueError("expected_rounds needs the anchors' positions (sequence_acceptance gives them)")
+        w = torch.where(self.select, self.weight, 0.0)[:, :gamma].double()
+        accepted_at_least = torch.cumprod(w, dim=1)  # [N, γ]: P(first k accepted | trajectory)
+        exactly = torch.cat([1 - accepted_at_least[:, :1], accepted_at_least[:, :-1] - accepted_at_least[:, 1:],
+                             accepted_at_least[:, -1:]], dim=1).tolist()  # [N, γ+1]: exactly 0..γ accepted
+        index = {int(pos): i for i, pos in enumerate(self.positions)}
+        rounds = [0.0] * len(index)
+        for i in range(len(rounds) - 1, -1, -1):  # a round at anchor t, k accepted -> the next round at t + k + 1
+            pos = int(self.positions[i])
+            rounds[i] = 1.0 + sum(pk * rounds[index[pos + k + 1]] for k, pk in enumerate(exactly[i])
+                                  if pos + k + 1 in index)
+        return rounds[0] if rounds else 0.0
 
 
 def _anchors(model, loss_mask: Tensor, attention_mask: Tensor) -> tuple[Tensor, Tensor]:
@@ -93,7 +123,7 @@ def sequence_acceptance(drafter, target, input_ids: Tensor, loss_mask: Tensor, s
     label_pos, select = supervised_pairs(mask, attn, anchors, valid, K)
     if not bool(select.any()):
         empty = torch.zeros(int(valid.sum()), K)
-        return SequenceAcceptance(empty, empty.clone(), empty.bool())
+        return SequenceAcceptance(empty, empty.clone(), empty.bool(), anchors[0][valid[0]].cpu())
     draft = drafter(out.features.to(device, torch.float32), ids, attn.bool(), anchors, select)
     q = to_probs(draft.logits.float(), sampling)  # [M, N] on the draft vocabulary (N = V without one)
     draft_ids = getattr(model, "draft_ids", None)
@@ -116,7 +146,8 @@ def sequence_acceptance(drafter, target, input_ids: Tensor, loss_mask: Tensor, s
     sel = select[0][valid[0]]  # [N, K] for the valid anchors only
     full_a, full_w = torch.zeros(select.shape, device=device), torch.zeros(select.shape, device=device)
     full_a[select], full_w[select] = alpha, weight
-    return SequenceAcceptance(full_a[0][valid[0]].cpu(), full_w[0][valid[0]].cpu(), sel.cpu())
+    return SequenceAcceptance(full_a[0][valid[0]].cpu(), full_w[0][valid[0]].cpu(), sel.cpu(),
+                              anchors[0][valid[0]].cpu())
 
 
 @torch.no_grad()
@@ -216,6 +247,8 @@ def estimate(drafter, target, rows: Iterable[dict], gamma: int, sampling: Sampli
     was_training = drafter.training
     drafter.eval()
     per: dict[str, list[PromptStats]] = {e: [] for e in estimators}
+    every_anchor = anchor_stride == 1 or getattr(drafter, "module", drafter).trains_every_position
+    renewal: list[tuple[str, str, int, float]] = []  # (prompt, group, tokens, expected rounds)
     try:
         for i, row in enumerate(rows):
             ids = torch.as_tensor(list(row["input_ids"])[:max_len], dtype=torch.long)
@@ -230,6 +263,29 @@ def estimate(drafter, target, rows: Iterable[dict], gamma: int, sampling: Sampli
                                       anchor_stride=anchor_stride, p_pos=p)
             for e in estimators:
                 per[e].append(prompt_stats(str(row["prompt_id"]), str(row.get(group_key, "")), acc, gamma, e))
+            if every_anchor:
+                renewal.append((str(row["prompt_id"]), str(row.get(group_key, "")), int(acc.select.shape[0]),
+                                acc.expected_rounds(gamma)))
     finally:
         drafter.train(was_training)
-    return {e: summarize(s, resamples) for e, s in per.items()}
+    out = {e: summarize(s, resamples) for e, s in per.items()}
+    if every_anchor:
+        out["renewal"] = summarize_renewal(renewal, resamples)
+    return out
+
+
+def summarize_renewal(per_prompt: Sequence[tuple[str, str, int, float]], resamples: int = 2000, seed: int = 0) -> dict:
+    """Decoding's τ (Σ tokens / Σ expected rounds) with its prompt-bootstrap interval, overall and per group;
+    per_prompt {id: [rounds, tokens]} has the shape `paired_difference` reads."""
+    def block(items) -> dict:
+        items = [it for it in items if it[3] > 0]
+        if not items:
+            return {"prompts": 0, "decoded_tau": None, "decoded_tau_ci95": [None, None]}
+        tokens, rounds = np.array([it[2] for it in items], float), np.array([it[3] for it in items])
+        lo, hi = bootstrap_ratio(tokens, rounds, resamples, seed)
+        return {"prompts": len(items), "tokens": int(tokens.sum()), "expected_rounds": float(rounds.sum()),
+                "decoded_tau": float(tokens.sum() / rounds.sum()), "decoded_tau_ci95": [lo, hi]}
+
+    groups = sorted({it[1] for it in per_prompt})
+    return {**block(per_prompt), "per_group": {g: block([it for it in per_prompt if it[1] == g]) for g in groups},
+            "per_prompt": {pid: [rounds, tokens] for pid, _, tokens, rounds in per_prompt if rounds > 0}}

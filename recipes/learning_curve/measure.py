@@ -128,14 +128,31 @@ def cmd_compare(args, prof: dict) -> dict:
                "vs_baseline": None if path == base else
                paired_difference(r["alpha"]["per_prompt"], results[base]["alpha"]["per_prompt"]),
                "vs_baseline_per_benchmark": None if path == base else
-               paired_by_group(r["alpha"]["per_prompt"], results[base]["alpha"]["per_prompt"], domain_of)}
+               paired_by_group(r["alpha"]["per_prompt"], results[base]["alpha"]["per_prompt"], domain_of),
+               **decoded_estimate(r, results[base], path == base)}
         for path, r in results.items()}}
     (out / compare_file(args)).write_text(json.dumps(report, indent=1))
     for path, r in report["drafters"].items():
-        d = r["vs_baseline"]
+        d, dec = r["vs_baseline"], r.get("decoded_tau_estimate")
         log(f"compare {path}: expected τ {r['expected_tau']:.3f}"
-            + ("" if d is None else f", {d['difference']:+.3f} {[round(x, 3) for x in d['ci95']]} vs the baseline"))
+            + ("" if d is None else f", {d['difference']:+.3f} {[round(x, 3) for x in d['ci95']]} vs the baseline")
+            + ("" if dec is None else f"; decoding's τ (renewal) {dec:.3f} "
+               f"{[round(x, 3) for x in r['decoded_tau_estimate_ci95']]}"))
     return report
+
+
+def decoded_estimate(result: dict, base: dict, is_base: bool) -> dict:
+    """The renewal estimate of decoding's τ (what decode_speed measures; present when every anchor was
+    used) with its paired difference to the baseline's; {} without it."""
+    from dspark.eval.acceptance_estimate import paired_difference
+
+    if "renewal" not in result:
+        return {}
+    r = result["renewal"]
+    return {"decoded_tau_estimate": r["decoded_tau"], "decoded_tau_estimate_ci95": r["decoded_tau_ci95"],
+            "decoded_tau_estimate_per_benchmark": {g: v["decoded_tau"] for g, v in r["per_group"].items()},
+            "decoded_vs_baseline": None if is_base else
+            paired_difference(r["per_prompt"], base["renewal"]["per_prompt"])}
 
 
 def drafter_label(drafter: Path) -> str:

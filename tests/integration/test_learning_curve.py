@@ -199,3 +199,9 @@ def test_extra_prompt_set_joins_the_training_rows_and_a_drafter_path_continues(t
     assert json.loads((out / "compare-g2-a4.json").read_text()) == json.loads(json.dumps(at))
     assert at["setting"]["gamma"] == {str(saved): 2, other: 2} and at["setting"]["answer_tokens"] == 4
     assert 1.0 <= at["drafters"][other]["expected_tau"] <= 3.0  # at most γ + 1
+    # every anchor of the cut answers: the renewal estimate of decoding's τ too, paired like expected τ
+    lo, hi = at["drafters"][other]["decoded_tau_estimate_ci95"]
+    assert 1.0 <= lo <= at["drafters"][other]["decoded_tau_estimate"] <= hi <= 3.0
+    assert at["drafters"][other]["decoded_vs_baseline"]["prompts"] >= 1 and at["setting"]["anchor_stride"] == 1
+    # without --answer-tokens the profile's anchor stride holds: renewal only where it keeps every anchor
+    assert ("decoded_tau_estimate" in rep["drafters"][other]) == (lc.PROFILES["tiny"].get("anchor_stride", 1) == 1)

@@ -8,8 +8,9 @@
 Every mode decodes the same prompts (the first turn of the first `--prompts` lines of each
 `--datasets` file, chat template applied) with the same per-prompt seed. Reported per mode:
 tokens/s (all new tokens over all wall time, prefill included), speedup over target-only, τ
-(accepted + 1 per round, with its 95 % prompt-bootstrap interval), position-wise conditional acceptance, mean draft / verify seconds per
-round, and the speedup's 95 % interval from resampling prompts (paired: a resampled prompt brings
+(accepted + 1 per round, with its 95 % prompt-bootstrap interval; `tau_emitted` leaves out drafts accepted
+past the token budget, the figure `compare --answer-tokens`' renewal estimate predicts), position-wise
+conditional acceptance, mean draft / verify seconds per round, and the speedup's 95 % interval from resampling prompts (paired: a resampled prompt brings
 every mode's run of it). Modes take turns prompt by prompt, in an order that rotates, so a slow spell
 of a noisy machine lands on every mode alike; each drafter after the first of its dtype is also
 compared with that first one (`vs_first_drafter`, with its interval), the question "is the new drafter faster than the
@@ -128,8 +129,10 @@ def decode_interleaved(prompts, modes: dict) -> dict:
 
 
 def dtype_suffix(mode: str) -> str:
-    """'' for the first dtype's modes, '@bfloat16' etc. for the others (see `main`)."""
-    return mode[mode.index("@"):] if "@" in mode else ""
+    """'' for the first dtype's modes, '@bfloat16' etc. for the others (see `main`; a drafter reference such
+    as models:/name@champion keeps its own '@')."""
+    tail = mode.rsplit("@", 1)[-1]
+    return "@" + tail if "@" in mode and tail in ("float32", "bfloat16") else ""
 
 
 def paired_speed_ratio(results, base_results, resamples: int = 2000, seed: int = 0) -> list[float]:
@@ -150,7 +153,7 @@ def mode_summary(results) -> dict:
     tau_sums = [sum(r.accepted + 1 for r in res.rounds) for res in results]
     tau_ci = bootstrap_ratio(tau_sums, [len(res.rounds) for res in results]) if rounds else None
     return {"tokens": s["tokens"], "wall_s": round(s["wall_s"], 4), "tokens_per_s": s["tokens_per_s"],
-            "tau": s["tau"], "tau_ci95": list(tau_ci) if tau_ci else None,
+            "tau": s["tau"], "tau_ci95": list(tau_ci) if tau_ci else None, "tau_emitted": s["tau_emitted"],
             "mean_verified": s["mean_verified"], "cond_accept": s["cond_accept"],
             "draft_s_per_round": sum(r.draft_s for r in rounds) / n,
             "verify_s_per_round": sum(r.verify_s for r in rounds) / n, "rounds": s["rounds"]}
@@ -222,7 +225,8 @@ def main(argv=None) -> dict:
                      "speedup 95%": "[{:.2f}, {:.2f}]".format(*s["speedup_ci95"]),
                      "vs fastest target": s["speedup_vs_fastest_target"],
                      "tau": s["tau"] if not name.startswith("target") else 1.0,
-                     "tau 95%": None if name.startswith("target") else "[{:.2f}, {:.2f}]".format(*s["tau_ci95"]),
+                     "tau 95%": None if name.startswith("target") or not s["tau_ci95"]
+                     else "[{:.2f}, {:.2f}]".format(*s["tau_ci95"]),
                      "verified/round": s["mean_verified"],
                      "draft ms/round": 1e3 * s["draft_s_per_round"], "verify ms/round": 1e3 * s["verify_s_per_round"],
                      "vs first drafter": ("{ratio:.3f} [{0:.3f}, {1:.3f}]".format(*s["vs_first_drafter"]["ci95"],

@@ -29,8 +29,9 @@ draft k of a round anchored at t is accepted with probability w_{t,k} (the accep
 only, never on later tokens: what follows is target-distributed either way), so the expected number of
 rounds that emit the trajectory obeys
     R(t) = 1 + Σ_{k=0}^{γ} P(exactly k accepted at t) · R(t + k + 1),    R(past the last anchor) = 0
-and τ_decode = tokens / R(first anchor), pooled over prompts as Σ tokens / Σ R. It needs every anchor
-(anchor_stride 1).
+and τ_decode = tokens / R(first anchor), summed over answer turns (a round never crosses into the next
+turn) and pooled over prompts as Σ tokens / Σ R: the tokens a round emits, so it predicts decoding's
+`tau_emitted` (drafts accepted past a token budget are not counted). It needs every anchor (stride 1).
 """
 from __future__ import annotations
 
@@ -72,8 +73,8 @@ class SequenceAcceptance:
         return 1.0 + self.prefix_probs(gamma, estimator).sum(dim=1)
 
     def expected_rounds(self, gamma: int) -> float:
-        """Expected draft-verify rounds that decoding spends emitting this trajectory's tokens after its first
-        anchor (the "renewal" recursion of the module doc; every anchor must be present)."""
+        """Expected draft-verify rounds that decoding spends emitting this trajectory's tokens after the first
+        anchor of each answer turn (the "renewal" recursion of the module doc; every anchor must be present)."""
         if self.positions is None:
             raise ValueError("expected_rounds needs the anchors' positions (sequence_acceptance gives them)")
         w = torch.where(self.select, self.weight, 0.0)[:, :gamma].double()
@@ -86,7 +87,8 @@ class SequenceAcceptance:
             pos = int(self.positions[i])
             rounds[i] = 1.0 + sum(pk * rounds[index[pos + k + 1]] for k, pk in enumerate(exactly[i])
                                   if pos + k + 1 in index)
-        return rounds[0] if rounds else 0.0
+        # a round never crosses from one answer turn into the next: each turn's rounds start at its first anchor
+        return sum(r for r, pos in zip(rounds, self.positions.tolist()) if pos - 1 not in index)
 
 
 def _anchors(model, loss_mask: Tensor, attention_mask: Tensor) -> tuple[Tensor, Tensor]:

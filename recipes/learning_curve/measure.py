@@ -32,9 +32,9 @@ def held_out(target, prof: dict, out: Path):
 
 
 def decode_setting(held: tuple, benchmarks: list[str] | None, answer_tokens: int | None) -> tuple:
-    """The held-out set cut to what a decode run measures: only the rows of `benchmarks`, and each answer
-    cut after its first `answer_tokens` tokens (a decode with max_new_tokens N drafts only there; the cached
-    target outputs are causal, so their prefix is the cut row's)."""
+    """The held-out set cut to what a decode run measures: only the rows of `benchmarks`, and each row cut to
+    its first answer turn's first `answer_tokens` tokens (a decode with max_new_tokens N drafts only there;
+    the cached target outputs are causal, so their prefix is the cut row's)."""
     from dspark.models.target import TargetOutput
 
     rows, outs, sp = held
@@ -46,9 +46,11 @@ def decode_setting(held: tuple, benchmarks: list[str] | None, answer_tokens: int
     for i in kept:
         row, out = rows[i], outs[i]
         n = len(row["input_ids"])
-        if answer_tokens:
+        if answer_tokens:  # the first answer turn only (what a decode run generates), at most N tokens of it
             mask = list(row["loss_mask"])
-            n = min(n, (mask.index(1) if 1 in mask else n) + answer_tokens)
+            start = mask.index(1) if 1 in mask else n
+            end = next((j for j in range(start, n) if not mask[j]), n)
+            n = min(end, start + answer_tokens)
         cut_rows.append({**row, "input_ids": list(row["input_ids"])[:n], "loss_mask": list(row["loss_mask"])[:n]})
         cut_outs.append(TargetOutput(features=out.features[:, :n], final_hidden=out.final_hidden[:, :n],
                                      logits=None, cache=None))
@@ -66,8 +68,9 @@ def estimate_drafter(drafter_dir: Path, target, prof: dict, held: tuple, p_cache
     t0 = time.perf_counter()
     drafter = load_drafter(str(drafter_dir), target)
     gamma, stride = gamma or drafter.config.block_size, prof.get("anchor_stride", 1)
-    if gamma > drafter.config.block_size:
-        raise SystemExit(f"compare --gamma {gamma}: {drafter_dir} drafts at most {drafter.config.block_size}")
+    most = min(drafter.config.block_size, drafter.config.train_steps)
+    if gamma > most:
+        raise SystemExit(f"compare --gamma {gamma}: {drafter_dir} drafts (and is trained on) at most {most} per round")
     result = estimate(drafter, target, rows, gamma, sp, max_len=prof["eval_max_len"], target_outs=outs,
                       anchor_stride=stride, p_cache=p_cache)
     result["gamma"], result["wall_s"], result["anchor_stride"] = gamma, time.perf_counter() - t0, stride

@@ -71,3 +71,11 @@ def test_paired_ratio_interval_is_the_ratio_when_every_prompt_agrees():
     fast = [R(token_ids=[0] * 10, wall_s=1.0), R(token_ids=[0] * 20, wall_s=2.0)]
     slow = [R(token_ids=[0] * 10, wall_s=2.0), R(token_ids=[0] * 20, wall_s=4.0)]
     assert paired_speed_ratio(fast, slow) == pytest.approx([2.0, 2.0])
+
+
+def test_dtype_suffix_only_takes_a_trailing_dtype():
+    from benchmarks.decode_speed import dtype_suffix
+
+    assert dtype_suffix("dspark:x@bfloat16") == "@bfloat16" and dtype_suffix("target") == ""
+    assert dtype_suffix("dspark:models:/x@champion") == ""
+    assert dtype_suffix("dspark:models:/x@champion@float32") == "@float32"

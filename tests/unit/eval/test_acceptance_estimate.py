@@ -220,3 +220,16 @@ def test_renewal_agrees_with_real_speculative_decoding_whole_generations(target)
     assert 1.1 < real < gamma + 1  # drafts do get accepted (measured 1.19 [1.16, 1.23]; renewal 1.22, iw 1.24)
     se = np.hypot(real_hi - real_lo, est["decoded_tau_ci95"][1] - est["decoded_tau_ci95"][0]) / (2 * 1.96)
     assert abs(real - est["decoded_tau"]) < 4 * se, (real, est["decoded_tau"], se)
+
+
+def test_expected_rounds_restart_at_each_answer_turn():
+    """Two answer turns (anchors 3..5 and 9..11): a round never crosses into the next turn, each turn's
+    rounds start at its own first anchor."""
+    from dspark.eval.acceptance_estimate import SequenceAcceptance
+
+    positions = torch.tensor([3, 4, 5, 9, 10, 11])
+    select = torch.ones(6, 2, dtype=torch.bool)
+    rejected = SequenceAcceptance(torch.zeros(6, 2), torch.zeros(6, 2), select, positions)
+    assert rejected.expected_rounds(2) == pytest.approx(6.0)  # one token per round, both turns
+    accepted = SequenceAcceptance(torch.ones(6, 2), torch.ones(6, 2), select, positions)
+    assert accepted.expected_rounds(2) == pytest.approx(2.0)  # one round of 3 tokens per turn

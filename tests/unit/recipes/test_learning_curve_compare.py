@@ -55,15 +55,17 @@ def test_decode_setting_keeps_the_benchmarks_and_cuts_each_answer():
                 "loss_mask": [0] * prompt_len + [1] * answer_len}
 
     rows = [row("g", "gsm8k", 3, 10), row("m", "mbpp", 2, 10), row("t", "mt-bench", 4, 2)]
-    outs = [TargetOutput(features=torch.randn(1, len(r["input_ids"]), 6), final_hidden=torch.randn(1, len(r["input_ids"]), 2),
-                         logits=None, cache=None) for r in rows]
+    rows[2]["input_ids"] += [90, 91, 92, 93, 94]  # a second turn: user text, then an answer
+    rows[2]["loss_mask"] += [0, 0, 1, 1, 1]
+    outs = [TargetOutput(features=torch.randn(1, len(r["input_ids"]), 6),
+                         final_hidden=torch.randn(1, len(r["input_ids"]), 2), logits=None, cache=None) for r in rows]
     cut_rows, cut_outs, sp = decode_setting((rows, outs, "sp"), ["gsm8k", "mt-bench"], 5)
     assert [r["prompt_id"] for r in cut_rows] == ["g", "t"] and sp == "sp"
-    assert [len(r["input_ids"]) for r in cut_rows] == [3 + 5, 4 + 2]  # the short answer is kept whole
+    assert [len(r["input_ids"]) for r in cut_rows] == [3 + 5, 4 + 2]  # the short first answer is kept whole, no more
     assert cut_rows[0]["loss_mask"] == [0, 0, 0, 1, 1, 1, 1, 1]
     assert torch.equal(cut_outs[0].features, outs[0].features[:, :8])
-    assert torch.equal(cut_outs[1].final_hidden, outs[2].final_hidden)
-    assert [len(r["input_ids"]) for r in decode_setting((rows, outs, sp), None, None)[0]] == [13, 12, 6]
+    assert torch.equal(cut_outs[1].final_hidden, outs[2].final_hidden[:, :6])
+    assert [len(r["input_ids"]) for r in decode_setting((rows, outs, sp), None, None)[0]] == [13, 12, 11]
     with pytest.raises(SystemExit, match="no held-out rows"):
         decode_setting((rows, outs, sp), ["humaneval"], None)
 

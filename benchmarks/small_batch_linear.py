@@ -22,7 +22,7 @@ sys.path.insert(0, str(REPO_ROOT))
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--target", default="smollm2-135m")
-    ap.add_argument("--drafter", default=str(REPO_ROOT / "benchmarks/results/learning_curve/drafter-cpu-p24"))
+    ap.add_argument("--drafter", default=str(REPO_ROOT / "benchmarks/results/learning_curve/drafter-cpu-mix2"))
     ap.add_argument("--gamma", type=int, default=3, help="drafts per speculative round")
     ap.add_argument("--rows", default="1,2,4,8,16,32,64")
     ap.add_argument("--turns", type=int, default=8, help="engine: interleaved turns per variant")

@@ -165,7 +165,7 @@ def test_draft_gate_skips_drafting_when_drafts_cost_more_than_they_save():
     from dspark.decoding.scheduler import DraftGate, SPSTable
 
     sps = SPSTable({1: 10.0, 64: 10.0, 512: 1.0})  # 0.1 s per target step up to 64 tokens
-    gate = DraftGate(sps, explore_every=4)
+    gate = DraftGate(sps, explore_every=4, back_off_after=1)
     assert gate.should_draft(8)  # no estimates yet: draft
     gate.observe(8, draft_s=0.8, verified=16, accepted=4)  # 0.1 s per request to draft, τ 1.5
     # spec = 8·1.5 / (0.8 + 0.1) = 13.3 tok/s < off = 8 / 0.1 = 80 tok/s
@@ -179,6 +179,21 @@ def test_draft_gate_skips_drafting_when_drafts_cost_more_than_they_save():
     cheap = DraftGate(sps)
     cheap.observe(8, draft_s=0.008, verified=16, accepted=8)  # τ 2, drafting ~free: speculation wins
     assert cheap.should_draft(8)
+
+
+def test_draft_gate_does_not_back_off_on_its_first_few_samples():
+    from dspark.decoding.scheduler import DraftGate, SPSTable
+
+    sps = SPSTable({1: 10.0, 64: 10.0, 512: 1.0})
+    gate = DraftGate(sps, explore_every=4, back_off_after=3)
+    losing = dict(draft_s=0.8, verified=16, accepted=4)  # spec / off = 1/6, as in the test above
+    intervals = []
+    for _ in range(5):  # each exploration observed: the interval holds at 4 until 3 samples, then doubles
+        gate.observe(8, **losing)
+        while not gate.should_draft(8):
+            pass
+        intervals.append(gate.interval)
+    assert gate.samples == 5 and intervals == [4, 4, 8, 16, 32]
 
 
 def test_draft_gate_estimates_follow_the_recent_steps():
@@ -245,7 +260,7 @@ def test_draft_gate_keeps_exploring_near_break_even_and_backs_off_when_clearly_l
     from dspark.decoding.scheduler import DraftGate, SPSTable
 
     sps = SPSTable({1: 10.0, 8: 10.0})
-    close, losing = DraftGate(sps, explore_every=4), DraftGate(sps, explore_every=4)
+    close, losing = DraftGate(sps, explore_every=4, back_off_after=1), DraftGate(sps, explore_every=4, back_off_after=1)
     close.observe(1, draft_s=0.02, verified=3, accepted=0, expected=0.15)  # 1.15 / 0.12 s: 0.96x of off
     losing.observe(1, draft_s=0.05, verified=3, accepted=0, expected=0.0)  # 1 / 0.15 s: 0.67x
     for gate in (close, losing):

@@ -10,11 +10,11 @@ Every mode decodes the same prompts (the first turn of the first `--prompts` lin
 tokens/s (all new tokens over all wall time, prefill included), speedup over target-only, τ
 (accepted + 1 per round, with its 95 % prompt-bootstrap interval; `tau_emitted` leaves out drafts accepted
 past the token budget, the figure `compare --answer-tokens`' renewal estimate predicts), position-wise
-conditional acceptance, mean draft / verify seconds per round, and the speedup's 95 % interval from resampling prompts (paired: a resampled prompt brings
-every mode's run of it). Modes take turns prompt by prompt, in an order that rotates, so a slow spell
-of a noisy machine lands on every mode alike; each drafter after the first of its dtype is also
-compared with that first one (`vs_first_drafter`, with its interval), the question "is the new drafter faster than the
-committed one". `--drafter` takes any drafter reference (local dir, s3://, runs:/, models:/) and may repeat;
+conditional acceptance, mean draft / verify seconds per round, and the speedup's 95 % interval from
+resampling prompts (paired: a resampled prompt brings every mode's run of it). Modes take turns prompt
+by prompt, in an order that rotates, so a slow spell of a noisy machine lands on every mode alike; each
+drafter after the first of its dtype is also compared with that first one (`vs_first_drafter`, with
+its interval): is the new drafter faster than the committed one? `--drafter` takes any drafter reference (local dir, s3://, runs:/, models:/) and may repeat;
 without one, untrained drafters are built for each `--algo` (τ ≈ 1: a floor, not a result).
 `--scheduler dynamic` verifies the Algorithm-1 prefix (R = 1) on an SPS table profiled at start.
 The last stdout line is one JSON object.
@@ -135,6 +135,11 @@ def dtype_suffix(mode: str) -> str:
     return "@" + tail if "@" in mode and tail in ("float32", "bfloat16") else ""
 
 
+def ratio_text(vs: dict | None) -> str | None:
+    """'1.036 [0.996, 1.076]' for a `vs_first_drafter` entry (None: the table shows a dash)."""
+    return None if vs is None else "{:.3f} [{:.3f}, {:.3f}]".format(vs["ratio"], *vs["ci95"])
+
+
 def paired_speed_ratio(results, base_results, resamples: int = 2000, seed: int = 0) -> list[float]:
     """95 % interval of (tok/s of `results`) / (tok/s of `base_results`), prompts resampled with replacement,
     each resampled prompt carrying both sides' runs of it."""
@@ -229,9 +234,7 @@ def main(argv=None) -> dict:
                      else "[{:.2f}, {:.2f}]".format(*s["tau_ci95"]),
                      "verified/round": s["mean_verified"],
                      "draft ms/round": 1e3 * s["draft_s_per_round"], "verify ms/round": 1e3 * s["verify_s_per_round"],
-                     "vs first drafter": ("{ratio:.3f} [{0:.3f}, {1:.3f}]".format(*s["vs_first_drafter"]["ci95"],
-                                                                           **s["vs_first_drafter"])
-                                          if "vs_first_drafter" in s else None)})
+                     "vs first drafter": ratio_text(s.get("vs_first_drafter"))})
     print("\n" + metrics.markdown_table(rows, floatfmt=".2f"))
     spec = {k: v for k, v in summaries.items() if not k.startswith("target")}
     print("\nposition-wise conditional acceptance\n" + metrics.markdown_table(metrics.position_rows(spec)))

@@ -284,9 +284,10 @@ class DraftGate:
     `back_off_after` drafting steps have been observed: at concurrency 1 an exploration is one request's
     round, and the first few (the very first draft pass paying one-off costs: 18 ms against 8.5 ms warm)
     read 0.7-0.8 on a smollm2 drafter that decodes 1.2x faster, which doubled the interval to 128 before
-    the estimates recovered and kept it from drafting on 99 % of the steps of a 1,000-step run. An exploration step (`exploring`) drafts only a sample of
-    `explore_rows` requests: the estimates are per request, and drafting all N at high load would cost
-    several target steps (the engine picks the sample round-robin, never by its drafts).
+    the estimates recovered and kept it from drafting on 99 % of the steps of a 1,000-step run.
+    An exploration step (`exploring`) drafts only a sample of `explore_rows` requests: the estimates are
+    per request, and drafting all N at high load would cost several target steps (the engine picks the
+    sample round-robin, never by its drafts).
     Lossless: the decision uses only finished rounds, never the current drafts, so a skipped step is
     an ordinary target-only step (the non-anticipation argument of the module docstring)."""
 

@@ -44,7 +44,7 @@ from torch import Tensor
 
 from dspark.decoding.sampling import SamplingParams, to_probs
 
-ESTIMATORS = ("alpha", "iw")  # per-anchor estimators; "renewal" (decoding's τ) comes with every stride-1 estimate
+ESTIMATORS = ("alpha", "iw")  # per-anchor; "renewal" (decoding's τ) comes with every estimate that keeps every anchor
 
 
 @dataclass
@@ -81,14 +81,15 @@ class SequenceAcceptance:
         accepted_at_least = torch.cumprod(w, dim=1)  # [N, γ]: P(first k accepted | trajectory)
         exactly = torch.cat([1 - accepted_at_least[:, :1], accepted_at_least[:, :-1] - accepted_at_least[:, 1:],
                              accepted_at_least[:, -1:]], dim=1).tolist()  # [N, γ+1]: exactly 0..γ accepted
-        index = {int(pos): i for i, pos in enumerate(self.positions)}
-        rounds = [0.0] * len(index)
+        positions = self.positions.tolist()
+        index = {pos: i for i, pos in enumerate(positions)}
+        rounds = [0.0] * len(positions)
         for i in range(len(rounds) - 1, -1, -1):  # a round at anchor t, k accepted -> the next round at t + k + 1
-            pos = int(self.positions[i])
+            pos = positions[i]
             rounds[i] = 1.0 + sum(pk * rounds[index[pos + k + 1]] for k, pk in enumerate(exactly[i])
                                   if pos + k + 1 in index)
         # a round never crosses from one answer turn into the next: each turn's rounds start at its first anchor
-        return sum(r for r, pos in zip(rounds, self.positions.tolist()) if pos - 1 not in index)
+        return sum(r for r, pos in zip(rounds, positions) if pos - 1 not in index)
 
 
 def _anchors(model, loss_mask: Tensor, attention_mask: Tensor) -> tuple[Tensor, Tensor]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from recipes.learning_curve.profiles import REPO
+from recipes.learning_curve.profiles import REPO, log
 from recipes.learning_curve.shared import (capacity_drafters, epoch_drafters, epoch_mode, train_sets,
                                          trained_drafters)
 from recipes.learning_curve.measure import DECODE_TEMPERATURES, decode_modes
@@ -132,10 +132,23 @@ def cmd_report(args, prof: dict) -> dict:
     if best is not None and not getattr(args, "no_drafter", False):  # the committed drafter: the best expected τ at the largest point (any epochs)
         report["drafter"] = {**export_bf16(best, results / f"drafter-{args.name}"),
                              "source": str(best.relative_to(out))}
+    plot_path = results / f"{args.name}.png"
+    plot_path.unlink(missing_ok=True)  # never leave a plot of an earlier report beside this JSON
+    report["plot"] = plot_path.name if has_curve(report) else None
+    if report["plot"]:
+        plot(report, plot_path)
+    else:
+        log("report: no curve points and no decoded baselines in this run: no plot (the JSON holds its series)")
     (results / f"{args.name}.json").write_text(json.dumps(report, indent=1))
-    plot(report, results / f"{args.name}.png")
     print(json.dumps({k: report[k] for k in ("device", "points", "baselines", "fit")}, default=str))
     return report
+
+
+def has_curve(report: dict) -> bool:
+    """Whether the report has anything `plot` draws: curve points with an estimate, or decoded baselines.
+    A run that only continued a drafter (phase `epochs`) has neither, and an empty plot would mislead."""
+    return (any(p["expected_tau"] is not None for p in report["points"])
+            or any(b.get("tau") is not None for b in report["baselines"].values()))
 
 
 def points_mode(points: list[dict]) -> str:

@@ -47,7 +47,7 @@ def test_phases_resume_and_report(tmp_path):
     run("decode", out)
     report = lc.cmd_report(lc.parse_args(["report", "--profile", "tiny", "--out", str(out),
                                                   "--results", str(tmp_path / "results")]), lc.PROFILES["tiny"])
-    assert len(report["points"]) == len(points)
+    assert len(report["points"]) == len(points) and (tmp_path / "results" / report["plot"]).stat().st_size > 0
     for p in report["points"]:
         lo, hi = p["expected_tau_ci95"]
         assert 1.0 <= lo <= p["expected_tau"] <= hi
@@ -131,6 +131,12 @@ def test_extra_prompt_set_joins_the_training_rows_and_a_drafter_path_continues(t
     assert first["rows"] == 9 and json.loads((out / "train-rows.json").read_text())["sets"] == {
         "rollouts-train": 4, "rollouts-train-more": 5}
     assert (out / "features-train-more" / "meta.json").exists()
+    # a run that only continued a drafter has no curve: its report writes no (empty) plot
+    (tmp_path / "nocurve").mkdir()
+    (tmp_path / "nocurve" / "tiny.png").write_bytes(b"stale")
+    nocurve = lc.cmd_report(lc.parse_args(["report", "--profile", "tiny", "--out", str(out), "--no-drafter",
+                                           "--results", str(tmp_path / "nocurve")]), lc.PROFILES["tiny"])
+    assert nocurve["plot"] is None and nocurve["epochs_series"] and not (tmp_path / "nocurve" / "tiny.png").exists()
 
     # another point recipe in its own folder: its settings reach every point and the report; a rerun
     # with other settings stops instead of counting those points as done

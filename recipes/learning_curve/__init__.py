@@ -99,6 +99,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--minutes", type=float, default=None, help="capacity: wall-clock training budget per setting")
     p.add_argument("--modes", nargs="+", default=None, help="decode: only these modes (and target-only)")
     p.add_argument("--drafters", nargs="+", default=None, help="compare: saved drafter folders, the baseline first")
+    p.add_argument("--labels", nargs="+", default=None,
+                   help="compare: a short name per drafter, in --drafters order (default: its path)")
     p.add_argument("--gamma", type=int, default=None,
                    help="compare: drafts per round to estimate τ at (a decode run's γ; default each drafter's block size)")
     p.add_argument("--answer-tokens", type=int, default=None,

@@ -101,14 +101,18 @@ def compare_file(args) -> str:
 def cmd_compare(args, prof: dict) -> dict:
     """Expected τ of saved drafters (--drafters PATH ...: any drafter folders, e.g. from other run folders)
     on this run's held-out rows, and each one's paired difference to the first (the same prompts resampled
-    jointly: a far narrower interval than comparing two τ intervals); written to compare.json.
+    jointly: a far narrower interval than comparing two τ intervals); written to compare.json and drawn
+    in compare.png (--labels: the names the figure and the JSON give the drafters).
     --gamma, --answer-tokens and --benchmarks estimate at a decode run's setting instead (its γ, its
     max_new_tokens, its benchmarks), the figure to hold a decoded τ against; with --answer-tokens every
     anchor of the cut answers is used (no `anchor_stride` subsample)."""
     from dspark.eval.acceptance_estimate import paired_difference
+    from recipes.learning_curve.compare_plot import plot_compare
 
     if not args.drafters or len(args.drafters) < 2:
         raise SystemExit("compare: give --drafters BASELINE OTHER [...] (saved drafter folders)")
+    if args.labels and len(args.labels) != len(args.drafters):
+        raise SystemExit(f"compare: --labels names {len(args.labels)} drafters, --drafters gives {len(args.drafters)}")
     out, target = Path(args.out), load_target_of(prof)
     held, p_cache, results = held_out(target, prof, out), {}, {}
     if args.benchmarks or args.answer_tokens:
@@ -134,7 +138,11 @@ def cmd_compare(args, prof: dict) -> dict:
                paired_by_group(r["alpha"]["per_prompt"], results[base]["alpha"]["per_prompt"], domain_of),
                **decoded_estimate(r, results[base], path == base)}
         for path, r in results.items()}}
+    labels = args.labels or [r["label"] for r in report["drafters"].values()]
+    for path, label in zip(args.drafters, labels):
+        report["drafters"][path]["label"] = label
     (out / compare_file(args)).write_text(json.dumps(report, indent=1))
+    plot_compare(report, labels, (out / compare_file(args)).with_suffix(".png"))
     for path, r in report["drafters"].items():
         d, dec = r["vs_baseline"], r.get("decoded_tau_estimate")
         log(f"compare {path}: expected τ {r['expected_tau']:.3f}"

@@ -201,8 +201,13 @@ def test_extra_prompt_set_joins_the_training_rows_and_a_drafter_path_continues(t
     assert set(rep["drafters"][other]["vs_baseline_per_benchmark"]) <= set(rep["drafters"][other]["expected_tau_per_benchmark"])
     # ... and at a decode run's setting: γ 2 of the block of 3, each answer's first 4 tokens, into its own file
     at = lc.cmd_compare(lc.parse_args(["compare", "--profile", "tiny", "--out", str(out), "--drafters", str(saved),
-                                       other, "--gamma", "2", "--answer-tokens", "4"]), lc.PROFILES["tiny"])
+                                       other, "--gamma", "2", "--answer-tokens", "4", "--labels", "saved", "continued"]),
+                        lc.PROFILES["tiny"])
     assert json.loads((out / "compare-g2-a4.json").read_text()) == json.loads(json.dumps(at))
+    assert [d["label"] for d in at["drafters"].values()] == ["saved", "continued"]
+    assert (out / "compare.png").stat().st_size > 0 and (out / "compare-g2-a4.png").stat().st_size > 0
+    with pytest.raises(SystemExit, match="--labels names 1 drafters"):
+        run("compare", out, "--drafters", str(saved), other, "--labels", "one")
     assert at["setting"]["gamma"] == {str(saved): 2, other: 2} and at["setting"]["answer_tokens"] == 4
     assert 1.0 <= at["drafters"][other]["expected_tau"] <= 3.0  # at most γ + 1
     # every anchor of the cut answers: the renewal estimate of decoding's τ too, paired like expected τ

@@ -81,3 +81,22 @@ def test_a_decode_setting_run_writes_its_own_file():
     assert compare_file(decode) == "compare-g3-a64-gsm8k+mt-bench.json"
     with pytest.raises(SystemExit):
         parse_args(["compare", "--drafters", "a", "b", "--gamma", "0"])
+
+
+def test_compare_plot_draws_every_drafter_with_and_without_the_renewal_estimate(tmp_path):
+    from recipes.learning_curve.compare_plot import plot_compare
+
+    def row(tau, renewal=None, vs=None):
+        extra = {} if renewal is None else {"decoded_tau_estimate": renewal,
+                                            "decoded_tau_estimate_ci95": [renewal - 0.1, renewal + 0.1],
+                                            "decoded_vs_baseline": vs}
+        return {"expected_tau": tau, "expected_tau_ci95": [tau - 0.1, tau + 0.1], "vs_baseline": vs, **extra}
+
+    paired = {"difference": 0.02, "ci95": [0.01, 0.03], "prompts": 9}
+    for name, rows in (("plain", [row(1.9), row(1.92, vs=paired)]),
+                       ("renewal", [row(1.9, 1.8), row(1.92, 1.81, paired), row(1.95, 1.83, paired)])):
+        report = {"held_out_rows": 9, "setting": {"gamma": {"a": 3}, "answer_tokens": 64 if name == "renewal" else None},
+                  "drafters": {f"d{i}": r for i, r in enumerate(rows)}}
+        path = tmp_path / f"{name}.png"
+        plot_compare(report, [f"d{i}" for i in range(len(rows))], path)
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -17,6 +17,7 @@ plus equal-budget baselines, a report (JSON + plot) and the inputs of `dspark pl
     python -m recipes.learning_curve report    [--profile cpu|gpu] [--out DIR]   # JSON + plot
     python -m recipes.learning_curve compare   [--out DIR] --drafters BASE OTHER  # paired τ difference
         [--gamma 3 --answer-tokens 64 --benchmarks gsm8k humaneval mt-bench]  # ... at a decode run's setting
+    python -m recipes.learning_curve lineage   [--spec S --curve C]  # a drafter trained in rounds: τ vs distinct tokens
 
 Every phase is resumable from its output folder (DIR, default /work/learn-runs/<profile>): rollouts commit a
 Parquet shard per chunk in the rollout-store format (dspark/io/rollout_store.py) and skip committed
@@ -39,11 +40,12 @@ from recipes.learning_curve.training import (cmd_baselines, cmd_capacity, cmd_ep
                                              one_setting)
 from recipes.learning_curve.measure import cmd_compare, cmd_decode, cmd_evaluate
 from recipes.learning_curve.report import cmd_report
+from recipes.learning_curve.lineage import cmd_lineage
 
 # ---------------------------------------------------------------- CLI
 PHASES = {"rollouts": cmd_rollouts, "train": cmd_train, "baselines": cmd_baselines, "evaluate": cmd_evaluate,
           "decode": cmd_decode, "epochs": cmd_epochs, "report": cmd_report, "sweep": cmd_sweep,
-          "capacity": cmd_capacity, "compare": cmd_compare}
+          "capacity": cmd_capacity, "compare": cmd_compare, "lineage": cmd_lineage}
 # `after-rollouts`: everything after the rollouts in ONE process (imports and the target load once), the
 # curve first (train, evaluate), then real decoding of what exists (DSpark at the largest point: the
 # estimator's check), then the baselines and their decoding; a stop at any point leaves valid results.
@@ -107,6 +109,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="compare: anchors only in each held-out answer's first N tokens (a decode run's max_new_tokens)")
     p.add_argument("--benchmarks", nargs="+", default=None,
                    help="compare: held-out rows of these benchmarks only (a decode run's --datasets)")
+    p.add_argument("--spec", default=str(REPO / "benchmarks" / "results" / "learning_curve" / "lineage-spec.json"),
+                   help="lineage: the rounds (label, compare JSON and drafter key, rollout sets first seen)")
+    p.add_argument("--curve", default=str(REPO / "benchmarks" / "results" / "learning_curve" / "cpu-5k.json"),
+                   help="lineage: a report JSON whose points and fit are drawn beside the rounds")
     p.add_argument("--results", default=str(REPO / "benchmarks" / "results" / "learning_curve"),
                    help="report: where <name>.json, <name>.png and drafter-<name>/ go")
     p.add_argument("--name", default=None, help="report: their name (default: the profile's), e.g. a second "

@@ -115,7 +115,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="lineage: a report JSON whose points and fit are drawn beside the rounds")
     p.add_argument("--results", default=str(REPO / "benchmarks" / "results" / "learning_curve"),
                    help="report: where <name>.json, <name>.png and drafter-<name>/ go")
-    p.add_argument("--name", default=None, help="report: their name (default: the profile's), e.g. a second "
+    p.add_argument("--name", default=None, help="report/lineage: their name (default: the profile's; lineage: "
+                   "'lineage'), e.g. a second "
                    "run folder of the same profile reported beside the first")
     p.add_argument("--no-drafter", action="store_true",
                    help="report: do not export the best drafter into the results folder (JSON and plot only)")
@@ -127,7 +128,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
     args.out = args.out or f"/work/learn-runs/{args.profile}"
-    args.name = args.name or args.profile
+    args.name = args.name or ("lineage" if args.phase == "lineage" else args.profile)
     return args
 
 

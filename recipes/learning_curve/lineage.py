@@ -37,7 +37,7 @@ def tokens_for(fit: dict, tau: float) -> float | None:
 
 
 def cmd_lineage(args, prof: dict) -> dict:
-    """lineage.json + lineage.png in --results from --spec, beside the curve of --curve."""
+    """<name>.json + <name>.png (default lineage.*) in --results from --spec, beside the curve of --curve."""
     results = Path(args.results)
     spec = json.loads(Path(args.spec).read_text())
     rounds = lineage_rounds(spec, results)
@@ -52,9 +52,8 @@ def cmd_lineage(args, prof: dict) -> dict:
               "curve_fit_tokens_for_last_tau": tokens_for(curve.get("fit"), last["expected_tau"]) if curve else None,
               "last": {"label": last["label"], "rollout_tokens": last["rollout_tokens"],
                        "expected_tau": last["expected_tau"]}}
-    name = args.name if args.name != args.profile else "lineage"
-    (results / f"{name}.json").write_text(json.dumps(report, indent=1))
-    plot_lineage(report, curve, results / f"{name}.png")
+    (results / f"{args.name}.json").write_text(json.dumps(report, indent=1))
+    plot_lineage(report, curve, results / f"{args.name}.png")
     log(f"lineage: {len(rounds)} rounds, {last['rollout_tokens']:,} distinct rollout tokens, expected τ "
         f"{last['expected_tau']:.3f}; fit over the rounds: {fit}")
     return report

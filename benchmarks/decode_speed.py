@@ -54,7 +54,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--prompts", type=int, default=2, help="prompts per dataset")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--temperature", type=float, default=1.0)
-    ap.add_argument("--gamma", type=int, default=None, help="drafts per round (default: drafter block size)")
+    ap.add_argument("--gamma", type=gamma_list, default=None,
+                    help="drafts per round (default: drafter block size); several, e.g. 3,5,7: one mode per drafter "
+                         "and value, named <drafter>:g<γ>, decoded side by side")
     ap.add_argument("--scheduler", choices=["fixed", "dynamic"], default="fixed")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
@@ -71,6 +73,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     if not args.drafter and not args.algo:
         args.algo = ["dspark", "dflash", "eagle3"]
     return args
+
+
+def gamma_list(text: str) -> list[int]:
+    """'3' -> [3]; '3,5,7' -> [3, 5, 7] (each at least 1)."""
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give whole numbers, e.g. 3 or 3,5,7") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: every γ must be at least 1")
+    return values
 
 
 def load_prompts(target, data_dir: str, datasets: str, per_dataset: int) -> list[tuple[str, list[int]]]:
@@ -187,21 +200,23 @@ def main(argv=None) -> dict:
             prompts = load_prompts(target, args.data_dir, args.datasets, args.prompts)
             print(f"target {target.name} ({target.num_layers} layers, vocab {target.vocab_size}) on {args.device}; "
                   f"{len(prompts)} prompts x {args.max_new_tokens} new tokens; dtypes {dtypes}; modes: target, "
-                  f"{', '.join(drafters)}", flush=True)
+                  f"{', '.join(drafters)}" + (f" at γ {args.gamma}" if args.gamma else ""), flush=True)
         stops = target.eos_token_ids
         hook = None
         if args.scheduler == "dynamic":
             block = max(d.config.block_size for d in drafters.values())
-            sps = profile_sps(target_verify_fn(target, context_len=128), list(range(1, (args.gamma or block) + 2)))
+            sps = profile_sps(target_verify_fn(target, context_len=128), list(range(1, max(args.gamma or [block]) + 2)))
             sps_points = sps_points or sps.to_dict()
             hook = PrefixScheduler(SchedulerConfig(mode="dynamic"), sps).verify_len_hook()
         modes["target" + suffix] = (lambda t, st: lambda ids, gen: target_generate(
             t, ids, sp, args.max_new_tokens, st, gen))(target, stops)
         for name, drafter in drafters.items():
             h = hook if drafter.has_confidences else None
-            modes[name + suffix] = (lambda t, d, h, st: lambda ids, gen: speculative_generate(
-                t, d, ids, sp, args.max_new_tokens, st, verify_len=h, generator=gen, gamma=args.gamma))(
-                target, drafter, h, stops)
+            for gamma in args.gamma or [None]:
+                tag = f":g{gamma}" if len(args.gamma or []) > 1 else ""
+                modes[name + tag + suffix] = (lambda t, d, h, st, g: lambda ids, gen: speculative_generate(
+                    t, d, ids, sp, args.max_new_tokens, st, verify_len=h, generator=gen, gamma=g))(
+                    target, drafter, h, stops, gamma)
 
     warm = prompts[:1]
     for decode in modes.values():  # one short warm-up per mode: allocator, kernels, lazy imports
@@ -240,7 +255,9 @@ def main(argv=None) -> dict:
     print("\nposition-wise conditional acceptance\n" + metrics.markdown_table(metrics.position_rows(spec)))
     report = {"benchmark": "decode_speed", "target": target.name, "device": args.device,
               "threads": torch.get_num_threads(), "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
-              "temperature": args.temperature, "gamma": args.gamma, "scheduler": args.scheduler, "dtypes": dtypes,
+              "temperature": args.temperature,
+              "gamma": args.gamma[0] if args.gamma and len(args.gamma) == 1 else args.gamma,
+              "scheduler": args.scheduler, "dtypes": dtypes,
               "sps": sps_points, "modes": summaries, "elapsed_s": round(time.perf_counter() - t0, 2)}
     print(json.dumps(report, default=float))
     return report

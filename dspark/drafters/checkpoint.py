@@ -2,7 +2,7 @@
 
 config.json = {"format": "dspark-drafter", "format_version": 1, "algo", "drafter_config" (resolved
 DrafterConfig), "target_meta" (name, revision, hidden_size, vocab_size, num_layers, layer_ids),
-"calibration" (STS temperatures or null)}. model.safetensors holds the drafter's own state_dict only:
+"calibration" (STS temperatures or null), "draft_temperature" (Drafter.draft_sampling; 1 when absent)}. model.safetensors holds the drafter's own state_dict only:
 the target's embedding and LM head are shared by reference and never written. A drafter with a
 draft vocabulary (drafter_config.draft_vocab_size = N) also stores its maps there as buffers, in the
 speculators layout: `d2t` [N] int64 offsets (target id = draft id + d2t) and `t2d` [V] bool; loading
@@ -30,7 +30,8 @@ WEIGHTS_FILE = "model.safetensors"
 def checkpoint_config(drafter: Drafter) -> dict:
     return {"format": FORMAT, "format_version": FORMAT_VERSION, "algo": drafter.algo,
             "drafter_config": drafter.config.model_dump(), "target_meta": drafter.target_meta,
-            "calibration": None if drafter.calibration is None else [float(t) for t in drafter.calibration]}
+            "calibration": None if drafter.calibration is None else [float(t) for t in drafter.calibration],
+            "draft_temperature": float(drafter.draft_temperature)}
 
 
 def write_local(drafter: Drafter, out_dir: str) -> None:
@@ -84,6 +85,13 @@ def saved_draft_ids(local_dir: str) -> torch.Tensor | None:
         return check_maps(f.get_tensor("d2t"), f.get_tensor("t2d"))
 
 
+def checked_draft_temperature(value, source: str) -> float:
+    """A saved draft temperature: a finite number > 0 (Drafter.draft_sampling), else one clear error."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < float(value) < float("inf"):
+        raise ValueError(f"{source}: draft_temperature {value!r} must be a number > 0 (1 = the request's temperature)")
+    return float(value)
+
+
 def check_target(meta: dict, target, source: str, check_name: bool = True) -> None:
     """Fail with one clear line when `target` is not the model the drafter was trained against."""
     problems = []
@@ -114,6 +122,7 @@ def load_drafter(path_or_uri: str, target=None, *, device: str | torch.device | 
     drafter = drafter_from_config(cfg, data["target_meta"])
     drafter.load_state_dict(load_file(os.path.join(local, WEIGHTS_FILE)), strict=True)
     drafter.calibration = data.get("calibration")
+    drafter.draft_temperature = checked_draft_temperature(data.get("draft_temperature", 1.0), local)
     device = device if device is not None else (target.device if target is not None else "cpu")
     drafter = drafter.to(device=device, dtype=dtype) if dtype is not None else drafter.to(device=device)
     if target is not None:

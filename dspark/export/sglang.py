@@ -115,6 +115,7 @@ def sglang_config(drafter: Drafter, draft_vocab_size: int | None) -> dict:
     cfg = layer_config(drafter, drafter.algo, drafter.vocab_size)
     ids = draft_token_ids(drafter)
     meta = {"algo": drafter.algo, "target_layer_ids": drafter.layer_ids, "calibration": drafter.calibration,
+            "draft_temperature": drafter.draft_temperature,  # SGLang drafts at the request's temperature
             "draft_vocab_size": draft_vocab_size or (ids.numel() if ids is not None else drafter.vocab_size)}
     if ids is not None and draft_vocab_size is None:
         meta["draft_vocab_expanded"] = ("the reduced draft vocabulary is written as SGLang's full-vocabulary "

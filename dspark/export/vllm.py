@@ -11,7 +11,8 @@ one of two flavors:
 Config fields written (all algorithms): speculators_model_type, speculators_config {algorithm,
 proposal_methods=[{proposal_type: "greedy", speculative_tokens: γ}], default_proposal_method,
 verifier {name_or_path, architectures}}, transformer_layer_config (qwen3 for dflash/dspark, llama for
-eagle3), draft_vocab_size, target_hidden_size, dspark_calibration (STS temperatures), dspark_export
+eagle3), draft_vocab_size, target_hidden_size, dspark_calibration (STS temperatures),
+dspark_draft_temperature (Drafter.draft_sampling; dspark serving only), dspark_export
 (ours: flavor, our layer ids, how the MASK was placed; engines ignore it).
 - dflash: aux_hidden_state_layer_ids, mask_token_id, block_size = γ+1, sample_from_anchor = false
   (slot 0 holds the anchor, slot j predicts token t+j: our DFlash layout).
@@ -257,6 +258,9 @@ def export_config(drafter: Drafter, algo: str, vocab_size: int, mask: tuple[int,
                   draft_vocab_size: int, flavor: Flavor, verifier_name: str | None = None) -> dict:
     c = drafter.config
     aux = [i + 1 for i in drafter.layer_ids]
+    if drafter.draft_temperature != 1.0:
+        warnings.warn(f"the drafter's draft_temperature {drafter.draft_temperature} is a dspark setting: vLLM and "
+                      "speculators draft at the request's temperature (kept as dspark_draft_temperature)")
     cfg = {"architectures": [ALGORITHMS[algo].speculators_arch], "speculators_model_type": algo,
            "speculators_config": {"algorithm": algo, "default_proposal_method": "greedy",
                                   "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": c.block_size}],
@@ -264,6 +268,7 @@ def export_config(drafter: Drafter, algo: str, vocab_size: int, mask: tuple[int,
            "transformer_layer_config": layer_config(drafter, algo, vocab_size),
            "draft_vocab_size": draft_vocab_size, "target_hidden_size": drafter.hidden_size,
            "dspark_calibration": drafter.calibration,
+           "dspark_draft_temperature": drafter.draft_temperature,  # vLLM drafts at the request's temperature
            "dspark_export": {"flavor": flavor, "algo": algo, "target_layer_ids": drafter.layer_ids,
                              "layer_id_convention": "ours = output of decoder layer i; aux ids = i + 1",
                              "block_size_gamma": c.block_size,

@@ -62,15 +62,24 @@ def estimate_drafter(drafter_dir: Path, target, prof: dict, held: tuple, p_cache
     """Expected τ of one saved drafter on the held-out set (`held_out`), both estimators, at `gamma`
     drafts per round (default: the drafter's block size)."""
     from dspark.drafters import load_drafter
+
+    t0 = time.perf_counter()
+    result = estimate_loaded(load_drafter(str(drafter_dir), target), target, prof, held, p_cache, gamma, str(drafter_dir))
+    result["wall_s"] = time.perf_counter() - t0
+    return result
+
+
+def estimate_loaded(drafter, target, prof: dict, held: tuple, p_cache: dict, gamma: int | None = None,
+                    name: str = "the drafter") -> dict:
+    """`estimate_drafter` for a drafter already loaded (e.g. one whose draft temperature is being swept)."""
     from dspark.eval.acceptance_estimate import estimate
 
     rows, outs, sp = held
     t0 = time.perf_counter()
-    drafter = load_drafter(str(drafter_dir), target)
     gamma, stride = gamma or drafter.config.block_size, prof.get("anchor_stride", 1)
     most = min(drafter.config.block_size, drafter.config.train_steps)
     if gamma > most:
-        raise SystemExit(f"compare --gamma {gamma}: {drafter_dir} drafts (and is trained on) at most {most} per round")
+        raise SystemExit(f"--gamma {gamma}: {name} drafts (and is trained on) at most {most} per round")
     result = estimate(drafter, target, rows, gamma, sp, max_len=prof["eval_max_len"], target_outs=outs,
                       anchor_stride=stride, p_cache=p_cache)
     result["gamma"], result["wall_s"], result["anchor_stride"] = gamma, time.perf_counter() - t0, stride

@@ -216,3 +216,18 @@ def test_extra_prompt_set_joins_the_training_rows_and_a_drafter_path_continues(t
     assert at["drafters"][other]["decoded_vs_baseline"]["prompts"] >= 1 and at["setting"]["anchor_stride"] == 1
     # without --answer-tokens the profile's anchor stride holds: renewal only where it keeps every anchor
     assert ("decoded_tau_estimate" in rep["drafters"][other]) == (lc.PROFILES["tiny"].get("anchor_stride", 1) == 1)
+
+    # draft temperature: swept with the renewal estimate (1 always in), the best value saved in a new folder
+    dt = lc.cmd_draft_temperature(lc.parse_args(["draft-temperature", "--profile", "tiny", "--out", str(out),
+                                                 "--drafters", other, "--temperatures", "0.5", "2",
+                                                 "--gamma", "2", "--answer-tokens", "4",
+                                                 "--save", str(tmp_path / "tempered")]), lc.PROFILES["tiny"])
+    assert json.loads((out / "draft-temperature-g2-a4.json").read_text()) == json.loads(json.dumps(dt))
+    assert set(dt["temperatures"]) == {"0.5", "1.0", "2.0"} and dt["temperatures"]["1.0"]["vs_temperature_1"] is None
+    best = dt["temperatures"][str(dt["best"])]["decoded_tau_estimate"]
+    assert best == max(r["decoded_tau_estimate"] for r in dt["temperatures"].values())
+    assert dt["temperatures"]["1.0"]["decoded_tau_estimate"] == pytest.approx(
+        at["drafters"][other]["decoded_tau_estimate"])  # 1 = the drafter as compare measured it
+    assert load_drafter(dt["saved"]).draft_temperature == dt["best"]
+    with pytest.raises(SystemExit, match="already there"):
+        run("draft-temperature", out, "--drafters", other, "--save", str(tmp_path / "tempered"))

@@ -79,3 +79,14 @@ def test_dtype_suffix_only_takes_a_trailing_dtype():
     assert dtype_suffix("dspark:x@bfloat16") == "@bfloat16" and dtype_suffix("target") == ""
     assert dtype_suffix("dspark:models:/x@champion") == ""
     assert dtype_suffix("dspark:models:/x@champion@float32") == "@float32"
+
+
+def test_several_gammas_are_modes_side_by_side():
+    report = main(["--target", "tiny", "--quick", "--algo", "dspark", "--datasets", "gsm8k", "--gamma", "1,3"])
+    assert set(report["modes"]) == {"target", "dspark:untrained:g1", "dspark:untrained:g3"}
+    assert report["gamma"] == [1, 3]
+    assert report["modes"]["dspark:untrained:g1"]["mean_verified"] <= 1.0
+    assert "vs_first_drafter" in report["modes"]["dspark:untrained:g3"]
+    assert main(["--target", "tiny", "--quick", "--algo", "dspark", "--datasets", "gsm8k", "--gamma", "2"])["gamma"] == 2
+    with pytest.raises(SystemExit):
+        main(["--target", "tiny", "--quick", "--algo", "dspark", "--gamma", "3,0"])

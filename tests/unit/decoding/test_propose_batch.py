@@ -181,3 +181,19 @@ def test_batch_input_errors_are_clear(target):
         drafter.propose_batch(states, anchors, [4], sp)
     with pytest.raises(ValueError, match="block_size"):
         drafter.propose_batch(states, anchors, [4, 5], sp)
+
+
+@pytest.mark.parametrize("algo,head", [("dspark", "markov"), ("dflash", "markov"), ("eagle3", "markov")])
+def test_draft_temperature_scales_the_request_temperature(target, algo, head):
+    """draft_temperature t drafts from the request's processing at temperature × t (the same draws as a
+    request at that temperature); greedy requests stay greedy."""
+    drafter = make(target, algo, head)
+    states, anchors = requests(target, drafter, lens=[5, 9])
+    sps = [SamplingParams(temperature=0.9, top_k=7), SamplingParams(temperature=0)]
+    scaled = [SamplingParams(temperature=0.9 * 0.6, top_k=7), SamplingParams(temperature=0)]
+    want = drafter.propose_batch(states, anchors, 3, scaled, torch.Generator().manual_seed(4))
+    drafter.draft_temperature = 0.6
+    got = drafter.propose_batch(states, anchors, 3, sps, torch.Generator().manual_seed(4))
+    for g, w in zip(got, want):
+        assert torch.equal(g.tokens, w.tokens) and torch.allclose(g.probs, w.probs)
+    assert drafter.draft_sampling(sps[1]).greedy and drafter.draft_sampling(sps[0]).temperature == pytest.approx(0.54)

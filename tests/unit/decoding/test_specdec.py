@@ -206,6 +206,14 @@ def test_lossless_with_a_draft_vocabulary(monkeypatch, micro_target, algo):
     _lossless_check(monkeypatch, micro_target, drafter, None, f"{algo} γ={GAMMA}, draft vocab 4/{VOCAB}")
 
 
+def test_lossless_with_a_draft_temperature(monkeypatch, micro_target):
+    """Drafts from a sharpened q (draft_temperature 0.5): acceptance compares p with that q, so the
+    output is still the target's distribution."""
+    drafter = _drafter("dspark", micro_target)
+    drafter.draft_temperature = 0.5
+    _lossless_check(monkeypatch, micro_target, drafter, None, f"dspark γ={GAMMA}, draft temperature 0.5")
+
+
 @pytest.mark.parametrize("algo,hook", [("dspark", "dynamic"), pytest.param("dflash", "fixed1", marks=SLOW),
                                        pytest.param("eagle3", "fixed2", marks=SLOW)])
 def test_lossless_partial_verification(monkeypatch, micro_target, algo, hook):

@@ -41,11 +41,13 @@ def train_logits(drafter, target):
 def test_save_load_round_trip_is_exact(tmp_path, target, algo, head):
     drafter = make(target, algo, head)
     drafter.calibration = [1.5, 1.0, 0.8, 1.2]
+    drafter.draft_temperature = 0.7
     save_drafter(drafter, str(tmp_path / "ckpt"))
     assert sorted(os.listdir(tmp_path / "ckpt")) == ["config.json", "model.safetensors"]
     loaded = load_drafter(str(tmp_path / "ckpt"), target=target)
     assert type(loaded) is type(drafter) and loaded.config == drafter.config
     assert loaded.target_meta == drafter.target_meta and loaded.calibration == drafter.calibration
+    assert loaded.draft_temperature == 0.7
     a, b = drafter.state_dict(), loaded.state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     (la, ca), (lb, cb) = train_logits(drafter, target), train_logits(loaded, target)
@@ -171,3 +173,17 @@ def test_export_fails_loudly_on_unmapped_weights(tmp_path, target):
     with pytest.raises(ValueError, match="cannot be exported as vLLM eagle3"):
         export_vllm(make(target, "dflash"), str(tmp_path / "x"), method="eagle3")
     assert not (tmp_path / "rnn").exists() and not (tmp_path / "extra").exists()
+
+
+def test_draft_temperature_defaults_to_one_and_rejects_bad_values(tmp_path, target):
+    save_drafter(make(target, "dspark"), str(tmp_path / "ckpt"))
+    path = tmp_path / "ckpt" / "config.json"
+    config = json.loads(path.read_text())
+    assert config["draft_temperature"] == 1.0
+    del config["draft_temperature"]  # a checkpoint written before the field existed
+    path.write_text(json.dumps(config))
+    assert load_drafter(str(tmp_path / "ckpt")).draft_temperature == 1.0
+    for bad in (0, -1.0, "hot", True):
+        path.write_text(json.dumps({**config, "draft_temperature": bad}))
+        with pytest.raises(ValueError, match="draft_temperature .* must be a number > 0"):
+            load_drafter(str(tmp_path / "ckpt"))

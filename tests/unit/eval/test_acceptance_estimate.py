@@ -80,6 +80,22 @@ def test_estimators_match_exact_enumeration(target, algo, draft_ids):
     assert 0.0 <= alpha_prod2 <= 1.0  # the product is an approximation for k >= 2 (not asserted equal)
 
 
+@torch.no_grad()
+def test_draft_temperature_is_the_q_the_estimate_scores(target):
+    """With draft_temperature t, α_1 = Σ min(p, softmax(logits / t)): the q decoding draws drafts from."""
+    drafter = make_drafter(target, "dspark")
+    prefix, anchor = [1, 2, 3, 4], 3
+    ids = torch.tensor(prefix + [5, 6])
+    p1 = p_next(target, torch.tensor(prefix))
+    q1 = full_q(drafter, target, ids, anchor, 1)
+    mask = torch.tensor([0, 0, 0, 1, 1, 1])
+    for t in (0.5, 1.0, 1.7):
+        drafter.draft_temperature = t
+        sharpened = torch.softmax(torch.log(q1) / t, -1)
+        alpha = sequence_acceptance(drafter, target, ids, mask, SP).prefix_probs(1, "alpha")[0, 0]
+        assert float(alpha) == pytest.approx(float(torch.minimum(p1, sharpened).sum()), abs=1e-5)
+
+
 @pytest.mark.slow  # ~30-60 s on 2 shared cores (500 decodes of the micro model)
 @torch.no_grad()
 def test_estimate_agrees_with_real_speculative_decoding_first_round(target):

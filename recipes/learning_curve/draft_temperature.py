@@ -1,0 +1,82 @@
+"""Phase `draft-temperature`: the draft temperature that gives decoding the most tokens per target step.
+
+Drafts may be sampled from a sharpened (or flattened) q without changing what decoding outputs
+(`Drafter.draft_sampling`: acceptance compares the target's p with the q every draft was drawn from). This
+sweeps values with the renewal estimate of decoding's τ on the held-out rows (every anchor; at a decode
+run's setting with --gamma/--answer-tokens/--benchmarks), reports each with its paired difference to
+1 (the same prompts resampled jointly), and with --save DIR writes the drafter with the best value
+(the source folder is never written). The best of several values measured on one set reads slightly
+high on that set: check it with real decoding (benchmarks/decode_speed.py) on the saved drafter.
+
+    python -m recipes.learning_curve draft-temperature --drafters DRAFTER [--temperatures 0.6 0.8 1.0]
+        [--gamma 3 --answer-tokens 64] [--save DIR]
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from recipes.learning_curve.profiles import log
+
+DEFAULT_TEMPERATURES = (0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+
+
+def cmd_draft_temperature(args, prof: dict) -> dict:
+    from dspark.drafters import load_drafter
+    from dspark.eval.acceptance_estimate import paired_difference
+    from recipes.learning_curve.measure import (decode_setting, drafter_label, estimate_loaded, held_out,
+                                                load_target_of)
+
+    if not args.drafters or len(args.drafters) != 1:
+        raise SystemExit("draft-temperature: give --drafters DRAFTER (one saved drafter folder)")
+    temperatures = sorted({1.0, *(args.temperatures or DEFAULT_TEMPERATURES)})
+    if temperatures[0] <= 0:
+        raise SystemExit(f"draft-temperature: temperatures must be > 0, got {temperatures[0]}")
+    out, target, source = Path(args.out), load_target_of(prof), Path(args.drafters[0])
+    held, p_cache = held_out(target, prof, out), {}
+    if args.benchmarks or args.answer_tokens:
+        held = decode_setting(held, args.benchmarks, args.answer_tokens)
+    prof = {**prof, "anchor_stride": 1}  # the renewal estimate needs every anchor
+    drafter = load_drafter(str(source), target)
+    results = {}
+    for t in temperatures:
+        drafter.draft_temperature = t
+        results[t] = estimate_loaded(drafter, target, prof, held, p_cache, args.gamma)
+        log(f"draft temperature {t}: decoding's τ (renewal) {results[t]['renewal']['decoded_tau']:.3f}, "
+            f"per-anchor τ {results[t]['alpha']['expected_tau']:.3f}")
+    base = results[1.0]["renewal"]["per_prompt"]
+    rows = {str(t): {"decoded_tau_estimate": r["renewal"]["decoded_tau"],
+                     "decoded_tau_estimate_ci95": r["renewal"]["decoded_tau_ci95"],
+                     "decoded_tau_estimate_per_benchmark": {g: v["decoded_tau"] for g, v in r["renewal"]["per_group"].items()},
+                     "expected_tau": r["alpha"]["expected_tau"],
+                     "vs_temperature_1": None if t == 1.0 else paired_difference(r["renewal"]["per_prompt"], base)}
+            for t, r in results.items()}
+    best = max(temperatures, key=lambda t: results[t]["renewal"]["decoded_tau"])
+    report = {"drafter": drafter_label(source), "held_out_rows": len(held[0]),
+              "setting": {"gamma": results[1.0]["gamma"], "answer_tokens": args.answer_tokens,
+                          "benchmarks": args.benchmarks, "anchor_stride": 1},
+              "temperatures": rows, "best": best, "saved": None}
+    if args.save:
+        report["saved"] = save_with_temperature(drafter, best, Path(args.save))
+    path = out / temperature_file(args)
+    path.write_text(json.dumps(report, indent=1))
+    log(f"best draft temperature {best}: τ {rows[str(best)]['decoded_tau_estimate']:.3f} vs "
+        f"{rows['1.0']['decoded_tau_estimate']:.3f} at 1 -> {path}" + (f"; saved {args.save}" if args.save else ""))
+    return report
+
+
+def save_with_temperature(drafter, temperature: float, dest: Path) -> str:
+    """The drafter with `draft_temperature` = temperature, as a new checkpoint folder (refuses to overwrite one)."""
+    from dspark.drafters import save_drafter
+
+    if (dest / "config.json").exists():
+        raise SystemExit(f"draft-temperature --save {dest}: a drafter is already there; give a new folder")
+    drafter.draft_temperature = temperature
+    return save_drafter(drafter, str(dest))
+
+
+def temperature_file(args) -> str:
+    """draft-temperature.json, or draft-temperature-g3-a64.json at a decode's setting."""
+    parts = [f"g{args.gamma}" if args.gamma else "", f"a{args.answer_tokens}" if args.answer_tokens else "",
+             "+".join(args.benchmarks or [])]
+    return "-".join(["draft-temperature", *filter(None, parts)]) + ".json"

@@ -170,6 +170,8 @@ def _build_smollm2_dir(out: Path) -> None:
         tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
         # save_pretrained refuses GGUF-loaded models: rebuild a plain Llama and copy the weights.
         plain = LlamaForCausalLM(quantised.config)
+        if hasattr(plain.config, "quantization_config"):  # the weights are dense now: loading must not
+            del plain.config.quantization_config          # route them through the GGUF quantizer again
         missing, unexpected = plain.load_state_dict(quantised.state_dict(), strict=False)
         if unexpected or [k for k in missing if "rotary" not in k and k != "lm_head.weight"]:
             raise RuntimeError(f"GGUF conversion mismatch: missing={missing} unexpected={unexpected}")

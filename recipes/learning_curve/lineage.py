@@ -12,7 +12,7 @@ import json
 import math
 from pathlib import Path
 
-from recipes.learning_curve.profiles import log
+from recipes.learning_curve.profiles import REPO, log
 from recipes.learning_curve.report import fit_curve
 
 
@@ -47,7 +47,7 @@ def cmd_lineage(args, prof: dict) -> dict:
     curve = json.loads(Path(args.curve).read_text()) if args.curve else None
     last = rounds[-1]
     report = {"benchmark": "learning_curve_lineage", "target": spec.get("target"), "description": spec.get("description"),
-              "rounds": rounds, "fit": fit, "curve": args.curve,
+              "rounds": rounds, "fit": fit, "curve": repo_path(args.curve),
               "curve_fit": curve.get("fit") if curve else None,
               "curve_fit_tokens_for_last_tau": tokens_for(curve.get("fit"), last["expected_tau"]) if curve else None,
               "last": {"label": last["label"], "rollout_tokens": last["rollout_tokens"],
@@ -57,6 +57,14 @@ def cmd_lineage(args, prof: dict) -> dict:
     log(f"lineage: {len(rounds)} rounds, {last['rollout_tokens']:,} distinct rollout tokens, expected τ "
         f"{last['expected_tau']:.3f}; fit over the rounds: {fit}")
     return report
+
+
+def repo_path(path: str | None) -> str | None:
+    """A path inside the repository as repository-relative (what a committed JSON should hold), else as given."""
+    if not path:
+        return path
+    resolved = Path(path).resolve()
+    return str(resolved.relative_to(REPO)) if resolved.is_relative_to(REPO) else path
 
 
 def plot_lineage(report: dict, curve: dict | None, path: Path) -> None:

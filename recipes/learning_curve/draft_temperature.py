@@ -23,9 +23,8 @@ DEFAULT_TEMPERATURES = (0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 
 def cmd_draft_temperature(args, prof: dict) -> dict:
     from dspark.drafters import load_drafter
-    from dspark.eval.acceptance_estimate import paired_difference
     from recipes.learning_curve.measure import (decode_setting, drafter_label, estimate_loaded, held_out,
-                                                load_target_of)
+                                                load_target_of, setting_file)
 
     if not args.drafters or len(args.drafters) != 1:
         raise SystemExit("draft-temperature: give --drafters DRAFTER (one saved drafter folder)")
@@ -44,13 +43,7 @@ def cmd_draft_temperature(args, prof: dict) -> dict:
         results[t] = estimate_loaded(drafter, target, prof, held, p_cache, args.gamma)
         log(f"draft temperature {t}: decoding's τ (renewal) {results[t]['renewal']['decoded_tau']:.3f}, "
             f"per-anchor τ {results[t]['alpha']['expected_tau']:.3f}")
-    base = results[1.0]["renewal"]["per_prompt"]
-    rows = {str(t): {"decoded_tau_estimate": r["renewal"]["decoded_tau"],
-                     "decoded_tau_estimate_ci95": r["renewal"]["decoded_tau_ci95"],
-                     "decoded_tau_estimate_per_benchmark": {g: v["decoded_tau"] for g, v in r["renewal"]["per_group"].items()},
-                     "expected_tau": r["alpha"]["expected_tau"],
-                     "vs_temperature_1": None if t == 1.0 else paired_difference(r["renewal"]["per_prompt"], base)}
-            for t, r in results.items()}
+    rows = {str(t): temperature_row(r, results[1.0], t == 1.0) for t, r in results.items()}
     best = max(temperatures, key=lambda t: results[t]["renewal"]["decoded_tau"])
     report = {"drafter": drafter_label(source), "held_out_rows": len(held[0]),
               "setting": {"gamma": results[1.0]["gamma"], "answer_tokens": args.answer_tokens,
@@ -58,7 +51,7 @@ def cmd_draft_temperature(args, prof: dict) -> dict:
               "temperatures": rows, "best": best, "saved": None}
     if args.save:
         report["saved"] = save_with_temperature(drafter, best, Path(args.save))
-    path = out / temperature_file(args)
+    path = out / setting_file("draft-temperature", args)
     path.write_text(json.dumps(report, indent=1))
     log(f"best draft temperature {best}: τ {rows[str(best)]['decoded_tau_estimate']:.3f} vs "
         f"{rows['1.0']['decoded_tau_estimate']:.3f} at 1 -> {path}" + (f"; saved {args.save}" if args.save else ""))
@@ -75,8 +68,10 @@ def save_with_temperature(drafter, temperature: float, dest: Path) -> str:
     return save_drafter(drafter, str(dest))
 
 
-def temperature_file(args) -> str:
-    """draft-temperature.json, or draft-temperature-g3-a64.json at a decode's setting."""
-    parts = [f"g{args.gamma}" if args.gamma else "", f"a{args.answer_tokens}" if args.answer_tokens else "",
-             "+".join(args.benchmarks or [])]
-    return "-".join(["draft-temperature", *filter(None, parts)]) + ".json"
+def temperature_row(result: dict, at_one: dict, is_one: bool) -> dict:
+    """One value's figures: decoding's τ (renewal) with its paired difference to 1, and per-anchor τ."""
+    from recipes.learning_curve.measure import decoded_estimate
+
+    est = decoded_estimate(result, at_one, is_one)
+    vs_one = est.pop("decoded_vs_baseline")
+    return {**est, "expected_tau": result["alpha"]["expected_tau"], "vs_temperature_1": vs_one}

@@ -67,6 +67,13 @@ def repo_path(path: str | None) -> str | None:
     return str(resolved.relative_to(REPO)) if resolved.is_relative_to(REPO) else path
 
 
+def tau_points(rows: list[dict]) -> tuple[list, list, list]:
+    """x (rollout tokens), y (expected τ) and the asymmetric error bars of its 95 % interval, for errorbar."""
+    x, y = [r["rollout_tokens"] for r in rows], [r["expected_tau"] for r in rows]
+    lo, hi = zip(*(r["expected_tau_ci95"] for r in rows))
+    return x, y, [[v - a for v, a in zip(y, lo)], [b - v for v, b in zip(y, hi)]]
+
+
 def plot_lineage(report: dict, curve: dict | None, path: Path) -> None:
     import matplotlib
 
@@ -77,13 +84,10 @@ def plot_lineage(report: dict, curve: dict | None, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7.2, 4.4))
     if curve and curve.get("points"):
         pts = [p for p in curve["points"] if p["expected_tau"] is not None]
-        x, y = [p["rollout_tokens"] for p in pts], [p["expected_tau"] for p in pts]
-        err = [[v - p["expected_tau_ci95"][0] for v, p in zip(y, pts)], [p["expected_tau_ci95"][1] - v for v, p in zip(y, pts)]]
-        ax.errorbar(x, y, yerr=err, marker="o", color="C7", capsize=3, label="learning curve: a fresh drafter per point")
+        cx, cy, cerr = tau_points(pts)
+        ax.errorbar(cx, cy, yerr=cerr, marker="o", color="C7", capsize=3, label="learning curve: a fresh drafter per point")
     rounds = report["rounds"]
-    x = [r["rollout_tokens"] for r in rounds]
-    y = [r["expected_tau"] for r in rounds]
-    err = [[v - r["expected_tau_ci95"][0] for v, r in zip(y, rounds)], [r["expected_tau_ci95"][1] - v for v, r in zip(y, rounds)]]
+    x, y, err = tau_points(rounds)
     ax.errorbar(x, y, yerr=err, marker="s", color="C0", capsize=3, linestyle="-",
                 label="one drafter in rounds, each continuing the last (hollow: a pass over rows it had seen)")
     repass = [r for r in rounds[1:] if not r["new_rollouts"]]

@@ -102,9 +102,15 @@ def estimate_folders(target, prof: dict, out: Path, folders: list[Path]) -> None
 
 def compare_file(args) -> str:
     """compare.json, or compare-g3-a64-gsm8k+mt-bench.json for a run at a decode's setting."""
+    return setting_file("compare", args)
+
+
+def setting_file(stem: str, args) -> str:
+    """<stem>.json, or <stem>-g3-a64-gsm8k+mt-bench.json for a run at a decode's setting (--gamma,
+    --answer-tokens, --benchmarks)."""
     parts = [f"g{args.gamma}" if args.gamma else "", f"a{args.answer_tokens}" if args.answer_tokens else "",
              "+".join(args.benchmarks or [])]
-    return "-".join(["compare", *filter(None, parts)]) + ".json"
+    return "-".join([stem, *filter(None, parts)]) + ".json"
 
 
 def cmd_compare(args, prof: dict) -> dict:

@@ -50,6 +50,9 @@ class DrafterEntry(StrictModel):
     drafter: dict = Field(default_factory=dict, description="overrides of its drafter section")
     optim: dict = Field(default_factory=dict, description="overrides of its optim section")
     chunks: int = Field(1, ge=1, description="micro batches per step (gradient accumulation; memory)")
+    init_from: str | None = Field(None, description="a saved drafter folder (repository-relative) to continue "
+                                  "on this run's rollouts: its architecture and draft vocabulary are kept; "
+                                  "`drafter` may change only training-only fields (anchors, loss weights)")
 
 
 class RolloutSection(StrictModel):
@@ -210,14 +213,17 @@ def train_one(r: Recipe, name: str, share_s: float) -> None:
 
     entry, tc = r.cfg.drafters[name], r.cfg.train
     base = read_yaml(entry.train_config)
-    drafter_cfg = DrafterConfig(**{**base["drafter"], **entry.drafter})
     optim = OptimSection(**{**base.get("optim", {}), **entry.optim})
-    draft_ids = None
-    if drafter_cfg.draft_vocab_size:  # the most frequent answer tokens of the rollouts (as jobs.train)
-        counts = count_token_frequencies(((x["input_ids"], x["loss_mask"]) for x in r.rows), r.target.vocab_size)
-        draft_ids = top_token_ids(counts, drafter_cfg.draft_vocab_size)
     torch.manual_seed(r.cfg.seed)
-    drafter = build_drafter(drafter_cfg, r.target, draft_ids=draft_ids)
+    if entry.init_from:
+        drafter_cfg, drafter = continued_drafter(entry, r.target)
+    else:
+        drafter_cfg = DrafterConfig(**{**base["drafter"], **entry.drafter})
+        draft_ids = None
+        if drafter_cfg.draft_vocab_size:  # the most frequent answer tokens of the rollouts (as jobs.train)
+            counts = count_token_frequencies(((x["input_ids"], x["loss_mask"]) for x in r.rows), r.target.vocab_size)
+            draft_ids = top_token_ids(counts, drafter_cfg.draft_vocab_size)
+        drafter = build_drafter(drafter_cfg, r.target, draft_ids=draft_ids)
     trainer = LocalTrainer(drafter_cfg.algo, r.target, drafter, optim, r.precision)
     pad = r.target.pad_token_id
     batches = epoch_batches(r.rows, tc.batch_size, tc.max_seq_len, pad, tc.bucket_window, r.cfg.seed)
@@ -227,10 +233,29 @@ def train_one(r: Recipe, name: str, share_s: float) -> None:
     r.drafters[name] = trainer.drafter
     r.curves[name] = rep.curve
     r.summary["train"][name] = {
-        "algo": drafter_cfg.algo, "share_s": round(share_s, 1), "steps": rep.steps, "planned_steps": rep.planned_steps,
+        "algo": drafter_cfg.algo, "init_from": entry.init_from, "share_s": round(share_s, 1), "steps": rep.steps, "planned_steps": rep.planned_steps,
         "stopped_by": rep.stopped_by, "epochs": rep.epochs, "measured_step_s": round(rep.step_s, 4),
         "tokens_per_s": round(rep.tokens / max(rep.train_s, 1e-9), 1),
         **flops_rates(rep.flops, rep.train_s, r.target.device, r.precision)}
+
+
+def continued_drafter(entry: DrafterEntry, target):
+    """(config, drafter) of a saved drafter to continue: its own config with the entry's training-only
+    overrides, its draft vocabulary, its weights (dspark.training.session.load_initial_weights)."""
+    from dspark.drafters import build_drafter
+    from dspark.drafters.checkpoint import read_checkpoint_config, saved_draft_ids
+    from dspark.drafters.config import TRAINING_ONLY_FIELDS
+    from dspark.training.session import load_initial_weights
+
+    other = sorted(set(entry.drafter) - TRAINING_ONLY_FIELDS)
+    if other:
+        raise ValueError(f"init_from {entry.init_from}: drafter overrides {other} would change its architecture; "
+                         f"only training-only fields may differ ({', '.join(sorted(TRAINING_ONLY_FIELDS))})")
+    saved = read_checkpoint_config(entry.init_from)["drafter_config"]
+    cfg = DrafterConfig(**{**saved, **entry.drafter})
+    drafter = build_drafter(cfg, target, draft_ids=saved_draft_ids(entry.init_from))
+    load_initial_weights(drafter, entry.init_from, target)
+    return cfg, drafter
 
 
 def save(r: Recipe) -> None:

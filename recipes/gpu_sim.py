@@ -40,6 +40,7 @@ SIM_RUNS = {
         "rollout.generator_cpu.max_batch=16", "train.batch_size=2", "train.max_seq_len=192", "train.log_every=1",
         "eval.prompts_per_benchmark=2", "eval.reserve_s=240", "eval.decode.max_new_tokens=32",
         "drafters.dspark.drafter.anchors_per_seq=32", "drafters.dflash.drafter.anchors_per_seq=32",
+        "drafters.dspark_1l.drafter.anchors_per_seq=32",
         "drafters.eagle3.chunks=1"]),
 }
 NAME = re.compile(r"^[A-Za-z0-9._-]+$")

@@ -131,9 +131,11 @@ def curve_from_report(path: str, form: str = "loglinear", algo: str = "dspark") 
 
 
 def rollout_tok_s_of(path: str) -> tuple[str, float]:
-    """(device, generated tokens/s) from a rollout_throughput JSON (its best method) or a GPU drafter
-    report with a `rollouts` section (generated_tokens / wall_s)."""
+    """(device, generated tokens/s) from a rollout_throughput JSON (its best method), a GPU recipe's
+    recipe.json (rollout_tok_per_s) or a GPU drafter report with a `rollouts` section (generated_tokens / wall_s)."""
     data = json.loads(Path(path).read_text())
+    if data.get("rollout_tok_per_s"):
+        return _device(data), float(data["rollout_tok_per_s"])
     if "tokens_per_s" in data and isinstance(data["tokens_per_s"], dict):
         return _device(data), max(data["tokens_per_s"].values())
     if "rollouts" in data and "generated_tokens" in data["rollouts"]:
@@ -142,9 +144,15 @@ def rollout_tok_s_of(path: str) -> tuple[str, float]:
 
 
 def train_tok_s_of(path: str) -> tuple[str, float]:
-    """(device, training tokens/s) from a train_throughput JSON (its best setting) or a learning-curve
-    JSON (the largest DSpark point's training tokens/s)."""
+    """(device, training tokens/s) from a train_throughput JSON (its best setting), a GPU recipe's
+    recipe.json (its first DSpark drafter trained from scratch) or a learning-curve JSON (the largest DSpark
+    point's training tokens/s)."""
     data = json.loads(Path(path).read_text())
+    if "rollout_tok_per_s" in data and data.get("train"):
+        fresh = [t for t in data["train"].values() if t.get("algo") == "dspark" and not t.get("init_from")
+                 and t.get("tokens_per_s")]
+        if fresh:
+            return _device(data), float(fresh[0]["tokens_per_s"])
     if data.get("benchmark") == "learning_curve":
         best = max(data["points"], key=lambda p: p["rollout_tokens"])
         return data.get("device_kind") or data["device"], best["training"]["tokens_per_s"]

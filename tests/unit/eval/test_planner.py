@@ -83,3 +83,15 @@ def test_demo_next_step_reads_the_committed_curve_and_says_when_it_extrapolates(
     text = planner.next_step(tmp_path, tau=2.0, workers=1, epochs=1.0)
     assert "τ 2 needs ~2.15e+04 rollout tokens" in text and "EXTRAPOLATED" not in text  # 10^(4 + 1/3)
 
+
+
+def test_a_gpu_recipe_summary_gives_both_throughputs_of_its_device(tmp_path):
+    from dspark.eval.planner import rollout_tok_s_of, train_tok_s_of
+
+    summary = {"device": "NVIDIA H200", "rollout_tok_per_s": 20000.0,
+               "train": {"dspark_1l": {"algo": "dspark", "init_from": "some/drafter", "tokens_per_s": 9e5},
+                         "dspark": {"algo": "dspark", "init_from": None, "tokens_per_s": 4e5},
+                         "eagle3": {"algo": "eagle3", "tokens_per_s": 3e5}}}
+    (tmp_path / "recipe.json").write_text(json.dumps(summary))
+    assert rollout_tok_s_of(str(tmp_path / "recipe.json")) == ("NVIDIA H200", 20000.0)
+    assert train_tok_s_of(str(tmp_path / "recipe.json")) == ("NVIDIA H200", 4e5)  # the DSpark trained from scratch

@@ -111,6 +111,26 @@ def test_drafter_bundle_round_trips_in_bf16_parts(tiny, tmp_path):
             assert torch.equal(want, w.float() if w.is_floating_point() else w), k
 
 
+def test_init_from_continues_a_saved_drafter_with_its_draft_vocabulary_and_refuses_architecture_changes(tiny, tmp_path):
+    from dspark.drafters import save_drafter
+    from dspark.drafters.checkpoint import saved_draft_ids
+    from recipes.gpu_recipe import DrafterEntry, continued_drafter
+
+    ids = torch.arange(0, tiny.vocab_size, 2)
+    cfg = DrafterConfig(algo="dspark", block_size=3, num_layers=1, rank=8, anchors_per_seq=4, draft_vocab_size=len(ids))
+    saved = build_drafter(cfg, tiny, draft_ids=ids)
+    save_drafter(saved, str(tmp_path / "d"))
+    entry = DrafterEntry(train_config="configs/train/tiny-dspark.yaml", init_from=str(tmp_path / "d"),
+                         drafter={"anchors_per_seq": 16, "loss_tv": 0.5})
+    got_cfg, got = continued_drafter(entry, tiny)
+    assert got_cfg.anchors_per_seq == 16 and got_cfg.loss_tv == 0.5 and got_cfg.num_layers == 1 and got_cfg.rank == 8
+    assert torch.equal(saved_draft_ids(str(tmp_path / "d")), ids)
+    for (k, v), w in zip(saved.state_dict().items(), got.state_dict().values()):
+        assert torch.equal(v, w), k
+    with pytest.raises(ValueError, match=r"\['num_layers', 'rank'\] would change its architecture"):
+        continued_drafter(entry.model_copy(update={"drafter": {"rank": 4, "num_layers": 2}}), tiny)
+
+
 def test_target_split_over_two_calls_joins_exactly_and_names_a_missing_stage_part(tmp_path):
     from recipes import gpu_transfer
 

@@ -92,19 +92,18 @@ def measure_step_s(trainer, batches: Sequence[dict], chunks: int = 1, stop: Dead
     return (time.perf_counter() - start) / done if done else warm
 
 
-def replanned_steps(done: int, elapsed_s: float, seconds: float) -> int:
-    """Total steps of a `seconds` budget at the mean step time measured so far (`done` steps in `elapsed_s`):
-    the steps taken plus as many as the time left fits (never fewer than taken)."""
-    return done + max(0, int((seconds - elapsed_s) * done / max(elapsed_s, 1e-9)))
+REPLAN_FRACTIONS = (0.05, 0.25, 0.5, 0.75)  # of the current plan: where StepBudget re-sizes it
 
 
 class StepBudget:
     """The step count of one training run, shared by every budgeted loop (train_for here, the learning-curve
     recipe's train_one). Without `seconds` it is just `planned` steps. With it, the plan (from a probed step
-    time: a guess) is re-sized from the mean step time measured after 5 %, 25 % and 50 % of it (the trainer's
-    cosine schedule with it), capped at `max_steps`; invariant: no step starts once `seconds` have passed
-    since the budget was made (or once `stop`, an absolute Deadline, has passed), so a slow step overruns
-    by at most one step.
+    time: a guess) is re-sized when 5 %, 25 %, 50 % and 75 % of the CURRENT plan are done (the trainer's
+    cosine schedule with it), capped at `max_steps`, from the step time since the previous re-plan point
+    (not the mean since the start: the first steps on a GPU carry its warm-up; measured on an H200, a plan
+    sized from the whole mean ended 15 s early of a 60 s share); invariant: no step starts once `seconds`
+    have passed since the budget was made (or once `stop`, an absolute Deadline, has passed), so a slow
+    step overruns by at most one step.
 
         budget = StepBudget(planned, seconds); trainer.set_schedule(budget.total)
         while budget.more():
@@ -117,8 +116,9 @@ class StepBudget:
         self.planned = self.total = max(1, min(planned, max_steps) if max_steps else planned)
         self.seconds, self.max_steps, self.stop = seconds, max_steps, stop
         self.done, self.stopped_by = 0, "steps"
-        self.replan_at = {max(3, self.total // 20), self.total // 4, self.total // 2} if seconds else set()
+        self.fractions = list(REPLAN_FRACTIONS) if seconds else []  # re-plan points still ahead
         self.t0 = time.perf_counter()
+        self.window = (0, 0.0)  # (steps done, seconds elapsed) at the last re-plan point
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.t0
@@ -136,9 +136,16 @@ class StepBudget:
         """Count a finished step; at a re-plan point re-size the plan and `trainer`'s schedule. Returns the
         previous total when it changed (for the caller's log), else None."""
         self.done += 1
-        if self.done not in self.replan_at:
+        if not self.fractions or self.done < max(2, int(self.fractions[0] * self.total)):
             return None
-        resized = replanned_steps(self.done, self.elapsed(), self.seconds)
+        while self.fractions and self.done >= max(2, int(self.fractions[0] * self.total)):
+            self.fractions.pop(0)
+        elapsed, (done_before, elapsed_before) = self.elapsed(), self.window
+        self.window = (self.done, elapsed)
+        if elapsed >= self.seconds:  # over already: the budget, not a shrunken plan, ends the run
+            return None
+        step_s = (elapsed - elapsed_before) / (self.done - done_before)  # this window's steps only
+        resized = self.done + int((self.seconds - elapsed) / max(step_s, 1e-9))
         resized = min(resized, self.max_steps) if self.max_steps else resized
         if resized == self.total:
             return None

@@ -169,7 +169,8 @@ def cmd_compare(args, prof: dict) -> dict:
 
 def decoded_estimate(result: dict, base: dict, is_base: bool) -> dict:
     """The renewal estimate of decoding's τ (what decode_speed measures; present when every anchor was
-    used) with its paired difference to the baseline's; {} without it."""
+    used) with its paired difference to the baseline's (None when the baseline has none: an Eagle3 drafter
+    is estimated at every anchor even where a DSpark baseline was subsampled); {} without it."""
     from dspark.eval.acceptance_estimate import paired_difference
 
     if "renewal" not in result:
@@ -177,7 +178,7 @@ def decoded_estimate(result: dict, base: dict, is_base: bool) -> dict:
     r = result["renewal"]
     return {"decoded_tau_estimate": r["decoded_tau"], "decoded_tau_estimate_ci95": r["decoded_tau_ci95"],
             "decoded_tau_estimate_per_benchmark": {g: v["decoded_tau"] for g, v in r["per_group"].items()},
-            "decoded_vs_baseline": None if is_base else
+            "decoded_vs_baseline": None if is_base or "renewal" not in base else
             paired_difference(r["per_prompt"], base["renewal"]["per_prompt"])}
 
 

@@ -100,3 +100,15 @@ def test_compare_plot_draws_every_drafter_with_and_without_the_renewal_estimate(
         path = tmp_path / f"{name}.png"
         plot_compare(report, [f"d{i}" for i in range(len(rows))], path)
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_renewal_estimate_against_a_baseline_without_one_has_no_paired_difference():
+    from recipes.learning_curve.measure import decoded_estimate
+
+    renewal = {"decoded_tau": 1.5, "decoded_tau_ci95": [1.4, 1.6], "per_group": {"gsm8k": {"decoded_tau": 1.5}},
+               "per_prompt": [("p0", "gsm8k", 10, 6.0), ("p1", "gsm8k", 10, 7.0)]}
+    eagle = {"alpha": {}, "renewal": renewal}  # estimated at every anchor (it trains every position)
+    strided_base = {"alpha": {}}  # a DSpark baseline subsampled: no renewal estimate
+    got = decoded_estimate(eagle, strided_base, is_base=False)
+    assert got["decoded_tau_estimate"] == 1.5 and got["decoded_vs_baseline"] is None
+    assert decoded_estimate(strided_base, strided_base, is_base=True) == {}

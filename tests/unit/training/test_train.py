@@ -74,12 +74,9 @@ def test_lr_schedule_warmup_then_cosine():
 def test_schedule_resized_in_flight_continues_at_the_steps_taken():
     """A wall-clock budget re-plans its step count from the measured step time; the new cosine schedule
     picks up at the steps already taken, from the optimiser's original peak lr."""
-    from dspark.training.budget import replanned_steps
     from dspark.training.config import OptimSection
     from dspark.training.step import TorchUpdate
 
-    assert replanned_steps(10, 20.0, 100.0) == 50  # 2 s/step measured: 40 more fit in the 80 s left
-    assert replanned_steps(10, 120.0, 100.0) == 10  # over budget already: never fewer than taken
     module = torch.nn.Linear(1, 1)
     backend = TorchUpdate(module, OptimSection(lr=1.0, warmup_ratio=0.04))
     backend.set_schedule(100)
@@ -326,10 +323,31 @@ def test_step_budget_resizes_at_its_replan_points_and_stops_at_its_seconds(monke
         budget.stepped(trainer)
     assert trainer.schedules == [(50, 5)]  # 5 steps in 20 s: 45 more fit in the 180 s left; 25 % / 50 % agree
     assert budget.done == 50 and budget.stopped_by == "steps"
-    plan = budget_mod.StepBudget(10, seconds=30.0)  # re-planned at steps 2, 3, 5 (1 s each): 30 steps fit
+    plan = budget_mod.StepBudget(10, seconds=30.0)  # re-planned at step 2 (1 s each): 30 steps fit; next at 7
     for seconds in [1.0] * 6 + [40.0]:  # ... then one step runs long: the budget, not the plan, stops the run
         assert plan.more()
         clock[0] += seconds
         plan.stepped(trainer)
     assert plan.total == 30 and not plan.more() and plan.done == 7 and plan.stopped_by == "deadline"
-    assert budget_mod.StepBudget(10).replan_at == set()  # without seconds: exactly the planned steps
+    assert budget_mod.StepBudget(10).fractions == []  # without seconds: exactly the planned steps
+
+
+def test_step_budget_replans_from_the_steps_since_its_last_point_not_a_warm_up_heavy_mean(monkeypatch):
+    """A GPU's first steps are slow (warm-up): 4 steps of 3 s, then 0.25 s steps, in a 60 s budget probed at
+    1.2 s/step (plan 50). Re-planned from each window's own step time and at fractions of the current plan,
+    the run uses its budget instead of stopping at a plan sized from the warm-up-heavy mean."""
+    from dspark.training import budget as budget_mod
+
+    clock = [0.0]
+    monkeypatch.setattr(budget_mod.time, "perf_counter", lambda: clock[0])
+
+    class Trainer:
+        def set_schedule(self, total, done=0):
+            pass
+
+    budget = budget_mod.StepBudget(50, seconds=60.0)
+    while budget.more():
+        clock[0] += 3.0 if budget.done < 4 else 0.25
+        budget.stepped(Trainer())
+    assert budget.stopped_by == "steps" and clock[0] >= 55.0  # within 5 s of the 60 s share
+    assert budget.done > 180  # 48 s of 0.25 s steps after the 12 s warm-up

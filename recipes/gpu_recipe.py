@@ -203,6 +203,57 @@ def rollouts(r: Recipe) -> None:
                      rollout_sequences=len(r.rows), rollout_batch=gen.max_batch)
 
 
+def profile(r: Recipe) -> None:
+    """Where a decoding step's time goes on this device (the first H200 run decoded target-only at batch 1
+    slower than 2 CPU cores, and its rollouts made 5.1 k tok/s from 768 rows: host-bound, by the look of
+    it). torch.profiler over the ragged forward of rollouts and evaluation, at batch 1 (16 tokens) and at the
+    rollout batch (4 decoding steps): per step its wall, host (self CPU) and device (self CUDA) milliseconds
+    and the busiest ops; device far below wall means the host is the bottleneck."""
+    r.results["profile"] = {"batch1": profile_steps(r, 1, 16), f"batch{r.summary['rollout_batch']}":
+                            profile_steps(r, r.summary["rollout_batch"], 4)}
+    r.summary["ms_per_step"] = {k: {m: v[m] for m in ("wall_ms", "host_ms", "device_ms")}
+                                for k, v in r.results["profile"].items()}
+
+
+def profile_steps(r: Recipe, rows: int, steps: int, top: int = 12) -> dict:
+    """`steps` decoding steps of `rows` sequences (rollout prompts) under torch.profiler, after a prefill
+    and one decoding step left out of it (profiler schedule: the generator's stop check marks each step)."""
+    from torch.profiler import ProfilerActivity, schedule
+    from torch.profiler import profile as torch_profile
+
+    from dspark.decoding.generator import BatchGenerator, GeneratorConfig, Request
+    from dspark.decoding.sampling import SamplingParams
+    from dspark.training.budget import sync
+
+    prompts = [[int(t) for t, m in zip(x["input_ids"], x["loss_mask"]) if not m] for x in r.rows]
+    prompts = (prompts * (rows // len(prompts) + 1))[:rows]
+    gen = BatchGenerator(r.target, GeneratorConfig(max_batch=rows, max_prefill_tokens=1 << 30))
+    requests = [Request(i, p, i, steps + 3) for i, p in enumerate(prompts)]
+    marks = []  # before each loop iteration: 1 = prefill + first decoding step, 2.. = decoding steps
+
+    def stop() -> bool:
+        sync(r.target.device)
+        marks.append(time.perf_counter())
+        prof.step()
+        return len(marks) == steps + 2
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if r.target.device.type == "cuda" else [])
+    for _ in gen.stream(requests[:1], SamplingParams(), None, None):  # warm-up: kernels, allocator
+        pass
+    with torch_profile(activities=activities, schedule=schedule(wait=1, warmup=1, active=steps)) as prof:
+        for _ in gen.stream(requests, SamplingParams(), None, stop):
+            pass
+    events = prof.key_averages()
+    device_us = lambda e: getattr(e, "self_device_time_total", 0.0) or getattr(e, "self_cuda_time_total", 0.0)
+    busiest = sorted(events, key=lambda e: e.self_cpu_time_total + device_us(e), reverse=True)[:top]
+    per = 1e-3 / steps  # us over the window -> ms per step
+    return {"rows": rows, "steps": steps, "wall_ms": round((marks[-1] - marks[1]) * 1e3 / steps, 3),
+            "host_ms": round(sum(e.self_cpu_time_total for e in events) * per, 3),
+            "device_ms": round(sum(device_us(e) for e in events) * per, 3),
+            "top_ops": [{"op": e.key, "calls": e.count, "host_ms_per_step": round(e.self_cpu_time_total * per, 3),
+                         "device_ms_per_step": round(device_us(e) * per, 3)} for e in busiest]}
+
+
 def train_one(r: Recipe, name: str, share_s: float) -> None:
     import torch
 
@@ -316,6 +367,7 @@ def main(argv=None) -> int:
     ok = r.phase("load", lambda: load(r)) and r.phase("prompts", lambda: prompts(r)) \
         and r.phase("rollouts", lambda: rollouts(r))
     if ok:
+        r.phase("profile", lambda: profile(r), fatal=False)
         share = max(0.0, r.deadline.left() - cfg.eval.reserve_s - cfg.output_reserve_s) / len(cfg.drafters)
         for name in cfg.drafters:  # each drafter its own share and failure scope
             ok &= r.phase(f"train:{name}", lambda name=name: train_one(r, name, share), fatal=False)

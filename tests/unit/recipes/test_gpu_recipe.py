@@ -79,6 +79,19 @@ def _rows(target, n=12, seed=0):
             for _ in range(n)]
 
 
+def test_the_profile_phase_times_decoding_steps_at_batch_1_and_the_rollout_batch(tiny, tmp_path):
+    from recipes.gpu_recipe import profile
+
+    r = Recipe(recipe_config(), tmp_path)
+    r.target, r.rows, r.summary["rollout_batch"] = tiny, _rows(tiny, n=5), 6  # fewer rows than the batch: reused
+    profile(r)
+    for name, steps in (("batch1", 16), ("batch6", 4)):
+        got = r.results["profile"][name]
+        assert got["steps"] == steps and got["wall_ms"] > 0 and got["host_ms"] > 0 and got["device_ms"] == 0.0
+        assert got["top_ops"] and all(op["calls"] >= 1 for op in got["top_ops"])
+        assert r.summary["ms_per_step"][name] == {k: got[k] for k in ("wall_ms", "host_ms", "device_ms")}
+
+
 def test_the_deadline_stops_training_mid_phase(tiny):
     rows = _rows(tiny)
     cfg = DrafterConfig(algo="dflash", block_size=3, num_layers=1, anchors_per_seq=4)

@@ -182,7 +182,6 @@ def _round_up(n: int, chunk: int) -> int:
 
 def _ragged_attention_for(original: str):
     """An attention function: ragged layout inside `KVSlots.batch`, the model's original one outside."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
     from transformers.models.llama.modeling_llama import eager_attention_forward
 
@@ -194,11 +193,24 @@ def _ragged_attention_for(original: str):
         if query.shape[0] != 1:
             raise ValueError("a ragged forward takes one flat row of tokens (input_ids [1, N])")
         keys, values = layout.store.write(module.layer_idx, key[0], value[0], layout)
-        out, _ = sdpa_attention_forward(module, layout.pad(query[0]), keys, values, layout.mask,
-                                        dropout=0.0, scaling=scaling)
-        return layout.unpad(out), None
+        return layout.unpad(grouped_sdpa(layout.pad(query[0]), keys, values, layout.mask, scaling)), None
 
     return attention
+
+
+def grouped_sdpa(query: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scaling: float | None) -> Tensor:
+    """Attention of [R, H, N, D] queries over [R, Hkv, L, D] keys/values (H = g·Hkv), -> [R, N, H, D].
+    Query head h reads KV head h // g (as repeat_kv has it), so the g query heads of one KV head are
+    stacked along the query axis ([R, Hkv, g·N, D], index j·N + n) and the [R, 1, N, L] mask repeated g
+    times to match: the same attention per head, without repeat_kv's g copies of the whole KV cache (the
+    ragged decoding step's largest memory traffic at a few hundred rows; transformers packs only
+    single-token queries, and 5.17 not even those when a mask is given)."""
+    rows, heads, n, dim = query.shape
+    groups = heads // keys.shape[1]
+    grouped = query.reshape(rows, keys.shape[1], groups * n, dim)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        grouped, keys, values, attn_mask=mask.repeat(1, 1, groups, 1) if groups > 1 else mask, scale=scaling)
+    return out.reshape(rows, heads, n, dim).transpose(1, 2)
 
 
 def enable_ragged(model) -> str:

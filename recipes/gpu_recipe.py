@@ -16,8 +16,9 @@ Time: the deadline (`budget_s` from the start, model loading included) is checke
 decoding step, training step and evaluated prompt. Rollouts get `rollout.seconds` (less if the rest
 would not fit); training gets what is left minus the evaluation and output reserves, split into equal
 WALL-CLOCK shares, one per drafter, trained one after the other (each sizes its schedule from its own
-measured step time); evaluation gets the rest. Output (`--out`, default benchmarks/results/<run>/), at
-most 8 files: recipe.json (the summary, rewritten after every phase, so a stopped run leaves a valid
+measured step time); evaluation gets the rest. Between rollouts and training a short `profile` phase times
+decoding steps at batch 1 and at the rollout batch under torch.profiler (wall / host / device ms per step).
+Output (`--out`, default benchmarks/results/<run>/), at most 8 files: recipe.json (the summary, rewritten after every phase, so a stopped run leaves a valid
 one), results.json, recipe.png, drafters.tar.NN (bf16, in as few parts as fit). Last stdout line: the
 summary JSON. Exit status 1 when a phase failed.
 """
@@ -244,7 +245,6 @@ def profile_steps(r: Recipe, rows: int, steps: int, top: int = 12) -> dict:
         for _ in gen.stream(requests, SamplingParams(), None, stop):
             pass
     events = prof.key_averages()
-    device_us = lambda e: getattr(e, "self_device_time_total", 0.0) or getattr(e, "self_cuda_time_total", 0.0)
     busiest = sorted(events, key=lambda e: e.self_cpu_time_total + device_us(e), reverse=True)[:top]
     per = 1e-3 / steps  # us over the window -> ms per step
     return {"rows": rows, "steps": steps, "wall_ms": round((marks[-1] - marks[1]) * 1e3 / steps, 3),
@@ -252,6 +252,11 @@ def profile_steps(r: Recipe, rows: int, steps: int, top: int = 12) -> dict:
             "device_ms": round(sum(device_us(e) for e in events) * per, 3),
             "top_ops": [{"op": e.key, "calls": e.count, "host_ms_per_step": round(e.self_cpu_time_total * per, 3),
                          "device_ms_per_step": round(device_us(e) * per, 3)} for e in busiest]}
+
+
+def device_us(event) -> float:
+    """An op's self time on the accelerator (torch >= 2.4 names it device time; older, CUDA time)."""
+    return getattr(event, "self_device_time_total", 0.0) or getattr(event, "self_cuda_time_total", 0.0)
 
 
 def train_one(r: Recipe, name: str, share_s: float) -> None:
@@ -284,7 +289,8 @@ def train_one(r: Recipe, name: str, share_s: float) -> None:
     r.drafters[name] = trainer.drafter
     r.curves[name] = rep.curve
     r.summary["train"][name] = {
-        "algo": drafter_cfg.algo, "init_from": entry.init_from, "share_s": round(share_s, 1), "steps": rep.steps, "planned_steps": rep.planned_steps,
+        "algo": drafter_cfg.algo, "init_from": entry.init_from, "share_s": round(share_s, 1), "steps": rep.steps,
+        "planned_steps": rep.planned_steps,
         "stopped_by": rep.stopped_by, "epochs": rep.epochs, "measured_step_s": round(rep.step_s, 4),
         "tokens_per_s": round(rep.tokens / max(rep.train_s, 1e-9), 1),
         **flops_rates(rep.flops, rep.train_s, r.target.device, r.precision)}

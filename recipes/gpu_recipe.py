@@ -18,8 +18,8 @@ would not fit); training gets what is left minus the evaluation and output reser
 WALL-CLOCK shares, one per drafter, trained one after the other (each sizes its schedule from its own
 measured step time); evaluation gets the rest. Between rollouts and training a short `profile` phase times
 decoding steps at batch 1 and at the rollout batch under torch.profiler (wall / host / device ms per step).
-Output (`--out`, default benchmarks/results/<run>/), at most 8 files: recipe.json (the summary, rewritten after every phase, so a stopped run leaves a valid
-one), results.json, recipe.png, drafters.tar.NN (bf16, in as few parts as fit). Last stdout line: the
+Output (`--out`, default benchmarks/results/<run>/), at most 8 files: recipe.json (the summary, rewritten
+after every phase, so a stopped run leaves a valid one), results.json, recipe.png, drafters.tar.NN (bf16, in as few parts as fit). Last stdout line: the
 summary JSON. Exit status 1 when a phase failed.
 """
 from __future__ import annotations

@@ -2,9 +2,10 @@
 
 config.json = {"format": "dspark-drafter", "format_version": 1, "algo", "drafter_config" (resolved
 DrafterConfig), "target_meta" (name, revision, hidden_size, vocab_size, num_layers, layer_ids),
-"calibration" (STS temperatures or null), "draft_temperature" (Drafter.draft_sampling; 1 when absent)}. model.safetensors holds the drafter's own state_dict only:
-the target's embedding and LM head are shared by reference and never written. A drafter with a
-draft vocabulary (drafter_config.draft_vocab_size = N) also stores its maps there as buffers, in the
+"calibration" (STS temperatures or null), "draft_temperature" (Drafter.draft_sampling; 1 when absent)}.
+model.safetensors holds the drafter's own state_dict only: the target's embedding and LM head are shared
+by reference and never written. A drafter with a draft vocabulary (drafter_config.draft_vocab_size = N)
+also stores its maps there as buffers, in the
 speculators layout: `d2t` [N] int64 offsets (target id = draft id + d2t) and `t2d` [V] bool; loading
 checks that they agree (dspark.drafters.draft_vocab.check_maps). Directories may be
 local or s3:// (through dspark.io.storage); a round trip reproduces the weights bit for bit.

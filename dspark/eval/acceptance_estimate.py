@@ -128,7 +128,8 @@ def sequence_acceptance(drafter, target, input_ids: Tensor, loss_mask: Tensor, s
         empty = torch.zeros(int(valid.sum()), K)
         return SequenceAcceptance(empty, empty.clone(), empty.bool(), anchors[0][valid[0]].cpu())
     draft = drafter(out.features.to(device, torch.float32), ids, attn.bool(), anchors, select)
-    q = to_probs(draft.logits.float(), model.draft_sampling(sampling))  # [M, N] on the draft vocabulary (N = V without one)
+    # [M, N] on the draft vocabulary (N = V without one), from the q drafts are drawn from
+    q = to_probs(draft.logits.float(), model.draft_sampling(sampling))
     draft_ids = getattr(model, "draft_ids", None)
     pos = label_pos[select]  # [M] position of each predicted token; p comes from position pos - 1
     tokens = ids[0, pos]

@@ -143,13 +143,13 @@ def rollout_tok_s_of(path: str) -> tuple[str, float]:
     raise ValueError(f"{path}: no rollout throughput (tokens_per_s or rollouts.generated_tokens/wall_s)")
 
 
-def train_tok_s_of(path: str) -> tuple[str, float]:
+def train_tok_s_of(path: str, algo: str = "dspark") -> tuple[str, float]:
     """(device, training tokens/s) from a train_throughput JSON (its best setting), a GPU recipe's
-    recipe.json (its first DSpark drafter trained from scratch) or a learning-curve JSON (the largest DSpark
+    recipe.json (its first `algo` drafter trained from scratch) or a learning-curve JSON (the largest DSpark
     point's training tokens/s)."""
     data = json.loads(Path(path).read_text())
     if "rollout_tok_per_s" in data and data.get("train"):
-        fresh = [t for t in data["train"].values() if t.get("algo") == "dspark" and not t.get("init_from")
+        fresh = [t for t in data["train"].values() if t.get("algo") == algo and not t.get("init_from")
                  and t.get("tokens_per_s")]
         if fresh:
             return _device(data), float(fresh[0]["tokens_per_s"])

@@ -132,13 +132,16 @@ class StepBudget:
             return False
         return True
 
+    def _replan_due(self) -> bool:
+        return bool(self.fractions) and self.done >= max(2, int(self.fractions[0] * self.total))
+
     def stepped(self, trainer) -> int | None:
         """Count a finished step; at a re-plan point re-size the plan and `trainer`'s schedule. Returns the
         previous total when it changed (for the caller's log), else None."""
         self.done += 1
-        if not self.fractions or self.done < max(2, int(self.fractions[0] * self.total)):
+        if not self._replan_due():
             return None
-        while self.fractions and self.done >= max(2, int(self.fractions[0] * self.total)):
+        while self._replan_due():  # a re-plan point the steps have passed (a grown plan moves later ones)
             self.fractions.pop(0)
         elapsed, (done_before, elapsed_before) = self.elapsed(), self.window
         self.window = (self.done, elapsed)

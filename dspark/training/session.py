@@ -134,11 +134,14 @@ def init_engine(cfg, plan: TrainPlan, target, forward_target=None):
 
 def load_initial_weights(drafter: nn.Module, init_dir: str, target) -> None:
     """Copy a saved drafter's weights into the freshly built one (same architecture: strict; or the same
-    but deeper: the added layers start as no-ops, dspark.drafters.deepen)."""
+    but deeper: the added layers start as no-ops, dspark.drafters.deepen). Its draft temperature (a
+    decoding setting chosen by measurement) carries over; its calibration (fitted to the old weights)
+    does not: calibrate the continued drafter again."""
     from dspark.drafters import load_drafter
     from dspark.drafters.deepen import deepen_from
 
     source = load_drafter(init_dir, target, device=target.device)
+    getattr(drafter, "module", drafter).draft_temperature = source.draft_temperature
     if len(getattr(source, "layers", ())) < len(getattr(drafter, "layers", ())):
         deepen_from(drafter, source)
         return

@@ -92,7 +92,7 @@ class TrainJobConfig(StrictModel):
     run_name: str = Field(description="the run's name: its checkpoints live in <checkpoint.storage_path>/<run_name>; relaunching it resumes")
     target: str = Field("tiny", description="load_target spec")
     drafter: DrafterConfig = Field(default_factory=DrafterConfig, description="the drafter's architecture and losses")
-    init_from: str | None = Field(None, description="start from this drafter's weights (models:/<name>@<alias>, models:/<name>/<version>, runs:/, s3:// or a dir): its architecture is used, drafter fields set here must agree (the flywheel's retraining)")
+    init_from: str | None = Field(None, description="start from this drafter's weights (models:/<name>@<alias>, models:/<name>/<version>, runs:/, s3:// or a dir): its architecture, draft vocabulary and draft temperature are kept (not its calibration: calibrate again), drafter fields set here must agree (the flywheel's retraining)")
     data: DataSection = Field(description="the rollouts trained on")
     optim: OptimSection = Field(default_factory=OptimSection, description="optimiser, schedule and batch geometry")
     deepspeed: DeepSpeedSection = Field(default_factory=DeepSpeedSection, description="ZeRO stage and precision")

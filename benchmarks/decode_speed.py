@@ -40,6 +40,7 @@ from dspark.eval.benchmark_files import parse_benchmark  # noqa: E402
 from dspark.decoding.sampling import SamplingParams  # noqa: E402
 from dspark.decoding.scheduler import PrefixScheduler, SchedulerConfig, profile_sps, target_verify_fn  # noqa: E402
 from dspark.decoding.specdec import speculative_generate, target_generate  # noqa: E402
+from dspark.decoding.tree_specdec import tree_speculative_generate  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -57,6 +58,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--gamma", type=gamma_list, default=None,
                     help="drafts per round (default: drafter block size); several, e.g. 3,5,7: one mode per drafter "
                          "and value, named <drafter>:g<γ>, decoded side by side")
+    ap.add_argument("--tree", action="append", type=tree_spec, default=[],
+                    help="also decode with a draft tree per round (DSpark drafters; repeatable): children per node at "
+                         "each depth, e.g. 4 or 2x2; one mode per drafter and tree, named <drafter>:t<tree> "
+                         "(dspark.decoding.tree_specdec)")
     ap.add_argument("--scheduler", choices=["fixed", "dynamic"], default="fixed")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
@@ -84,6 +89,17 @@ def gamma_list(text: str) -> list[int]:
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"{text!r}: every γ must be at least 1")
     return values
+
+
+def tree_spec(text: str) -> tuple[int, ...]:
+    """'2x2' -> (2, 2): children per node at depths 1, 2 of a draft tree."""
+    try:
+        counts = tuple(int(v) for v in text.split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give children per depth, e.g. 4 or 2x2") from None
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: every count must be at least 1")
+    return counts
 
 
 def load_prompts(target, data_dir: str, datasets: str, per_dataset: int) -> list[tuple[str, list[int]]]:
@@ -217,6 +233,11 @@ def main(argv=None) -> dict:
                 modes[name + tag + suffix] = (lambda t, d, h, st, g: lambda ids, gen: speculative_generate(
                     t, d, ids, sp, args.max_new_tokens, st, verify_len=h, generator=gen, gamma=g))(
                     target, drafter, h, stops, gamma)
+                for tree in args.tree if hasattr(drafter, "sample_tree") else []:
+                    label = f"{tag}:t{'x'.join(map(str, tree))}"
+                    modes[name + label + suffix] = (lambda t, d, st, g, b: lambda ids, gen: tree_speculative_generate(
+                        t, d, ids, sp, args.max_new_tokens, b, st, generator=gen, gamma=g))(
+                        target, drafter, stops, gamma, tree)
 
     warm = prompts[:1]
     for decode in modes.values():  # one short warm-up per mode: allocator, kernels, lazy imports

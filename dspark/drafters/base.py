@@ -35,6 +35,16 @@ class DraftProposal:
 
 
 @dataclass
+class DraftTree:
+    """A tree of drafts grown from one anchor (`DSparkDrafter.sample_tree`), nodes in breadth-first order."""
+
+    tokens: Tensor  # LongTensor [M] target ids
+    parents: list[int]  # parent node of each node, -1 = the anchor
+    depths: list[int]  # 1..γ: node i's token stands at position anchor + depths[i]
+    probs: Tensor  # float32 [M, V]: the distribution node i was drawn from (shared by its siblings)
+
+
+@dataclass
 class DraftState:
     """Per-request drafting state: projected context K/V per layer for verified positions 0..length-1."""
     kv: list[KVBuffer]

@@ -13,13 +13,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from dspark.drafters.base import (DraftProposal, DraftTrainOut, RowSampling, drafting_mask, selected_tokens,
-                                  split_proposals)
+from dspark.drafters.base import (DraftProposal, DraftTrainOut, DraftTree, RowSampling, drafting_mask,
+                                  selected_tokens, split_proposals)
 from dspark.drafters.config import DrafterConfig
 from dspark.drafters.dflash import DFlashDrafter
 from dspark.drafters.heads import ConfidenceHead, build_sequential_head
 from dspark.drafters.layers import init_weights
-from dspark.decoding.sampling import Generators, rows_generators, sample
+from dspark.decoding.sampling import Generators, SamplingParams, rows_generators, sample, to_probs
 
 
 class DSparkDrafter(DFlashDrafter):
@@ -108,3 +108,34 @@ class DSparkDrafter(DFlashDrafter):
             prev = tokens[:, k]
         conf = self.confidences(torch.stack(conf_logits, dim=-1)) if conf_logits else None
         return split_proposals(tokens, self.full_vocab_probs(probs), conf, gammas)
+
+    @torch.no_grad()
+    def sample_tree(self, h: Tensor, anchor: int, branching: tuple[int, ...], sampling: SamplingParams,
+                    generator: torch.Generator | None) -> DraftTree:
+        """A draft tree for one request from its block's hidden states h [1, γ, d]: every node at depth
+        k−1 (the anchor at depth 0) gets branching[k−1] children (1 past the tuple), drawn i.i.d. from
+        q_k(· | its path) = draft_sampling(U_k + B_k(path)), level by level. Each node keeps the row it was
+        drawn from (its siblings share it): what lossless tree verification divides by. With one child
+        per node this is `sample_blocks`' chain."""
+        u = self.lm_logits(h[0])  # [γ, N]: base logits, shared by every path
+        sp, head = self.draft_sampling(sampling), self.markov_head
+        state = None if head is None else head.initial_state(h[:, 0])  # one row per node of the level
+        prev = torch.tensor([anchor], device=self.device)
+        level, tokens, parents, depths, rows = [-1], [], [], [], []
+        for k in range(h.shape[1]):
+            n = branching[k] if k < len(branching) else 1
+            logits = u[k].expand(len(level), -1)
+            if head is not None:
+                state, bias = head.step(state, self.prev_embed(prev), h[0, k].expand(len(level), -1))
+                logits = logits + bias.float()
+            q = to_probs(logits, sp).repeat_interleave(n, 0)  # [W·n, N]: n children per node
+            prev = self.to_target_ids(sample(q, generator).to(self.device))
+            parents += [p for p in level for _ in range(n)]
+            level = list(range(len(tokens), len(tokens) + len(prev)))
+            tokens += prev.tolist()
+            depths += [k + 1] * len(prev)
+            rows.append(q)
+            if state is not None:
+                state = state.repeat_interleave(n, 0)  # each child carries its parent's state
+        return DraftTree(torch.tensor(tokens, device=self.device), parents, depths,
+                         self.full_vocab_probs(torch.cat(rows)))

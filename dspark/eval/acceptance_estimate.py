@@ -32,6 +32,17 @@ rounds that emit the trajectory obeys
 and τ_decode = tokens / R(first anchor), summed over answer turns (a round never crosses into the next
 turn) and pooled over prompts as Σ tokens / Σ R: the tokens a round emits, so it predicts decoding's
 `tau_emitted` (drafts accepted past a token budget are not counted). It needs every anchor (stride 1).
+
+`branching` (n_1, n_2, ...) scores rounds that verify a draft tree: every node at depth k−1 (the anchor at
+depth 0) gets n_k i.i.d. children from the drafter's q_k given its path (positions past the tuple: one),
+and the target scores all nodes in one forward (1 + Σ_k Π_{j≤k} n_j tokens). Acceptance walks down from
+the anchor: among a node's children, recursive rejection sampling (SpecInfer) accepts candidate j with
+min(1, p^(j)/q_k) where p^(1) = p_k and p^(j+1) = norm((p^(j) − q_k)+), lossless like one draft; the walk
+goes on below the accepted child and stops at the first node none of whose children is accepted (the
+next token then comes from the last residual). So only the per-position quantities change, through
+`candidates_acceptance`: α_k becomes P(some child accepted) and w_k = P(accepted with token x)/p_k(x) for
+the trajectory token x; deeper positions condition on the accepted token, the trajectory's, as for one
+chain.
 """
 from __future__ import annotations
 
@@ -103,13 +114,14 @@ def _anchors(model, loss_mask: Tensor, attention_mask: Tensor) -> tuple[Tensor, 
 @torch.no_grad()
 def sequence_acceptance(drafter, target, input_ids: Tensor, loss_mask: Tensor, sampling: SamplingParams,
                         rows_per_chunk: int = 2048, target_out=None, anchor_stride: int = 1,
-                        p_pos: Tensor | None = None) -> SequenceAcceptance:
+                        p_pos: Tensor | None = None, branching: Sequence[int] = ()) -> SequenceAcceptance:
     """α, w and the supported pairs for ONE sequence (input_ids, loss_mask: [T]); see the module doc.
     `target_out`: the target's features [1, T, m·d] and final hidden [1, T, d] for this sequence,
     precomputed (dspark/training/feature_cache.py); None runs the target here. `anchor_stride` k > 1
     keeps every k-th eligible anchor (a uniform subsample: the estimate stays unbiased, k times cheaper;
     not for dense-layout drafters such as Eagle3's TTT, which always use every position). `p_pos`: the
-    target's processed distributions [T, V] (`target_probs`), shared between drafters."""
+    target's processed distributions [T, V] (`target_probs`), shared between drafters. `branching`: a draft
+    tree's children per node at each depth (module doc; () = one chain)."""
     from dspark.training.loss import supervised_pairs
 
     model = getattr(drafter, "module", drafter)
@@ -147,6 +159,12 @@ def sequence_acceptance(drafter, target, input_ids: Tensor, loss_mask: Tensor, s
     alpha = torch.cat([_overlap(p_pos, q, pos[i:i + rows_per_chunk] - 1, i, rows_per_chunk, draft_ids)
                        for i in range(0, pos.numel(), rows_per_chunk)])
     weight = torch.where(p_tok > 0, (q_tok / p_tok.clamp_min(1e-30)).clamp(max=1.0), 0.0)
+    depth = torch.arange(K, device=device).expand(select.shape)[select]  # [M] draft position k − 1 of each pair
+    cols = tokens if draft_ids is None else col
+    for k, n in enumerate(branching):
+        at = depth == k
+        if n > 1 and bool(at.any()):
+            alpha[at], weight[at] = candidates_acceptance(p_pos[pos[at] - 1], q[at], cols[at], p_tok[at], n, draft_ids)
     sel = select[0][valid[0]]  # [N, K] for the valid anchors only
     full_a, full_w = torch.zeros(select.shape, device=device), torch.zeros(select.shape, device=device)
     full_a[select], full_w[select] = alpha, weight
@@ -166,6 +184,34 @@ def _overlap(p_pos: Tensor, q: Tensor, rows: Tensor, start: int, size: int, draf
     if draft_ids is not None:
         p = p[:, draft_ids.to(p.device)]
     return torch.minimum(p, q[start:start + size]).sum(dim=1)
+
+
+def candidates_acceptance(p: Tensor, q: Tensor, cols: Tensor, p_tok: Tensor, n: int,
+                              draft_ids: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """(α, w) of n i.i.d. candidates from q [M, N] against p [M, V], recursive rejection sampling.
+    Round j (reached with probability r_j = Π_{i<j} (1 − α^(i))) accepts its candidate with token x with
+    probability min(p^(j), q)(x); on rejection p^(j+1) = norm((p^(j) − q)+). Invariant (lossless): the
+    emitted token's law Σ_j r_j min(p^(j), q) + r_{n+1} p^(n+1) is p. Returns α = Σ_j r_j α^(j) and, for
+    the trajectory token (column `cols` of q, < 0 when outside the draft vocabulary; p(x) = p_tok),
+    w = Σ_j r_j min(p^(j), q)(x) / p(x). n = 1 gives Σ min(p, q) and min(1, q/p)(x)."""
+    p = p.float()
+    inside = p if draft_ids is None else p[:, draft_ids.to(p.device)]
+    outside = p.sum(1) - inside.sum(1)  # mass q never drafts: it stays in every residual
+    q = q.float()
+    ok = cols >= 0
+    at = cols.clamp_min(0).unsqueeze(1)
+    reach, alpha, joint = torch.ones_like(outside), torch.zeros_like(outside), torch.zeros_like(outside)
+    for _ in range(n):
+        overlap = torch.minimum(inside, q)
+        a = overlap.sum(1)
+        alpha += reach * a
+        joint += reach * torch.where(ok, overlap.gather(1, at).squeeze(1), 0.0)
+        reach = reach * (1 - a).clamp_min(0)
+        residual = (inside - q).clamp_min(0)
+        z = (residual.sum(1) + outside).clamp_min(1e-30)  # 0 only where p = q: then reach is 0 from here on
+        inside, outside = residual / z[:, None], outside / z
+    weight = torch.where(p_tok > 0, (joint / p_tok.clamp_min(1e-30)).clamp(max=1.0), 0.0)
+    return alpha, weight
 
 
 # ---------------------------------------------------------------- aggregation
@@ -243,11 +289,14 @@ def paired_difference(a: dict, b: dict, resamples: int = 2000, seed: int = 0) ->
 def estimate(drafter, target, rows: Iterable[dict], gamma: int, sampling: SamplingParams,
              estimators: Sequence[str] = ESTIMATORS, group_key: str = "domain", max_len: int | None = None,
              resamples: int = 2000, target_outs: Sequence | None = None, anchor_stride: int = 1,
-             p_cache: dict | None = None) -> dict:
+             p_cache: dict | None = None, branching: Sequence[int] = ()) -> dict:
     """rows: dicts with prompt_id, input_ids, loss_mask (+ `group_key`) -> {estimator: summarize(...)}.
     One target and one drafter pass per row; `max_len` cuts long rows. `target_outs`: precomputed
     target outputs, one per row (already cut to max_len), instead of running the target. `p_cache`: a
-    dict kept by the caller across drafters, row index -> the target's distributions (bf16)."""
+    dict kept by the caller across drafters, row index -> the target's distributions (bf16).
+    `branching`: children per node at each depth of a draft tree verified at once (module doc)."""
+    if any(n < 1 for n in branching) or len(branching) > gamma:
+        raise ValueError(f"branching {tuple(branching)}: at most γ = {gamma} counts, each >= 1")
     was_training = drafter.training
     drafter.eval()
     per: dict[str, list[PromptStats]] = {e: [] for e in estimators}
@@ -264,7 +313,7 @@ def estimate(drafter, target, rows: Iterable[dict], gamma: int, sampling: Sampli
                     p_cache[i] = target_probs(target, out.final_hidden[0], sampling).to(torch.bfloat16)
                 p = p_cache[i]
             acc = sequence_acceptance(drafter, target, ids, mask, sampling, target_out=out,
-                                      anchor_stride=anchor_stride, p_pos=p)
+                                      anchor_stride=anchor_stride, p_pos=p, branching=branching)
             for e in estimators:
                 per[e].append(prompt_stats(str(row["prompt_id"]), str(row.get(group_key, "")), acc, gamma, e))
             if every_anchor:

@@ -125,6 +125,15 @@ class Target:
         if drop:
             cache.crop(-drop)
 
+    def keep_cache_positions(self, cache, positions: Tensor) -> None:
+        """Keep only these cache positions, in this order (a verified tree's accepted path, compacted)."""
+        for layer in cache.layers:
+            if not hasattr(layer, "keys") or getattr(layer, "is_sliding", False):
+                raise NotImplementedError(f"{type(layer).__name__}: only full-attention dynamic caches can keep "
+                                          f"chosen positions")
+            index = positions.to(layer.keys.device)
+            layer.keys, layer.values = layer.keys.index_select(-2, index), layer.values.index_select(-2, index)
+
     @torch.no_grad()
     def forward(self, input_ids: Tensor, *, attention_mask: Tensor | None = None,
                 position_ids: Tensor | None = None, cache=None, layer_ids: list[int] | None = None,

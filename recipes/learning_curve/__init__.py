@@ -20,6 +20,8 @@ plus equal-budget baselines, a report (JSON + plot) and the inputs of `dspark pl
     python -m recipes.learning_curve lineage   [--spec S --curve C]  # a drafter trained in rounds: τ vs distinct tokens
     python -m recipes.learning_curve draft-temperature --drafters D [--temperatures 0.6 0.8 1.0] [--save DIR]
         [--gamma 3 --answer-tokens 64]  # the draft temperature that maximises decoding's τ (renewal estimate)
+    python -m recipes.learning_curve draft-trees --drafters D [--trees 2 3 4 2x2 3x2] [--gamma 3 ...]
+        # a tree of drafts verified per round: decoding's τ (renewal), the measured round cost, the projection
 
 Every phase is resumable from its output folder (DIR, default /work/learn-runs/<profile>): rollouts commit a
 Parquet shard per chunk in the rollout-store format (dspark/io/rollout_store.py) and skip committed
@@ -44,12 +46,13 @@ from recipes.learning_curve.measure import cmd_compare, cmd_decode, cmd_evaluate
 from recipes.learning_curve.report import cmd_report
 from recipes.learning_curve.lineage import cmd_lineage
 from recipes.learning_curve.draft_temperature import cmd_draft_temperature
+from recipes.learning_curve.draft_trees import cmd_draft_trees
 
 # ---------------------------------------------------------------- CLI
 PHASES = {"rollouts": cmd_rollouts, "train": cmd_train, "baselines": cmd_baselines, "evaluate": cmd_evaluate,
           "decode": cmd_decode, "epochs": cmd_epochs, "report": cmd_report, "sweep": cmd_sweep,
           "capacity": cmd_capacity, "compare": cmd_compare, "lineage": cmd_lineage,
-          "draft-temperature": cmd_draft_temperature}
+          "draft-temperature": cmd_draft_temperature, "draft-trees": cmd_draft_trees}
 # `after-rollouts`: everything after the rollouts in ONE process (imports and the target load once), the
 # curve first (train, evaluate), then real decoding of what exists (DSpark at the largest point: the
 # estimator's check), then the baselines and their decoding; a stop at any point leaves valid results.
@@ -105,9 +108,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--minutes", type=float, default=None, help="capacity: wall-clock training budget per setting")
     p.add_argument("--modes", nargs="+", default=None, help="decode: only these modes (and target-only)")
     p.add_argument("--drafters", nargs="+", default=None,
-                   help="compare: saved drafter folders, the baseline first; draft-temperature: the one drafter")
+                   help="compare: saved drafter folders, the baseline first; draft-temperature, draft-trees: the one "
+                        "drafter")
     p.add_argument("--temperatures", nargs="+", type=float, default=None,
                    help="draft-temperature: the values to try (1 is always tried; default 0.5 0.6 0.7 0.8 0.9 1.0)")
+    p.add_argument("--trees", nargs="+", default=None,
+                   help="draft-trees: children per node at each depth, e.g. 4 or 3x2 (one chain is always tried; "
+                        "default 2 3 4 2x2 3x2)")
     p.add_argument("--save", default=None, help="draft-temperature: write the drafter with the best value here")
     p.add_argument("--labels", nargs="+", default=None,
                    help="compare: a short name per drafter, in --drafters order (default: its path)")

@@ -70,8 +70,9 @@ def estimate_drafter(drafter_dir: Path, target, prof: dict, held: tuple, p_cache
 
 
 def estimate_loaded(drafter, target, prof: dict, held: tuple, p_cache: dict, gamma: int | None = None,
-                    name: str = "the drafter") -> dict:
-    """`estimate_drafter` for a drafter already loaded (e.g. one whose draft temperature is being swept)."""
+                    name: str = "the drafter", branching: tuple[int, ...] = ()) -> dict:
+    """`estimate_drafter` for a drafter already loaded (e.g. one whose draft temperature is being swept);
+    `branching`: rounds that verify a draft tree (dspark.eval.acceptance_estimate's module doc)."""
     from dspark.eval.acceptance_estimate import estimate
 
     rows, outs, sp = held
@@ -81,7 +82,7 @@ def estimate_loaded(drafter, target, prof: dict, held: tuple, p_cache: dict, gam
     if gamma > most:
         raise SystemExit(f"--gamma {gamma}: {name} drafts (and is trained on) at most {most} per round")
     result = estimate(drafter, target, rows, gamma, sp, max_len=prof["eval_max_len"], target_outs=outs,
-                      anchor_stride=stride, p_cache=p_cache)
+                      anchor_stride=stride, p_cache=p_cache, branching=branching)
     result["gamma"], result["wall_s"], result["anchor_stride"] = gamma, time.perf_counter() - t0, stride
     return result
 

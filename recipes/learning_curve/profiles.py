@@ -33,7 +33,7 @@ PROFILES = {
                                                    "num_context_layers": 2, "draft_vocab_size": 64},
              "epochs": 1, "batch_size": 2, "lr": 1e-3, "max_len": 320, "eval_max_len": 320, "seed": 0,
              "log_every": 1, "cache_rows_per_shard": 3, "cache_batch": 2, "decode_prompts": 1,
-             "decode_max_new_tokens": 8},
+             "decode_max_new_tokens": 8, "cost_reps": 3, "cost_threads": 1},
 }
 TRAIN_FILES = ["data/train/math.jsonl", "data/train/code.jsonl", "data/train/chat.jsonl"]
 EVAL_DIR = "data/eval"

@@ -231,3 +231,22 @@ def test_extra_prompt_set_joins_the_training_rows_and_a_drafter_path_continues(t
     assert load_drafter(dt["saved"]).draft_temperature == dt["best"]
     with pytest.raises(SystemExit, match="already there"):
         run("draft-temperature", out, "--drafters", other, "--save", str(tmp_path / "tempered"))
+
+    # a tree of drafts verified per round: τ rises with its width (paired with one chain), costs measured
+    fd = lc.cmd_draft_trees(lc.parse_args(["draft-trees", "--profile", "tiny", "--out", str(out), "--drafters",
+                                           other, "--trees", "3", "2", "2x2x1", "--gamma", "2", "--answer-tokens", "4"]),
+                            lc.PROFILES["tiny"])
+    assert json.loads((out / "draft-trees-g2-a4.json").read_text()) == json.loads(json.dumps(fd))
+    rows = fd["trees"]
+    assert list(rows) == ["1", "3", "2", "2x2"] and rows["1"]["vs_one_chain"] is None
+    assert rows["1"]["decoded_tau_estimate"] == pytest.approx(at["drafters"][other]["decoded_tau_estimate"])
+    # (this tiny drafter accepts almost nothing: wider trees never lower τ; the unit tests show them raise it)
+    assert rows["1"]["decoded_tau_estimate"] <= rows["2"]["decoded_tau_estimate"] <= rows["3"]["decoded_tau_estimate"]
+    assert rows["2"]["decoded_tau_estimate"] <= rows["2x2"]["decoded_tau_estimate"]
+    assert [(rows[n]["verify_tokens"], rows[n]["leaves"]) for n in rows] == [(3, 1), (7, 3), (5, 2), (7, 4)]
+    assert rows["3"]["vs_one_chain"]["difference"] >= 0 and fd["cost"]["reps"] == 3
+    assert all(r["verify_ms"] > 0 and r["draft_ms"] > 0 and r["projected_speedup_vs_target"] > 0 for r in rows.values())
+    with pytest.raises(SystemExit, match="deeper than"):
+        run("draft-trees", out, "--drafters", other, "--trees", "2x2x2", "--gamma", "2")
+    with pytest.raises(SystemExit, match="not a tree"):
+        run("draft-trees", out, "--drafters", other, "--trees", "2y")

@@ -249,3 +249,75 @@ def test_expected_rounds_restart_at_each_answer_turn():
     assert rejected.expected_rounds(2) == pytest.approx(6.0)  # one token per round, both turns
     accepted = SequenceAcceptance(torch.ones(6, 2), torch.ones(6, 2), select, positions)
     assert accepted.expected_rounds(2) == pytest.approx(2.0)  # one round of 3 tokens per turn
+
+
+def simulate_first_drafts(p: np.ndarray, q: np.ndarray, n: int, trials: int, rng) -> np.ndarray:
+    """Monte Carlo of n i.i.d. candidates from q under recursive rejection sampling: the share of trials
+    that accept a candidate with token x (index x), and emit from the final residual (index V)."""
+    p, q = p / p.sum(), q / q.sum()
+    counts = np.zeros(len(p) + 1)
+    for _ in range(trials):
+        resid = p.copy()
+        for _ in range(n):
+            x = rng.choice(len(q), p=q)
+            if rng.random() < min(1.0, resid[x] / q[x]):
+                counts[x] += 1
+                break
+            resid = np.maximum(resid - q, 0)
+            resid /= resid.sum()
+        else:
+            counts[-1] += 1
+    return counts / trials
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_candidates_acceptance_matches_simulated_recursive_rejection(n):
+    from dspark.eval.acceptance_estimate import candidates_acceptance
+
+    gen = torch.Generator().manual_seed(n)
+    p = torch.softmax(2 * torch.randn(6, generator=gen), 0).double()
+    q = torch.softmax(2 * torch.randn(6, generator=gen), 0).double()
+    cols = torch.arange(6)
+    alpha, weight = candidates_acceptance(p.expand(6, 6), q.expand(6, 6), cols, p, n)
+    joint = (weight.double() * p).numpy()  # P(accepted with token x), x = 0..5
+    sim = simulate_first_drafts(p.numpy(), q.numpy(), n, 40_000, np.random.default_rng(n))
+    assert np.allclose(joint, sim[:-1], atol=0.01)
+    assert np.allclose(alpha.numpy(), sim[:-1].sum(), atol=0.01)
+    if n == 1:  # one draft: Σ min(p, q) and min(1, q/p)
+        assert torch.allclose(alpha.double(), torch.minimum(p, q).sum().expand(6), atol=1e-6)
+        assert torch.allclose(weight.double(), (q / p).clamp(max=1), atol=1e-6)
+
+
+def test_candidates_acceptance_on_a_draft_vocabulary_equals_the_full_one():
+    """q on a draft vocabulary (zero outside): the residual keeps p's outside mass; same as q scattered."""
+    from dspark.eval.acceptance_estimate import candidates_acceptance
+
+    gen = torch.Generator().manual_seed(7)
+    p = torch.softmax(torch.randn(4, 10, generator=gen), 1)
+    ids = torch.tensor([0, 2, 3, 7, 8])
+    q_sub = torch.softmax(torch.randn(4, 5, generator=gen), 1)
+    q_full = torch.zeros(4, 10).index_copy(1, ids, q_sub)
+    tokens = torch.tensor([2, 8, 1, 7])  # 1 is outside the draft vocabulary
+    cols = torch.tensor([1, 4, -100, 3])
+    p_tok = p.gather(1, tokens[:, None]).squeeze(1)
+    a_sub, w_sub = candidates_acceptance(p, q_sub, cols, p_tok, 3, ids)
+    a_full, w_full = candidates_acceptance(p, q_full, tokens, p_tok, 3)
+    assert torch.allclose(a_sub, a_full, atol=1e-6) and torch.allclose(w_sub, w_full, atol=1e-6)
+    assert w_sub[2] == 0 and (a_sub > candidates_acceptance(p, q_sub, cols, p_tok, 1, ids)[0]).all()
+
+
+@torch.no_grad()
+def test_wider_draft_trees_raise_the_estimate_and_one_chain_changes_nothing(target):
+    drafter = make_drafter(target)
+    gen = torch.Generator().manual_seed(5)
+    rows = [{"prompt_id": str(i), "input_ids": torch.randint(0, V, (20,), generator=gen).tolist(),
+             "loss_mask": [0] * 4 + [1] * 16} for i in range(3)]
+    taus = [estimate(drafter, target, rows, 3, SP, branching=b) for b in ((1,), (2,), (3,), (3, 2))]
+    plain = estimate(drafter, target, rows, 3, SP)
+    assert taus[0]["renewal"]["decoded_tau"] == plain["renewal"]["decoded_tau"]
+    for key in ("renewal", "alpha", "iw"):
+        tau = [t[key]["decoded_tau" if key == "renewal" else "expected_tau"] for t in taus]
+        assert tau[0] < tau[1] < tau[2] < tau[3]
+    for bad in ((0,), (1, 1, 1, 2)):
+        with pytest.raises(ValueError, match="branching"):
+            estimate(drafter, target, rows, 3, SP, branching=bad)

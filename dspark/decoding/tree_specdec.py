@@ -1,0 +1,131 @@
+"""Batch-1 speculative decoding that verifies a tree of drafts per round (SpecInfer-style), lossless.
+
+A tree "branching" (n_1, n_2, ...) gives every node at depth k−1 (the anchor at depth 0) n_k children
+drawn i.i.d. from the drafter's q_k(· | its path); below the tuple, one. Per round, with `anchor` the
+last token the target produced (in no cache yet):
+  1. one drafter backbone pass gives the block's hidden states; `sample_tree` grows the tree from them;
+  2. the target scores [anchor, every node] in ONE forward: node i sits at position L + depth(i) and
+     attends to the cache, the anchor and its own ancestors only (a 4D mask);
+  3. `accept_tree` walks down from the anchor: among the current node's children, in the order drawn,
+     child j is accepted with probability min(1, r_j(x_j) / q(x_j)), where r_1 = p(· | path) and
+     r_{j+1} = norm((r_j − q)+); below an accepted child the walk goes on; where no child is accepted
+     (or at a leaf) the next token is drawn from the last r (at a leaf: p itself, the bonus);
+  4. the cache keeps [prefix, anchor, accepted path] (the other nodes' keys and values are dropped), the
+     drafter's context grows by the same positions' target features, and the drawn token is the new anchor.
+Invariant (lossless, multi-round rejection sampling): at each step of the walk the emitted token has law
+Σ_j P(reach j) · min(r_j, q) + P(no child accepted) · r_{n+1} = p(· | emitted prefix), and what the walk
+does below a node depends only on the drafts under that node, drawn given its path. Between rounds, as
+in dspark.decoding.specdec: cache length == drafter context length == len(prompt) + len(tokens) − 1.
+"""
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+from dspark.decoding.sampling import SamplingParams, sample, to_probs
+from dspark.decoding.specdec import (GenerationResult, RoundStats, _check_inputs, _keep, _prefill, _stop_set,
+                                     drafter_layer_ids)
+
+
+def accept_tree(tokens: Tensor, parents: list[int], draft_probs: Tensor, target_probs: Tensor,
+                generator: torch.Generator | None = None) -> tuple[list[int], int]:
+    """(accepted path as node indices from the anchor down, next token). tokens [M], draft_probs [M, V] (the
+    row each node was drawn from), target_probs [1 + M, V] (row 0: after the anchor; row 1 + i: after
+    node i). Children are tried in index order (the order they were drawn)."""
+    device = generator.device if generator is not None else target_probs.device
+    tokens, draft_probs, target_probs = tokens.to(device), draft_probs.to(device), target_probs.to(device)
+    children: dict[int, list[int]] = {}
+    for node, parent in enumerate(parents):
+        children.setdefault(parent, []).append(node)
+    path, at = [], -1
+    while True:
+        residual = target_probs[at + 1]
+        for child in children.get(at, []):
+            x, q = int(tokens[child]), draft_probs[child]
+            if float(torch.rand((), generator=generator, device=device)) * q[x] < residual[x]:
+                path.append(child)
+                at = child
+                break
+            left = (residual - q).clamp_min(0.0)
+            # sum 0 only through rounding when residual == q (then this child was accepted with probability 1)
+            residual = left / left.sum() if left.sum() > 0 else residual
+        else:  # no child accepted, or a leaf: the next token comes from what is left of p
+            return path, int(sample(residual, generator))
+
+
+def tree_attention(parents: list[int], depths: list[int], cached: int, dtype: torch.dtype,
+                   device) -> tuple[Tensor, Tensor]:
+    """(additive mask [1, 1, 1 + M, cached + 1 + M], position ids [1, 1 + M]) of [anchor, nodes]: each row
+    sees the cache, the anchor, and its own ancestors and itself."""
+    m = len(parents)
+    visible = torch.zeros(1 + m, cached + 1 + m, dtype=torch.bool)
+    visible[:, : cached + 1] = True
+    for node, parent in enumerate(parents):
+        row = visible[1 + node]
+        if parent >= 0:
+            row[cached + 1:] = visible[1 + parent, cached + 1:]
+        row[cached + 1 + node] = True
+    mask = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, torch.finfo(dtype).min)
+    positions = cached + torch.tensor([0, *depths])
+    return mask[None, None].to(device), positions[None].to(device)
+
+
+@torch.no_grad()
+def tree_speculative_generate(target, drafter, prompt_ids, sp: SamplingParams, max_new_tokens: int,
+                              branching: Sequence[int], stop_ids: Sequence[int] | None = None,
+                              generator: torch.Generator | None = None, gamma: int | None = None) -> GenerationResult:
+    """Lossless speculative decoding of one prompt with a draft tree per round (module doc). The drafter
+    needs `sample_tree` (DSpark). gamma: the tree's depth (default the drafter's block size)."""
+    if not hasattr(drafter, "sample_tree"):
+        raise ValueError(f"{drafter.algo} drafters do not grow draft trees (DSpark does)")
+    gamma = gamma or drafter.config.block_size
+    drafter.check_gamma(gamma)
+    branching = tuple(int(n) for n in branching)
+    if len(branching) > gamma or any(n < 1 for n in branching):
+        raise ValueError(f"branching {branching}: at most γ = {gamma} counts, each >= 1")
+    ids = _check_inputs(target, prompt_ids, max_new_tokens, gamma + 1)
+    stops, layer_ids = _stop_set(target, stop_ids), drafter_layer_ids(drafter)
+    start = time.perf_counter()
+    cache, features, anchor = _prefill(target, ids, layer_ids, sp, generator)
+    state = drafter.new_state()
+    drafter.extend_context(state, features, torch.tensor(ids, device=features.device))
+    tokens, rounds = [anchor], []
+    finish = "stop" if anchor in stops else ("length" if max_new_tokens == 1 else None)
+    prefill_s = time.perf_counter() - start
+    while finish is None:
+        stats, new, kept_features, kept_ids = _tree_round(target, drafter, state, cache, anchor, gamma, branching,
+                                                          sp, generator, layer_ids)
+        kept, finish = _keep(new, len(tokens), max_new_tokens, stops)
+        stats.emitted = len(kept)
+        tokens += kept
+        rounds.append(stats)
+        anchor = new[-1]
+        if finish is None:
+            drafter.extend_context(state, kept_features, kept_ids)
+    return GenerationResult(tokens, rounds, finish, time.perf_counter() - start, len(ids), prefill_s)
+
+
+def _tree_round(target, drafter, state, cache, anchor: int, gamma: int, branching: tuple[int, ...], sp,
+                generator, layer_ids):
+    """One draft-tree / verify / walk cycle -> (stats, new tokens, features and ids of the kept positions)."""
+    t0 = time.perf_counter()
+    h = drafter.blocks_hidden([state], torch.tensor([anchor], device=drafter.device))
+    first = drafter.first_pred_slot
+    tree = drafter.sample_tree(h[:, first:first + gamma], anchor, branching, sp, generator)
+    t1 = time.perf_counter()
+    base = target.cache_length(cache)
+    verify_ids = torch.cat([torch.tensor([anchor], device=target.device), tree.tokens.to(target.device)])
+    mask, positions = tree_attention(tree.parents, tree.depths, base, target.dtype, target.device)
+    out = target.forward(verify_ids[None], cache=cache, use_cache=True, attention_mask=mask, position_ids=positions,
+                         layer_ids=layer_ids, logits_at="all")
+    path, next_token = accept_tree(tree.tokens, tree.parents, tree.probs, to_probs(out.logits[0], sp), generator)
+    kept = torch.tensor([0, *(1 + node for node in path)], device=target.device)  # in [anchor, nodes]
+    target.keep_cache_positions(out.cache, torch.cat([torch.arange(base, device=target.device), base + kept]))
+    stats = RoundStats(proposed=len(tree.parents), verified=len(tree.parents), accepted=len(path),
+                       outcomes=[True] * len(path) + ([False] if len(path) < gamma else []),
+                       draft_s=t1 - t0, verify_s=time.perf_counter() - t1)
+    new = [int(tree.tokens[node]) for node in path] + [next_token]
+    return stats, new, out.features[0, kept], verify_ids[kept]

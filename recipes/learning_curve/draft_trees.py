@@ -1,0 +1,172 @@
+"""Phase `draft-trees`: what verifying a tree of drafts per round, instead of one chain, would buy decoding.
+
+A tree "2x2" gives the anchor 2 i.i.d. children from q_1 and each of them 2 children from q_2 given its
+path, then one chain below (DSpark's Markov head runs once per leaf over the one backbone pass); the
+target scores every node in one forward and acceptance walks down the tree by recursive rejection
+sampling, lossless like one chain (dspark.eval.acceptance_estimate's module doc). Decoding's first
+position is where a round loses most (acceptance ≈ 0.45 there for the committed CPU drafter), and a
+batch-1 CPU target verifies a few more tokens for little. This phase measures both halves on this
+machine and multiplies them; the engine does not decode trees (yet):
+
+- τ: the renewal estimate of decoding's τ for each tree on the held-out rows (every anchor; at a decode
+  run's setting with --gamma/--answer-tokens/--benchmarks), each paired with one chain on the same prompts;
+- cost, medians over interleaved repetitions at 256 positions of context, target and drafter in bfloat16
+  on 2 threads (a profile's cost_threads; as `benchmarks/decode_speed.py --dtypes bfloat16 --threads 2` runs them): one target step
+  (1 token), the verify forward of the tree's 1 + Σ_k Π_{j≤k} n_j tokens, and drafting (`propose`: the
+  backbone and one chain; plus `sample_blocks` over one row per leaf, less one row's);
+- projected batch-1 speedup over target-only = τ · target step / (drafting + verify). It leaves out the
+  engine's per-round bookkeeping, so read the one-chain row against a measured decode (1.22–1.31× for the
+  committed drafter at γ 3) and the trees relative to it.
+
+    python -m recipes.learning_curve draft-trees --drafters DRAFTER [--trees 2 3 4 2x2 3x2]
+        [--gamma 3 --answer-tokens 64 --benchmarks gsm8k humaneval mt-bench]
+"""
+from __future__ import annotations
+
+import json
+import re
+import statistics
+import time
+from pathlib import Path
+
+from recipes.learning_curve.profiles import log
+
+DEFAULT_TREES = ("2", "3", "4", "2x2", "3x2")
+COST_CONTEXT, COST_WARMUP = 256, 3  # a profile may set cost_reps (default 30) and cost_threads (default 2)
+
+
+def parse_tree(text: str) -> tuple[int, ...]:
+    """'3x2' -> (3, 2): children per node at depths 1, 2 (one below); '1' = one chain."""
+    if not re.fullmatch(r"[1-9][0-9]*(x[1-9][0-9]*)*", text):
+        raise SystemExit(f"draft-trees: {text!r} is not a tree; write children per depth, e.g. 4 or 3x2")
+    counts = tuple(int(n) for n in text.split("x"))
+    while len(counts) > 1 and counts[-1] == 1:
+        counts = counts[:-1]
+    return counts
+
+
+def tree_nodes(branching: tuple[int, ...], gamma: int) -> tuple[int, int]:
+    """(verify tokens = 1 + Σ_k Π_{j≤k} n_j over k = 1..γ, leaves = Π n_j) of a tree."""
+    width, nodes = 1, 0
+    for k in range(gamma):
+        width *= branching[k] if k < len(branching) else 1
+        nodes += width
+    return 1 + nodes, width
+
+
+def cmd_draft_trees(args, prof: dict) -> dict:
+    from dspark.drafters import load_drafter
+    from recipes.learning_curve.measure import (decode_setting, drafter_label, estimate_loaded, held_out,
+                                                load_target_of, setting_file)
+
+    if not args.drafters or len(args.drafters) != 1:
+        raise SystemExit("draft-trees: give --drafters DRAFTER (one saved drafter folder)")
+    trees = {"1": (1,)}
+    for text in args.trees or DEFAULT_TREES:
+        trees.setdefault("x".join(map(str, parse_tree(text))), parse_tree(text))
+    out, target, source = Path(args.out), load_target_of(prof), Path(args.drafters[0])
+    held, p_cache = held_out(target, prof, out), {}
+    if args.benchmarks or args.answer_tokens:
+        held = decode_setting(held, args.benchmarks, args.answer_tokens)
+    prof = {**prof, "anchor_stride": 1}  # the renewal estimate needs every anchor
+    drafter = load_drafter(str(source), target)
+    gamma = args.gamma or drafter.config.block_size
+    for name, branching in trees.items():
+        if len(branching) > gamma:
+            raise SystemExit(f"draft-trees: tree {name} is deeper than γ = {gamma}")
+    results = {}
+    for name, branching in trees.items():
+        results[name] = estimate_loaded(drafter, target, prof, held, p_cache, gamma, branching=branching)
+        log(f"tree {name}: decoding's τ (renewal) {results[name]['renewal']['decoded_tau']:.3f}, "
+            f"per-anchor τ {results[name]['alpha']['expected_tau']:.3f}")
+    shapes = {name: tree_nodes(b, gamma) for name, b in trees.items()}
+    cost = measure_costs(prof, source, sorted({s for s in shapes.values()}), gamma)
+    rows = {name: tree_row(results[name], results["1"], name == "1", shapes[name], cost) for name in trees}
+    report = {"drafter": drafter_label(source), "held_out_rows": len(held[0]),
+              "setting": {"gamma": gamma, "answer_tokens": args.answer_tokens, "benchmarks": args.benchmarks,
+                          "anchor_stride": 1},
+              "cost": cost, "trees": rows,
+              "best_projected": max(rows, key=lambda name: rows[name]["projected_speedup_vs_target"])}
+    path = out / setting_file("draft-trees", args)
+    path.write_text(json.dumps(report, indent=1))
+    for name, r in rows.items():
+        gain = r["decoded_tau_estimate"] - rows["1"]["decoded_tau_estimate"]
+        log(f"tree {name}: τ {r['decoded_tau_estimate']:.3f} ({gain:+.3f}); verify {r['verify_tokens']} tokens "
+            f"{r['verify_ms']:.1f} ms, drafting {r['draft_ms']:.1f} ms -> projected "
+            f"{r['projected_speedup_vs_target']:.2f}x over target-only")
+    log(f"-> {path}")
+    return report
+
+
+def tree_row(result: dict, chain: dict, is_chain: bool, shape: tuple[int, int], cost: dict) -> dict:
+    """One tree: decoding's τ (renewal) with its paired difference to one chain, and the projection."""
+    from recipes.learning_curve.measure import decoded_estimate
+
+    est = decoded_estimate(result, chain, is_chain)
+    vs_chain = est.pop("decoded_vs_baseline")
+    tokens, leaves = shape
+    verify_ms = cost["verify_ms"][str(tokens)]
+    draft_ms = cost["propose_ms"] + max(cost["chains_ms"][str(leaves)] - cost["chains_ms"]["1"], 0.0)
+    tau = est["decoded_tau_estimate"]
+    return {**est, "expected_tau": result["alpha"]["expected_tau"], "vs_one_chain": vs_chain,
+            "verify_tokens": tokens, "leaves": leaves, "verify_ms": verify_ms, "draft_ms": draft_ms,
+            "projected_speedup_vs_target": tau * cost["target_step_ms"] / (draft_ms + verify_ms)}
+
+
+def measure_costs(prof: dict, source: Path, shapes: list[tuple[int, int]], gamma: int) -> dict:
+    """Medians (ms) of one target step, the verify forward of each tree size and drafting one chain per leaf,
+    each measured once in every repetition (the module doc); the target cache is cropped back after each."""
+    import torch
+
+    from dspark.decoding.sampling import SamplingParams
+    from dspark.drafters import load_drafter
+    from dspark.drafters.base import RowSampling
+    from dspark.models.target import load_target
+
+    threads, reps = torch.get_num_threads(), prof.get("cost_reps", 30)
+    torch.set_num_threads(prof.get("cost_threads", 2))
+    try:
+        target = load_target(prof["target"], dtype=torch.bfloat16)
+        drafter = load_drafter(str(source), target).to(torch.bfloat16).eval()
+        most = max(tokens for tokens, _ in shapes)
+        ids = torch.randint(0, target.vocab_size, (COST_CONTEXT + most,), generator=torch.Generator().manual_seed(0))
+        context = ids[:COST_CONTEXT]
+        with torch.no_grad():
+            prefill = target.forward(context[None], cache=target.new_cache(), use_cache=True,
+                                     layer_ids=drafter.layer_ids, logits_at="last")
+            cache, state = prefill.cache, drafter.new_state()
+            drafter.extend_context(state, prefill.features[0], context)
+            anchor, gen = int(context[-1]), torch.Generator().manual_seed(1)
+            sp = drafter.draft_sampling(SamplingParams(temperature=1.0))
+            h = drafter.blocks_hidden([state], torch.tensor([anchor]))[:, :gamma]
+
+        def verify(tokens: int):  # the cost of a forward does not depend on the tree mask's shape
+            target.forward(ids[COST_CONTEXT - 1: COST_CONTEXT - 1 + tokens][None], cache=cache, use_cache=True,
+                           logits_at="all")
+            target.crop_cache(cache, COST_CONTEXT)
+
+        def chains(rows: int):
+            drafter.sample_blocks(h.expand(rows, -1, -1), torch.tensor([anchor] * rows), [gamma] * rows,
+                                  RowSampling([sp] * rows), gen)
+
+        leaves = sorted({1, *(n for _, n in shapes)})
+        timed = {"target_step": lambda: verify(1), "propose": lambda: drafter.propose(state, anchor, gamma, sp, gen)}
+        timed.update({f"verify{t}": (lambda t=t: verify(t)) for t in sorted({t for t, _ in shapes})})
+        timed.update({f"chains{n}": (lambda n=n: chains(n)) for n in leaves})
+        times = {name: [] for name in timed}
+        with torch.no_grad():
+            for rep in range(COST_WARMUP + reps):
+                for name, fn in timed.items():  # side by side: every quantity once per repetition
+                    start = time.perf_counter()
+                    fn()
+                    if rep >= COST_WARMUP:
+                        times[name].append(time.perf_counter() - start)
+        ms = {name: 1000 * statistics.median(v) for name, v in times.items()}
+        used = torch.get_num_threads()
+    finally:
+        torch.set_num_threads(threads)
+    return {"context": COST_CONTEXT, "reps": reps, "threads": used, "dtype": "bfloat16",
+            "target_step_ms": ms["target_step"], "propose_ms": ms["propose"],
+            "verify_ms": {str(t): ms[f"verify{t}"] for t, _ in sorted(set(shapes))},
+            "chains_ms": {str(n): ms[f"chains{n}"] for n in leaves}}
+

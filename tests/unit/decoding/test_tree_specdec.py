@@ -1,0 +1,115 @@
+"""Tree speculative decoding (dspark/decoding/tree_specdec.py): lossless at temperature 1 (χ² of the first
+tokens' joint against the exact target joint, through the real decoder), the multi-round acceptance walk
+against the exact law, the tree's attention layout, and a compacted cache that equals a fresh forward."""
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+from dspark.decoding.sampling import SamplingParams
+from dspark.decoding.tree_specdec import accept_tree, tree_attention, tree_speculative_generate
+from dspark.drafters import DrafterConfig, build_drafter
+from dspark.models.target import build_tiny_model
+from tests.lossless_stats import chi2_pvalue, exact_joint
+
+VOCAB, PROMPT, N_TOKENS, GAMMA = 6, [1, 5, 2, 4, 3], 3, 3
+SP = SamplingParams(temperature=1.0)
+
+
+@pytest.fixture(scope="module")
+def micro_target():
+    return build_tiny_model(vocab_size=VOCAB, seed=0, num_layers=3, hidden_size=32, init_std=0.3)
+
+
+def _drafter(target, head="rnn", draft_ids=None):
+    torch.manual_seed(0)
+    cfg = DrafterConfig(algo="dspark", block_size=GAMMA, num_layers=1, num_context_layers=2, rank=8, init_std=0.2,
+                        head=head, draft_vocab_size=None if draft_ids is None else len(draft_ids))
+    return build_drafter(cfg, target, draft_ids=None if draft_ids is None else torch.tensor(draft_ids)).eval()
+
+
+@pytest.mark.parametrize("branching,head,draft_ids", [((3,), "rnn", None), ((2, 2), "markov", [0, 1, 3, 5])])
+def test_tree_decoding_is_lossless(micro_target, branching, head, draft_ids):
+    drafter = _drafter(micro_target, head, draft_ids)
+    gen = torch.Generator().manual_seed(7)
+    counts, nodes = np.zeros([VOCAB] * N_TOKENS), []
+    for _ in range(3000):
+        out = tree_speculative_generate(micro_target, drafter, PROMPT, SP, N_TOKENS, branching, stop_ids=[],
+                                        generator=gen)
+        counts[tuple(out.token_ids)] += 1
+        nodes += [r.verified for r in out.rounds]
+    p = chi2_pvalue(counts, exact_joint(micro_target, PROMPT, N_TOKENS, SP, VOCAB))
+    print(f"\n[lossless] tree {branching} ({head}): chi2 p-value = {p:.4g} over 3000 runs")
+    assert p > 1e-3
+    width = 1
+    expected_nodes = 0
+    for k in range(GAMMA):
+        width *= branching[k] if k < len(branching) else 1
+        expected_nodes += width
+    assert set(nodes) == {expected_nodes}
+
+
+def test_the_walk_emits_the_target_law_at_the_first_position():
+    """Three i.i.d. candidates from q at the root, a tiny vocabulary: P(first token = x) = p(x) exactly,
+    whether it comes from an accepted child or from the last residual."""
+    gen_p = torch.Generator().manual_seed(3)
+    p = torch.softmax(2 * torch.randn(5, generator=gen_p), 0)
+    q = torch.softmax(2 * torch.randn(5, generator=gen_p), 0)
+    gen, counts, accepted = torch.Generator().manual_seed(4), np.zeros(5), 0
+    runs = 20_000
+    for _ in range(runs):
+        kids = torch.multinomial(q, 3, replacement=True, generator=gen)
+        path, nxt = accept_tree(kids, [-1, -1, -1], q.expand(3, 5), torch.stack([p, p, p, p]), gen)
+        first = int(kids[path[0]]) if path else nxt
+        counts[first] += 1
+        accepted += bool(path)
+    assert chi2_pvalue(counts, p.double().numpy()) > 1e-3
+    # P(some child accepted) = 1 - Π_j (1 - α_j) along the residuals (dspark.eval.acceptance_estimate)
+    from dspark.eval.acceptance_estimate import candidates_acceptance
+
+    alpha, _ = candidates_acceptance(p[None], q[None], torch.tensor([0]), p[:1], 3)
+    assert abs(accepted / runs - float(alpha)) < 0.015
+
+
+def test_tree_attention_sees_ancestors_only():
+    # anchor -> a, b; a -> c; b -> d  (depths 1, 1, 2, 2)
+    mask, positions = tree_attention([-1, -1, 0, 1], [1, 1, 2, 2], cached=2, dtype=torch.float32, device="cpu")
+    visible = (mask[0, 0] == 0).int().tolist()
+    assert visible == [[1, 1, 1, 0, 0, 0, 0],   # anchor: cache + itself
+                       [1, 1, 1, 1, 0, 0, 0],   # a
+                       [1, 1, 1, 0, 1, 0, 0],   # b
+                       [1, 1, 1, 1, 0, 1, 0],   # c under a
+                       [1, 1, 1, 0, 1, 0, 1]]   # d under b
+    assert positions.tolist() == [[2, 3, 3, 4, 4]]
+
+
+def test_the_kept_cache_equals_a_fresh_forward(micro_target, monkeypatch):
+    """After tree rounds the compacted cache is the cache of [prompt, emitted tokens]: the next-token logits
+    from it equal a fresh forward over the whole sequence."""
+    drafter = _drafter(micro_target)
+    caches = []
+    real_keep = micro_target.keep_cache_positions
+    monkeypatch.setattr(micro_target, "keep_cache_positions",
+                        lambda cache, pos: (real_keep(cache, pos), caches.append(copy.deepcopy(cache)))[0])
+    out = tree_speculative_generate(micro_target, drafter, PROMPT, SP, 12, (3, 2), stop_ids=[],
+                                    generator=torch.Generator().manual_seed(1))
+    cache = caches[-2]  # after the round before the last (the last one may be cut by the token budget)
+    seq = PROMPT + out.token_ids
+    n = len(PROMPT) + sum(r.emitted for r in out.rounds[:-1])  # [prompt, tokens emitted]: all but the anchor
+    assert micro_target.cache_length(cache) == n and len(out.rounds) >= 3
+    step = micro_target.forward(torch.tensor([[seq[n]]]), cache=cache, use_cache=True, logits_at="last").logits[0, -1]
+    fresh = micro_target.forward(torch.tensor([seq[: n + 1]]), logits_at="last").logits[0, -1]
+    assert torch.allclose(step, fresh, atol=1e-5)
+
+
+def test_drafters_without_trees_and_bad_branching_are_refused(micro_target):
+    torch.manual_seed(0)
+    dflash = build_drafter(DrafterConfig(algo="dflash", block_size=GAMMA, num_layers=1, num_context_layers=2),
+                           micro_target)
+    with pytest.raises(ValueError, match="draft trees"):
+        tree_speculative_generate(micro_target, dflash, PROMPT, SP, 4, (2,))
+    with pytest.raises(ValueError, match="branching"):
+        tree_speculative_generate(micro_target, _drafter(micro_target), PROMPT, SP, 4, (2, 2, 2, 2))

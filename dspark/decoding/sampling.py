@@ -251,6 +251,29 @@ def sample(probs: Tensor, generator: Generators = None) -> Tensor:
     return inverse_cdf(flat, u).reshape(probs.shape[:-1])
 
 
+def draw_distinct(probs: Tensor, n: int, generator: torch.Generator | None = None) -> Tensor:
+    """min(n, V) distinct tokens per row of probs [R, V] -> [R, n'], in the order sequential sampling
+    without replacement draws them (Gumbel top-n: the j-th is drawn from `sibling_proposals`' row j).
+    Tokens of probability 0 come last, once the row's support is used up (their proposal row is 0)."""
+    u = torch.rand(probs.shape, generator=generator, device=generator.device if generator is not None else probs.device,
+                   dtype=torch.float64).to(probs.device)
+    keys = probs.double().log() - torch.log(-torch.log(u.clamp(1e-300, 1 - 1e-16)))  # log p + Gumbel noise
+    return keys.topk(min(n, probs.shape[-1]), dim=-1).indices
+
+
+def sibling_proposals(probs: Tensor, picks: Tensor) -> Tensor:
+    """[R, n, V]: row j = probs [R, V] without the tokens picks[:, :j], renormalised: the distribution the
+    j-th distinct draw came from. All zero once nothing is left (a draw that is no proposal)."""
+    rows, n = picks.shape
+    taken = torch.zeros(rows, n, probs.shape[-1], dtype=torch.bool, device=probs.device)
+    for j in range(1, n):
+        taken[:, j] = taken[:, j - 1]
+        taken[:, j].scatter_(1, picks[:, j - 1: j], True)
+    left = probs.unsqueeze(1).masked_fill(taken, 0.0)
+    total = left.sum(-1, keepdim=True)
+    return torch.where(total > 0, left / total.clamp_min(1e-30), 0.0)
+
+
 def _sample_mixed(flat: Tensor, generators: list) -> Tensor:
     """Rows with a KeyedNoise drawn by position, in row order; the others from their streams."""
     if len(generators) != flat.shape[0]:

@@ -1,21 +1,23 @@
 """Batch-1 speculative decoding that verifies a tree of drafts per round (SpecInfer-style), lossless.
 
-A tree "branching" (n_1, n_2, ...) gives every node at depth k−1 (the anchor at depth 0) n_k children
-drawn i.i.d. from the drafter's q_k(· | its path); below the tuple, one. Per round, with `anchor` the
-last token the target produced (in no cache yet):
-  1. one drafter backbone pass gives the block's hidden states; `sample_tree` grows the tree from them;
+A tree "branching" (n_1, n_2, ...) gives every node at depth k−1 (the anchor at depth 0) n_k distinct
+children drawn without replacement from the drafter's q_k(· | its path); below the tuple, one. Per
+round, with `anchor` the last token the target produced (in no cache yet):
+  1. one drafter backbone pass gives the block's hidden states; `sample_tree` grows the tree from them,
+     each child keeping the row q^(j) it was drawn from (q_k without its earlier siblings, renormalised);
   2. the target scores [anchor, every node] in ONE forward: node i sits at position L + depth(i) and
      attends to the cache, the anchor and its own ancestors only (a 4D mask);
   3. `accept_tree` walks down from the anchor: among the current node's children, in the order drawn,
-     child j is accepted with probability min(1, r_j(x_j) / q(x_j)), where r_1 = p(· | path) and
-     r_{j+1} = norm((r_j − q)+); below an accepted child the walk goes on; where no child is accepted
+     child j is accepted with probability min(1, r_j(x_j) / q^(j)(x_j)), where r_1 = p(· | path) and
+     r_{j+1} = norm((r_j − q^(j))+); below an accepted child the walk goes on; where no child is accepted
      (or at a leaf) the next token is drawn from the last r (at a leaf: p itself, the bonus);
   4. the cache keeps [prefix, anchor, accepted path] (the other nodes' keys and values are dropped), the
      drafter's context grows by the same positions' target features, and the drawn token is the new anchor.
-Invariant (lossless, multi-round rejection sampling): at each step of the walk the emitted token has law
-Σ_j P(reach j) · min(r_j, q) + P(no child accepted) · r_{n+1} = p(· | emitted prefix), and what the walk
-does below a node depends only on the drafts under that node, drawn given its path. Between rounds, as
-in dspark.decoding.specdec: cache length == drafter context length == len(prompt) + len(tokens) − 1.
+Invariant (lossless, multi-round rejection sampling): stage j of a node emits r_j whatever the earlier
+siblings were (min(r_j, q^(j)) + (1 − Σ min(r_j, q^(j))) · r_{j+1} = r_j), so the walk emits
+p(· | emitted prefix); what it does below a node depends only on the drafts under that node, drawn given
+its path. Between rounds, as in dspark.decoding.specdec: cache length == drafter context length ==
+len(prompt) + len(tokens) − 1.
 """
 from __future__ import annotations
 

@@ -19,7 +19,8 @@ from dspark.drafters.config import DrafterConfig
 from dspark.drafters.dflash import DFlashDrafter
 from dspark.drafters.heads import ConfidenceHead, build_sequential_head
 from dspark.drafters.layers import init_weights
-from dspark.decoding.sampling import Generators, SamplingParams, rows_generators, sample, to_probs
+from dspark.decoding.sampling import (Generators, SamplingParams, draw_distinct, rows_generators, sample,
+                                      sibling_proposals, to_probs)
 
 
 class DSparkDrafter(DFlashDrafter):
@@ -113,10 +114,11 @@ class DSparkDrafter(DFlashDrafter):
     def sample_tree(self, h: Tensor, anchor: int, branching: tuple[int, ...], sampling: SamplingParams,
                     generator: torch.Generator | None) -> DraftTree:
         """A draft tree for one request from its block's hidden states h [1, γ, d]: every node at depth
-        k−1 (the anchor at depth 0) gets branching[k−1] children (1 past the tuple), drawn i.i.d. from
-        q_k(· | its path) = draft_sampling(U_k + B_k(path)), level by level. Each node keeps the row it was
-        drawn from (its siblings share it): what lossless tree verification divides by. With one child
-        per node this is `sample_blocks`' chain."""
+        k−1 (the anchor at depth 0) gets branching[k−1] distinct children (1 past the tuple), drawn
+        without replacement from q_k(· | its path) = draft_sampling(U_k + B_k(path)), level by level.
+        Each child keeps the row it was drawn from (q_k without its earlier siblings, renormalised): what
+        lossless tree verification divides by. A child past its node's support (greedy rows, top-k) is
+        left out. With one child per node this is `sample_blocks`' chain."""
         u = self.lm_logits(h[0])  # [γ, N]: base logits, shared by every path
         sp, head = self.draft_sampling(sampling), self.markov_head
         state = None if head is None else head.initial_state(h[:, 0])  # one row per node of the level
@@ -128,14 +130,22 @@ class DSparkDrafter(DFlashDrafter):
             if head is not None:
                 state, bias = head.step(state, self.prev_embed(prev), h[0, k].expand(len(level), -1))
                 logits = logits + bias.float()
-            q = to_probs(logits, sp).repeat_interleave(n, 0)  # [W·n, N]: n children per node
-            prev = self.to_target_ids(sample(q, generator).to(self.device))
-            parents += [p for p in level for _ in range(n)]
-            level = list(range(len(tokens), len(tokens) + len(prev)))
-            tokens += prev.tolist()
-            depths += [k + 1] * len(prev)
-            rows.append(q)
+            q = to_probs(logits, sp)  # [W, N]
+            if n == 1:  # one child: the chain's own draw
+                picks, proposals = sample(q, generator).to(self.device)[:, None], q[:, None]
+            else:
+                picks = draw_distinct(q, n, generator).to(self.device)
+                proposals = sibling_proposals(q, picks)  # [W, n, N]
+            real = proposals.sum(-1) > 0  # [W, n]: children that are proposals
+            children = real.sum(1)
+            parents += [p for p, c in zip(level, children.tolist()) for _ in range(c)]
+            drawn = self.to_target_ids(picks[real])
+            level = list(range(len(tokens), len(tokens) + len(drawn)))
+            tokens += drawn.tolist()
+            depths += [k + 1] * len(drawn)
+            rows.append(proposals[real])
+            prev = drawn
             if state is not None:
-                state = state.repeat_interleave(n, 0)  # each child carries its parent's state
+                state = state.repeat_interleave(children, 0)  # each child carries its parent's state
         return DraftTree(torch.tensor(tokens, device=self.device), parents, depths,
                          self.full_vocab_probs(torch.cat(rows)))

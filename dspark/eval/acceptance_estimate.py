@@ -34,15 +34,16 @@ turn) and pooled over prompts as Σ tokens / Σ R: the tokens a round emits, so 
 `tau_emitted` (drafts accepted past a token budget are not counted). It needs every anchor (stride 1).
 
 `branching` (n_1, n_2, ...) scores rounds that verify a draft tree: every node at depth k−1 (the anchor at
-depth 0) gets n_k i.i.d. children from the drafter's q_k given its path (positions past the tuple: one),
-and the target scores all nodes in one forward (1 + Σ_k Π_{j≤k} n_j tokens). Acceptance walks down from
-the anchor: among a node's children, recursive rejection sampling (SpecInfer) accepts candidate j with
-min(1, p^(j)/q_k) where p^(1) = p_k and p^(j+1) = norm((p^(j) − q_k)+), lossless like one draft; the walk
-goes on below the accepted child and stops at the first node none of whose children is accepted (the
-next token then comes from the last residual). So only the per-position quantities change, through
-`candidates_acceptance`: α_k becomes P(some child accepted) and w_k = P(accepted with token x)/p_k(x) for
-the trajectory token x; deeper positions condition on the accepted token, the trajectory's, as for one
-chain.
+depth 0) gets n_k distinct children drawn without replacement from the drafter's q_k given its path
+(past the tuple: one), and the target scores all nodes in one forward (1 + Σ_k Π_{j≤k} n_j tokens).
+Acceptance walks down from the anchor: among a node's children, recursive rejection sampling accepts
+candidate j with min(1, p^(j)/q^(j)), where q^(j) is q_k without the earlier siblings, renormalised,
+p^(1) = p_k and p^(j+1) = norm((p^(j) − q^(j))+): lossless like one draft (SpecInfer's multi-round
+rejection, without replacement as in Recursive Speculative Decoding). The walk goes on below the accepted
+child and stops at the first node none of whose children is accepted (the next token then comes from
+the last residual). So only per-position quantities change, through `candidates_acceptance`: α_k becomes
+P(some child accepted) and w_k = P(accepted with token x)/p_k(x) for the trajectory token x; deeper
+positions condition on the accepted token, the trajectory's, as for one chain.
 """
 from __future__ import annotations
 
@@ -187,31 +188,48 @@ def _overlap(p_pos: Tensor, q: Tensor, rows: Tensor, start: int, size: int, draf
 
 
 def candidates_acceptance(p: Tensor, q: Tensor, cols: Tensor, p_tok: Tensor, n: int,
-                              draft_ids: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """(α, w) of n i.i.d. candidates from q [M, N] against p [M, V], recursive rejection sampling.
-    Round j (reached with probability r_j = Π_{i<j} (1 − α^(i))) accepts its candidate with token x with
-    probability min(p^(j), q)(x); on rejection p^(j+1) = norm((p^(j) − q)+). Invariant (lossless): the
-    emitted token's law Σ_j r_j min(p^(j), q) + r_{n+1} p^(n+1) is p. Returns α = Σ_j r_j α^(j) and, for
-    the trajectory token (column `cols` of q, < 0 when outside the draft vocabulary; p(x) = p_tok),
-    w = Σ_j r_j min(p^(j), q)(x) / p(x). n = 1 gives Σ min(p, q) and min(1, q/p)(x)."""
-    p = p.float()
-    inside = p if draft_ids is None else p[:, draft_ids.to(p.device)]
-    outside = p.sum(1) - inside.sum(1)  # mass q never drafts: it stays in every residual
-    q = q.float()
-    ok = cols >= 0
-    at = cols.clamp_min(0).unsqueeze(1)
-    reach, alpha, joint = torch.ones_like(outside), torch.zeros_like(outside), torch.zeros_like(outside)
-    for _ in range(n):
-        overlap = torch.minimum(inside, q)
-        a = overlap.sum(1)
-        alpha += reach * a
-        joint += reach * torch.where(ok, overlap.gather(1, at).squeeze(1), 0.0)
-        reach = reach * (1 - a).clamp_min(0)
-        residual = (inside - q).clamp_min(0)
-        z = (residual.sum(1) + outside).clamp_min(1e-30)  # 0 only where p = q: then reach is 0 from here on
-        inside, outside = residual / z[:, None], outside / z
-    weight = torch.where(p_tok > 0, (joint / p_tok.clamp_min(1e-30)).clamp(max=1.0), 0.0)
-    return alpha, weight
+                          draft_ids: Tensor | None = None, samples: int = 16, seed: int = 0) -> tuple[Tensor, Tensor]:
+    """(α, w) of n distinct candidates drawn from q [M, N] without replacement against p [M, V], recursive
+    rejection sampling: candidate j comes from q^(j) = q without candidates 1..j−1, renormalised
+    (`sibling_proposals`), and is accepted with min(1, p^(j)/q^(j)); on rejection p^(j+1) =
+    norm((p^(j) − q^(j))+), p^(1) = p. Invariant (lossless): whatever the earlier draws, stage j emits
+    p^(j), so the walk emits p. Returns α = P(some candidate accepted) and, for the trajectory token
+    (column `cols` of q, < 0 outside the draft vocabulary; p(x) = p_tok), w = P(accepted with token x) / p(x).
+    n = 1: exactly Σ min(p, q) and min(1, q/p)(x). n > 1: a seeded Monte Carlo over `samples` draws of
+    the candidates; given candidates 1..j−1 (reached with probability reach_j), stage j accepts with token
+    x with probability reach_j · min(p^(j), q^(j))(x) (averaged over candidate j exactly) and at all with
+    reach_j · min(1, p^(j)/q^(j))(x_j) for the drawn x_j (bounded: a low-variance α). Both are unbiased.
+    """
+    from dspark.decoding.sampling import draw_distinct, sibling_proposals
+
+    p, q = p.float(), q.float()
+    inside0 = p if draft_ids is None else p[:, draft_ids.to(p.device)]
+    outside0 = p.sum(1) - inside0.sum(1)  # mass q never drafts: it stays in every residual
+    ok, at = cols >= 0, cols.clamp_min(0).unsqueeze(1)
+    if n == 1:
+        overlap = torch.minimum(inside0, q)
+        alpha, joint = overlap.sum(1), torch.where(ok, overlap.gather(1, at).squeeze(1), 0.0)
+    else:
+        gen = torch.Generator(device=q.device).manual_seed(seed)
+        alpha, joint = torch.zeros_like(outside0), torch.zeros_like(outside0)
+        for _ in range(samples):
+            picks = draw_distinct(q, n, gen)  # [M, n]
+            rows = sibling_proposals(q, picks)  # [M, n, N]
+            inside, outside, reach = inside0, outside0, torch.ones_like(outside0)
+            for j in range(picks.shape[1]):
+                qj, x = rows[:, j], picks[:, j: j + 1]
+                overlap = torch.minimum(inside, qj)
+                joint += reach * torch.where(ok, overlap.gather(1, at).squeeze(1), 0.0) / samples
+                q_x = qj.gather(1, x).squeeze(1)
+                accept = torch.where(q_x > 0, inside.gather(1, x).squeeze(1) / q_x.clamp_min(1e-30), 0.0).clamp(max=1.0)
+                alpha += reach * accept / samples
+                reach = reach * (1 - accept)
+                residual = (inside - qj).clamp_min(0)
+                z = (residual.sum(1) + outside).clamp_min(1e-30)  # 0 only where p^(j) = q^(j): reach is 0 here on
+                inside, outside = residual / z[:, None], outside / z
+    # n > 1: one estimate may pass 1 (its mean is at most 1); clamping it would bias the mean down
+    weight = torch.where(p_tok > 0, joint / p_tok.clamp_min(1e-30), 0.0)
+    return alpha, weight.clamp(max=1.0) if n == 1 else weight
 
 
 # ---------------------------------------------------------------- aggregation

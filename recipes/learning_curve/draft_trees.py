@@ -1,6 +1,6 @@
 """Phase `draft-trees`: what verifying a tree of drafts per round, instead of one chain, would buy decoding.
 
-A tree "2x2" gives the anchor 2 i.i.d. children from q_1 and each of them 2 children from q_2 given its
+A tree "2x2" gives the anchor 2 distinct children drawn from q_1 and each of them 2 from q_2 given its
 path, then one chain below (DSpark's Markov head runs once per leaf over the one backbone pass); the
 target scores every node in one forward and acceptance walks down the tree by recursive rejection
 sampling, lossless like one chain (dspark.eval.acceptance_estimate's module doc). Decoding's first

@@ -53,25 +53,44 @@ def test_tree_decoding_is_lossless(micro_target, branching, head, draft_ids):
 
 
 def test_the_walk_emits_the_target_law_at_the_first_position():
-    """Three i.i.d. candidates from q at the root, a tiny vocabulary: P(first token = x) = p(x) exactly,
-    whether it comes from an accepted child or from the last residual."""
+    """Three distinct candidates drawn from q at the root, a tiny vocabulary: P(first token = x) = p(x)
+    exactly, whether it comes from an accepted child or from the last residual."""
+    from dspark.decoding.sampling import draw_distinct, sibling_proposals
+    from dspark.eval.acceptance_estimate import candidates_acceptance
+
     gen_p = torch.Generator().manual_seed(3)
     p = torch.softmax(2 * torch.randn(5, generator=gen_p), 0)
     q = torch.softmax(2 * torch.randn(5, generator=gen_p), 0)
     gen, counts, accepted = torch.Generator().manual_seed(4), np.zeros(5), 0
     runs = 20_000
     for _ in range(runs):
-        kids = torch.multinomial(q, 3, replacement=True, generator=gen)
-        path, nxt = accept_tree(kids, [-1, -1, -1], q.expand(3, 5), torch.stack([p, p, p, p]), gen)
-        first = int(kids[path[0]]) if path else nxt
-        counts[first] += 1
+        kids = draw_distinct(q[None], 3, gen)
+        path, nxt = accept_tree(kids[0], [-1, -1, -1], sibling_proposals(q[None], kids)[0], p.expand(4, 5), gen)
+        counts[int(kids[0, path[0]]) if path else nxt] += 1
         accepted += bool(path)
     assert chi2_pvalue(counts, p.double().numpy()) > 1e-3
-    # P(some child accepted) = 1 - Π_j (1 - α_j) along the residuals (dspark.eval.acceptance_estimate)
-    from dspark.eval.acceptance_estimate import candidates_acceptance
-
-    alpha, _ = candidates_acceptance(p[None], q[None], torch.tensor([0]), p[:1], 3)
+    # P(some child accepted) agrees with the estimator's (dspark.eval.acceptance_estimate)
+    alpha, _ = candidates_acceptance(p[None], q[None], torch.tensor([0]), p[:1], 3, samples=2000)
     assert abs(accepted / runs - float(alpha)) < 0.015
+
+
+def test_siblings_are_distinct_and_draw_without_replacement():
+    from dspark.decoding.sampling import draw_distinct, sibling_proposals
+
+    q = torch.tensor([[0.5, 0.3, 0.2, 0.0]])
+    gen, firsts, seconds = torch.Generator().manual_seed(0), np.zeros(4), np.zeros(4)
+    for _ in range(4000):
+        picks = draw_distinct(q, 2, gen)[0]
+        assert picks[0] != picks[1]
+        firsts[picks[0]] += 1
+        seconds[picks[1]] += 1
+    assert np.allclose(firsts / 4000, [0.5, 0.3, 0.2, 0.0], atol=0.03)
+    # P(second = y) = Σ_{x ≠ y} q(x) q(y) / (1 − q(x))
+    exact = [sum(float(q[0, x] * q[0, y] / (1 - q[0, x])) for x in range(3) if x != y) for y in range(4)]
+    assert np.allclose(seconds / 4000, exact, atol=0.03)
+    rows = sibling_proposals(q, torch.tensor([[0, 2, 1]]))[0]
+    assert torch.allclose(rows, torch.tensor([[0.5, 0.3, 0.2, 0], [0, 0.6, 0.4, 0], [0, 1, 0, 0]]))
+    assert not sibling_proposals(torch.tensor([[1.0, 0, 0]]), torch.tensor([[0, 1]]))[0, 1].any()  # nothing left
 
 
 def test_tree_attention_sees_ancestors_only():

@@ -251,20 +251,22 @@ def test_expected_rounds_restart_at_each_answer_turn():
     assert accepted.expected_rounds(2) == pytest.approx(2.0)  # one round of 3 tokens per turn
 
 
-def simulate_first_drafts(p: np.ndarray, q: np.ndarray, n: int, trials: int, rng) -> np.ndarray:
-    """Monte Carlo of n i.i.d. candidates from q under recursive rejection sampling: the share of trials
-    that accept a candidate with token x (index x), and emit from the final residual (index V)."""
+def simulate_candidates(p: np.ndarray, q: np.ndarray, n: int, trials: int, rng) -> np.ndarray:
+    """Monte Carlo of n distinct candidates drawn from q without replacement under recursive rejection
+    sampling: the share of trials that accept a candidate with token x (index x), or none (index V)."""
     p, q = p / p.sum(), q / q.sum()
     counts = np.zeros(len(p) + 1)
     for _ in range(trials):
-        resid = p.copy()
+        resid, left = p.copy(), q.copy()
         for _ in range(n):
-            x = rng.choice(len(q), p=q)
-            if rng.random() < min(1.0, resid[x] / q[x]):
+            qj = left / left.sum()
+            x = rng.choice(len(q), p=qj)
+            if rng.random() < min(1.0, resid[x] / qj[x]):
                 counts[x] += 1
                 break
-            resid = np.maximum(resid - q, 0)
+            resid = np.maximum(resid - qj, 0)
             resid /= resid.sum()
+            left[x] = 0
         else:
             counts[-1] += 1
     return counts / trials
@@ -277,15 +279,17 @@ def test_candidates_acceptance_matches_simulated_recursive_rejection(n):
     gen = torch.Generator().manual_seed(n)
     p = torch.softmax(2 * torch.randn(6, generator=gen), 0).double()
     q = torch.softmax(2 * torch.randn(6, generator=gen), 0).double()
-    cols = torch.arange(6)
-    alpha, weight = candidates_acceptance(p.expand(6, 6), q.expand(6, 6), cols, p, n)
-    joint = (weight.double() * p).numpy()  # P(accepted with token x), x = 0..5
-    sim = simulate_first_drafts(p.numpy(), q.numpy(), n, 40_000, np.random.default_rng(n))
-    assert np.allclose(joint, sim[:-1], atol=0.01)
-    assert np.allclose(alpha.numpy(), sim[:-1].sum(), atol=0.01)
-    if n == 1:  # one draft: Σ min(p, q) and min(1, q/p)
-        assert torch.allclose(alpha.double(), torch.minimum(p, q).sum().expand(6), atol=1e-6)
-        assert torch.allclose(weight.double(), (q / p).clamp(max=1), atol=1e-6)
+    copies = 1000  # 1000 copies of each trajectory token x = 0..5: rows of one batch, averaged (Monte Carlo)
+    cols = torch.arange(6).repeat(copies)
+    alpha, weight = candidates_acceptance(p.expand(6 * copies, 6), q.expand(6 * copies, 6), cols, p[cols], n,
+                                          samples=8)
+    joint = (weight.double().view(copies, 6).mean(0) * p).numpy()  # P(accepted with token x)
+    sim = simulate_candidates(p.numpy(), q.numpy(), n, 40_000, np.random.default_rng(n))
+    assert np.allclose(joint, sim[:-1], atol=0.01)  # Monte Carlo on both sides
+    assert abs(float(alpha.mean()) - sim[:-1].sum()) < 0.01
+    if n == 1:  # one draft: Σ min(p, q) and min(1, q/p), exactly
+        assert torch.allclose(alpha.double(), torch.minimum(p, q).sum().expand(6 * copies), atol=1e-6)
+        assert torch.allclose(weight.double(), (q / p).clamp(max=1)[cols], atol=1e-6)
 
 
 def test_candidates_acceptance_on_a_draft_vocabulary_equals_the_full_one():
@@ -300,9 +304,13 @@ def test_candidates_acceptance_on_a_draft_vocabulary_equals_the_full_one():
     tokens = torch.tensor([2, 8, 1, 7])  # 1 is outside the draft vocabulary
     cols = torch.tensor([1, 4, -100, 3])
     p_tok = p.gather(1, tokens[:, None]).squeeze(1)
-    a_sub, w_sub = candidates_acceptance(p, q_sub, cols, p_tok, 3, ids)
-    a_full, w_full = candidates_acceptance(p, q_full, tokens, p_tok, 3)
-    assert torch.allclose(a_sub, a_full, atol=1e-6) and torch.allclose(w_sub, w_full, atol=1e-6)
+    copies = 5000  # rows repeated and averaged: the Monte Carlo over the candidates' draws
+    rep = lambda t: t.repeat(copies, *[1] * (t.dim() - 1))  # noqa: E731
+    a_sub, w_sub = (t.view(copies, 4).mean(0) for t in candidates_acceptance(
+        rep(p), rep(q_sub), rep(cols), rep(p_tok), 3, ids, samples=4))
+    a_full, w_full = (t.view(copies, 4).mean(0) for t in candidates_acceptance(
+        rep(p), rep(q_full), rep(tokens), rep(p_tok), 3, samples=4))
+    assert torch.allclose(a_sub, a_full, atol=0.01) and torch.allclose(w_sub, w_full, atol=0.02)
     assert w_sub[2] == 0 and (a_sub > candidates_acceptance(p, q_sub, cols, p_tok, 1, ids)[0]).all()
 
 

@@ -17,6 +17,9 @@ drafter after the first of its dtype is also compared with that first one (`vs_f
 its interval): is the new drafter faster than the committed one? `--drafter` takes any drafter reference (local dir, s3://, runs:/, models:/) and may repeat;
 without one, untrained drafters are built for each `--algo` (τ ≈ 1: a floor, not a result).
 `--scheduler dynamic` verifies the Algorithm-1 prefix (R = 1) on an SPS table profiled at start.
+`--tree 4` (repeatable) adds a mode per DSpark drafter that verifies a tree of drafts per round
+(dspark.decoding.tree_specdec; "4": four distinct first tokens, each with its own chain; "4x2": two under
+each): τ is then tokens per target forward, as for a chain.
 The last stdout line is one JSON object.
 """
 from __future__ import annotations
@@ -216,7 +219,8 @@ def main(argv=None) -> dict:
             prompts = load_prompts(target, args.data_dir, args.datasets, args.prompts)
             print(f"target {target.name} ({target.num_layers} layers, vocab {target.vocab_size}) on {args.device}; "
                   f"{len(prompts)} prompts x {args.max_new_tokens} new tokens; dtypes {dtypes}; modes: target, "
-                  f"{', '.join(drafters)}" + (f" at γ {args.gamma}" if args.gamma else ""), flush=True)
+                  f"{', '.join(drafters)}" + (f" at γ {args.gamma}" if args.gamma else "")
+                  + (f"; trees {['x'.join(map(str, t)) for t in args.tree]}" if args.tree else ""), flush=True)
         stops = target.eos_token_ids
         hook = None
         if args.scheduler == "dynamic":

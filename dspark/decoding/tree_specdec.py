@@ -125,8 +125,10 @@ def _tree_round(target, drafter, state, cache, anchor: int, gamma: int, branchin
                          layer_ids=layer_ids, logits_at="all")
     path, next_token = accept_tree(tree.tokens, tree.parents, tree.probs, to_probs(out.logits[0], sp), generator)
     kept = torch.tensor([0, *(1 + node for node in path)], device=target.device)  # in [anchor, nodes]
-    target.keep_cache_positions(out.cache, torch.cat([torch.arange(base, device=target.device), base + kept]))
-    stats = RoundStats(proposed=len(tree.parents), verified=len(tree.parents), accepted=len(path),
+    target.keep_cache_path(out.cache, base, base + kept)
+    # proposed: the tree's nodes (what the target verified besides the anchor); verified: the depth any path
+    # reaches (γ), so position k's conditional acceptance reads as for a chain
+    stats = RoundStats(proposed=len(tree.parents), verified=gamma, accepted=len(path),
                        outcomes=[True] * len(path) + ([False] if len(path) < gamma else []),
                        draft_s=t1 - t0, verify_s=time.perf_counter() - t1)
     new = [int(tree.tokens[node]) for node in path] + [next_token]

@@ -125,14 +125,21 @@ class Target:
         if drop:
             cache.crop(-drop)
 
-    def keep_cache_positions(self, cache, positions: Tensor) -> None:
-        """Keep only these cache positions, in this order (a verified tree's accepted path, compacted)."""
+    def keep_cache_path(self, cache, length: int, path: Tensor) -> None:
+        """Keep the first `length` cache positions, then the positions `path` (ascending, all >= length) moved
+        right behind them, and drop the rest: a verified tree's accepted path, compacted. Only the path's
+        keys and values are copied (the prefix stays where it is)."""
         for layer in cache.layers:
             if not hasattr(layer, "keys") or getattr(layer, "is_sliding", False):
                 raise NotImplementedError(f"{type(layer).__name__}: only full-attention dynamic caches can keep "
-                                          f"chosen positions")
-            index = positions.to(layer.keys.device)
-            layer.keys, layer.values = layer.keys.index_select(-2, index), layer.values.index_select(-2, index)
+                                          f"a tree's path")
+            index = path.to(layer.keys.device)
+            for name in ("keys", "values"):
+                full = getattr(layer, name)
+                moved = full.index_select(-2, index)
+                kept = full[..., : length + len(path), :]
+                kept[..., length:, :] = moved
+                setattr(layer, name, kept)
 
     @torch.no_grad()
     def forward(self, input_ids: Tensor, *, attention_mask: Tensor | None = None,

@@ -12,8 +12,8 @@ machine and multiplies them; the engine does not decode trees (yet):
   run's setting with --gamma/--answer-tokens/--benchmarks), each paired with one chain on the same prompts;
 - cost, medians over interleaved repetitions at 256 positions of context, target and drafter in bfloat16
   on 2 threads (a profile's cost_threads; as `benchmarks/decode_speed.py --dtypes bfloat16 --threads 2` runs them): one target step
-  (1 token), the verify forward of the tree's 1 + Σ_k Π_{j≤k} n_j tokens, and drafting (`propose`: the
-  backbone and one chain; plus `sample_blocks` over one row per leaf, less one row's);
+  (1 token), the verify forward of the tree's 1 + Σ_k Π_{j≤k} n_j tokens, and drafting the tree (one
+  backbone pass and `sample_tree`, as `tree_speculative_generate` drafts);
 - projected batch-1 speedup over target-only = τ · target step / (drafting + verify). It leaves out the
   engine's per-round bookkeeping, so read the one-chain row against a measured decode (1.22–1.31× for the
   committed drafter at γ 3) and the trees relative to it.
@@ -79,9 +79,9 @@ def cmd_draft_trees(args, prof: dict) -> dict:
         results[name] = estimate_loaded(drafter, target, prof, held, p_cache, gamma, branching=branching)
         log(f"tree {name}: decoding's τ (renewal) {results[name]['renewal']['decoded_tau']:.3f}, "
             f"per-anchor τ {results[name]['alpha']['expected_tau']:.3f}")
-    shapes = {name: tree_nodes(b, gamma) for name, b in trees.items()}
-    cost = measure_costs(prof, source, sorted({s for s in shapes.values()}), gamma)
-    rows = {name: tree_row(results[name], results["1"], name == "1", shapes[name], cost) for name in trees}
+    cost = measure_costs(prof, source, trees, gamma)
+    rows = {name: tree_row(results[name], results["1"], name == "1", name, tree_nodes(b, gamma), cost)
+            for name, b in trees.items()}
     report = {"drafter": drafter_label(source), "held_out_rows": len(held[0]),
               "setting": {"gamma": gamma, "answer_tokens": args.answer_tokens, "benchmarks": args.benchmarks,
                           "anchor_stride": 1},
@@ -98,29 +98,28 @@ def cmd_draft_trees(args, prof: dict) -> dict:
     return report
 
 
-def tree_row(result: dict, chain: dict, is_chain: bool, shape: tuple[int, int], cost: dict) -> dict:
+def tree_row(result: dict, chain: dict, is_chain: bool, name: str, shape: tuple[int, int], cost: dict) -> dict:
     """One tree: decoding's τ (renewal) with its paired difference to one chain, and the projection."""
     from recipes.learning_curve.measure import decoded_estimate
 
     est = decoded_estimate(result, chain, is_chain)
     vs_chain = est.pop("decoded_vs_baseline")
     tokens, leaves = shape
-    verify_ms = cost["verify_ms"][str(tokens)]
-    draft_ms = cost["propose_ms"] + max(cost["chains_ms"][str(leaves)] - cost["chains_ms"]["1"], 0.0)
+    verify_ms, draft_ms = cost["verify_ms"][str(tokens)], cost["draft_ms"][name]
     tau = est["decoded_tau_estimate"]
     return {**est, "expected_tau": result["alpha"]["expected_tau"], "vs_one_chain": vs_chain,
             "verify_tokens": tokens, "leaves": leaves, "verify_ms": verify_ms, "draft_ms": draft_ms,
             "projected_speedup_vs_target": tau * cost["target_step_ms"] / (draft_ms + verify_ms)}
 
 
-def measure_costs(prof: dict, source: Path, shapes: list[tuple[int, int]], gamma: int) -> dict:
-    """Medians (ms) of one target step, the verify forward of each tree size and drafting one chain per leaf,
-    each measured once in every repetition (the module doc); the target cache is cropped back after each."""
+def measure_costs(prof: dict, source: Path, trees: dict[str, tuple[int, ...]], gamma: int) -> dict:
+    """Medians (ms) of one target step, the verify forward of each tree's size and drafting each tree (one
+    backbone pass + `sample_tree`, what `tree_speculative_generate` runs), each measured once in every
+    repetition (the module doc); the target cache is cropped back after each forward."""
     import torch
 
     from dspark.decoding.sampling import SamplingParams
     from dspark.drafters import load_drafter
-    from dspark.drafters.base import RowSampling
     from dspark.models.target import load_target
 
     threads, reps = torch.get_num_threads(), prof.get("cost_reps", 30)
@@ -128,31 +127,29 @@ def measure_costs(prof: dict, source: Path, shapes: list[tuple[int, int]], gamma
     try:
         target = load_target(prof["target"], dtype=torch.bfloat16)
         drafter = load_drafter(str(source), target).to(torch.bfloat16).eval()
-        most = max(tokens for tokens, _ in shapes)
-        ids = torch.randint(0, target.vocab_size, (COST_CONTEXT + most,), generator=torch.Generator().manual_seed(0))
+        sizes = sorted({tree_nodes(b, gamma)[0] for b in trees.values()})
+        ids = torch.randint(0, target.vocab_size, (COST_CONTEXT + max(sizes),), generator=torch.Generator().manual_seed(0))
         context = ids[:COST_CONTEXT]
         with torch.no_grad():
             prefill = target.forward(context[None], cache=target.new_cache(), use_cache=True,
                                      layer_ids=drafter.layer_ids, logits_at="last")
             cache, state = prefill.cache, drafter.new_state()
             drafter.extend_context(state, prefill.features[0], context)
-            anchor, gen = int(context[-1]), torch.Generator().manual_seed(1)
-            sp = drafter.draft_sampling(SamplingParams(temperature=1.0))
-            h = drafter.blocks_hidden([state], torch.tensor([anchor]))[:, :gamma]
+        anchor, gen, sp = int(context[-1]), torch.Generator().manual_seed(1), SamplingParams(temperature=1.0)
+        first = drafter.first_pred_slot
 
         def verify(tokens: int):  # the cost of a forward does not depend on the tree mask's shape
             target.forward(ids[COST_CONTEXT - 1: COST_CONTEXT - 1 + tokens][None], cache=cache, use_cache=True,
                            logits_at="all")
             target.crop_cache(cache, COST_CONTEXT)
 
-        def chains(rows: int):
-            drafter.sample_blocks(h.expand(rows, -1, -1), torch.tensor([anchor] * rows), [gamma] * rows,
-                                  RowSampling([sp] * rows), gen)
+        def draft(branching: tuple[int, ...]):
+            h = drafter.blocks_hidden([state], torch.tensor([anchor]))[:, first:first + gamma]
+            drafter.sample_tree(h, anchor, branching, sp, gen)
 
-        leaves = sorted({1, *(n for _, n in shapes)})
-        timed = {"target_step": lambda: verify(1), "propose": lambda: drafter.propose(state, anchor, gamma, sp, gen)}
-        timed.update({f"verify{t}": (lambda t=t: verify(t)) for t in sorted({t for t, _ in shapes})})
-        timed.update({f"chains{n}": (lambda n=n: chains(n)) for n in leaves})
+        timed = {"target_step": lambda: verify(1)}
+        timed.update({f"verify{t}": (lambda t=t: verify(t)) for t in sizes})
+        timed.update({f"draft:{name}": (lambda b=b: draft(b)) for name, b in trees.items()})
         times = {name: [] for name in timed}
         with torch.no_grad():
             for rep in range(COST_WARMUP + reps):
@@ -166,7 +163,5 @@ def measure_costs(prof: dict, source: Path, shapes: list[tuple[int, int]], gamma
     finally:
         torch.set_num_threads(threads)
     return {"context": COST_CONTEXT, "reps": reps, "threads": used, "dtype": "bfloat16",
-            "target_step_ms": ms["target_step"], "propose_ms": ms["propose"],
-            "verify_ms": {str(t): ms[f"verify{t}"] for t, _ in sorted(set(shapes))},
-            "chains_ms": {str(n): ms[f"chains{n}"] for n in leaves}}
-
+            "target_step_ms": ms["target_step"], "verify_ms": {str(t): ms[f"verify{t}"] for t in sizes},
+            "draft_ms": {name: ms[f"draft:{name}"] for name in trees}}

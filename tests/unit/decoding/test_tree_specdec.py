@@ -40,7 +40,8 @@ def test_tree_decoding_is_lossless(micro_target, branching, head, draft_ids):
         out = tree_speculative_generate(micro_target, drafter, PROMPT, SP, N_TOKENS, branching, stop_ids=[],
                                         generator=gen)
         counts[tuple(out.token_ids)] += 1
-        nodes += [r.verified for r in out.rounds]
+        nodes += [r.proposed for r in out.rounds]
+        assert all(r.verified == GAMMA and r.accepted <= GAMMA for r in out.rounds)
     p = chi2_pvalue(counts, exact_joint(micro_target, PROMPT, N_TOKENS, SP, VOCAB))
     print(f"\n[lossless] tree {branching} ({head}): chi2 p-value = {p:.4g} over 3000 runs")
     assert p > 1e-3
@@ -110,9 +111,9 @@ def test_the_kept_cache_equals_a_fresh_forward(micro_target, monkeypatch):
     from it equal a fresh forward over the whole sequence."""
     drafter = _drafter(micro_target)
     caches = []
-    real_keep = micro_target.keep_cache_positions
-    monkeypatch.setattr(micro_target, "keep_cache_positions",
-                        lambda cache, pos: (real_keep(cache, pos), caches.append(copy.deepcopy(cache)))[0])
+    real_keep = micro_target.keep_cache_path
+    monkeypatch.setattr(micro_target, "keep_cache_path", lambda cache, length, path: (
+        real_keep(cache, length, path), caches.append(copy.deepcopy(cache)))[0])
     out = tree_speculative_generate(micro_target, drafter, PROMPT, SP, 12, (3, 2), stop_ids=[],
                                     generator=torch.Generator().manual_seed(1))
     cache = caches[-2]  # after the round before the last (the last one may be cut by the token budget)

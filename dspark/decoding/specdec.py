@@ -105,6 +105,20 @@ def speculative_generate(target, drafter, prompt_ids, sp: SamplingParams, max_ne
     """Lossless speculative decoding of one prompt. stop_ids None -> target.eos_token_ids ([] = none).
     gamma defaults to the drafter's block size."""
     gamma = gamma or drafter.config.block_size
+    return generate_rounds(target, drafter, prompt_ids, sp, max_new_tokens, stop_ids, generator, gamma,
+                           lambda state, cache, anchor, round_idx, layer_ids: _round(
+                               target, drafter, state, cache, anchor, gamma, sp, generator, verify_len, round_idx,
+                               layer_ids))
+
+
+RoundFn = Callable[[object, object, int, int, list], tuple]
+
+
+def generate_rounds(target, drafter, prompt_ids, sp: SamplingParams, max_new_tokens: int,
+                    stop_ids: Sequence[int] | None, generator, gamma: int, one_round: RoundFn) -> GenerationResult:
+    """The decoding loop of chain and tree rounds: prefill, then `one_round(state, cache, anchor, round_idx,
+    layer_ids)` -> (stats, new tokens, features and ids of the positions to add to the drafter's context)
+    until a stop token or the token budget."""
     ids = _check_inputs(target, prompt_ids, max_new_tokens, gamma + 1)
     stops, layer_ids = _stop_set(target, stop_ids), drafter_layer_ids(drafter)
     start = time.perf_counter()
@@ -115,8 +129,7 @@ def speculative_generate(target, drafter, prompt_ids, sp: SamplingParams, max_ne
     finish = "stop" if anchor in stops else ("length" if max_new_tokens == 1 else None)
     prefill_s = time.perf_counter() - start
     while finish is None:
-        stats, new, features, anchor_ids = _round(target, drafter, state, cache, anchor, gamma, sp, generator,
-                                                  verify_len, len(rounds), layer_ids)
+        stats, new, features, anchor_ids = one_round(state, cache, anchor, len(rounds), layer_ids)
         kept, finish = _keep(new, len(tokens), max_new_tokens, stops)
         stats.emitted = len(kept)
         tokens += kept

@@ -28,8 +28,7 @@ import torch
 from torch import Tensor
 
 from dspark.decoding.sampling import SamplingParams, sample, to_probs
-from dspark.decoding.specdec import (GenerationResult, RoundStats, _check_inputs, _keep, _prefill, _stop_set,
-                                     drafter_layer_ids)
+from dspark.decoding.specdec import GenerationResult, RoundStats, generate_rounds
 
 
 def accept_tree(tokens: Tensor, parents: list[int], draft_probs: Tensor, target_probs: Tensor,
@@ -88,26 +87,9 @@ def tree_speculative_generate(target, drafter, prompt_ids, sp: SamplingParams, m
     branching = tuple(int(n) for n in branching)
     if len(branching) > gamma or any(n < 1 for n in branching):
         raise ValueError(f"branching {branching}: at most γ = {gamma} counts, each >= 1")
-    ids = _check_inputs(target, prompt_ids, max_new_tokens, gamma + 1)
-    stops, layer_ids = _stop_set(target, stop_ids), drafter_layer_ids(drafter)
-    start = time.perf_counter()
-    cache, features, anchor = _prefill(target, ids, layer_ids, sp, generator)
-    state = drafter.new_state()
-    drafter.extend_context(state, features, torch.tensor(ids, device=features.device))
-    tokens, rounds = [anchor], []
-    finish = "stop" if anchor in stops else ("length" if max_new_tokens == 1 else None)
-    prefill_s = time.perf_counter() - start
-    while finish is None:
-        stats, new, kept_features, kept_ids = _tree_round(target, drafter, state, cache, anchor, gamma, branching,
-                                                          sp, generator, layer_ids)
-        kept, finish = _keep(new, len(tokens), max_new_tokens, stops)
-        stats.emitted = len(kept)
-        tokens += kept
-        rounds.append(stats)
-        anchor = new[-1]
-        if finish is None:
-            drafter.extend_context(state, kept_features, kept_ids)
-    return GenerationResult(tokens, rounds, finish, time.perf_counter() - start, len(ids), prefill_s)
+    return generate_rounds(target, drafter, prompt_ids, sp, max_new_tokens, stop_ids, generator, gamma,
+                           lambda state, cache, anchor, _round_idx, layer_ids: _tree_round(
+                               target, drafter, state, cache, anchor, gamma, branching, sp, generator, layer_ids))
 
 
 def _tree_round(target, drafter, state, cache, anchor: int, gamma: int, branching: tuple[int, ...], sp,

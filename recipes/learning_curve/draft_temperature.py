@@ -22,21 +22,13 @@ DEFAULT_TEMPERATURES = (0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 
 
 def cmd_draft_temperature(args, prof: dict) -> dict:
-    from dspark.drafters import load_drafter
-    from recipes.learning_curve.measure import (decode_setting, drafter_label, estimate_loaded, held_out,
-                                                load_target_of, setting_file)
+    from recipes.learning_curve.measure import (drafter_label, estimate_loaded, one_drafter_renewal_setting,
+                                                setting_file)
 
-    if not args.drafters or len(args.drafters) != 1:
-        raise SystemExit("draft-temperature: give --drafters DRAFTER (one saved drafter folder)")
     temperatures = sorted({1.0, *(args.temperatures or DEFAULT_TEMPERATURES)})
     if temperatures[0] <= 0:
         raise SystemExit(f"draft-temperature: temperatures must be > 0, got {temperatures[0]}")
-    out, target, source = Path(args.out), load_target_of(prof), Path(args.drafters[0])
-    held, p_cache = held_out(target, prof, out), {}
-    if args.benchmarks or args.answer_tokens:
-        held = decode_setting(held, args.benchmarks, args.answer_tokens)
-    prof = {**prof, "anchor_stride": 1}  # the renewal estimate needs every anchor
-    drafter = load_drafter(str(source), target)
+    out, target, source, drafter, held, p_cache, prof = one_drafter_renewal_setting(args, prof, "draft-temperature")
     results = {}
     for t in temperatures:
         drafter.draft_temperature = t

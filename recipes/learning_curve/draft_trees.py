@@ -55,21 +55,13 @@ def tree_nodes(branching: tuple[int, ...], gamma: int) -> tuple[int, int]:
 
 
 def cmd_draft_trees(args, prof: dict) -> dict:
-    from dspark.drafters import load_drafter
-    from recipes.learning_curve.measure import (decode_setting, drafter_label, estimate_loaded, held_out,
-                                                load_target_of, setting_file)
+    from recipes.learning_curve.measure import (drafter_label, estimate_loaded, one_drafter_renewal_setting,
+                                                setting_file)
 
-    if not args.drafters or len(args.drafters) != 1:
-        raise SystemExit("draft-trees: give --drafters DRAFTER (one saved drafter folder)")
     trees = {"1": (1,)}
     for text in args.trees or DEFAULT_TREES:
         trees.setdefault("x".join(map(str, parse_tree(text))), parse_tree(text))
-    out, target, source = Path(args.out), load_target_of(prof), Path(args.drafters[0])
-    held, p_cache = held_out(target, prof, out), {}
-    if args.benchmarks or args.answer_tokens:
-        held = decode_setting(held, args.benchmarks, args.answer_tokens)
-    prof = {**prof, "anchor_stride": 1}  # the renewal estimate needs every anchor
-    drafter = load_drafter(str(source), target)
+    out, target, source, drafter, held, p_cache, prof = one_drafter_renewal_setting(args, prof, "draft-trees")
     gamma = args.gamma or drafter.config.block_size
     for name, branching in trees.items():
         if len(branching) > gamma:

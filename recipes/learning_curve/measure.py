@@ -57,6 +57,21 @@ def decode_setting(held: tuple, benchmarks: list[str] | None, answer_tokens: int
     return cut_rows, cut_outs, sp
 
 
+def one_drafter_renewal_setting(args, prof: dict, phase: str) -> tuple:
+    """(out, target, source folder, loaded drafter, held-out rows at the decode setting, p_cache, profile with
+    every anchor) for a phase that sweeps one drafter with the renewal estimate (draft temperature, trees)."""
+    from dspark.drafters import load_drafter
+
+    if not args.drafters or len(args.drafters) != 1:
+        raise SystemExit(f"{phase}: give --drafters DRAFTER (one saved drafter folder)")
+    out, target, source = Path(args.out), load_target_of(prof), Path(args.drafters[0])
+    held = held_out(target, prof, out)
+    if args.benchmarks or args.answer_tokens:
+        held = decode_setting(held, args.benchmarks, args.answer_tokens)
+    prof = {**prof, "anchor_stride": 1}  # the renewal estimate needs every anchor
+    return out, target, source, load_drafter(str(source), target), held, {}, prof
+
+
 def estimate_drafter(drafter_dir: Path, target, prof: dict, held: tuple, p_cache: dict,
                      gamma: int | None = None) -> dict:
     """Expected τ of one saved drafter on the held-out set (`held_out`), both estimators, at `gamma`

@@ -237,7 +237,7 @@ def main(argv=None) -> dict:
                 modes[name + tag + suffix] = (lambda t, d, h, st, g: lambda ids, gen: speculative_generate(
                     t, d, ids, sp, args.max_new_tokens, st, verify_len=h, generator=gen, gamma=g))(
                     target, drafter, h, stops, gamma)
-                for tree in args.tree if hasattr(drafter, "sample_tree") else []:
+                for tree in args.tree if hasattr(drafter, "draft_tree") else []:
                     label = f"{tag}:t{'x'.join(map(str, tree))}"
                     modes[name + label + suffix] = (lambda t, d, st, g, b: lambda ids, gen: tree_speculative_generate(
                         t, d, ids, sp, args.max_new_tokens, b, st, generator=gen, gamma=g))(

@@ -321,7 +321,12 @@ def accept_drafts(draft_tokens: Tensor, draft_probs: Tensor, target_probs: Tenso
     n_acc = int(accepted.cumprod(0).sum())  # length of the accepted prefix
     if n_acc == n:  # all accepted: bonus token from the target at position n+1
         return n, int(sample(target_probs[n], generator))
-    residual = (target_probs[n_acc] - draft_probs[n_acc]).clamp_min(0.0)
-    if residual.sum() <= 0:  # only reachable through rounding when p_t == p_d
-        residual = target_probs[n_acc]
-    return n_acc, int(sample(residual / residual.sum(), generator))
+    return n_acc, int(sample(rejection_residual(target_probs[n_acc], draft_probs[n_acc]), generator))
+
+
+def rejection_residual(p: Tensor, q: Tensor) -> Tensor:
+    """norm(max(0, p − q)): what a rejected draft from q leaves of the target's p (the law the next token is
+    drawn from). p itself when nothing is left, which only rounding reaches (p == q)."""
+    left = (p - q).clamp_min(0.0)
+    left = left if left.sum() > 0 else p
+    return left / left.sum()

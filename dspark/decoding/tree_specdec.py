@@ -3,7 +3,7 @@
 A tree "branching" (n_1, n_2, ...) gives every node at depth k−1 (the anchor at depth 0) n_k distinct
 children drawn without replacement from the drafter's q_k(· | its path); below the tuple, one. Per
 round, with `anchor` the last token the target produced (in no cache yet):
-  1. one drafter backbone pass gives the block's hidden states; `sample_tree` grows the tree from them,
+  1. `draft_tree`: one drafter backbone pass gives the block's hidden states, `sample_tree` grows the tree,
      each child keeping the row q^(j) it was drawn from (q_k without its earlier siblings, renormalised);
   2. the target scores [anchor, every node] in ONE forward: node i sits at position L + depth(i) and
      attends to the cache, the anchor and its own ancestors only (a 4D mask);
@@ -27,8 +27,16 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from dspark.decoding.sampling import SamplingParams, sample, to_probs
+from dspark.decoding.sampling import SamplingParams, rejection_residual, sample, to_probs
 from dspark.decoding.specdec import GenerationResult, RoundStats, generate_rounds
+
+
+def check_branching(branching: Sequence[int], gamma: int) -> tuple[int, ...]:
+    """A tree's children per depth as a tuple: at most γ counts, each >= 1 (else one clear error)."""
+    branching = tuple(int(n) for n in branching)
+    if len(branching) > gamma or any(n < 1 for n in branching):
+        raise ValueError(f"branching {branching}: at most γ = {gamma} counts, each >= 1")
+    return branching
 
 
 def accept_tree(tokens: Tensor, parents: list[int], draft_probs: Tensor, target_probs: Tensor,
@@ -50,9 +58,7 @@ def accept_tree(tokens: Tensor, parents: list[int], draft_probs: Tensor, target_
                 path.append(child)
                 at = child
                 break
-            left = (residual - q).clamp_min(0.0)
-            # sum 0 only through rounding when residual == q (then this child was accepted with probability 1)
-            residual = left / left.sum() if left.sum() > 0 else residual
+            residual = rejection_residual(residual, q)
         else:  # no child accepted, or a leaf: the next token comes from what is left of p
             return path, int(sample(residual, generator))
 
@@ -79,14 +85,12 @@ def tree_speculative_generate(target, drafter, prompt_ids, sp: SamplingParams, m
                               branching: Sequence[int], stop_ids: Sequence[int] | None = None,
                               generator: torch.Generator | None = None, gamma: int | None = None) -> GenerationResult:
     """Lossless speculative decoding of one prompt with a draft tree per round (module doc). The drafter
-    needs `sample_tree` (DSpark). gamma: the tree's depth (default the drafter's block size)."""
-    if not hasattr(drafter, "sample_tree"):
+    needs `draft_tree` (DSpark). gamma: the tree's depth (default the drafter's block size)."""
+    if not hasattr(drafter, "draft_tree"):
         raise ValueError(f"{drafter.algo} drafters do not grow draft trees (DSpark does)")
     gamma = gamma or drafter.config.block_size
     drafter.check_gamma(gamma)
-    branching = tuple(int(n) for n in branching)
-    if len(branching) > gamma or any(n < 1 for n in branching):
-        raise ValueError(f"branching {branching}: at most γ = {gamma} counts, each >= 1")
+    branching = check_branching(branching, gamma)
     return generate_rounds(target, drafter, prompt_ids, sp, max_new_tokens, stop_ids, generator, gamma,
                            lambda state, cache, anchor, _round_idx, layer_ids: _tree_round(
                                target, drafter, state, cache, anchor, gamma, branching, sp, generator, layer_ids))
@@ -96,9 +100,7 @@ def _tree_round(target, drafter, state, cache, anchor: int, gamma: int, branchin
                 generator, layer_ids):
     """One draft-tree / verify / walk cycle -> (stats, new tokens, features and ids of the kept positions)."""
     t0 = time.perf_counter()
-    h = drafter.blocks_hidden([state], torch.tensor([anchor], device=drafter.device))
-    first = drafter.first_pred_slot
-    tree = drafter.sample_tree(h[:, first:first + gamma], anchor, branching, sp, generator)
+    tree = drafter.draft_tree(state, anchor, gamma, branching, sp, generator)
     t1 = time.perf_counter()
     base = target.cache_length(cache)
     verify_ids = torch.cat([torch.tensor([anchor], device=target.device), tree.tokens.to(target.device)])

@@ -111,6 +111,15 @@ class DSparkDrafter(DFlashDrafter):
         return split_proposals(tokens, self.full_vocab_probs(probs), conf, gammas)
 
     @torch.no_grad()
+    def draft_tree(self, state, anchor: int, gamma: int, branching: tuple[int, ...], sampling: SamplingParams,
+                   generator: torch.Generator | None) -> DraftTree:
+        """A draft tree of depth γ for one request: its block's backbone pass (as `draft_batch`), then
+        `sample_tree`."""
+        first = self.first_pred_slot
+        h = self.blocks_hidden([state], torch.tensor([anchor], device=self.device))[:, first:first + gamma]
+        return self.sample_tree(h, anchor, branching, sampling, generator)
+
+    @torch.no_grad()
     def sample_tree(self, h: Tensor, anchor: int, branching: tuple[int, ...], sampling: SamplingParams,
                     generator: torch.Generator | None) -> DraftTree:
         """A draft tree for one request from its block's hidden states h [1, γ, d]: every node at depth

@@ -55,6 +55,7 @@ import torch
 from torch import Tensor
 
 from dspark.decoding.sampling import SamplingParams, to_probs
+from dspark.decoding.tree_specdec import check_branching
 
 ESTIMATORS = ("alpha", "iw")  # per-anchor; "renewal" (decoding's τ) comes with every estimate that keeps every anchor
 
@@ -313,8 +314,7 @@ def estimate(drafter, target, rows: Iterable[dict], gamma: int, sampling: Sampli
     target outputs, one per row (already cut to max_len), instead of running the target. `p_cache`: a
     dict kept by the caller across drafters, row index -> the target's distributions (bf16).
     `branching`: children per node at each depth of a draft tree verified at once (module doc)."""
-    if any(n < 1 for n in branching) or len(branching) > gamma:
-        raise ValueError(f"branching {tuple(branching)}: at most γ = {gamma} counts, each >= 1")
+    branching = check_branching(branching, gamma)
     was_training = drafter.training
     drafter.eval()
     per: dict[str, list[PromptStats]] = {e: [] for e in estimators}

@@ -106,7 +106,7 @@ def tree_row(result: dict, chain: dict, is_chain: bool, name: str, shape: tuple[
 
 def measure_costs(prof: dict, source: Path, trees: dict[str, tuple[int, ...]], gamma: int) -> dict:
     """Medians (ms) of one target step, the verify forward of each tree's size and drafting each tree (one
-    backbone pass + `sample_tree`, what `tree_speculative_generate` runs), each measured once in every
+    backbone pass + `sample_tree`: `draft_tree`, what `tree_speculative_generate` runs), each measured once in every
     repetition (the module doc); the target cache is cropped back after each forward."""
     import torch
 
@@ -128,20 +128,16 @@ def measure_costs(prof: dict, source: Path, trees: dict[str, tuple[int, ...]], g
             cache, state = prefill.cache, drafter.new_state()
             drafter.extend_context(state, prefill.features[0], context)
         anchor, gen, sp = int(context[-1]), torch.Generator().manual_seed(1), SamplingParams(temperature=1.0)
-        first = drafter.first_pred_slot
 
         def verify(tokens: int):  # the cost of a forward does not depend on the tree mask's shape
             target.forward(ids[COST_CONTEXT - 1: COST_CONTEXT - 1 + tokens][None], cache=cache, use_cache=True,
                            logits_at="all")
             target.crop_cache(cache, COST_CONTEXT)
 
-        def draft(branching: tuple[int, ...]):
-            h = drafter.blocks_hidden([state], torch.tensor([anchor]))[:, first:first + gamma]
-            drafter.sample_tree(h, anchor, branching, sp, gen)
-
         timed = {"target_step": lambda: verify(1)}
         timed.update({f"verify{t}": (lambda t=t: verify(t)) for t in sizes})
-        timed.update({f"draft:{name}": (lambda b=b: draft(b)) for name, b in trees.items()})
+        timed.update({f"draft:{name}": (lambda b=b: drafter.draft_tree(state, anchor, gamma, b, sp, gen))
+                      for name, b in trees.items()})
         times = {name: [] for name in timed}
         with torch.no_grad():
             for rep in range(COST_WARMUP + reps):

@@ -20,6 +20,9 @@ without one, untrained drafters are built for each `--algo` (τ ≈ 1: a floor, 
 `--tree 4` (repeatable) adds a mode per DSpark drafter that verifies a tree of drafts per round
 (dspark.decoding.tree_specdec; "4": four distinct first tokens, each with its own chain; "4x2": two under
 each): τ is then tokens per target forward, as for a chain.
+`--engine` runs every mode through the serving engine (dspark.decoding.engine, one request at a time:
+max_batch 1, the ragged KV slots, lazy drafter catch-up, trees as EngineConfig.draft_tree, seeded requests
+on their generator stream) instead of the batch-1 decoders: the speed a served request gets.
 The last stdout line is one JSON object.
 """
 from __future__ import annotations
@@ -66,6 +69,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "each depth, e.g. 4 or 2x2; one mode per drafter and tree, named <drafter>:t<tree> "
                          "(dspark.decoding.tree_specdec)")
     ap.add_argument("--scheduler", choices=["fixed", "dynamic"], default="fixed")
+    ap.add_argument("--engine", action="store_true",
+                    help="decode every mode through the serving engine at max_batch 1 (see the module doc)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     ap.add_argument("--dtypes", default="float32",
@@ -148,13 +153,47 @@ def distinct_names(refs: list[str]) -> list[str]:
     return [name(p) for p in parts]
 
 
+def engine_decoder(target, drafter, sp: SamplingParams, max_new_tokens: int, stops, gamma: int | None,
+                   tree: tuple[int, ...] | None, scheduler: str):
+    """A mode's decode(ids, generator) -> GenerationResult through an Engine of its own (max_batch 1); the
+    rounds come from the engine's step reports (one request: one round per step that verified)."""
+    from dspark.decoding.engine import Engine, EngineConfig
+    from dspark.decoding.specdec import GenerationResult, RoundStats
+
+    mode = "off" if drafter is None else (scheduler if drafter.has_confidences else "fixed")
+    engine = Engine(target, drafter, EngineConfig(scheduler=SchedulerConfig(mode=mode), gamma=gamma, max_batch=1,
+                                                  draft_tree=list(tree) if tree else None, seeded_sampling="stream"))
+    rounds: list = []
+
+    def record(rep) -> None:
+        if rep.rows and rep.drafted:
+            rounds.append(RoundStats(proposed=rep.proposed, verified=rep.verified, accepted=rep.accepted,
+                                     outcomes=[True] * rep.accepted + ([False] if rep.accepted < rep.verified else []),
+                                     emitted=rep.emitted, draft_s=rep.draft_s, verify_s=rep.verify_s))
+
+    engine.step_listeners.append(record)
+
+    def decode(ids, gen):
+        rounds.clear()
+        seed = int(torch.randint(2 ** 62, (1,), generator=gen))
+        t0 = time.perf_counter()
+        req = engine.generate([ids], sp, max_new_tokens, stops, seeds=[seed])[0]
+        if req.error:
+            raise RuntimeError(f"engine request failed: {req.error}")
+        return GenerationResult(list(req.tokens), list(rounds), req.finish_reason, time.perf_counter() - t0, len(ids))
+
+    return decode
+
+
 def decode_interleaved(prompts, modes: dict) -> dict:
     """Each mode's GenerationResult per prompt. Prompt i is decoded by every mode in turn, the order rotated by
     i, each with the same seed (1000 + i): drift in machine speed is shared by all modes instead of falling on
     whichever ran last."""
+    from tqdm.auto import tqdm
+
     names = list(modes)
     results = {name: [] for name in names}
-    for i, (_, ids) in enumerate(prompts):
+    for i, (_, ids) in enumerate(tqdm(prompts, desc="decode (every mode per prompt)", unit="prompt", file=sys.stderr)):
         for name in names[i % len(names):] + names[:i % len(names)]:
             results[name].append(modes[name](ids, torch.Generator(device="cpu").manual_seed(1000 + i)))
     return results
@@ -228,16 +267,25 @@ def main(argv=None) -> dict:
             sps = profile_sps(target_verify_fn(target, context_len=128), list(range(1, max(args.gamma or [block]) + 2)))
             sps_points = sps_points or sps.to_dict()
             hook = PrefixScheduler(SchedulerConfig(mode="dynamic"), sps).verify_len_hook()
-        modes["target" + suffix] = (lambda t, st: lambda ids, gen: target_generate(
-            t, ids, sp, args.max_new_tokens, st, gen))(target, stops)
+        if args.engine:
+            modes["target" + suffix] = engine_decoder(target, None, sp, args.max_new_tokens, stops, None, None, "off")
+        else:
+            modes["target" + suffix] = (lambda t, st: lambda ids, gen: target_generate(
+                t, ids, sp, args.max_new_tokens, st, gen))(target, stops)
         for name, drafter in drafters.items():
             h = hook if drafter.has_confidences else None
             for gamma in args.gamma or [None]:
                 tag = f":g{gamma}" if len(args.gamma or []) > 1 else ""
+                trees = args.tree if hasattr(drafter, "draft_tree") else []
+                if args.engine:
+                    for tree, label in [(None, tag), *((t, f"{tag}:t{'x'.join(map(str, t))}") for t in trees)]:
+                        modes[name + label + suffix] = engine_decoder(target, drafter, sp, args.max_new_tokens, stops,
+                                                                      gamma, tree, args.scheduler)
+                    continue
                 modes[name + tag + suffix] = (lambda t, d, h, st, g: lambda ids, gen: speculative_generate(
                     t, d, ids, sp, args.max_new_tokens, st, verify_len=h, generator=gen, gamma=g))(
                     target, drafter, h, stops, gamma)
-                for tree in args.tree if hasattr(drafter, "draft_tree") else []:
+                for tree in trees:
                     label = f"{tag}:t{'x'.join(map(str, tree))}"
                     modes[name + label + suffix] = (lambda t, d, st, g, b: lambda ids, gen: tree_speculative_generate(
                         t, d, ids, sp, args.max_new_tokens, b, st, generator=gen, gamma=g))(
@@ -282,7 +330,7 @@ def main(argv=None) -> dict:
               "threads": torch.get_num_threads(), "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
               "temperature": args.temperature,
               "gamma": args.gamma[0] if args.gamma and len(args.gamma) == 1 else args.gamma,
-              "scheduler": args.scheduler, "dtypes": dtypes,
+              "scheduler": args.scheduler, "dtypes": dtypes, "through": "engine" if args.engine else "specdec",
               "sps": sps_points, "modes": summaries, "elapsed_s": round(time.perf_counter() - t0, 2)}
     print(json.dumps(report, default=float))
     return report

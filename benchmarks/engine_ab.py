@@ -11,7 +11,10 @@ sequential HTTP benchmark (benchmarks/serve_load.py) cannot ensure on a busy mac
 out, HTTP and Ray Serve, is the same code for every mode.
 
 The dynamic engine uses the draft gate (as configs/serve does) and the SPS table given with
---sps-table (JSON) or profiled at start. The last stdout line is one JSON object.
+--sps-table (JSON) or profiled at start. A mode "<mode>+t<tree>" (e.g. fixed+t2, fixed+t4x2) verifies that
+draft tree per request (EngineConfig.draft_tree) at every level, or while at most --tree-max-rows requests
+are active (chains above, as a served config would run): where trees stop paying as load grows. `over_off` holds every mode's tokens per busy second over mode off's, per
+level. The last stdout line is one JSON object.
 """
 from __future__ import annotations
 
@@ -29,7 +32,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--target", default="smollm2-135m", help="smollm2-135m | tiny | model dir")
     ap.add_argument("--drafter", required=True, help="local drafter directory")
-    ap.add_argument("--modes", default="off,dynamic", help="comma-separated scheduler modes")
+    ap.add_argument("--modes", default="off,dynamic",
+                    help="comma-separated scheduler modes; <mode>+t<tree> adds a draft tree, e.g. fixed+t2,fixed+t4x2")
     ap.add_argument("--concurrency", default="1,4,16,64", help="comma-separated numbers of active requests")
     ap.add_argument("--steps", type=int, default=48, help="timed steps per mode and level")
     ap.add_argument("--chunk", type=int, default=4, help="steps a mode runs before the next one takes its turn")
@@ -37,6 +41,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--max-tokens", type=int, default=64, help="tokens per request")
     ap.add_argument("--prompt-len", type=int, default=48, help="tokens per prompt (from the eval prompts)")
     ap.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
+    ap.add_argument("--tree-max-rows", type=int, default=None,
+                    help="EngineConfig.tree_max_rows of the +t modes (default: the level, i.e. trees at every level)")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                    help="target and drafter weights (bfloat16: what configs/serve's dtype auto picks on a CPU with bf16)")
     ap.add_argument("--gamma", type=int, default=None, help="drafts proposed per round (default: the drafter's block size)")
     ap.add_argument("--sps-table", default=None, help='JSON {"B": steps/s} for dynamic (default: profile at start)')
     ap.add_argument("--out", default=None, help="write the JSON here too")
@@ -100,17 +108,20 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     modes = [m for m in args.modes.split(",") if m]
     levels = [int(c) for c in args.concurrency.split(",") if c]
-    target = load_target(args.target)
-    drafter = load_drafter(args.drafter, target=target)
+    target = load_target(args.target, dtype=getattr(torch, args.dtype))
+    drafter = load_drafter(args.drafter, target=target).to(getattr(torch, args.dtype))
     prompts = prompt_ids(target, 64, args.prompt_len)
     sps = {int(k): float(v) for k, v in json.loads(args.sps_table).items()} if args.sps_table else None
     results, tables = [], {}
     for c in levels:
         loads = {}
         for mode in modes:  # fresh engines per level: every mode starts the level from the same state
-            cfg = EngineConfig(scheduler=SchedulerConfig(mode=mode, draft_gate=mode == "dynamic"),
-                               gamma=args.gamma, max_batch=c, max_waiting=4 * c, sps_table=sps or tables.get(mode))
-            engine = Engine(target, None if mode == "off" else drafter, cfg)
+            sched, _, tree = mode.partition("+t")
+            cfg = EngineConfig(scheduler=SchedulerConfig(mode=sched, draft_gate=sched == "dynamic"),
+                               gamma=args.gamma, max_batch=c, max_waiting=4 * c, sps_table=sps or tables.get(mode),
+                               draft_tree=[int(n) for n in tree.split("x")] if tree else None,
+                               tree_max_rows=args.tree_max_rows or c)
+            engine = Engine(target, None if sched == "off" else drafter, cfg)
             if engine.sps is not None:
                 tables[mode] = engine.sps.points
             loads[mode] = Load(engine, prompts, args.max_tokens)
@@ -130,7 +141,7 @@ def main(argv=None) -> int:
                                            if ld.engine.drafting and ld.steps > ld.skipped else None),
                    "mean_skipped_step_s": ld.skipped_s / ld.skipped if ld.skipped else None,
                    "engine_totals": {k: ld.engine.totals[k] for k in ("proposed", "verified", "accepted")},
-                   "draft_gate": ld.engine.stats()["draft_gate"]}
+                   "draft_gate": ld.engine.stats()["draft_gate"], "tree_draft_gate": ld.engine.stats()["tree_draft_gate"]}
             results.append(row)
             print(f"[engine_ab] {mode:>8} c={c:<3} {row['tokens_per_busy_s']:7.2f} tok/busy-s  steps {ld.steps}  "
                   f"skipped {row['draft_skipped_step_fraction']}  skipped-step {row['mean_skipped_step_s']}  "
@@ -142,9 +153,12 @@ def main(argv=None) -> int:
 
 
 def write(args, modes: list[str], levels: list[int], tables: dict, results: list[dict]) -> dict:
-    ratio, skipped_ratio = {}, {}
+    ratio, skipped_ratio, over_off = {}, {}, {}
     for c in levels:
         by = {r["mode"]: r for r in results if r["concurrency"] == c}
+        if "off" in by:
+            for mode, row in by.items():
+                over_off.setdefault(mode, {})[str(c)] = row["tokens_per_busy_s"] / by["off"]["tokens_per_busy_s"]
         if "off" in by and "dynamic" in by:
             off = by["off"]["tokens_per_busy_s"]
             ratio[str(c)] = by["dynamic"]["tokens_per_busy_s"] / off
@@ -152,9 +166,9 @@ def write(args, modes: list[str], levels: list[int], tables: dict, results: list
                 skipped_ratio[str(c)] = by["dynamic"]["skipped_steps_tokens_per_s"] / off
     report = {"benchmark": "engine_ab", "target": args.target, "drafter": args.drafter, "modes": modes,
               "concurrency": levels, "steps": args.steps, "chunk": args.chunk, "max_tokens": args.max_tokens,
-              "prompt_len": args.prompt_len, "gamma": args.gamma, "threads": args.threads,
+              "prompt_len": args.prompt_len, "gamma": args.gamma, "threads": args.threads, "dtype": args.dtype, "tree_max_rows": args.tree_max_rows,
               "sps_tables": {m: {str(b): v for b, v in t.items()} for m, t in tables.items()},
-              "results": results, "dynamic_over_off": ratio, "dynamic_skipped_steps_over_off": skipped_ratio}
+              "results": results, "over_off": over_off, "dynamic_over_off": ratio, "dynamic_skipped_steps_over_off": skipped_ratio}
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(report, indent=2))

@@ -6,9 +6,13 @@ Layout of one forward:
   carry each token's true position in its own sequence, so RoPE is exact;
 - keys/values live in a per-layer slot store [S, Hkv, Lcap, D]; request r owns one slot, and a batch
   covers a contiguous slot range [first, first + R);
-- inside attention the new keys/values are written at (slot, position), the flat queries are
+- inside attention the new keys/values are written at (slot, column L_r + i), the flat queries are
   scattered into a padded [R, Nmax] grid, and row r attends to its own slot with the causal mask
-  "key column k visible to new token i  iff  k <= L_r + i" (L_r = the row's cached length).
+  "key column k visible to new token i  iff  k <= L_r + i" (L_r = the row's cached length);
+- a row may instead hold a tree of drafts (`parents`: each new token's parent among the row's new
+  tokens, -1 for the first): token i then sits at position L_r + depth(i) and sees the prefix, itself
+  and its ancestors only; after acceptance `KVSlots.keep_columns` moves the accepted path's columns
+  behind the prefix.
 Invariant: columns [0, L_r) of a slot hold exactly the verified prefix of its request. Columns past
 that are stale (rejected drafts, padding) and always masked, so "cropping" a rejected suffix is just
 setting the length.
@@ -47,7 +51,9 @@ class RaggedBatch:
     kv_len: int  # Lcur = max(L_r + n_r)
 
     @classmethod
-    def build(cls, store: "KVSlots", first: int, starts: list[int], counts: list[int]) -> "RaggedBatch":
+    def build(cls, store: "KVSlots", first: int, starts: list[int], counts: list[int],
+              parents: list[list[int] | None] | None = None) -> "RaggedBatch":
+        """parents: per row None (a chain) or its tree (parent of each new token, -1 for the first)."""
         if not counts or min(counts) < 1:
             raise ValueError(f"every row of a ragged batch needs >= 1 new token, got counts {counts}")
         # index math runs on the host (tiny, data-dependent shapes); every tensor field then moves to
@@ -62,8 +68,18 @@ class RaggedBatch:
         # row r, new token i sees key columns 0..L_r+i: its verified prefix and the new tokens up to itself
         limit = start_t[:, None] + torch.arange(width)[None, :]  # [R, Nmax]
         mask = torch.arange(kv_len)[None, None, :] <= limit[..., None]
+        position = token_pos.clone()
+        at = 0
+        for r, tree in enumerate(parents or []):
+            if tree is not None:  # a tree row: ancestors instead of everything before, depth positions
+                if len(tree) != counts[r]:
+                    raise ValueError(f"row {r}: {len(tree)} parents for {counts[r]} new tokens")
+                seen, depth = tree_visibility(tree)
+                mask[r, : counts[r], starts[r]: starts[r] + counts[r]] = seen
+                position[at: at + counts[r]] = starts[r] + depth
+            at += counts[r]
         return cls(store=store, first=first, starts=list(starts), counts=list(counts),
-                   position_ids=token_pos[None].to(device), token_slot=(row_of + first).to(device),
+                   position_ids=position[None].to(device), token_slot=(row_of + first).to(device),
                    token_pos=token_pos.to(device), flat_index=(row_of * width + offset).to(device),
                    mask=mask[:, None].to(device), width=width, kv_len=kv_len)
 
@@ -131,16 +147,27 @@ class KVSlots:
         """Keep the first `length` positions of a slot (commit accepted tokens / drop rejected ones)."""
         self.lengths[slot] = length
 
+    def keep_columns(self, slot: int, base: int, columns: list[int]) -> None:
+        """Keep the prefix [0, base) of a slot followed by `columns` (ascending, >= base; a tree row's
+        accepted path): their keys/values move to base, base+1, ... and the slot's length becomes
+        base + len(columns)."""
+        index = torch.tensor(columns, device=self.device)
+        if columns != list(range(base, base + len(columns))):
+            for buf in (*self.keys.values(), *self.values.values()):
+                buf[slot, :, base: base + len(columns)] = buf[slot, :, index]  # advanced index: a copy
+        self.lengths[slot] = base + len(columns)
+
     def memory_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.keys.values(), *self.values.values()))
 
     # ---- forward plumbing ---------------------------------------------------------------------
-    def ragged(self, first: int, counts: list[int]) -> RaggedBatch:
-        """Layout for appending counts[r] tokens to slots first..first+R-1 at their current lengths."""
+    def ragged(self, first: int, counts: list[int], parents: list[list[int] | None] | None = None) -> RaggedBatch:
+        """Layout for appending counts[r] tokens to slots first..first+R-1 at their current lengths
+        (parents: tree rows, see `RaggedBatch.build`)."""
         starts = self.lengths[first: first + len(counts)]
         if len(starts) != len(counts):
             raise IndexError(f"slots {first}..{first + len(counts) - 1} are not all in use ({self.used} used)")
-        return RaggedBatch.build(self, first, starts, counts)
+        return RaggedBatch.build(self, first, starts, counts, parents)
 
     @contextmanager
     def batch(self, layout: RaggedBatch):
@@ -178,6 +205,21 @@ class KVSlots:
 
 def _round_up(n: int, chunk: int) -> int:
     return max(chunk, -(-n // chunk) * chunk)
+
+
+def tree_visibility(parents: list[int]) -> tuple[Tensor, Tensor]:
+    """(seen [n, n] bool: token i sees token j iff j is i or an ancestor of i, depth [n]: 0 for the
+    root) of a tree given by each token's parent (-1 for the root, parents before children)."""
+    n = len(parents)
+    seen = torch.eye(n, dtype=torch.bool)
+    depth = torch.zeros(n, dtype=torch.long)
+    for i, parent in enumerate(parents):
+        if parent >= 0:
+            if parent >= i:
+                raise ValueError(f"tree parents must come before their children: token {i} has parent {parent}")
+            seen[i] |= seen[parent]
+            depth[i] = depth[parent] + 1
+    return seen, depth
 
 
 def _ragged_attention_for(original: str):
@@ -233,11 +275,12 @@ def enable_ragged(model) -> str:
 
 
 def ragged_forward(target, store: KVSlots, first: int, ids: torch.Tensor, counts: list[int], logits_at: str,
-                   layer_ids: list[int] | None = None) -> list[tuple]:
+                   layer_ids: list[int] | None = None, parents: list[list[int] | None] | None = None) -> list[tuple]:
     """One target forward appending counts[r] tokens (flat `ids` [1, N]) to slots first..first+R-1 of
     `store`. Returns per row (logits, features): logits of all its new tokens (logits_at "all") or of
-    its last one ("last", shape [1, V]); features of the `layer_ids` layers (None without them)."""
-    layout = store.ragged(first, counts)
+    its last one ("last", shape [1, V]); features of the `layer_ids` layers (None without them).
+    parents: per row None or a tree of its new tokens (`RaggedBatch.build`)."""
+    layout = store.ragged(first, counts, parents)
     slices = layout.row_slices()
     where = "all" if logits_at == "all" else torch.tensor([s.stop - 1 for s in slices], device=target.device)
     with store.batch(layout):

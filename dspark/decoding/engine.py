@@ -12,6 +12,12 @@ requests. Each `step()`:
   5. accepts losslessly per request (`accept_drafts`), keeps the accepted prefix in the KV slot, queues
      its target features for the drafter context, emits the new tokens; finished requests leave, their
      slots are recycled.
+With `draft_tree` set (EngineConfig), a step with at most `tree_max_rows` active requests drafts a tree per
+request instead (`drafter.draft_trees`) and verifies every node (the row's tokens attend to their ancestors
+only, dspark.decoding.batched_cache); the tree walk (`accept_tree`, `accept_keyed_tree`) picks the accepted
+path, whose KV columns move behind the prefix (`KVSlots.keep_columns`). Such steps bypass the scheduler; with
+the draft gate on, a gate of their own (`tree_gate`: a tree's verify cost and acceptance are not a chain's)
+decides whether drafting a tree beats a target-only step at that load.
 The drafter context is caught up lazily: the target features of verified positions wait in
 `Request.ctx_pending` and the drafter reads them, for all requests in one `extend_contexts` pass, just
 before it next drafts (or when `context_catch_up_every` steps have piled up, which bounds the memory held).
@@ -64,10 +70,13 @@ from dspark.decoding.engine_config import EngineConfig
 from dspark.decoding.request import (EngineUnavailableError, Listener, QueueFullError, Request, RequestStats,
                                      StepReport, TokenLogprob)
 from dspark.decoding.request_batch import RequestBatch
-from dspark.decoding.sampling import KeyedNoise, SamplingParams, accept_drafts, accept_keyed, sample, to_logprobs, to_probs
+from dspark.decoding.sampling import KeyedNoise, SamplingParams, accept_drafts, accept_keyed, sample, to_probs
 from dspark.decoding.scheduler import DraftGate, PrefixScheduler, SPSTable, prefix_survival
-from dspark.decoding.specdec import _keep, drafter_layer_ids
+from dspark.decoding.specdec import drafter_layer_ids
+from dspark.decoding.tree_specdec import (accept_keyed_tree, accept_tree, check_branching, tree_expected_accepted,
+                                          verify_parents)
 from dspark.decoding.sps_profile import engine_sps_table
+from dspark.drafters.base import DraftTree
 
 __all__ = ["Engine", "EngineConfig", "EngineUnavailableError", "Listener", "QueueFullError", "Request",
            "RequestStats", "StepReport", "TokenLogprob"]  # the engine's API, wherever each piece is defined
@@ -85,20 +94,21 @@ class Engine(RequestBatch):
         self.mode = cfg.scheduler.mode
         self.drafting = self.mode != "off"
         self.gamma = self._check_drafter()
+        self.tree = self._check_tree()
         self.layer_ids = drafter_layer_ids(drafter) if self.drafting else None
         self.max_model_len = min(cfg.max_model_len, getattr(target, "max_positions", cfg.max_model_len))
         enable_ragged(target.model)
-        # Device invariant: KV slots, the request RNGs and every tensor a step creates live on
-        # target.device (the drafter sits there too); sampling moves probabilities to the generator's
-        # device, never back.
+        # Device invariant: KV slots, request RNGs and every tensor a step creates live on target.device (so
+        # does the drafter); sampling moves probabilities to the generator's device, never back.
         kv = KVSlots(target.device, target.dtype)
         self.sps: SPSTable | None = None
         if self.mode in ("dynamic", "async_topk"):
             self.sps = engine_sps_table(cfg, target, self.gamma, self.layer_ids)
         self.scheduler = PrefixScheduler(cfg.scheduler, self.sps)
-        gate_on = cfg.scheduler.draft_gate and self.sps is not None and self.drafting
-        self.gate = DraftGate(self.sps, cfg.scheduler.draft_gate_explore_every,
-                              explore_rows=cfg.scheduler.draft_gate_explore_rows) if gate_on else None
+        gate_on, sched = cfg.scheduler.draft_gate and self.sps is not None and self.drafting, cfg.scheduler
+        self.gate, self.tree_gate = (DraftGate(self.sps, sched.draft_gate_explore_every,
+                                               explore_rows=sched.draft_gate_explore_rows) if on else None
+                                     for on in (gate_on, gate_on and self.tree))
         self._explore_offset = 0  # round-robin start of the gate's exploration sample
         super().__init__(cfg, kv)  # queue, slots, totals; started_at = now, after the profiling
 
@@ -115,6 +125,13 @@ class Engine(RequestBatch):
         gamma = self.cfg.gamma or d.config.block_size
         d.check_gamma(gamma)
         return gamma
+
+    def _check_tree(self) -> tuple[int, ...] | None:
+        if self.cfg.draft_tree is None or not self.drafting:
+            return None
+        if not hasattr(self.drafter, "draft_trees"):
+            raise ValueError(f"draft_tree needs a drafter that grows draft trees (DSpark), not {self.drafter.config.algo}")
+        return check_branching(self.cfg.draft_tree, self.gamma)
 
     # ---- public API --------------------------------------------------------------------------
     def submit(self, prompt_ids: Sequence[int], sampling: SamplingParams | None = None, max_new_tokens: int = 64,
@@ -143,21 +160,6 @@ class Engine(RequestBatch):
         self._enqueue(req, self.target.device)
         return req
 
-    def check_request(self, prompt_len: int, max_new_tokens: int) -> None:
-        """Raise ValueError (naming prompt or max_new_tokens) when a request cannot fit the context."""
-        if prompt_len < 1:
-            raise ValueError("prompt is empty: give at least one token")
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        room = self.max_model_len - (self.gamma + 1)
-        if prompt_len >= room:
-            raise ValueError(f"prompt has {prompt_len} tokens; the context holds {self.max_model_len} "
-                             f"(at most {room - 1} prompt tokens); shorten the prompt")
-        if prompt_len + max_new_tokens > room:
-            raise ValueError(f"prompt ({prompt_len}) + max_new_tokens ({max_new_tokens}) exceeds the context of "
-                             f"{self.max_model_len} (minus {self.gamma + 1} for drafting); lower max_new_tokens "
-                             f"to <= {room - prompt_len}")
-
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams | None = None,
                  max_new_tokens: int = 64, stop_ids: Sequence[int] | None = None,
                  seeds: Sequence[int | None] | None = None, logprobs: int | None = None) -> list[Request]:
@@ -183,19 +185,22 @@ class Engine(RequestBatch):
             self._retire()
             report.prefill_s = time.perf_counter() - t0
         if self.active:
-            drafted = self.drafting and (self.gate is None or self.gate.should_draft(len(self.active)))
-            if drafted:
-                self._draft(report, self._draft_rows())  # catches the drafter context up first
+            tree_step = self.tree is not None and len(self.active) <= self.cfg.tree_max_rows
+            gate = self.tree_gate if tree_step else self.gate
+            drafted = self.drafting and (gate is None or gate.should_draft(len(self.active)))
+            if drafted:  # catches the drafter context up first
+                self._draft(report, self._draft_rows(gate), tree_step)
                 self._retire()
             if self.active:
                 self._verify(report)
                 self._catch_up_overdue(report)
                 self._retire()
-            if self.gate is not None and report.rows:
-                self.gate.observe_verify(report.batch_tokens, report.verify_s, drafted)
-            if drafted and self.gate is not None:
-                self.gate.observe(report.drafted_rows, report.gate_draft_s, report.verified, report.accepted,
-                                  report.expected_accepted)
+            if gate is not None and report.rows:
+                gate.observe_verify(report.batch_tokens, report.verify_s, drafted)
+            if drafted and gate is not None:  # what a tree costs is its nodes, not its depth
+                verified = report.batch_tokens - report.rows if tree_step else report.verified
+                gate.observe(report.drafted_rows, report.gate_draft_s, verified, report.accepted,
+                             report.expected_accepted)
             report.drafted = drafted
         report.step_s = time.perf_counter() - t0
         self._account(report)
@@ -221,37 +226,31 @@ class Engine(RequestBatch):
             except Exception as err:
                 self._fail(req, f"prefill failed: {err}", report)
 
-    def _draft_rows(self) -> list[Request]:
+    def _draft_rows(self, gate: DraftGate | None) -> list[Request]:
         """Who drafts this step: every active request, or, on the draft gate's exploration steps, a
         round-robin sample of `explore_rows` (chosen before any draft exists: lossless)."""
-        k = getattr(self.gate, "explore_rows", None) if getattr(self.gate, "exploring", False) else None
+        k = getattr(gate, "explore_rows", None) if getattr(gate, "exploring", False) else None
         if k is None or k >= len(self.active):
             return list(self.active)
         start = self._explore_offset % len(self.active)
         self._explore_offset += k
         return [self.active[(start + i) % len(self.active)] for i in range(k)]
 
-    def _draft(self, report: StepReport, rows: list[Request]) -> None:
-        """γ drafts per request of `rows` in one propose_batch call (per-request retry isolates a failure)."""
+    def _draft(self, report: StepReport, rows: list[Request], tree: bool = False) -> None:
+        """γ drafts (or a draft tree) per request of `rows` in one batched drafter call (per-request
+        retry isolates a failure)."""
         t0, caught_before = time.perf_counter(), report.catch_up_tokens
         self._catch_up(rows, report)
         catch_up_s, caught = time.perf_counter() - t0, report.catch_up_tokens - caught_before
         reqs = [r for r in rows if not r.finished]
-        args = ([r.draft_state for r in reqs], [r.anchor for r in reqs], self.gamma, [r.sampling for r in reqs])
-        for r in reqs:
-            if r.noise is not None:
-                r.noise.cursor = len(r.tokens)  # draft k (from 0) is for output position len(tokens) + k
         try:
-            proposals = self.drafter.propose_batch(*args, [r.noise or r.generator for r in reqs])
+            proposals = self._propose(reqs, tree)
         except Exception:
-            log.warning("propose_batch failed; drafting request by request to isolate the failure", exc_info=True)
+            log.warning("batched drafting failed; drafting request by request to isolate the failure", exc_info=True)
             proposals = []
             for r in reqs:
                 try:
-                    if r.noise is not None:
-                        r.noise.cursor = len(r.tokens)
-                    proposals.append(self.drafter.propose(r.draft_state, r.anchor, self.gamma, r.sampling,
-                                                          r.noise or r.generator))
+                    proposals += self._propose([r], tree)
                 except Exception as err:
                     proposals.append(None)
                     self._fail(r, f"drafting failed: {err}", report)
@@ -260,6 +259,17 @@ class Engine(RequestBatch):
         report.drafted_rows = sum(p is not None for p in proposals)
         report.draft_s = time.perf_counter() - t0
         report.gate_draft_s = report.draft_s - catch_up_s + catch_up_s * self._steady_share(len(reqs), caught)
+
+    def _propose(self, reqs: list[Request], tree: bool) -> list:
+        """One batched drafter call: a DraftProposal (chain of γ) or a DraftTree per request."""
+        for r in reqs:
+            if r.noise is not None:
+                r.noise.cursor = len(r.tokens)  # draft k (from 0) is for output position len(tokens) + k
+        args = ([r.draft_state for r in reqs], [r.anchor for r in reqs], self.gamma)
+        samplings, generators = [r.sampling for r in reqs], [r.noise or r.generator for r in reqs]
+        if tree:
+            return self.drafter.draft_trees(*args, self.tree, samplings, generators)
+        return self.drafter.propose_batch(*args, samplings, generators)
 
     def _steady_share(self, rows: int, caught: int) -> float:
         """The share of this step's catch-up that steady drafting would pay per step: about 1 + accepted
@@ -315,6 +325,10 @@ class Engine(RequestBatch):
         if not self.drafting or not drafted:
             return lengths
         proposals = [self.active[i].proposal for i in drafted]
+        if isinstance(proposals[0], DraftTree):  # a tree step: every node is verified
+            for i, tree in zip(drafted, proposals):
+                lengths[i] = len(tree.parents)
+            return lengths
         confidences = [p.confidences.tolist() if p.confidences is not None else None for p in proposals]
         for i, n in zip(drafted, self.scheduler.schedule(confidences, [int(p.tokens.shape[0]) for p in proposals])):
             lengths[i] = n
@@ -328,14 +342,15 @@ class Engine(RequestBatch):
         t0 = time.perf_counter()
         lengths = self._schedule(report)
         device = self.target.device
-        rows = []
+        rows, parents = [], []
         for req, n in zip(self.active, lengths):
             req.verify_len = n
             drafts = req.proposal.tokens[:n].to(device) if n else torch.empty(0, dtype=torch.long, device=device)
             rows.append(torch.cat([torch.tensor([req.anchor], device=device), drafts]))
+            parents.append(verify_parents(req.proposal.parents) if isinstance(req.proposal, DraftTree) else None)
         report.rows, report.batch_tokens = len(rows), sum(len(r) for r in rows)
         report.verify_lens = list(lengths)
-        outputs = self._forward_rows(self.active, rows, "all", report)
+        outputs = self._forward_rows(self.active, rows, "all", report, parents)
         for req, ids, out in zip(list(self.active), rows, outputs):
             if req.finished:
                 continue
@@ -346,89 +361,82 @@ class Engine(RequestBatch):
         report.verify_s = time.perf_counter() - t0
 
     def _accept(self, req: Request, ids: torch.Tensor, logits: torch.Tensor, features, report: StepReport) -> None:
+        if isinstance(req.proposal, DraftTree):
+            return self._accept_tree(req, ids, logits, features, report)
         n = req.verify_len
         target_probs = to_probs(logits, req.sampling)  # row k scores draft k+1; row n is the bonus
         if req.noise is not None:  # row k is output position len(tokens) + k (tokens[-1], the anchor, is before)
             n_acc, next_token = accept_keyed(ids[1:], target_probs, req.noise, len(req.tokens))
-            req.noise.forget_before(len(req.tokens) + n_acc + 1)
         else:
             draft_probs = req.proposal.probs[:n] if n else target_probs[:0]
             n_acc, next_token = accept_drafts(ids[1:], draft_probs.to(target_probs.device), target_probs,
                                               req.generator)
-        self.kv.set_length(req.slot, self.kv.lengths[req.slot] + 1 + n_acc)  # anchor + accepted drafts
-        if self.drafting:  # the drafter reads these when it next drafts (see _catch_up)
-            req.ctx_pending.append((features[: 1 + n_acc], ids[: 1 + n_acc]))
         proposed = int(req.proposal.tokens.shape[0]) if req.proposal is not None else 0
-        req.stats.add_round(proposed, n, n_acc)
-        report.proposed, report.verified, report.accepted = (report.proposed + proposed, report.verified + n,
+        self._commit(req, list(range(1 + n_acc)), next_token, ids, logits, features, (proposed, n), report)
+
+    def _accept_tree(self, req: Request, ids: torch.Tensor, logits: torch.Tensor, features,
+                     report: StepReport) -> None:
+        """Walk the verified tree (row [anchor, nodes]) and keep the accepted path."""
+        tree = req.proposal
+        target_probs = to_probs(logits, req.sampling)  # row 0 after the anchor, row 1 + i after node i
+        if req.noise is not None:
+            path, next_token = accept_keyed_tree(tree.tokens, tree.parents, target_probs, req.noise, len(req.tokens))
+            expected = len(path)
+        else:
+            path, next_token = accept_tree(tree.tokens, tree.parents, tree.probs, target_probs, req.generator)
+            expected = tree_expected_accepted(tree.tokens, tree.parents, tree.probs, target_probs)
+        report.expected_accepted = (report.expected_accepted or 0.0) + expected  # for the tree gate
+        # proposed: the nodes; verified: the depth any path reaches (so position k's acceptance reads as a chain's)
+        self._commit(req, [0, *(1 + node for node in path)], next_token, ids, logits, features,
+                     (len(tree.parents), max(tree.depths, default=0)), report)
+
+    def _commit(self, req: Request, kept: list[int], next_token: int, ids: torch.Tensor, logits: torch.Tensor,
+                features, proposed_verified: tuple[int, int], report: StepReport) -> None:
+        """Keep the verified row's positions `kept` (the anchor, 0, and the accepted drafts, ascending) in the
+        KV slot and for the drafter context; emit their drafts and `next_token`."""
+        n_acc, (proposed, verified) = len(kept) - 1, proposed_verified
+        if req.noise is not None:
+            req.noise.forget_before(len(req.tokens) + n_acc + 1)
+        base = self.kv.lengths[req.slot]
+        self.kv.keep_columns(req.slot, base, [base + k for k in kept])
+        if self.drafting:  # the drafter reads these when it next drafts (see _catch_up)
+            req.ctx_pending.append((features[kept], ids[kept]))
+        req.stats.add_round(proposed, verified, n_acc)
+        report.proposed, report.verified, report.accepted = (report.proposed + proposed, report.verified + verified,
                                                               report.accepted + n_acc)
         req.proposal = None
-        self._emit(req, ids[1: 1 + n_acc].tolist() + [next_token], report, logits[: 1 + n_acc])
+        self._emit(req, ids[kept[1:]].tolist() + [next_token], report, logits[kept])
 
     # ---- the batched target forward -----------------------------------------------------------
     def _forward_rows(self, reqs: list[Request], rows: list[torch.Tensor], logits_at: str,
-                      report: StepReport) -> list[tuple]:
-        """Ragged forward over the requests' slots (contiguous, in order). Returns per row (logits,
-        features). If the batch fails, each row is retried alone and only failing rows are failed."""
+                      report: StepReport, parents: list[list[int] | None] | None = None) -> list[tuple]:
+        """Ragged forward over the requests' slots (contiguous, in order); parents: per row None or its
+        tree. Returns per row (logits, features). If the batch fails, each row is retried alone and only
+        failing rows are failed."""
         first, counts = reqs[0].slot, [len(r) for r in rows]
+        parents = parents or [None] * len(rows)
         assert [r.slot for r in reqs] == list(range(first, first + len(reqs))), "slots must be contiguous"
         try:
-            return self._ragged_forward(self.kv, first, torch.cat(rows)[None], counts, logits_at)
+            return self._ragged_forward(self.kv, first, torch.cat(rows)[None], counts, logits_at, parents)
         except Exception:
             log.warning("batched target forward failed; retrying row by row to isolate the failure", exc_info=True)
         outputs = []
-        for req, ids in zip(reqs, rows):
+        for req, ids, tree in zip(reqs, rows, parents):
             try:
-                outputs.append(self._ragged_forward(self.kv, req.slot, ids[None], [len(ids)], logits_at)[0])
+                outputs.append(self._ragged_forward(self.kv, req.slot, ids[None], [len(ids)], logits_at, [tree])[0])
             except Exception as err:
                 outputs.append((None, None))
                 self._fail(req, f"target forward failed: {err}", report)
         return outputs
 
     def _ragged_forward(self, store: KVSlots, first: int, ids: torch.Tensor, counts: list[int],
-                        logits_at: str) -> list[tuple]:
-        return ragged_forward(self.target, store, first, ids, counts, logits_at, self.layer_ids)
-
-    # ---- emission -----------------------------------------------------------------------------------
-    def _emit(self, req: Request, new: list[int], report: StepReport, logits: torch.Tensor | None = None) -> None:
-        """Append the new tokens (up to a stop token or the limit); logits [len(new), V]: the target
-        logits each was drawn or accepted from (for logprobs)."""
-        kept, finish = _keep(new, len(req.tokens), req.max_new_tokens, req.stop_ids)
-        if req.first_token_at is None:
-            req.first_token_at = time.perf_counter()
-        if req.logprobs is not None and kept:
-            req.token_logprobs += self._logprobs(req, kept, logits[: len(kept)])
-        req.tokens += kept
-        report.emitted += len(kept)
-        if finish:
-            req.finish_reason = finish
-            report.finished += 1
-        self._notify(req, kept)
-
-    def _logprobs(self, req: Request, tokens: list[int], logits: torch.Tensor) -> list[TokenLogprob]:
-        lp = to_logprobs(logits, req.sampling, self.cfg.logprobs_mode)  # [n, V]
-        chosen = lp.gather(-1, torch.tensor(tokens, device=lp.device)[:, None])[:, 0].tolist()
-        tops = [[] for _ in tokens]
-        if req.logprobs:
-            values, ids = lp.topk(min(req.logprobs, lp.shape[-1]), dim=-1)
-            tops = [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
-        return [TokenLogprob(t, c, top) for t, c, top in zip(tokens, chosen, tops)]
+                        logits_at: str, parents: list[list[int] | None] | None = None) -> list[tuple]:
+        return ragged_forward(self.target, store, first, ids, counts, logits_at, self.layer_ids, parents)
 
     def stats(self) -> dict:
-        """A JSON-able snapshot: totals, derived rates, queue, scheduler and SPS table."""
-        t = dict(self.totals)
-        rounds = t["rounds"] or 0
-        return {
-            "healthy": self.healthy, "health_error": self.health_error, "loop_alive": self.alive,
-            "mode": self.mode, "gamma": self.gamma, "active": len(self.active), "waiting": len(self.waiting),
-            "max_batch": self.cfg.max_batch, "max_waiting": self.cfg.max_waiting,
-            "max_model_len": self.max_model_len, "uptime_s": time.time() - self.started_at,
-            "totals": t,
-            "mean_verify_budget": t["verified"] / rounds if rounds else None,  # drafts verified per request-round
-            "mean_accepted_length": (t["accepted"] + rounds) / rounds if rounds else None,  # τ
-            "mean_batch_tokens": t["batch_tokens"] / t["steps"] if t["steps"] else None,
-            "tokens_per_busy_s": t["generated_tokens"] / t["busy_s"] if t["busy_s"] else None,
-            "sps_table": self.sps.to_dict() if self.sps else None,
-            "draft_gate": self.gate.to_dict() if isinstance(self.gate, DraftGate) else None,
-            "kv_bytes": self.kv.memory_bytes(), "device": str(self.target.device),
-        }
+        """A JSON-able snapshot: the batch's (queue, totals, rates) plus scheduler, gates and SPS table."""
+        return {**super().stats(), "mode": self.mode, "gamma": self.gamma, "draft_tree": self.tree,
+                "max_model_len": self.max_model_len, "sps_table": self.sps.to_dict() if self.sps else None,
+                "draft_gate": self.gate.to_dict() if isinstance(self.gate, DraftGate) else None,
+                "tree_draft_gate": self.tree_gate.to_dict() if isinstance(self.tree_gate, DraftGate) else None,
+                "device": str(self.target.device)}

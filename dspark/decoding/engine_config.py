@@ -33,4 +33,11 @@ class EngineConfig(StrictModel):
         "which distribution reported logprobs come from: processed = the one the token is drawn from "
         "(temperature, min_p, top_k, top_p applied; raw at temperature 0); raw = log_softmax of the target's "
         "logits (vLLM's default)"))
+    draft_tree: list[int] | None = Field(None, description=(
+        "verify a tree of drafts per round instead of a chain while at most `tree_max_rows` requests are "
+        "active (DSpark drafters; lossless, dspark.decoding.tree_specdec): children per depth, e.g. [8] = eight "
+        "distinct first tokens, each with its own chain, [4, 2] = two under each of four; None = chains only"))
+    tree_max_rows: int = Field(1, ge=1, description=(
+        "active requests up to which steps verify draft trees (draft_tree set); above it the scheduler's "
+        "chains: a tree costs 1 + nodes verified tokens per row, which pays at low load only"))
     context_catch_up_every: int = Field(256, ge=1, description="steps of target features a request may hold for its drafter before the drafter reads them even without drafting (bounds memory while the draft gate skips; the drafter always catches up before it drafts)")

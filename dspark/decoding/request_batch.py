@@ -1,7 +1,9 @@
 """The engine's request bookkeeping, apart from the decoding round: the bounded waiting queue, the
 active requests in KV-slot order (`active[i].slot == i`), admission into free slots, retirement (a
 finished request's slot is recycled, the last slot moving into the hole so slots stay contiguous),
-failure and cancellation, the running totals, and the background thread that drives `step()`.
+failure and cancellation, the checks a request must pass to fit the context, the emission of a round's
+tokens (stop tokens, the token limit, logprobs, the listener), the running totals, and the background
+thread that drives `step()`.
 
 `Engine` (dspark.decoding.engine) subclasses `RequestBatch` and adds the round itself (prefill, draft,
 verify, accept); nothing here touches the target or the drafter.
@@ -19,7 +21,9 @@ import torch
 
 from dspark.decoding.batched_cache import KVSlots
 from dspark.decoding.engine_config import EngineConfig
-from dspark.decoding.request import EngineUnavailableError, QueueFullError, Request, StepReport
+from dspark.decoding.request import EngineUnavailableError, QueueFullError, Request, StepReport, TokenLogprob
+from dspark.decoding.sampling import to_logprobs
+from dspark.decoding.specdec import _keep
 from dspark.models.openmp_pool import release_openmp_pool
 
 log = logging.getLogger("dspark.decoding.engine")  # the engine's own log (this is part of the engine)
@@ -29,6 +33,8 @@ class RequestBatch:
     """Queue, slots and lifecycle of the engine's requests; `step()` is the subclass's decoding round."""
 
     drafting = False  # Engine: whether it drafts at all (scheduler mode != off); counts draft-skipped steps
+    gamma = 0  # Engine: drafts per round (γ + 1 positions of the context are kept free for a round)
+    max_model_len = 0  # Engine: the context a request must fit in
 
     def __init__(self, cfg: EngineConfig, kv: KVSlots):
         self.cfg, self.kv = cfg, kv
@@ -67,6 +73,21 @@ class RequestBatch:
             self.waiting.append(req)
             self.totals["submitted"] += 1
         self._wakeup.set()
+
+    def check_request(self, prompt_len: int, max_new_tokens: int) -> None:
+        """Raise ValueError (naming prompt or max_new_tokens) when a request cannot fit the context."""
+        if prompt_len < 1:
+            raise ValueError("prompt is empty: give at least one token")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        room = self.max_model_len - (self.gamma + 1)
+        if prompt_len >= room:
+            raise ValueError(f"prompt has {prompt_len} tokens; the context holds {self.max_model_len} "
+                             f"(at most {room - 1} prompt tokens); shorten the prompt")
+        if prompt_len + max_new_tokens > room:
+            raise ValueError(f"prompt ({prompt_len}) + max_new_tokens ({max_new_tokens}) exceeds the context of "
+                             f"{self.max_model_len} (minus {self.gamma + 1} for drafting); lower max_new_tokens "
+                             f"to <= {room - prompt_len}")
 
     def cancel(self, req: Request) -> None:
         """Stop a request at the next step boundary (e.g. its client went away)."""
@@ -137,7 +158,31 @@ class RequestBatch:
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    # ---- finishing ---------------------------------------------------------------------------
+    # ---- emission (the tokens a round produced: stop, limit, logprobs, listener) ---------------
+    def _emit(self, req: Request, new: list[int], report: StepReport, logits: torch.Tensor | None = None) -> None:
+        """Append the new tokens (up to a stop token or the limit); logits [len(new), V]: the target
+        logits each was drawn or accepted from (for logprobs)."""
+        kept, finish = _keep(new, len(req.tokens), req.max_new_tokens, req.stop_ids)
+        if req.first_token_at is None:
+            req.first_token_at = time.perf_counter()
+        if req.logprobs is not None and kept:
+            req.token_logprobs += self._logprobs(req, kept, logits[: len(kept)])
+        req.tokens += kept
+        report.emitted += len(kept)
+        if finish:
+            req.finish_reason = finish
+            report.finished += 1
+        self._notify(req, kept)
+
+    def _logprobs(self, req: Request, tokens: list[int], logits: torch.Tensor) -> list[TokenLogprob]:
+        lp = to_logprobs(logits, req.sampling, self.cfg.logprobs_mode)  # [n, V]
+        chosen = lp.gather(-1, torch.tensor(tokens, device=lp.device)[:, None])[:, 0].tolist()
+        tops = [[] for _ in tokens]
+        if req.logprobs:
+            values, ids = lp.topk(min(req.logprobs, lp.shape[-1]), dim=-1)
+            tops = [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+        return [TokenLogprob(t, c, top) for t, c, top in zip(tokens, chosen, tops)]
+
     def _notify(self, req: Request, new: list[int]) -> None:
         if req.listener is not None:
             try:
@@ -145,6 +190,7 @@ class RequestBatch:
             except Exception:
                 log.exception("listener of request %s failed", req.id)
 
+    # ---- finishing ---------------------------------------------------------------------------
     def _fail(self, req: Request, message: str, report: StepReport | None) -> None:
         log.warning("request %s failed: %s", req.id, message)
         req.error = message
@@ -209,3 +255,19 @@ class RequestBatch:
                 fn(report)
             except Exception:
                 log.exception("step listener failed")
+
+    def stats(self) -> dict:
+        """A JSON-able snapshot of the batch: health, queue, totals and the rates derived from them."""
+        t = dict(self.totals)
+        rounds = t["rounds"] or 0
+        return {
+            "healthy": self.healthy, "health_error": self.health_error, "loop_alive": self.alive,
+            "active": len(self.active), "waiting": len(self.waiting),
+            "max_batch": self.cfg.max_batch, "max_waiting": self.cfg.max_waiting,
+            "uptime_s": time.time() - self.started_at, "totals": t,
+            "mean_verify_budget": t["verified"] / rounds if rounds else None,  # drafts verified per request-round
+            "mean_accepted_length": (t["accepted"] + rounds) / rounds if rounds else None,  # τ
+            "mean_batch_tokens": t["batch_tokens"] / t["steps"] if t["steps"] else None,
+            "tokens_per_busy_s": t["generated_tokens"] / t["busy_s"] if t["busy_s"] else None,
+            "kv_bytes": self.kv.memory_bytes(),
+        }

@@ -171,6 +171,16 @@ class KeyedNoise:
             g = g[:, self.columns]
         return (probs.to(self.device, torch.float64).log() + g).argmax(-1)
 
+    def top_distinct(self, probs: Tensor, n: int, position: int) -> Tensor:
+        """The n tokens of largest log p + noise(position) per row of probs [R, V or N] -> [R, min(n, ·)]
+        (target ids' columns as in `argmax`): a draft tree's children at one output position, the first
+        being the row's own Gumbel-max draw, coupled with the target's keyed sample there."""
+        g = self.gumbel(position)
+        if probs.shape[-1] != self.vocab_size:
+            g = g[self.columns]
+        keys = probs.to(self.device, torch.float64).log() + g
+        return keys.topk(min(n, probs.shape[-1]), dim=-1).indices
+
     def draw(self, probs: Tensor) -> Tensor:
         """Rows of probs [n, ·] are consecutive positions from `cursor` on (a drafter's draws)."""
         positions = list(range(self.cursor, self.cursor + probs.shape[0]))

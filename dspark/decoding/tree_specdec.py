@@ -27,7 +27,8 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from dspark.decoding.sampling import SamplingParams, rejection_residual, sample, to_probs
+from dspark.decoding.batched_cache import tree_visibility
+from dspark.decoding.sampling import KeyedNoise, SamplingParams, rejection_residual, sample, to_probs
 from dspark.decoding.specdec import GenerationResult, RoundStats, generate_rounds
 
 
@@ -63,21 +64,60 @@ def accept_tree(tokens: Tensor, parents: list[int], draft_probs: Tensor, target_
             return path, int(sample(residual, generator))
 
 
-def tree_attention(parents: list[int], depths: list[int], cached: int, dtype: torch.dtype,
-                   device) -> tuple[Tensor, Tensor]:
-    """(additive mask [1, 1, 1 + M, cached + 1 + M], position ids [1, 1 + M]) of [anchor, nodes]: each row
-    sees the cache, the anchor, and its own ancestors and itself."""
-    m = len(parents)
-    visible = torch.zeros(1 + m, cached + 1 + m, dtype=torch.bool)
-    visible[:, : cached + 1] = True
+def tree_expected_accepted(tokens: Tensor, parents: list[int], draft_probs: Tensor, target_probs: Tensor) -> float:
+    """E[accepted path length | the tree, p] under `accept_tree`'s walk: Σ over nodes of P(the walk reaches it),
+    where child j of a reached node is accepted with probability min(1, r_j(x_j) / q^(j)(x_j)) after its earlier
+    siblings were rejected. The draft gate's acceptance figure for trees: the conditional mean of the realized
+    length, far less noisy than one round's count (and known only after the verify, so lossless to use)."""
+    target_probs, draft_probs = target_probs.float(), draft_probs.to(target_probs.device).float()
+    children: dict[int, list[int]] = {}
     for node, parent in enumerate(parents):
-        row = visible[1 + node]
-        if parent >= 0:
-            row[cached + 1:] = visible[1 + parent, cached + 1:]
-        row[cached + 1 + node] = True
+        children.setdefault(parent, []).append(node)
+    reach, total = {-1: 1.0}, 0.0
+    for at in [-1, *range(len(parents))]:  # parents come before their children
+        if reach.get(at, 0.0) == 0.0:
+            continue
+        residual, left = target_probs[at + 1], reach[at]
+        for child in children.get(at, []):
+            x, q = int(tokens[child]), draft_probs[child]
+            accept = min(1.0, float(residual[x]) / max(float(q[x]), 1e-30))
+            reach[child] = left * accept
+            total, left = total + reach[child], left * (1.0 - accept)
+            residual = rejection_residual(residual, q)
+    return total
+
+
+def verify_parents(parents: list[int]) -> list[int]:
+    """Parents within the verified row [anchor, nodes]: the anchor is the root, node i sits at 1 + i."""
+    return [-1, *(p + 1 for p in parents)]
+
+
+def tree_attention(parents: list[int], cached: int, dtype: torch.dtype, device) -> tuple[Tensor, Tensor]:
+    """(additive mask [1, 1, 1 + M, cached + 1 + M], position ids [1, 1 + M]) of [anchor, nodes]: each row
+    sees the cache, and of the new tokens itself and its ancestors; a node stands at cached + its depth."""
+    seen, depth = tree_visibility(verify_parents(parents))
+    visible = torch.cat([torch.ones(len(seen), cached, dtype=torch.bool), seen], dim=1)
     mask = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, torch.finfo(dtype).min)
-    positions = cached + torch.tensor([0, *depths])
-    return mask[None, None].to(device), positions[None].to(device)
+    return mask[None, None].to(device), (cached + depth)[None].to(device)
+
+
+def accept_keyed_tree(tokens: Tensor, parents: list[int], target_probs: Tensor, noise: KeyedNoise,
+                      position: int) -> tuple[list[int], int]:
+    """The keyed counterpart of `accept_tree` (see `KeyedNoise`): from the anchor down, the target's
+    Gumbel-max token at output position `position + depth` is computed from the current node's row; the
+    walk moves to the child holding that token, and stops at the first node that has none (or at a
+    leaf), returning (path, that token). The output is the keyed target sample whatever was drafted."""
+    children: dict[int, dict[int, int]] = {}
+    for node, parent in enumerate(parents):
+        children.setdefault(parent, {}).setdefault(int(tokens[node]), node)
+    path, at = [], -1
+    while True:
+        x = int(noise.argmax(target_probs[at + 1: at + 2], [position + len(path)])[0])
+        child = children.get(at, {}).get(x)
+        if child is None:
+            return path, x
+        path.append(child)
+        at = child
 
 
 @torch.no_grad()
@@ -104,7 +144,7 @@ def _tree_round(target, drafter, state, cache, anchor: int, gamma: int, branchin
     t1 = time.perf_counter()
     base = target.cache_length(cache)
     verify_ids = torch.cat([torch.tensor([anchor], device=target.device), tree.tokens.to(target.device)])
-    mask, positions = tree_attention(tree.parents, tree.depths, base, target.dtype, target.device)
+    mask, positions = tree_attention(tree.parents, base, target.dtype, target.device)
     out = target.forward(verify_ids[None], cache=cache, use_cache=True, attention_mask=mask, position_ids=positions,
                          layer_ids=layer_ids, logits_at="all")
     path, next_token = accept_tree(tree.tokens, tree.parents, tree.probs, to_probs(out.logits[0], sp), generator)

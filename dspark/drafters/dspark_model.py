@@ -19,8 +19,8 @@ from dspark.drafters.config import DrafterConfig
 from dspark.drafters.dflash import DFlashDrafter
 from dspark.drafters.heads import ConfidenceHead, build_sequential_head
 from dspark.drafters.layers import init_weights
-from dspark.decoding.sampling import (Generators, SamplingParams, draw_distinct, rows_generators, sample,
-                                      sibling_proposals, to_probs)
+from dspark.decoding.sampling import (Generators, KeyedNoise, SamplingParams, draw_distinct, rows_generators,
+                                      sample, sibling_proposals, to_probs)
 
 
 class DSparkDrafter(DFlashDrafter):
@@ -113,21 +113,33 @@ class DSparkDrafter(DFlashDrafter):
     @torch.no_grad()
     def draft_tree(self, state, anchor: int, gamma: int, branching: tuple[int, ...], sampling: SamplingParams,
                    generator: torch.Generator | None) -> DraftTree:
-        """A draft tree of depth γ for one request: its block's backbone pass (as `draft_batch`), then
-        `sample_tree`."""
+        """A draft tree of depth γ for one request: `draft_trees` with a batch of one."""
+        return self.draft_trees([state], [anchor], gamma, branching, [sampling], [generator])[0]
+
+    @torch.no_grad()
+    def draft_trees(self, states: list, anchors: list[int], gamma: int, branching: tuple[int, ...],
+                    samplings: list[SamplingParams], generators: list[torch.Generator | None]) -> list[DraftTree]:
+        """One draft tree of depth γ per request: ONE backbone pass over all R blocks (as `draft_batch`),
+        then `sample_tree` per request with its own sampling params and generator (so request r's tree
+        is exactly `draft_tree` on its own)."""
         first = self.first_pred_slot
-        h = self.blocks_hidden([state], torch.tensor([anchor], device=self.device))[:, first:first + gamma]
-        return self.sample_tree(h, anchor, branching, sampling, generator)
+        anchor_ids = torch.tensor([int(a) for a in anchors], dtype=torch.long, device=self.device)
+        h = self.blocks_hidden(states, anchor_ids)[:, first:first + gamma]  # [R, γ, d]
+        return [self.sample_tree(h[r: r + 1], int(anchors[r]), branching, samplings[r], generators[r])
+                for r in range(len(states))]
 
     @torch.no_grad()
     def sample_tree(self, h: Tensor, anchor: int, branching: tuple[int, ...], sampling: SamplingParams,
-                    generator: torch.Generator | None) -> DraftTree:
+                    generator: torch.Generator | KeyedNoise | None) -> DraftTree:
         """A draft tree for one request from its block's hidden states h [1, γ, d]: every node at depth
         k−1 (the anchor at depth 0) gets branching[k−1] distinct children (1 past the tuple), drawn
         without replacement from q_k(· | its path) = draft_sampling(U_k + B_k(path)), level by level.
         Each child keeps the row it was drawn from (q_k without its earlier siblings, renormalised): what
-        lossless tree verification divides by. A child past its node's support (greedy rows, top-k) is
-        left out. With one child per node this is `sample_blocks`' chain."""
+        lossless tree verification divides by. A child past its node's support (top-k, top-p) is left
+        out. With one child per node this is `sample_blocks`' chain. A KeyedNoise generator (a seeded
+        engine request) takes the top-n of each node's row under the noise of the level's output position
+        (cursor + depth − 1), its first child coupled with the target's keyed sample there; a greedy
+        request the n most likely tokens (`_tree_children`)."""
         u = self.lm_logits(h[0])  # [γ, N]: base logits, shared by every path
         sp, head = self.draft_sampling(sampling), self.markov_head
         state = None if head is None else head.initial_state(h[:, 0])  # one row per node of the level
@@ -139,12 +151,7 @@ class DSparkDrafter(DFlashDrafter):
             if head is not None:
                 state, bias = head.step(state, self.prev_embed(prev), h[0, k].expand(len(level), -1))
                 logits = logits + bias.float()
-            q = to_probs(logits, sp)  # [W, N]
-            if n == 1:  # one child: the chain's own draw
-                picks, proposals = sample(q, generator).to(self.device)[:, None], q[:, None]
-            else:
-                picks = draw_distinct(q, n, generator).to(self.device)
-                proposals = sibling_proposals(q, picks)  # [W, n, N]
+            picks, proposals = self._tree_children(logits, n, sp, generator, k)  # [W, n], [W, n, N]
             real = proposals.sum(-1) > 0  # [W, n]: children that are proposals
             children = real.sum(1)
             parents += [p for p, c in zip(level, children.tolist()) for _ in range(c)]
@@ -158,3 +165,21 @@ class DSparkDrafter(DFlashDrafter):
                 state = state.repeat_interleave(children, 0)  # each child carries its parent's state
         return DraftTree(torch.tensor(tokens, device=self.device), parents, depths,
                          self.full_vocab_probs(torch.cat(rows)))
+
+    def _tree_children(self, logits: Tensor, n: int, sp: SamplingParams, generator, level: int) -> tuple[Tensor, Tensor]:
+        """(picks [W, n'] draft-vocabulary columns, the row each was drawn from [W, n', N]) of the W nodes of
+        one level, from their logits [W, N]. Greedy requests take the n most likely tokens of the untempered
+        q: the target keeps exactly the child equal to its argmax, so any q with q(child) > 0 is lossless."""
+        if sp.greedy:
+            q = torch.softmax(logits.float(), dim=-1)
+            picks = q.topk(min(n, q.shape[-1]), dim=-1).indices
+        elif isinstance(generator, KeyedNoise):  # keyed: the top-n under the noise of this output position
+            q = to_probs(logits, sp)
+            picks = generator.top_distinct(q, n, generator.cursor + level).to(self.device)
+        elif n == 1:  # one child: the chain's own draw
+            q = to_probs(logits, sp)
+            return sample(q, generator).to(self.device)[:, None], q[:, None]
+        else:
+            q = to_probs(logits, sp)
+            picks = draw_distinct(q, n, generator).to(self.device)
+        return picks, sibling_proposals(q, picks)

@@ -90,3 +90,16 @@ def test_several_gammas_are_modes_side_by_side():
     assert main(["--target", "tiny", "--quick", "--algo", "dspark", "--datasets", "gsm8k", "--gamma", "2"])["gamma"] == 2
     with pytest.raises(SystemExit):
         main(["--target", "tiny", "--quick", "--algo", "dspark", "--gamma", "3,0"])
+
+
+def test_engine_modes_decode_through_the_serving_engine_with_trees():
+    """--engine: target-only, the chain and a tree all run through the engine (max_batch 1); the tree's
+    rounds verify more nodes than the chain proposes, and every mode emits the asked tokens."""
+    report = main(["--target", "tiny", "--quick", "--algo", "dspark", "--datasets", "gsm8k", "--engine",
+                   "--gamma", "3", "--tree", "2x2", "--max-new-tokens", "8"])
+    assert report["through"] == "engine"
+    modes = report["modes"]
+    assert set(modes) == {"target", "dspark:untrained", "dspark:untrained:t2x2"}
+    assert all(0 < m["tokens"] <= 8 for m in modes.values())
+    assert modes["dspark:untrained"]["rounds"] > 0 and modes["dspark:untrained"]["mean_verified"] == pytest.approx(3)
+    assert modes["dspark:untrained:t2x2"]["rounds"] > 0

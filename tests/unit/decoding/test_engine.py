@@ -168,16 +168,14 @@ def test_a_failing_request_is_isolated(wide_target):
     real_batch = drafter.propose_batch
     bad_len = 30  # only the bad request has a 30-token context when it first drafts
 
-    def propose_batch(*args, **kwargs):
-        raise RuntimeError("batched drafting broke")
-
-    def propose(state, *args, **kwargs):
-        if state.length == bad_len:
+    def propose_batch(states, *args, **kwargs):  # a batch breaks; a request alone breaks only if poisoned
+        if len(states) > 1:
+            raise RuntimeError("batched drafting broke")
+        if states[0].length == bad_len:
             raise RuntimeError("poisoned request")
-        anchor, gamma, sampling, generator = args
-        return real_batch([state], [anchor], gamma, sampling, generator)[0]
+        return real_batch(states, *args, **kwargs)
 
-    drafter.propose_batch, drafter.propose = propose_batch, propose
+    drafter.propose_batch = propose_batch
     prompts = [[1, 2, 3], [5] * bad_len, [4, 5]]
     reqs = engine.generate(prompts, GREEDY, max_new_tokens=8, stop_ids=[])
     assert reqs[1].finish_reason == "error" and "poisoned request" in reqs[1].error

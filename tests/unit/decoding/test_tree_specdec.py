@@ -75,6 +75,26 @@ def test_the_walk_emits_the_target_law_at_the_first_position():
     assert abs(accepted / runs - float(alpha)) < 0.015
 
 
+def test_the_expected_path_length_is_the_walks_mean():
+    """A fixed 2x2 tree over 6 tokens, random p per row: `tree_expected_accepted` equals the mean accepted
+    path length of 20,000 walks (and 1 for a tree whose single child is p's only token)."""
+    from dspark.decoding.tree_specdec import tree_expected_accepted
+
+    from dspark.decoding.sampling import sibling_proposals
+
+    gen = torch.Generator().manual_seed(5)
+    parents, tokens = [-1, -1, 0, 0, 1, 1], torch.tensor([0, 1, 2, 3, 4, 5])
+    q = torch.softmax(3 * torch.randn(3, 6, generator=gen), -1)  # the anchor's row, node 0's, node 1's
+    draft = sibling_proposals(q, tokens.view(3, 2)).reshape(6, 6)  # each child's row: q less earlier siblings
+    target = torch.softmax(3 * torch.randn(7, 6, generator=gen), -1)
+    runs = 20_000
+    lengths = [len(accept_tree(tokens, parents, draft, target, gen)[0]) for _ in range(runs)]
+    expected = tree_expected_accepted(tokens, parents, draft, target)
+    assert 0.2 < expected < 1.8 and abs(np.mean(lengths) - expected) < 4 * np.std(lengths) / runs ** 0.5
+    one_hot = torch.eye(6)[[2, 2]]
+    assert tree_expected_accepted(torch.tensor([2]), [-1], draft[:1], one_hot) == pytest.approx(1.0)
+
+
 def test_siblings_are_distinct_and_draw_without_replacement():
     from dspark.decoding.sampling import draw_distinct, sibling_proposals
 
@@ -96,7 +116,7 @@ def test_siblings_are_distinct_and_draw_without_replacement():
 
 def test_tree_attention_sees_ancestors_only():
     # anchor -> a, b; a -> c; b -> d  (depths 1, 1, 2, 2)
-    mask, positions = tree_attention([-1, -1, 0, 1], [1, 1, 2, 2], cached=2, dtype=torch.float32, device="cpu")
+    mask, positions = tree_attention([-1, -1, 0, 1], cached=2, dtype=torch.float32, device="cpu")
     visible = (mask[0, 0] == 0).int().tolist()
     assert visible == [[1, 1, 1, 0, 0, 0, 0],   # anchor: cache + itself
                        [1, 1, 1, 1, 0, 0, 0],   # a

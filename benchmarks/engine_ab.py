@@ -41,6 +41,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--max-tokens", type=int, default=64, help="tokens per request")
     ap.add_argument("--prompt-len", type=int, default=48, help="tokens per prompt (from the eval prompts)")
     ap.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
+    ap.add_argument("--gate-decay", type=float, default=0.8, help="scheduler.draft_gate_decay of the dynamic modes")
     ap.add_argument("--tree-max-rows", type=int, default=None,
                     help="EngineConfig.tree_max_rows of the +t modes (default: the level, i.e. trees at every level)")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
@@ -117,7 +118,8 @@ def main(argv=None) -> int:
         loads = {}
         for mode in modes:  # fresh engines per level: every mode starts the level from the same state
             sched, _, tree = mode.partition("+t")
-            cfg = EngineConfig(scheduler=SchedulerConfig(mode=sched, draft_gate=sched == "dynamic"),
+            cfg = EngineConfig(scheduler=SchedulerConfig(mode=sched, draft_gate=sched == "dynamic",
+                                                         draft_gate_decay=args.gate_decay),
                                gamma=args.gamma, max_batch=c, max_waiting=4 * c, sps_table=sps or tables.get(mode),
                                draft_tree=[int(n) for n in tree.split("x")] if tree else None,
                                tree_max_rows=args.tree_max_rows or c)
@@ -166,7 +168,7 @@ def write(args, modes: list[str], levels: list[int], tables: dict, results: list
                 skipped_ratio[str(c)] = by["dynamic"]["skipped_steps_tokens_per_s"] / off
     report = {"benchmark": "engine_ab", "target": args.target, "drafter": args.drafter, "modes": modes,
               "concurrency": levels, "steps": args.steps, "chunk": args.chunk, "max_tokens": args.max_tokens,
-              "prompt_len": args.prompt_len, "gamma": args.gamma, "threads": args.threads, "dtype": args.dtype, "tree_max_rows": args.tree_max_rows,
+              "prompt_len": args.prompt_len, "gamma": args.gamma, "threads": args.threads, "dtype": args.dtype, "tree_max_rows": args.tree_max_rows, "gate_decay": args.gate_decay,
               "sps_tables": {m: {str(b): v for b, v in t.items()} for m, t in tables.items()},
               "results": results, "over_off": over_off, "dynamic_over_off": ratio, "dynamic_skipped_steps_over_off": skipped_ratio}
     if args.out:

@@ -24,6 +24,9 @@ each round every user sends one request to each mode in turn, the order of the m
 round to the next (ABBA). On a machine shared with other work a drift in background load then hits
 every mode alike instead of whichever mode happened to run last; a mode's figures sum its rounds.
 
+A mode "<mode>+t<tree>" (e.g. dynamic+t2) serves with that draft tree (engine.draft_tree) while at most
+--tree-max-rows requests are active, the mode's chains above.
+
 With --quick and no --drafter (or when the tiny drafter cannot be resolved), an untrained DSpark
 drafter is built: τ ≈ 1, so the numbers only exercise the machinery (expect dynamic ≈ off there).
 """
@@ -54,6 +57,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--drafter", default=None, help="drafter reference: dir | s3:// | runs:/ | models:/ "
                                                     "(default: the target's registered DSpark drafter)")
     ap.add_argument("--modes", default=",".join(MODES), help="comma-separated scheduler modes")
+    ap.add_argument("--tree-max-rows", type=int, default=2,
+                    help="engine.tree_max_rows of the <mode>+t<tree> modes")
     ap.add_argument("--dtypes", default="float32", help="comma-separated model.dtype values (float32, bfloat16, "
                     "auto); with more than one, every mode is served in each and labelled <mode>-<dtype>")
     ap.add_argument("--concurrency", default="1,4,16,64", help="comma-separated numbers of concurrent users")
@@ -131,20 +136,33 @@ def serve_config(args, drafter_dir: str, mode: str, max_users: int, replicas_at_
     `num_cpus` torch threads, and only one of them is under load at a time)."""
     from dspark.serve.config import ServeConfig
 
+    mode, tree = split_mode(mode)
     return ServeConfig.model_validate({
         "model": {"target": args.target, "drafter": drafter_dir, "served_name": "bench", "dtype": dtype},
         "engine": {"scheduler": {"mode": mode, "threshold": args.threshold,
                                  "draft_gate": mode == "dynamic" and not args.no_draft_gate}, "gamma": args.gamma,
+                   "draft_tree": tree, "tree_max_rows": args.tree_max_rows,
                    "max_batch": max_users, "max_waiting": 4 * max_users, "max_model_len": 2048,
                    "sps_repeats": 1 if args.quick else 5,
                    "sps_table": json.loads(args.sps_table) if args.sps_table else None,  # the config validates it
                    "sps_batch_sizes": [b for b in [1, 2, 4, 8, 16, 32, 64, 128, 256, 512][: 8 if args.quick else 10]
                                        if b <= args.sps_max_batch]},
         "api": {"max_tokens_limit": max(args.max_tokens, 16), "api_key_env": "DSPARK_BENCH_UNUSED_KEY"},
-        "deployment": {"name": "dspark-bench" if replicas_at_once == 1 else f"dspark-bench-{label or mode}",
+        "deployment": {"name": "dspark-bench" if replicas_at_once == 1 else f"dspark-bench-{route_name(label or mode)}",
                        "num_cpus": args.num_cpus / replicas_at_once, "torch_threads": args.num_cpus,
                        "max_ongoing_requests": 8 * max_users, "max_queued_requests": 8 * max_users},
     })
+
+
+def split_mode(mode: str) -> tuple[str, list[int] | None]:
+    """'dynamic+t4x2' -> ('dynamic', [4, 2]); 'fixed' -> ('fixed', None)."""
+    sched, _, tree = mode.partition("+t")
+    return sched, [int(n) for n in tree.split("x")] if tree else None
+
+
+def route_name(label: str) -> str:
+    """A mode label as an app name / route segment ('dynamic+t2' -> 'dynamic-t2')."""
+    return label.replace("+", "-")
 
 
 def deploy(cfg, url: str, route_prefix: str = "/") -> dict:
@@ -309,7 +327,7 @@ def _free_port() -> int:
 def main(argv=None) -> int:
     args = parse_args(argv)
     modes = [m for m in args.modes.split(",") if m]
-    unknown = set(modes) - set(MODES) - {"async_topk"}
+    unknown = {m for m in modes if split_mode(m)[0] not in MODES + ("async_topk",)}
     if unknown:
         raise SystemExit(f"error: unknown modes {sorted(unknown)}; choose from {MODES + ('async_topk',)}")
     levels = [int(c) for c in args.concurrency.split(",") if c]
@@ -334,9 +352,9 @@ def main(argv=None) -> int:
         if args.interleave:
             urls = {}
             for label, (mode, dtype) in variants.items():
-                urls[label] = f"{url}/{label}"
+                urls[label] = f"{url}/{route_name(label)}"
                 health = deploy(serve_config(args, drafter_dir, mode, max(levels), len(variants), dtype, label),
-                                urls[label], f"/{label}")
+                                urls[label], f"/{route_name(label)}")
                 tables[label] = health.get("sps_table")
                 asyncio.run(closed_loop(urls[label], prompts, 2, 1, min(8, args.max_tokens)))  # warm-up
             for users in levels:

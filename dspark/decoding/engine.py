@@ -106,7 +106,7 @@ class Engine(RequestBatch):
             self.sps = engine_sps_table(cfg, target, self.gamma, self.layer_ids)
         self.scheduler = PrefixScheduler(cfg.scheduler, self.sps)
         gate_on, sched = cfg.scheduler.draft_gate and self.sps is not None and self.drafting, cfg.scheduler
-        self.gate, self.tree_gate = (DraftGate(self.sps, sched.draft_gate_explore_every,
+        self.gate, self.tree_gate = (DraftGate(self.sps, sched.draft_gate_explore_every, decay=sched.draft_gate_decay,
                                                explore_rows=sched.draft_gate_explore_rows) if on else None
                                      for on in (gate_on, gate_on and self.tree))
         self._explore_offset = 0  # round-robin start of the gate's exploration sample
@@ -130,7 +130,8 @@ class Engine(RequestBatch):
         if self.cfg.draft_tree is None or not self.drafting:
             return None
         if not hasattr(self.drafter, "draft_trees"):
-            raise ValueError(f"draft_tree needs a drafter that grows draft trees (DSpark), not {self.drafter.config.algo}")
+            raise ValueError(f"draft_tree needs a drafter that grows draft trees (DSpark), not "
+                             f"{self.drafter.config.algo}; set draft_tree to null (engine.draft_tree in a serve config)")
         return check_branching(self.cfg.draft_tree, self.gamma)
 
     # ---- public API --------------------------------------------------------------------------

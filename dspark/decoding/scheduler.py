@@ -196,6 +196,7 @@ class SchedulerConfig(StrictModel):
     draft_gate: bool = Field(False, description="dynamic/async_topk: skip drafting in steps where a target-only step is expected to emit more tokens per second (off = always draft, as in Algorithm 1)")
     draft_gate_explore_every: int = Field(16, ge=1, description="draft at least every N steps to refresh the estimates")
     draft_gate_explore_rows: int = Field(4, ge=1, description="requests an exploration step drafts (a sample: at high load drafting every request to refresh the estimates would cost several target steps)")
+    draft_gate_decay: float = Field(0.8, gt=0, lt=1, description="weight of the past in the gate's running means of draft time, verified and accepted drafts per request, per drafting step (higher: steadier, slower to follow a change)")
     threshold: float = Field(0.5, description="threshold mode: verify drafts while this value stays >= it")
     threshold_on: Literal["prefix", "confidence"] = Field("prefix", description="threshold mode: compare a_k = Π c_i (prefix) or c_k (confidence)")
     gamma: int | None = Field(None, description="fixed mode: drafts verified per request (None = all proposed)")

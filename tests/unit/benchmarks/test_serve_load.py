@@ -15,3 +15,14 @@ def test_each_dtype_gets_its_own_app_with_that_model_dtype():
     cfg = serve_config(args, "/some/drafter", "dynamic", 4, 4, "bfloat16", "dynamic-bfloat16")
     assert cfg.model.dtype == "bfloat16" and cfg.deployment.name == "dspark-bench-dynamic-bfloat16"
     assert serve_config(args, "/d", "off", 4).model.dtype == "float32"  # one dtype: the plain app name
+
+
+def test_a_tree_mode_serves_its_draft_tree_under_its_scheduler():
+    from benchmarks.serve_load import serve_config
+
+    args = parse_args(["--interleave", "--tiny", "--tree-max-rows", "3"])
+    cfg = serve_config(args, "/d", "dynamic+t4x2", 4, 2, label="dynamic+t4x2")
+    assert cfg.engine.scheduler.mode == "dynamic" and cfg.engine.scheduler.draft_gate
+    assert cfg.engine.draft_tree == [4, 2] and cfg.engine.tree_max_rows == 3
+    assert cfg.deployment.name == "dspark-bench-dynamic-t4x2"
+    assert serve_config(args, "/d", "dynamic", 4).engine.draft_tree is None

@@ -664,3 +664,26 @@ def served(drafter_dir):
         os.environ.pop(KEY_ENV, None)
         serve.shutdown()
         ray.shutdown()
+
+
+def test_draft_trees_serve_over_http(tiny, drafter_dir):
+    """engine.draft_tree in the serve config: greedy completions equal target-only decoding, streaming
+    works, and spec_decode counts the tree's nodes as proposed drafts (depth γ verified per round)."""
+    from fastapi.testclient import TestClient
+
+    cfg = _serve_config(drafter_dir, draft_tree=[2, 2], tree_max_rows=4)
+    engine = Engine(*tiny, cfg.engine).start()
+    try:
+        with TestClient(make_app(OpenAIService(engine, cfg))) as client:
+            prompts = [[5, 6, 7, 8], [100, 101]]
+            out = _post(client, "completions", {"prompt": prompts, "max_tokens": 12, "temperature": 0}).json()
+            for prompt, choice in zip(prompts, out["choices"]):
+                assert choice["token_ids"] == target_generate(tiny[0], prompt, SamplingParams(temperature=0), 12).token_ids
+            spec = _post(client, "chat", {**CHAT, "temperature": 0}).json()["spec_decode"]
+            assert spec["draft_tokens_proposed"] == (2 + 4 + 4 + 4) * spec["rounds"]
+            assert spec["draft_tokens_verified"] == 4 * spec["rounds"]
+            with client.stream("POST", ROUTES["chat"], json={**CHAT, "max_tokens": 12, "stream": True}) as resp:
+                assert resp.status_code == 200 and _sse_events(resp.iter_lines())
+            assert client.get("/v1/stats").json()["draft_tree"] == [2, 2]
+    finally:
+        engine.stop()

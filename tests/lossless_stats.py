@@ -32,3 +32,14 @@ def chi2_pvalue(counts: np.ndarray, probs: np.ndarray, min_expected: float = 5.0
     keep = exp > 0
     assert obs[~keep].sum() == 0, "a token sequence with zero target probability was generated"
     return float(stats.chisquare(obs[keep], exp[keep]).pvalue)
+
+
+def three_token_pvalues(outputs: list[list[int]], target, prompt: list[int], sp: SamplingParams,
+                        vocab: int) -> tuple[float, float]:
+    """χ² p-values of the sampled joints of tokens (1, 2) and (2, 3) of `outputs` (3 tokens each) against
+    the target's exact joint after `prompt`."""
+    counts = np.zeros([vocab] * 3)
+    for tokens in outputs:
+        counts[tuple(tokens)] += 1
+    joint = exact_joint(target, prompt, 3, sp, vocab)
+    return chi2_pvalue(counts.sum(2), joint.sum(2)), chi2_pvalue(counts.sum(0), joint.sum(0))

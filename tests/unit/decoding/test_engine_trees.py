@@ -16,21 +16,10 @@ from dspark.decoding.sampling import SamplingParams
 from dspark.decoding.scheduler import SchedulerConfig
 from dspark.decoding.specdec import target_generate
 from dspark.drafters import DrafterConfig, build_drafter
-from dspark.models.target import build_tiny_model
-from tests.lossless_stats import chi2_pvalue, exact_joint
+from tests.lossless_stats import three_token_pvalues
 
 VOCAB, PROMPT, GAMMA = 8, [1, 5, 2, 7, 3], 3
 GREEDY = SamplingParams(temperature=0.0)
-
-
-@pytest.fixture(scope="module")
-def micro_target():
-    return build_tiny_model(vocab_size=VOCAB, seed=0, num_layers=3, hidden_size=32, init_std=0.3)
-
-
-@pytest.fixture(scope="module")
-def wide_target():
-    return build_tiny_model(vocab_size=64, seed=1, num_layers=3, hidden_size=32, init_std=0.8)
 
 
 def _drafter(target, algo="dspark", draft_ids=None):
@@ -91,11 +80,7 @@ def test_engine_with_trees_is_lossless_at_temperature_one(micro_target, tree, dr
     engine.step_listeners.append(alternate)
     reqs = engine.generate([PROMPT] * runs, sp, max_new_tokens=3, stop_ids=[])
     assert all(r.finish_reason == "length" and len(r.tokens) == 3 for r in reqs)
-    counts = np.zeros([VOCAB] * 3)
-    for r in reqs:
-        counts[tuple(r.tokens)] += 1
-    joint = exact_joint(micro_target, PROMPT, 3, sp, VOCAB)
-    p12, p23 = chi2_pvalue(counts.sum(2), joint.sum(2)), chi2_pvalue(counts.sum(0), joint.sum(0))
+    p12, p23 = three_token_pvalues([r.tokens for r in reqs], micro_target, PROMPT, sp, VOCAB)
     totals = engine.stats()["totals"]
     print(f"\n[engine trees lossless] {tree}: p(t1,t2)={p12:.3g} p(t2,t3)={p23:.3g} steps {dict(kinds)} "
           f"accepted {totals['accepted']}/{totals['verified']}")

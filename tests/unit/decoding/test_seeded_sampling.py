@@ -14,21 +14,10 @@ from dspark.decoding.engine import Engine, EngineConfig
 from dspark.decoding.sampling import KeyedNoise, SamplingParams, derive_seed, sample
 from dspark.decoding.scheduler import SchedulerConfig
 from dspark.drafters import DrafterConfig, build_drafter
-from dspark.models.target import build_tiny_model
 from tests.lossless_stats import chi2_pvalue, exact_joint
 
 VOCAB, PROMPT = 8, [1, 5, 2, 7, 3]
 STEEP_SPS = {1: 1 / 0.011, 128: 1 / 0.138}  # verifying is cheap for one request, dear for many
-
-
-@pytest.fixture(scope="module")
-def micro_target():
-    return build_tiny_model(vocab_size=VOCAB, seed=0, num_layers=3, hidden_size=32, init_std=0.3)
-
-
-@pytest.fixture(scope="module")
-def wide_target():
-    return build_tiny_model(vocab_size=64, seed=1, num_layers=3, hidden_size=32, init_std=0.8)
 
 
 def _drafter(target, algo="dspark", gamma=3, draft_ids=None):

@@ -218,7 +218,8 @@ async def load_once(url: str, prompts: list[str], users: int, per_user: int, max
         await asyncio.gather(*(user(u, client) for u in range(users)))
         wall = time.perf_counter() - t0
         stats = (await client.get("/v1/stats")).json()
-        after = {**stats["totals"], "draft_gate": stats.get("draft_gate")}  # the gate's estimates at the end
+        after = {**stats["totals"], "draft_gate": stats.get("draft_gate"),  # the gates' estimates at the end
+                 "tree_draft_gate": stats.get("tree_draft_gate")}
     return records, errors, wall, before, after
 
 
@@ -264,7 +265,7 @@ def summarize(records: list[dict], errors: list[str], wall: float, before: dict,
         # steps where the draft gate judged a target-only step faster and skipped drafting
         "draft_skipped_step_fraction": ((after.get("draft_skipped_steps", 0) - before.get("draft_skipped_steps", 0))
                                         / steps if steps else None),
-        "draft_gate": after.get("draft_gate"),
+        "draft_gate": after.get("draft_gate"), "tree_draft_gate": after.get("tree_draft_gate"),
         # the engine's own time: steps and their summed duration (what the load left to HTTP, queueing, idling)
         "engine_steps": steps,
         "engine_busy_s": round(after.get("busy_s", 0.0) - before.get("busy_s", 0.0), 3),

@@ -106,9 +106,11 @@ class Engine(RequestBatch):
             self.sps = engine_sps_table(cfg, target, self.gamma, self.layer_ids)
         self.scheduler = PrefixScheduler(cfg.scheduler, self.sps)
         gate_on, sched = cfg.scheduler.draft_gate and self.sps is not None and self.drafting, cfg.scheduler
-        self.gate, self.tree_gate = (DraftGate(self.sps, sched.draft_gate_explore_every, decay=sched.draft_gate_decay,
+        self.gate, self.tree_gate = (DraftGate(self.sps, sched.draft_gate_explore_every, decay=decay, warmup=warmup,
                                                explore_rows=sched.draft_gate_explore_rows) if on else None
-                                     for on in (gate_on, gate_on and self.tree))
+                                     for on, decay, warmup in ((gate_on, sched.draft_gate_decay, 0),
+                                                               (gate_on and self.tree, sched.tree_gate_decay,
+                                                                sched.tree_gate_warmup)))
         self._explore_offset = 0  # round-robin start of the gate's exploration sample
         super().__init__(cfg, kv)  # queue, slots, totals; started_at = now, after the profiling
 

@@ -197,6 +197,8 @@ class SchedulerConfig(StrictModel):
     draft_gate_explore_every: int = Field(16, ge=1, description="draft at least every N steps to refresh the estimates")
     draft_gate_explore_rows: int = Field(4, ge=1, description="requests an exploration step drafts (a sample: at high load drafting every request to refresh the estimates would cost several target steps)")
     draft_gate_decay: float = Field(0.8, gt=0, lt=1, description="weight of the past in the gate's running means of draft time, verified and accepted drafts per request, per drafting step (higher: steadier, slower to follow a change)")
+    tree_gate_decay: float = Field(0.95, gt=0, lt=1, description="draft_gate_decay of the draft-tree steps' own gate (engine draft_tree): a tree round's path length varies more than a chain's confidence-based estimate, so it averages over more rounds")
+    tree_gate_warmup: int = Field(16, ge=0, description="drafting steps the draft-tree gate takes before it may skip one: its first rounds set the running means, and a closed gate samples only every draft_gate_explore_every steps")
     threshold: float = Field(0.5, description="threshold mode: verify drafts while this value stays >= it")
     threshold_on: Literal["prefix", "confidence"] = Field("prefix", description="threshold mode: compare a_k = Π c_i (prefix) or c_k (confidence)")
     gamma: int | None = Field(None, description="fixed mode: drafts verified per request (None = all proposed)")
@@ -286,6 +288,10 @@ class DraftGate:
     round, and the first few (the very first draft pass paying one-off costs: 18 ms against 8.5 ms warm)
     read 0.7-0.8 on a smollm2 drafter that decodes 1.2x faster, which doubled the interval to 128 before
     the estimates recovered and kept it from drafting on 99 % of the steps of a 1,000-step run.
+    With `warmup` > 0 it drafts on its first `warmup` drafting steps whatever the rule says, so the running
+    means start from that many rounds rather than from the first one (the engine's draft-tree gate: a tree
+    round's path length ranges over 0.01-3 on the committed CPU drafter, and a low first estimate that
+    closed the gate was lifted only by exploration steps, 1 in 16).
     An exploration step (`exploring`) drafts only a sample of `explore_rows` requests: the estimates are
     per request, and drafting all N at high load would cost several target steps (the engine picks the
     sample round-robin, never by its drafts).
@@ -294,14 +300,14 @@ class DraftGate:
 
     def __init__(self, sps: SPSTable | Callable[[float], float], explore_every: int = 16, decay: float = 0.8,
                  max_explore_every: int = 256, explore_rows: int = 4, calibration_decay: float = 0.98,
-                 kappa_decay: float = 0.95, backoff_below: float = 0.9, back_off_after: int = 8):
+                 kappa_decay: float = 0.95, backoff_below: float = 0.9, back_off_after: int = 8, warmup: int = 0):
         self.sps, self.explore_every, self.decay, self.max_explore_every = sps, explore_every, decay, max_explore_every
         self.interval, self.explore_rows, self.exploring = explore_every, explore_rows, False
         self.draft_s_per_req: float | None = None
         self.verified_per_req = self.predicted_per_req = 0.0  # predicted: accepted per request before calibration
         self.calibration_decay, self.realized_sum, self.expected_sum = calibration_decay, 0.0, 0.0
         self.kappa_decay, self.backoff_below, self.back_off_after = kappa_decay, backoff_below, back_off_after
-        self.samples = 0  # drafting steps observed
+        self.samples, self.warmup = 0, warmup  # drafting steps observed; steps drafted before the rule decides
         # measured / table verify time of target-only steps (False) and of drafting steps (True); None: none yet
         self.kappa: dict[bool, float | None] = {False: None, True: None}
         self.skipped_in_a_row = 0
@@ -317,7 +323,7 @@ class DraftGate:
 
     def should_draft(self, n_active: int) -> bool:
         self.exploring = False
-        if self.draft_s_per_req is None:
+        if self.draft_s_per_req is None or self.samples < self.warmup:
             return self._decide(True)
         gain = self.expected_gain(n_active)
         if gain >= 1.0:

@@ -196,6 +196,20 @@ def test_draft_gate_does_not_back_off_on_its_first_few_samples():
     assert gate.samples == 5 and intervals == [4, 4, 8, 16, 32]
 
 
+def test_draft_gate_warmup_drafts_its_first_steps_whatever_the_rule_says():
+    from dspark.decoding.scheduler import DraftGate, SPSTable
+
+    sps = SPSTable({1: 10.0, 64: 10.0, 512: 1.0})
+    gate = DraftGate(sps, explore_every=4, warmup=3)
+    losing = dict(draft_s=0.8, verified=16, accepted=4)  # spec / off = 1/6
+    assert gate.should_draft(8)  # drafting step 1 (no estimates yet)
+    for _ in range(2):  # drafting steps 2 and 3: the rule would skip, the warm-up drafts (no exploration)
+        gate.observe(8, **losing)
+        assert gate.should_draft(8) and not gate.exploring
+    gate.observe(8, **losing)
+    assert [gate.should_draft(8) for _ in range(4)] == [False, False, False, True]  # now the rule decides
+
+
 def test_draft_gate_estimates_follow_the_recent_steps():
     from dspark.decoding.scheduler import DraftGate, SPSTable
 

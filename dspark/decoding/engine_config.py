@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, PositiveInt
 
 from dspark.config import StrictModel
 from dspark.decoding.sampling import LogprobsMode
@@ -33,7 +33,7 @@ class EngineConfig(StrictModel):
         "which distribution reported logprobs come from: processed = the one the token is drawn from "
         "(temperature, min_p, top_k, top_p applied; raw at temperature 0); raw = log_softmax of the target's "
         "logits (vLLM's default)"))
-    draft_tree: list[int] | None = Field(None, description=(
+    draft_tree: list[PositiveInt] | None = Field(None, min_length=1, description=(
         "verify a tree of drafts per round instead of a chain while at most `tree_max_rows` requests are "
         "active (DSpark drafters; lossless, dspark.decoding.tree_specdec): children per depth, e.g. [8] = eight "
         "distinct first tokens, each with its own chain, [4, 2] = two under each of four; None = chains only"))

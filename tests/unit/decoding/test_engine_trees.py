@@ -169,3 +169,6 @@ def test_trees_need_a_tree_drafter_and_a_fitting_branching(wide_target):
         _engine(wide_target, _drafter(wide_target, "dflash"), [2])
     with pytest.raises(ValueError, match="at most γ"):
         _engine(wide_target, _drafter(wide_target), [2, 2, 2, 2])
+    for bad in ([0], []):  # refused by the config itself (pydantic's ValidationError is a ValueError)
+        with pytest.raises(ValueError, match="draft_tree"):
+            EngineConfig(draft_tree=bad)

@@ -46,7 +46,7 @@ from dspark.eval.benchmark_files import parse_benchmark  # noqa: E402
 from dspark.decoding.sampling import SamplingParams  # noqa: E402
 from dspark.decoding.scheduler import PrefixScheduler, SchedulerConfig, profile_sps, target_verify_fn  # noqa: E402
 from dspark.decoding.specdec import speculative_generate, target_generate  # noqa: E402
-from dspark.decoding.tree_specdec import tree_speculative_generate  # noqa: E402
+from dspark.decoding.tree_specdec import parse_branching, tree_speculative_generate  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -102,12 +102,9 @@ def gamma_list(text: str) -> list[int]:
 def tree_spec(text: str) -> tuple[int, ...]:
     """'2x2' -> (2, 2): children per node at depths 1, 2 of a draft tree."""
     try:
-        counts = tuple(int(v) for v in text.split("x"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: give children per depth, e.g. 4 or 2x2") from None
-    if not counts or min(counts) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: every count must be at least 1")
-    return counts
+        return parse_branching(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def load_prompts(target, data_dir: str, datasets: str, per_dataset: int) -> list[tuple[str, list[int]]]:

@@ -101,6 +101,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
 
+    from benchmarks.serve_load import split_mode
     from dspark.decoding.engine import Engine, EngineConfig
     from dspark.decoding.scheduler import SchedulerConfig
     from dspark.drafters import load_drafter
@@ -117,11 +118,11 @@ def main(argv=None) -> int:
     for c in levels:
         loads = {}
         for mode in modes:  # fresh engines per level: every mode starts the level from the same state
-            sched, _, tree = mode.partition("+t")
+            sched, tree = split_mode(mode)
             cfg = EngineConfig(scheduler=SchedulerConfig(mode=sched, draft_gate=sched == "dynamic",
                                                          draft_gate_decay=args.gate_decay),
                                gamma=args.gamma, max_batch=c, max_waiting=4 * c, sps_table=sps or tables.get(mode),
-                               draft_tree=[int(n) for n in tree.split("x")] if tree else None,
+                               draft_tree=tree,
                                tree_max_rows=args.tree_max_rows or c)
             engine = Engine(target, None if sched == "off" else drafter, cfg)
             if engine.sps is not None:

@@ -156,8 +156,10 @@ def serve_config(args, drafter_dir: str, mode: str, max_users: int, replicas_at_
 
 def split_mode(mode: str) -> tuple[str, list[int] | None]:
     """'dynamic+t4x2' -> ('dynamic', [4, 2]); 'fixed' -> ('fixed', None)."""
+    from dspark.decoding.tree_specdec import parse_branching
+
     sched, _, tree = mode.partition("+t")
-    return sched, [int(n) for n in tree.split("x")] if tree else None
+    return sched, list(parse_branching(tree)) if tree else None
 
 
 def route_name(label: str) -> str:

@@ -151,8 +151,8 @@ class KVSlots:
         """Keep the prefix [0, base) of a slot followed by `columns` (ascending, >= base; a tree row's
         accepted path): their keys/values move to base, base+1, ... and the slot's length becomes
         base + len(columns)."""
-        index = torch.tensor(columns, device=self.device)
-        if columns != list(range(base, base + len(columns))):
+        if columns != list(range(base, base + len(columns))):  # else they already stand there
+            index = torch.tensor(columns, device=self.device)
             for buf in (*self.keys.values(), *self.values.values()):
                 buf[slot, :, base: base + len(columns)] = buf[slot, :, index]  # advanced index: a copy
         self.lengths[slot] = base + len(columns)

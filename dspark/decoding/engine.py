@@ -402,13 +402,14 @@ class Engine(RequestBatch):
             req.noise.forget_before(len(req.tokens) + n_acc + 1)
         base = self.kv.lengths[req.slot]
         self.kv.keep_columns(req.slot, base, [base + k for k in kept])
+        rows = slice(0, len(kept)) if kept[-1] == n_acc else kept  # a chain's prefix: views, no index copy
         if self.drafting:  # the drafter reads these when it next drafts (see _catch_up)
-            req.ctx_pending.append((features[kept], ids[kept]))
+            req.ctx_pending.append((features[rows], ids[rows]))
         req.stats.add_round(proposed, verified, n_acc)
         report.proposed, report.verified, report.accepted = (report.proposed + proposed, report.verified + verified,
                                                               report.accepted + n_acc)
         req.proposal = None
-        self._emit(req, ids[kept[1:]].tolist() + [next_token], report, logits[kept])
+        self._emit(req, ids[rows][1:].tolist() + [next_token], report, logits[rows])
 
     # ---- the batched target forward -----------------------------------------------------------
     def _forward_rows(self, reqs: list[Request], rows: list[torch.Tensor], logits_at: str,

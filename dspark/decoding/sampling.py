@@ -164,22 +164,23 @@ class KeyedNoise:
         (target ids' columns when probs cover a draft vocabulary of N < V columns)."""
         g = torch.stack([self.gumbel(p) for p in positions]) if positions else \
             torch.empty(0, self.vocab_size, dtype=torch.float64, device=self.device)
-        if probs.shape[-1] != self.vocab_size:
-            if self.columns is None or self.columns.shape[0] != probs.shape[-1]:
-                raise ValueError(f"probs have {probs.shape[-1]} columns: not the vocabulary ({self.vocab_size}) "
-                                 "nor the draft vocabulary this noise was given")
-            g = g[:, self.columns]
-        return (probs.to(self.device, torch.float64).log() + g).argmax(-1)
+        return self._keys(probs, g).argmax(-1)
 
     def top_distinct(self, probs: Tensor, n: int, position: int) -> Tensor:
         """The n tokens of largest log p + noise(position) per row of probs [R, V or N] -> [R, min(n, ·)]
         (target ids' columns as in `argmax`): a draft tree's children at one output position, the first
         being the row's own Gumbel-max draw, coupled with the target's keyed sample there."""
-        g = self.gumbel(position)
+        return self._keys(probs, self.gumbel(position)).topk(min(n, probs.shape[-1]), dim=-1).indices
+
+    def _keys(self, probs: Tensor, g: Tensor) -> Tensor:
+        """log probs + Gumbel noise g [..., V], g restricted to the draft vocabulary's columns when probs
+        cover one (N < V columns)."""
         if probs.shape[-1] != self.vocab_size:
-            g = g[self.columns]
-        keys = probs.to(self.device, torch.float64).log() + g
-        return keys.topk(min(n, probs.shape[-1]), dim=-1).indices
+            if self.columns is None or self.columns.shape[0] != probs.shape[-1]:
+                raise ValueError(f"probs have {probs.shape[-1]} columns: not the vocabulary ({self.vocab_size}) "
+                                 "nor the draft vocabulary this noise was given")
+            g = g[..., self.columns]
+        return probs.to(self.device, torch.float64).log() + g
 
     def draw(self, probs: Tensor) -> Tensor:
         """Rows of probs [n, ·] are consecutive positions from `cursor` on (a drafter's draws)."""

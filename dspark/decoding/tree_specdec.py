@@ -21,6 +21,7 @@ len(prompt) + len(tokens) − 1.
 """
 from __future__ import annotations
 
+import re
 import time
 from typing import Sequence
 
@@ -32,12 +33,27 @@ from dspark.decoding.sampling import KeyedNoise, SamplingParams, rejection_resid
 from dspark.decoding.specdec import GenerationResult, RoundStats, generate_rounds
 
 
+def parse_branching(text: str) -> tuple[int, ...]:
+    """'4x2' -> (4, 2): a tree's children per depth as written on a command line (ValueError otherwise)."""
+    if not re.fullmatch(r"[1-9][0-9]*(x[1-9][0-9]*)*", text):
+        raise ValueError(f"{text!r} is not a tree; write children per depth (each >= 1), e.g. 4 or 3x2")
+    return tuple(int(n) for n in text.split("x"))
+
+
 def check_branching(branching: Sequence[int], gamma: int) -> tuple[int, ...]:
     """A tree's children per depth as a tuple: at most γ counts, each >= 1 (else one clear error)."""
     branching = tuple(int(n) for n in branching)
     if len(branching) > gamma or any(n < 1 for n in branching):
         raise ValueError(f"branching {branching}: at most γ = {gamma} counts, each >= 1")
     return branching
+
+
+def children_of(parents: list[int]) -> dict[int, list[int]]:
+    """Each node's children in index order (the order they were drawn), -1 = the anchor's."""
+    children: dict[int, list[int]] = {}
+    for node, parent in enumerate(parents):
+        children.setdefault(parent, []).append(node)
+    return children
 
 
 def accept_tree(tokens: Tensor, parents: list[int], draft_probs: Tensor, target_probs: Tensor,
@@ -47,9 +63,7 @@ def accept_tree(tokens: Tensor, parents: list[int], draft_probs: Tensor, target_
     node i). Children are tried in index order (the order they were drawn)."""
     device = generator.device if generator is not None else target_probs.device
     tokens, draft_probs, target_probs = tokens.to(device), draft_probs.to(device), target_probs.to(device)
-    children: dict[int, list[int]] = {}
-    for node, parent in enumerate(parents):
-        children.setdefault(parent, []).append(node)
+    children = children_of(parents)
     path, at = [], -1
     while True:
         residual = target_probs[at + 1]
@@ -70,9 +84,7 @@ def tree_expected_accepted(tokens: Tensor, parents: list[int], draft_probs: Tens
     siblings were rejected. The draft gate's acceptance figure for trees: the conditional mean of the realized
     length, far less noisy than one round's count (and known only after the verify, so lossless to use)."""
     target_probs, draft_probs = target_probs.float(), draft_probs.to(target_probs.device).float()
-    children: dict[int, list[int]] = {}
-    for node, parent in enumerate(parents):
-        children.setdefault(parent, []).append(node)
+    children = children_of(parents)
     reach, total = {-1: 1.0}, 0.0
     for at in [-1, *range(len(parents))]:  # parents come before their children
         if reach.get(at, 0.0) == 0.0:
@@ -107,9 +119,8 @@ def accept_keyed_tree(tokens: Tensor, parents: list[int], target_probs: Tensor, 
     Gumbel-max token at output position `position + depth` is computed from the current node's row; the
     walk moves to the child holding that token, and stops at the first node that has none (or at a
     leaf), returning (path, that token). The output is the keyed target sample whatever was drafted."""
-    children: dict[int, dict[int, int]] = {}
-    for node, parent in enumerate(parents):
-        children.setdefault(parent, {}).setdefault(int(tokens[node]), node)
+    children = {at: {int(tokens[node]): node for node in reversed(kids)}  # a token's first child wins
+                for at, kids in children_of(parents).items()}
     path, at = [], -1
     while True:
         x = int(noise.argmax(target_probs[at + 1: at + 2], [position + len(path)])[0])

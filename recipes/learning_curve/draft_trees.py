@@ -6,7 +6,8 @@ target scores every node in one forward and acceptance walks down the tree by re
 sampling, lossless like one chain (dspark.eval.acceptance_estimate's module doc). Decoding's first
 position is where a round loses most (acceptance ≈ 0.45 there for the committed CPU drafter), and a
 batch-1 CPU target verifies a few more tokens for little. This phase measures both halves on this
-machine and multiplies them; the engine does not decode trees (yet):
+machine and multiplies them (the serving engine decodes trees with `draft_tree`; `benchmarks/decode_speed.py
+--engine --tree 2` measures them there):
 
 - τ: the renewal estimate of decoding's τ for each tree on the held-out rows (every anchor; at a decode
   run's setting with --gamma/--answer-tokens/--benchmarks), each paired with one chain on the same prompts;
@@ -24,7 +25,6 @@ machine and multiplies them; the engine does not decode trees (yet):
 from __future__ import annotations
 
 import json
-import re
 import statistics
 import time
 from pathlib import Path
@@ -37,9 +37,12 @@ COST_CONTEXT, COST_WARMUP = 256, 3  # a profile may set cost_reps (default 30) a
 
 def parse_tree(text: str) -> tuple[int, ...]:
     """'3x2' -> (3, 2): children per node at depths 1, 2 (one below); '1' = one chain."""
-    if not re.fullmatch(r"[1-9][0-9]*(x[1-9][0-9]*)*", text):
-        raise SystemExit(f"draft-trees: {text!r} is not a tree; write children per depth, e.g. 4 or 3x2")
-    counts = tuple(int(n) for n in text.split("x"))
+    from dspark.decoding.tree_specdec import parse_branching
+
+    try:
+        counts = parse_branching(text)
+    except ValueError as err:
+        raise SystemExit(f"draft-trees: {err}") from None
     while len(counts) > 1 and counts[-1] == 1:
         counts = counts[:-1]
     return counts

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from dspark.decoding.sampling import SamplingParams
-from dspark.decoding.tree_specdec import accept_tree, tree_attention, tree_speculative_generate
+from dspark.decoding.tree_specdec import (accept_tree, children_of, parse_branching, tree_attention,
+                                          tree_speculative_generate)
 from dspark.drafters import DrafterConfig, build_drafter
 from dspark.models.target import build_tiny_model
 from tests.lossless_stats import chi2_pvalue, exact_joint
@@ -153,3 +154,19 @@ def test_drafters_without_trees_and_bad_branching_are_refused(micro_target):
         tree_speculative_generate(micro_target, dflash, PROMPT, SP, 4, (2,))
     with pytest.raises(ValueError, match="branching"):
         tree_speculative_generate(micro_target, _drafter(micro_target), PROMPT, SP, 4, (2, 2, 2, 2))
+
+
+@pytest.mark.parametrize("text, counts", [("4", (4,)), ("3x2", (3, 2)), ("10x1x2", (10, 1, 2))])
+def test_branching_is_read_as_children_per_depth(text, counts):
+    assert parse_branching(text) == counts
+
+
+@pytest.mark.parametrize("text", ["", "0", "2x0", "2x", "x2", "2*2", "-1", "2 x 2", "02"])
+def test_a_branching_that_is_not_a_tree_is_refused(text):
+    with pytest.raises(ValueError, match="is not a tree"):
+        parse_branching(text)
+
+
+def test_children_are_listed_in_draw_order_under_each_parent():
+    # anchor -> 0, 1; 0 -> 2, 3; 1 -> 4
+    assert children_of([-1, -1, 0, 0, 1]) == {-1: [0, 1], 0: [2, 3], 1: [4]}

@@ -180,18 +180,26 @@ def build_summary(demo: Demo, trained: dict, evaluation: dict, chats: list[dict]
         "stages": {sid: {k: v for k, v in info.items() if k in ("status", "wall_s", "command", "key")}
                    for sid, info in demo.stages.items()},
         "total_wall_s": time.monotonic() - demo.started,
-        "next_step": next_step_text(),
+        "next_step": next_step_text(demo.profile.target),
     }
 
 
-def next_step_text() -> str:
-    """Where the committed learning curve says to go next (dspark.eval.planner.next_step)."""
+def next_step_text(target: str) -> str:
+    """Where the committed learning curve says to go next (dspark.eval.planner.next_step) and, for
+    smollm2-135m, what the committed CPU drafter measured (planner.best_drafter_line)."""
     from dspark.eval import planner
 
+    repo = Path(__file__).resolve().parents[1]
     try:
-        return planner.next_step(Path(__file__).resolve().parents[1])
+        text = planner.next_step(repo)
     except (OSError, ValueError, KeyError) as err:
-        return f"where next: no learning-curve figures to plan from ({err}); see docs/learning-curve.md"
+        text = f"where next: no learning-curve figures to plan from ({err}); see docs/learning-curve.md"
+    if target == "smollm2-135m":
+        try:
+            text += "\n" + planner.best_drafter_line(repo)
+        except (OSError, ValueError, KeyError, StopIteration) as err:
+            text += f"\n(no committed drafter figures to show: {err})"
+    return text
 
 
 def print_section(text: str) -> None:

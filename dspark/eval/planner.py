@@ -221,3 +221,27 @@ def next_step(repo: Path, tau: float = 3.0, workers: int = 8, epochs: float = 2.
     return (f"where next (learning curve {CPU_CURVE}, measured up to {curve.t_max:.3g} rollout tokens, "
             f"τ {curve.tau(curve.t_max):.2f}): {where}.\n  full table: {command}")
 
+
+
+BEST_CPU_DRAFTER = "benchmarks/results/learning_curve/drafter-cpu-mix2"
+BEST_CPU_DECODE = "benchmarks/results/decode_speed/cpu_mix2_drafter_gamma3_engine_trees_2_8_bf16_60prompts.json"
+
+
+def best_drafter_line(repo: Path) -> str:
+    """One line for the demo's summary: what the committed CPU drafter (more data than a demo trains on)
+    measured through the engine at batch 1, chain and fastest tree, read from its decode_speed JSON."""
+    report = json.loads((repo / BEST_CPU_DECODE).read_text())
+    drafted = {label: mode for label, mode in report["modes"].items() if mode.get("tau") is not None}
+    chain = next(mode for label, mode in drafted.items() if ":t" not in label)
+    trees = {label.rsplit(":t", 1)[1]: mode for label, mode in drafted.items() if ":t" in label}
+    fastest = max(trees.items(), key=lambda kv: kv[1]["speedup"], default=None)
+
+    def figures(mode: dict) -> str:
+        lo, hi = mode["speedup_ci95"]
+        return f"τ {mode['tau']:.2f}, {mode['speedup']:.2f}× [{lo:.2f}, {hi:.2f}] target-only"
+
+    tree = f"; tree {fastest[0]}: {figures(fastest[1])}" if fastest else ""
+    return (f"the committed CPU drafter {BEST_CPU_DRAFTER} (trained on far more rollouts than this demo) decodes at batch 1 "
+            f"through the engine (temperature {report['temperature']:g}, γ {report['gamma']}): chain {figures(chain)}"
+            f"{tree} ({BEST_CPU_DECODE}).\n  serve it: python -m jobs.serve --config configs/serve/smollm2-135m.yaml "
+            f"--set model.drafter={BEST_CPU_DRAFTER}")

@@ -95,3 +95,20 @@ def test_a_gpu_recipe_summary_gives_both_throughputs_of_its_device(tmp_path):
     (tmp_path / "recipe.json").write_text(json.dumps(summary))
     assert rollout_tok_s_of(str(tmp_path / "recipe.json")) == ("NVIDIA H200", 20000.0)
     assert train_tok_s_of(str(tmp_path / "recipe.json")) == ("NVIDIA H200", 4e5)  # the DSpark trained from scratch
+
+
+def test_the_demo_shows_what_the_committed_drafter_measured(tmp_path):
+    from dspark.eval import planner
+    from tests.paths import REPO
+
+    text = planner.best_drafter_line(REPO)
+    assert "chain τ 1.74, 1.30× [1.25, 1.36] target-only; tree 2: τ 1.90, 1.39×" in text  # the fastest tree
+    assert f"--set model.drafter={planner.BEST_CPU_DRAFTER}" in text
+
+    chain_only = {"temperature": 1.0, "gamma": 3, "modes": {
+        "target": {"tau": None, "speedup": 1.0, "speedup_ci95": [1.0, 1.0]},
+        "dspark:x": {"tau": 1.5, "speedup": 1.1, "speedup_ci95": [1.0, 1.2]}}}
+    (tmp_path / planner.BEST_CPU_DECODE).parent.mkdir(parents=True)
+    (tmp_path / planner.BEST_CPU_DECODE).write_text(json.dumps(chain_only))
+    text = planner.best_drafter_line(tmp_path)
+    assert "chain τ 1.50, 1.10× [1.00, 1.20] target-only (" in text and "; tree" not in text

@@ -185,21 +185,10 @@ def build_summary(demo: Demo, trained: dict, evaluation: dict, chats: list[dict]
 
 
 def next_step_text(target: str) -> str:
-    """Where the committed learning curve says to go next (dspark.eval.planner.next_step) and, for
-    smollm2-135m, what the committed CPU drafter measured (planner.best_drafter_line)."""
+    """Where the committed learning curve says to go next (dspark.eval.planner.demo_next_steps)."""
     from dspark.eval import planner
 
-    repo = Path(__file__).resolve().parents[1]
-    try:
-        text = planner.next_step(repo)
-    except (OSError, ValueError, KeyError) as err:
-        text = f"where next: no learning-curve figures to plan from ({err}); see docs/learning-curve.md"
-    if target == "smollm2-135m":
-        try:
-            text += "\n" + planner.best_drafter_line(repo)
-        except (OSError, ValueError, KeyError, StopIteration) as err:
-            text += f"\n(no committed drafter figures to show: {err})"
-    return text
+    return planner.demo_next_steps(Path(__file__).resolve().parents[1], target)
 
 
 def print_section(text: str) -> None:

@@ -245,3 +245,18 @@ def best_drafter_line(repo: Path) -> str:
             f"through the engine (temperature {report['temperature']:g}, γ {report['gamma']}): chain {figures(chain)}"
             f"{tree} ({BEST_CPU_DECODE}).\n  serve it: python -m jobs.serve --config configs/serve/smollm2-135m.yaml "
             f"--set model.drafter={BEST_CPU_DRAFTER}")
+
+
+def demo_next_steps(repo: Path, target: str) -> str:
+    """The demo summary's last paragraph: `next_step` and, for smollm2-135m, `best_drafter_line` (each
+    replaced by a one-line reason when its committed JSON cannot be read)."""
+    try:
+        text = next_step(repo)
+    except (OSError, ValueError, KeyError) as err:
+        text = f"where next: no learning-curve figures to plan from ({err}); see docs/learning-curve.md"
+    if target == "smollm2-135m":
+        try:
+            text += "\n" + best_drafter_line(repo)
+        except (OSError, ValueError, KeyError, StopIteration) as err:
+            text += f"\n(no committed drafter figures to show: {err})"
+    return text

@@ -112,3 +112,11 @@ def test_the_demo_shows_what_the_committed_drafter_measured(tmp_path):
     (tmp_path / planner.BEST_CPU_DECODE).write_text(json.dumps(chain_only))
     text = planner.best_drafter_line(tmp_path)
     assert "chain τ 1.50, 1.10× [1.00, 1.20] target-only (" in text and "; tree" not in text
+
+
+def test_the_demo_paragraph_says_what_it_could_not_read(tmp_path):
+    from dspark.eval import planner
+
+    text = planner.demo_next_steps(tmp_path, "smollm2-135m")
+    assert text.startswith("where next: no learning-curve figures") and "no committed drafter figures" in text
+    assert "committed drafter" not in planner.demo_next_steps(tmp_path, "tiny")

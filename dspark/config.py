@@ -6,12 +6,13 @@ applies the overrides and validates. Errors name the offending key and how to fi
 from __future__ import annotations
 
 import json
+import os
 import posixpath
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Annotated, Any, Callable, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
 
 class StrictModel(BaseModel):
@@ -21,6 +22,19 @@ class StrictModel(BaseModel):
 
 
 # ---- sections shared by the job configs ------------------------------------------------------------
+def absolute_if_local_dir(ref: str | None) -> str | None:
+    """A relative path naming a directory here becomes absolute, so Ray workers and Serve replicas (whose
+    working directory is not the driver's) find it; URIs, names and paths that are not here pass unchanged."""
+    if ref and "://" not in ref and ":/" not in ref and not os.path.isabs(ref) and os.path.isdir(ref):
+        return os.path.abspath(ref)
+    return ref
+
+
+# a drafter or model reference (local dir | s3:// | runs:/ | models:/ | a name), made absolute when it is a
+# local directory relative to where the config is loaded
+ModelRef = Annotated[str, AfterValidator(absolute_if_local_dir)]
+
+
 class RayConfig(StrictModel):
     address: str | None = Field(None, description="None: $RAY_ADDRESS if set, else start a (new) local Ray on 127.0.0.1")
     num_cpus: int | None = Field(None, description="CPUs of a local Ray (ignored when connecting to a cluster)")

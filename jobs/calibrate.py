@@ -26,7 +26,7 @@ from pydantic import Field, field_validator, model_validator
 from dspark.eval import calibration as cal
 from dspark.eval import evaluation as ev
 from dspark.eval import metrics
-from dspark.config import StrictModel
+from dspark.config import ModelRef, StrictModel
 from pipelines.ray_cluster import init_ray
 from jobs.common import load_job_config, tracked_run
 from dspark.config import RayConfig, TrackingConfig
@@ -51,7 +51,7 @@ class CalibrationData(StrictModel):
 
 class CalibrateConfig(StrictModel):
     target: str = Field("tiny", description='target model: "tiny" | "smollm2-135m" | local dir | s3:// dir | hub name')
-    drafter: str = Field(description="local dir | s3:// | runs:/<run_id>/<path> | models:/<name>/<version> | models:/<name>@<alias>")
+    drafter: ModelRef = Field(description="local dir | s3:// | runs:/<run_id>/<path> | models:/<name>/<version> | models:/<name>@<alias>")
     data: CalibrationData = Field(description="held-out prompts: rollouts or a JSONL file")
     seed: int = Field(0, description="base seed of the decoding generators")
     decode: ev.DecodeSettings = Field(ev.DecodeSettings(), description="sampling while collecting calibration rounds (every position verified)")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import types
 import typing
 
 from pydantic import BaseModel
@@ -27,6 +28,11 @@ JOB_CONFIGS = [
 
 
 def _type_name(annotation) -> str:
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is typing.Annotated:  # a validated type (e.g. dspark.config.ModelRef) reads as its base type
+        return _type_name(args[0])
+    if origin in (typing.Union, types.UnionType) and any(typing.get_origin(a) is typing.Annotated for a in args):
+        return " | ".join(_type_name(a) for a in args)
     text = repr(annotation) if not isinstance(annotation, type) else annotation.__name__
     return text.replace("typing.", "").replace("NoneType", "None")
 

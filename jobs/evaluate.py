@@ -25,7 +25,7 @@ from pydantic import Field, field_validator
 
 from dspark.eval import evaluation as ev
 from dspark.eval import report
-from dspark.config import StrictModel, config_to_dict
+from dspark.config import ModelRef, StrictModel, config_to_dict
 from pipelines.ray_cluster import init_ray
 from jobs.common import load_job_config, tracked_run
 from dspark.config import RayConfig, TrackingConfig
@@ -37,7 +37,7 @@ log = logging.getLogger("dspark.evaluate")
 
 # ---- config ---------------------------------------------------------------------------------------
 class DrafterEntry(StrictModel):
-    ref: str = Field(description="local dir | s3:// | runs:/<run_id>/<path> | models:/<name>/<version> | models:/<name>@<alias>")
+    ref: ModelRef = Field(description="local dir | s3:// | runs:/<run_id>/<path> | models:/<name>/<version> | models:/<name>@<alias>")
     name: str | None = Field(None, description="label in tables and metrics; default: the drafter's algo")
 
 

@@ -8,7 +8,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from dspark.config import StrictModel
+from dspark.config import ModelRef, StrictModel
 from dspark.decoding.engine import Engine, EngineConfig
 from dspark.flywheel.config import FlywheelConfig
 
@@ -18,7 +18,7 @@ log = logging.getLogger("dspark.serve")
 # ---- configuration ----------------------------------------------------------------------------------
 class ModelSection(StrictModel):
     target: str = Field("tiny", description='"tiny" | "smollm2-135m" | local dir | s3:// dir | hub name')
-    drafter: str | None = Field(None, description="local dir | s3://... | runs:/<id>/<path> | models:/<name>@<alias> (None: mode off)")
+    drafter: ModelRef | None = Field(None, description="local dir | s3://... | runs:/<id>/<path> | models:/<name>@<alias> (None: mode off)")
     served_name: str | None = Field(None, description='the `model` clients send; None -> "dspark-<target>"')
     dtype: Literal["float32", "bfloat16", "auto"] = Field(
         "float32", description="weights dtype of target and drafter; auto: bfloat16 where the replica's device "

@@ -98,3 +98,18 @@ def test_a_config_extends_its_base_files(tmp_path):
     (tmp_path / "loop.yaml").write_text("base: loop.yaml\n")
     with pytest.raises(ConfigError, match="loop"):
         read_yaml(tmp_path / "loop.yaml")
+
+
+def test_relative_drafter_dirs_become_absolute_where_the_config_is_loaded(tmp_path, monkeypatch):
+    """Serve replicas and Ray workers do not share the driver's working directory: a relative drafter dir
+    (as the README's commands give it) is made absolute on load; URIs and missing paths pass unchanged."""
+    from jobs.evaluate import DrafterEntry
+    from dspark.serve.config import ModelSection
+
+    (tmp_path / "drafters" / "mine").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    assert ModelSection(drafter="drafters/mine").drafter == str(tmp_path / "drafters" / "mine")
+    assert DrafterEntry(ref="drafters/mine").ref == str(tmp_path / "drafters" / "mine")
+    for ref in ("models:/x@champion", "runs:/abc/drafter", "s3://bucket/drafter", "not/here", "/abs/path"):
+        assert ModelSection(drafter=ref).drafter == ref
+    assert ModelSection().drafter is None

@@ -22,17 +22,17 @@ class StrictModel(BaseModel):
 
 
 # ---- sections shared by the job configs ------------------------------------------------------------
-def absolute_if_local_dir(ref: str | None) -> str | None:
-    """A relative path naming a directory here becomes absolute, so Ray workers and Serve replicas (whose
-    working directory is not the driver's) find it; URIs, names and paths that are not here pass unchanged."""
-    if ref and "://" not in ref and ":/" not in ref and not os.path.isabs(ref) and os.path.isdir(ref):
+def absolute_if_local(ref: str | None) -> str | None:
+    """A relative path naming a file or directory here becomes absolute, so Ray workers and Serve replicas
+    (whose working directory is not the driver's) find it; URIs, names and paths not here pass unchanged."""
+    if ref and "://" not in ref and ":/" not in ref and not os.path.isabs(ref) and os.path.exists(ref):
         return os.path.abspath(ref)
     return ref
 
 
-# a drafter or model reference (local dir | s3:// | runs:/ | models:/ | a name), made absolute when it is a
-# local directory relative to where the config is loaded
-ModelRef = Annotated[str, AfterValidator(absolute_if_local_dir)]
+# an input reference (local path | s3:// | runs:/ | models:/ | a name), made absolute when it is a local
+# path relative to where the config is loaded
+ModelRef = Annotated[str, AfterValidator(absolute_if_local)]
 
 
 class RayConfig(StrictModel):

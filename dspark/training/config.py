@@ -6,13 +6,13 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from dspark.config import RayConfig, StrictModel, TrackingConfig
+from dspark.config import ModelRef, RayConfig, StrictModel, TrackingConfig
 from dspark.drafters import DrafterConfig
 
 
 # ----------------------------------------------------------------------------- config
 class DataSection(StrictModel):
-    rollouts: str = Field(description="Parquet file or directory (local or s3://) written by jobs.generate")
+    rollouts: ModelRef = Field(description="Parquet file or directory (local or s3://) written by jobs.generate")
     split: str = Field("train", description="rows with this `split` value are trained on")
     max_seq_len: int = Field(1024, ge=8, description="sequences are cut to this many tokens (prompt + response)")
     shuffle_buffer: int = Field(0, ge=0, description="rows in each worker's local shuffle buffer (0 = file order)")
@@ -92,7 +92,7 @@ class TrainJobConfig(StrictModel):
     run_name: str = Field(description="the run's name: its checkpoints live in <checkpoint.storage_path>/<run_name>; relaunching it resumes")
     target: str = Field("tiny", description="load_target spec")
     drafter: DrafterConfig = Field(default_factory=DrafterConfig, description="the drafter's architecture and losses")
-    init_from: str | None = Field(None, description="start from this drafter's weights (models:/<name>@<alias>, models:/<name>/<version>, runs:/, s3:// or a dir): its architecture, draft vocabulary and draft temperature are kept (not its calibration: calibrate again), drafter fields set here must agree (the flywheel's retraining)")
+    init_from: ModelRef | None = Field(None, description="start from this drafter's weights (models:/<name>@<alias>, models:/<name>/<version>, runs:/, s3:// or a dir): its architecture, draft vocabulary and draft temperature are kept (not its calibration: calibrate again), drafter fields set here must agree (the flywheel's retraining)")
     data: DataSection = Field(description="the rollouts trained on")
     optim: OptimSection = Field(default_factory=OptimSection, description="optimiser, schedule and batch geometry")
     deepspeed: DeepSpeedSection = Field(default_factory=DeepSpeedSection, description="ZeRO stage and precision")

@@ -100,7 +100,7 @@ def test_a_config_extends_its_base_files(tmp_path):
         read_yaml(tmp_path / "loop.yaml")
 
 
-def test_relative_drafter_dirs_become_absolute_where_the_config_is_loaded(tmp_path, monkeypatch):
+def test_relative_input_paths_become_absolute_where_the_config_is_loaded(tmp_path, monkeypatch):
     """Serve replicas and Ray workers do not share the driver's working directory: a relative drafter dir
     (as the README's commands give it) is made absolute on load; URIs and missing paths pass unchanged."""
     from jobs.evaluate import DrafterEntry
@@ -113,3 +113,7 @@ def test_relative_drafter_dirs_become_absolute_where_the_config_is_loaded(tmp_pa
     for ref in ("models:/x@champion", "runs:/abc/drafter", "s3://bucket/drafter", "not/here", "/abs/path"):
         assert ModelSection(drafter=ref).drafter == ref
     assert ModelSection().drafter is None
+    from dspark.training.config import DataSection
+
+    (tmp_path / "rows.parquet").write_bytes(b"")
+    assert DataSection(rollouts="rows.parquet").rollouts == str(tmp_path / "rows.parquet")

@@ -182,6 +182,17 @@ def engine_decoder(target, drafter, sp: SamplingParams, max_new_tokens: int, sto
     return decode
 
 
+def batch1_decoder(target, drafter, sp: SamplingParams, max_new_tokens: int, stops, gamma: int | None,
+                   tree: tuple[int, ...] | None, verify_len):
+    """A mode's decode(ids, generator) through the batch-1 decoders: a chain (`speculative_generate`, with
+    the scheduler's verify_len hook) or a tree of drafts (`tree_speculative_generate`)."""
+    if tree is None:
+        return lambda ids, gen: speculative_generate(target, drafter, ids, sp, max_new_tokens, stops,
+                                                     verify_len=verify_len, generator=gen, gamma=gamma)
+    return lambda ids, gen: tree_speculative_generate(target, drafter, ids, sp, max_new_tokens, tree, stops,
+                                                      generator=gen, gamma=gamma)
+
+
 def decode_interleaved(prompts, modes: dict) -> dict:
     """Each mode's GenerationResult per prompt. Prompt i is decoded by every mode in turn, the order rotated by
     i, each with the same seed (1000 + i): drift in machine speed is shared by all modes instead of falling on
@@ -274,19 +285,11 @@ def main(argv=None) -> dict:
             for gamma in args.gamma or [None]:
                 tag = f":g{gamma}" if len(args.gamma or []) > 1 else ""
                 trees = args.tree if hasattr(drafter, "draft_tree") else []
-                if args.engine:
-                    for tree, label in [(None, tag), *((t, f"{tag}:t{'x'.join(map(str, t))}") for t in trees)]:
-                        modes[name + label + suffix] = engine_decoder(target, drafter, sp, args.max_new_tokens, stops,
-                                                                      gamma, tree, args.scheduler)
-                    continue
-                modes[name + tag + suffix] = (lambda t, d, h, st, g: lambda ids, gen: speculative_generate(
-                    t, d, ids, sp, args.max_new_tokens, st, verify_len=h, generator=gen, gamma=g))(
-                    target, drafter, h, stops, gamma)
-                for tree in trees:
-                    label = f"{tag}:t{'x'.join(map(str, tree))}"
-                    modes[name + label + suffix] = (lambda t, d, st, g, b: lambda ids, gen: tree_speculative_generate(
-                        t, d, ids, sp, args.max_new_tokens, b, st, generator=gen, gamma=g))(
-                        target, drafter, stops, gamma, tree)
+                for tree, label in [(None, tag), *((t, f"{tag}:t{'x'.join(map(str, t))}") for t in trees)]:
+                    modes[name + label + suffix] = (
+                        engine_decoder(target, drafter, sp, args.max_new_tokens, stops, gamma, tree, args.scheduler)
+                        if args.engine else batch1_decoder(target, drafter, sp, args.max_new_tokens, stops, gamma,
+                                                           tree, h))
 
     warm = prompts[:1]
     for decode in modes.values():  # one short warm-up per mode: allocator, kernels, lazy imports

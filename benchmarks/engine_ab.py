@@ -144,7 +144,7 @@ def main(argv=None) -> int:
                                            if ld.engine.drafting and ld.steps > ld.skipped else None),
                    "mean_skipped_step_s": ld.skipped_s / ld.skipped if ld.skipped else None,
                    "engine_totals": {k: ld.engine.totals[k] for k in ("proposed", "verified", "accepted")},
-                   "draft_gate": ld.engine.stats()["draft_gate"], "tree_draft_gate": ld.engine.stats()["tree_draft_gate"]}
+                   **{k: v for k, v in ld.engine.stats().items() if k in ("draft_gate", "tree_draft_gate")}}
             results.append(row)
             print(f"[engine_ab] {mode:>8} c={c:<3} {row['tokens_per_busy_s']:7.2f} tok/busy-s  steps {ld.steps}  "
                   f"skipped {row['draft_skipped_step_fraction']}  skipped-step {row['mean_skipped_step_s']}  "

@@ -43,3 +43,13 @@ def three_token_pvalues(outputs: list[list[int]], target, prompt: list[int], sp:
         counts[tuple(tokens)] += 1
     joint = exact_joint(target, prompt, 3, sp, vocab)
     return chi2_pvalue(counts.sum(2), joint.sum(2)), chi2_pvalue(counts.sum(0), joint.sum(0))
+
+
+def engine_three_token_pvalues(engine, target, prompt: list[int], sp: SamplingParams, vocab: int,
+                               runs: int) -> tuple[float, float, dict]:
+    """`runs` concurrent requests of `prompt` for 3 tokens each through `engine` (they join and leave between
+    steps): `three_token_pvalues` of their outputs and the engine's totals."""
+    reqs = engine.generate([prompt] * runs, sp, max_new_tokens=3, stop_ids=[])
+    assert all(r.finish_reason == "length" and len(r.tokens) == 3 for r in reqs)
+    p12, p23 = three_token_pvalues([r.tokens for r in reqs], target, prompt, sp, vocab)
+    return p12, p23, engine.stats()["totals"]

@@ -105,12 +105,12 @@ class Engine(RequestBatch):
         if self.mode in ("dynamic", "async_topk"):
             self.sps = engine_sps_table(cfg, target, self.gamma, self.layer_ids)
         self.scheduler = PrefixScheduler(cfg.scheduler, self.sps)
-        gate_on, sched = cfg.scheduler.draft_gate and self.sps is not None and self.drafting, cfg.scheduler
-        self.gate, self.tree_gate = (DraftGate(self.sps, sched.draft_gate_explore_every, decay=decay, warmup=warmup,
-                                               explore_rows=sched.draft_gate_explore_rows) if on else None
-                                     for on, decay, warmup in ((gate_on, sched.draft_gate_decay, 0),
-                                                               (gate_on and self.tree, sched.tree_gate_decay,
-                                                                sched.tree_gate_warmup)))
+        sched = cfg.scheduler
+        gate_on = sched.draft_gate and self.sps is not None and self.drafting
+        self.gate = self._draft_gate(sched.draft_gate_decay, 0) if gate_on else None
+        # tree steps get a gate of their own: a tree's verify cost and acceptance are not a chain's
+        tree_gate_on = gate_on and self.tree is not None
+        self.tree_gate = self._draft_gate(sched.tree_gate_decay, sched.tree_gate_warmup) if tree_gate_on else None
         self._explore_offset = 0  # round-robin start of the gate's exploration sample
         super().__init__(cfg, kv)  # queue, slots, totals; started_at = now, after the profiling
 
@@ -127,6 +127,11 @@ class Engine(RequestBatch):
         gamma = self.cfg.gamma or d.config.block_size
         d.check_gamma(gamma)
         return gamma
+
+    def _draft_gate(self, decay: float, warmup: int) -> DraftGate:
+        sched = self.cfg.scheduler
+        return DraftGate(self.sps, sched.draft_gate_explore_every, decay=decay, warmup=warmup,
+                         explore_rows=sched.draft_gate_explore_rows)
 
     def _check_tree(self) -> tuple[int, ...] | None:
         if self.cfg.draft_tree is None or not self.drafting:

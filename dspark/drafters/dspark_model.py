@@ -173,13 +173,12 @@ class DSparkDrafter(DFlashDrafter):
         if sp.greedy:
             q = torch.softmax(logits.float(), dim=-1)
             picks = q.topk(min(n, q.shape[-1]), dim=-1).indices
-        elif isinstance(generator, KeyedNoise):  # keyed: the top-n under the noise of this output position
-            q = to_probs(logits, sp)
+            return picks, sibling_proposals(q, picks)
+        q = to_probs(logits, sp)
+        if isinstance(generator, KeyedNoise):  # keyed: the top-n under the noise of this output position
             picks = generator.top_distinct(q, n, generator.cursor + level).to(self.device)
         elif n == 1:  # one child: the chain's own draw
-            q = to_probs(logits, sp)
             return sample(q, generator).to(self.device)[:, None], q[:, None]
         else:
-            q = to_probs(logits, sp)
             picks = draw_distinct(q, n, generator).to(self.device)
         return picks, sibling_proposals(q, picks)

@@ -15,7 +15,7 @@ from dspark.decoding.engine import Engine, EngineConfig, EngineUnavailableError,
 from dspark.decoding.sampling import SamplingParams
 from dspark.decoding.scheduler import SchedulerConfig
 from dspark.decoding.specdec import target_generate
-from tests.lossless_stats import three_token_pvalues
+from tests.lossless_stats import engine_three_token_pvalues
 
 VOCAB, PROMPT, GAMMA = 8, [1, 5, 2, 7, 3], 3
 GREEDY = SamplingParams(temperature=0.0)
@@ -51,10 +51,7 @@ def test_engine_is_lossless_at_temperature_one(micro_target, mode, extra, draft_
     engine = _engine(micro_target, drafter, mode, max_batch=96, max_waiting=runs, **extra)
     lens = collections.Counter()
     engine.step_listeners.append(lambda report: lens.update(report.verify_lens))
-    reqs = engine.generate([PROMPT] * runs, sp, max_new_tokens=3, stop_ids=[])
-    assert all(r.finish_reason == "length" and len(r.tokens) == 3 for r in reqs)
-    p12, p23 = three_token_pvalues([r.tokens for r in reqs], micro_target, PROMPT, sp, VOCAB)
-    totals = engine.stats()["totals"]
+    p12, p23, totals = engine_three_token_pvalues(engine, micro_target, PROMPT, sp, VOCAB, runs)
     print(f"\n[engine lossless] {mode}: p(t1,t2)={p12:.3g} p(t2,t3)={p23:.3g} verify lens {dict(lens)} "
           f"accepted {totals['accepted']}/{totals['verified']}")
     # the scheduler really mixed lengths and drafts were both accepted and rejected
@@ -265,10 +262,9 @@ def test_engine_with_draft_gate_skipping_steps_stays_lossless(micro_target):
         max_batch=96, max_waiting=runs))
     assert engine.gate is not None
     engine.gate = gate = _AlternatingGate()
-    reqs = engine.generate([PROMPT] * runs, sp, max_new_tokens=3, stop_ids=[])
-    totals = engine.stats()["totals"]
+    p12, p23, totals = engine_three_token_pvalues(engine, micro_target, PROMPT, sp, VOCAB, runs)
     assert totals["draft_skipped_steps"] > 0 and gate.observed > 0 and totals["accepted"] > 0
-    assert min(three_token_pvalues([r.tokens for r in reqs], micro_target, PROMPT, sp, VOCAB)) > 1e-3
+    assert min(p12, p23) > 1e-3
 
 
 class _ExploringGate(_AlternatingGate):
@@ -294,9 +290,9 @@ def test_exploration_steps_draft_a_round_robin_sample_and_stay_lossless(micro_ta
         scheduler=SchedulerConfig(mode="dynamic", draft_gate=True), sps_table={1: 100.0, 128: 60.0, 512: 25.0},
         max_batch=96, max_waiting=runs))
     engine.gate = gate = _ExploringGate()
-    reqs = engine.generate([PROMPT] * runs, sp, max_new_tokens=3, stop_ids=[])
-    assert gate.rows and max(gate.rows) == 2 and engine.stats()["totals"]["accepted"] > 0
-    assert min(three_token_pvalues([r.tokens for r in reqs], micro_target, PROMPT, sp, VOCAB)) > 1e-3
+    p12, p23, totals = engine_three_token_pvalues(engine, micro_target, PROMPT, sp, VOCAB, runs)
+    assert gate.rows and max(gate.rows) == 2 and totals["accepted"] > 0
+    assert min(p12, p23) > 1e-3
 
 
 def test_greedy_output_with_the_real_draft_gate_equals_target_only(wide_target):

@@ -16,7 +16,7 @@ from dspark.decoding.sampling import SamplingParams
 from dspark.decoding.scheduler import SchedulerConfig
 from dspark.decoding.specdec import target_generate
 from dspark.drafters import DrafterConfig, build_drafter
-from tests.lossless_stats import three_token_pvalues
+from tests.lossless_stats import engine_three_token_pvalues
 
 VOCAB, PROMPT, GAMMA = 8, [1, 5, 2, 7, 3], 3
 GREEDY = SamplingParams(temperature=0.0)
@@ -78,10 +78,7 @@ def test_engine_with_trees_is_lossless_at_temperature_one(micro_target, tree, dr
         engine.cfg.tree_max_rows = 1 if engine.cfg.tree_max_rows > 1 else 64
 
     engine.step_listeners.append(alternate)
-    reqs = engine.generate([PROMPT] * runs, sp, max_new_tokens=3, stop_ids=[])
-    assert all(r.finish_reason == "length" and len(r.tokens) == 3 for r in reqs)
-    p12, p23 = three_token_pvalues([r.tokens for r in reqs], micro_target, PROMPT, sp, VOCAB)
-    totals = engine.stats()["totals"]
+    p12, p23, totals = engine_three_token_pvalues(engine, micro_target, PROMPT, sp, VOCAB, runs)
     print(f"\n[engine trees lossless] {tree}: p(t1,t2)={p12:.3g} p(t2,t3)={p23:.3g} steps {dict(kinds)} "
           f"accepted {totals['accepted']}/{totals['verified']}")
     assert kinds["tree"] > 0 and kinds["chain"] > 0

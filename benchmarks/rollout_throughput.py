@@ -38,7 +38,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--sequential-prompts", type=int, default=None, help="time sequential on the first N only")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="auto: bfloat16 on CUDA, float32 on CPU")
+                   help="auto: bfloat16 where the device computes it natively (CUDA with bf16; a CPU with "
+                        "avx512_bf16 or AMX), else float32 (dspark.models.precision)")
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     p.add_argument("--temperature", type=float, default=0.7)
     p.add_argument("--top-p", type=float, default=0.9)
@@ -73,7 +74,9 @@ def _sync(device: str) -> None:
 
 
 def _dtype(args) -> str:
-    return args.dtype if args.dtype != "auto" else ("bfloat16" if args.device.startswith("cuda") else "float32")
+    from dspark.models.precision import resolve_dtype
+
+    return resolve_dtype(args.dtype, args.device)
 
 
 def _load(args):

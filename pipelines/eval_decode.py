@@ -8,12 +8,12 @@ another; `num_workers: 0` decodes in the calling process.
 from __future__ import annotations
 
 import sys
-from typing import Literal
 
 from pydantic import Field
 
 from dspark.eval import evaluation as ev
 from dspark.config import StrictModel
+from dspark.models.precision import AUTO_DESCRIPTION, DtypeSetting
 from pipelines.actor_pool import DEFAULT_START_TIMEOUT_S, START_TIMEOUT_DESCRIPTION
 
 
@@ -22,7 +22,8 @@ class WorkersConfig(StrictModel):
     num_cpus: float = Field(1.0, description="per actor")
     num_gpus: float = Field(0.0, description="per actor (> 0 puts target and drafters on cuda)")
     torch_threads: int | None = Field(None, description="per actor; default max(1, int(num_cpus))")
-    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="weights dtype of target and drafters on the workers")
+    dtype: DtypeSetting = Field("auto", description="weights dtype of target and drafters, resolved on each "
+                                "worker's device; " + AUTO_DESCRIPTION)
     start_timeout_s: float = Field(DEFAULT_START_TIMEOUT_S, gt=0, description=START_TIMEOUT_DESCRIPTION)
 
 
@@ -35,12 +36,14 @@ class EvalWorker:
 
         from dspark.io import storage
         from dspark.io.drafter_source import load_drafter_ref
+        from dspark.models.precision import torch_dtype
         from dspark.models.target import load_target
 
         if spec.get("threads"):
             torch.set_num_threads(spec["threads"])
-        self.target = load_target(spec["target"], dtype=getattr(torch, spec["dtype"]), device=spec["device"],
-                                  local_copy=storage.local_copy)
+        # "auto" resolves here, on the worker's own device (bf16 only where it is native)
+        self.target = load_target(spec["target"], dtype=torch_dtype(spec["dtype"], spec["device"]),
+                                  device=spec["device"], local_copy=storage.local_copy)
         self.drafters = {name: load_drafter_ref(ref, self.target) for name, ref in spec["drafters"].items()}
         if spec.get("raw_confidences"):  # calibration collects uncalibrated confidences
             for drafter in self.drafters.values():

@@ -38,6 +38,7 @@ from dspark.config import StrictModel, config_to_dict
 from dspark.decoding.generator import GeneratorConfig
 from dspark.io import storage
 from dspark.data import schema
+from dspark.models.precision import AUTO_DESCRIPTION, DtypeSetting
 from pipelines import rollout_vllm
 from pipelines.actor_pool import DEFAULT_START_TIMEOUT_S, START_TIMEOUT_DESCRIPTION, WorkerAsk, data_pool
 from dspark.data.prompts import LoadResult, PromptSource, load_prompts
@@ -56,13 +57,20 @@ class ComputeConfig(StrictModel):
                                             "of decoding (engine).")
     num_cpus: float = Field(1.0, description="per replica")
     num_gpus: float = Field(0.0, description="per replica; > 0 puts the target on CUDA")
-    dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
-        None, description="Target weights dtype; default bfloat16 on CUDA (num_gpus > 0), float32 on CPU.")
+    dtype: DtypeSetting = Field(
+        "auto", description="target weights dtype, resolved on each replica's device; " + AUTO_DESCRIPTION
+        + "; null reads as auto. Backend vllm hands auto to vLLM's own dtype auto")
     torch_threads: int | None = Field(None, description="default: max(1, int(num_cpus))")
     start_timeout_s: float = Field(DEFAULT_START_TIMEOUT_S, gt=0, description=START_TIMEOUT_DESCRIPTION)
 
-    def resolved_dtype(self) -> str:
-        return self.dtype or ("bfloat16" if self.num_gpus > 0 else "float32")
+    @field_validator("dtype", mode="before")
+    @classmethod
+    def _dtype(cls, v):
+        return "auto" if v is None else v  # null (the old default) is auto
+
+    @property
+    def device(self) -> str:
+        return "cuda" if self.num_gpus > 0 else "cpu"
 
 
 class RolloutConfig(StrictModel):
@@ -166,7 +174,7 @@ class RunStats:
 
 def actor_spec(cfg: RolloutConfig) -> dict:
     c = cfg.compute
-    return {"target": cfg.target, "dtype": c.resolved_dtype(), "device": "cuda" if c.num_gpus > 0 else "cpu",
+    return {"target": cfg.target, "dtype": c.dtype, "device": c.device,  # the actor resolves "auto" on its device
             "threads": c.torch_threads or max(1, int(c.num_cpus)), "sampling": cfg.sampling.model_dump(),
             "max_context_tokens": cfg.max_context_tokens, "backend": cfg.backend, "engine": cfg.engine.model_dump()}
 

@@ -55,7 +55,8 @@ def processor_kwargs(cfg) -> dict:
     the chat template stay with us (the exact prompt ids and loss masks of dspark/data/schema.py), so
     the processor's own chat-template, tokenize and detokenize stages are off."""
     v = cfg.vllm
-    engine = {"dtype": cfg.compute.resolved_dtype(), "seed": cfg.sampling.seed}
+    # compute.dtype auto goes to vLLM as its own "auto": its GPU workers pick from the checkpoint and the GPU
+    engine = {"dtype": cfg.compute.dtype, "seed": cfg.sampling.seed}
     max_len = v.max_model_len or cfg.max_context_tokens
     if max_len:
         engine["max_model_len"] = max_len

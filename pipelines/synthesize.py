@@ -104,10 +104,12 @@ class MagpieActor:
     """A Ray Data actor: one target replica writing user turns for whole batches."""
 
     def __init__(self, spec: dict, local_copy: Callable[[str], str] | None = None):
+        from dspark.models.precision import torch_dtype
         from dspark.models.target import load_target
 
         torch.set_num_threads(spec["threads"])
-        target = load_target(spec["target"], dtype=getattr(torch, spec["dtype"]), device=spec["device"],
+        # "auto" resolves here, on the replica's own device (bf16 only where it is native)
+        target = load_target(spec["target"], dtype=torch_dtype(spec["dtype"], spec["device"]), device=spec["device"],
                              local_copy=local_copy)
         self.engine = MagpieEngine(target, SamplingConfig(**spec["sampling"]), spec["max_context_tokens"])
 
@@ -117,7 +119,7 @@ class MagpieActor:
 
 def actor_spec(cfg: SynthesizeConfig) -> dict:
     c = cfg.compute
-    return {"target": cfg.target, "dtype": c.dtype, "device": "cuda" if c.num_gpus > 0 else "cpu",
+    return {"target": cfg.target, "dtype": c.dtype, "device": c.device,  # the actor resolves "auto" on its device
             "threads": c.torch_threads or max(1, int(c.num_cpus)), "sampling": cfg.magpie.sampling.model_dump(),
             "max_context_tokens": cfg.max_context_tokens}
 

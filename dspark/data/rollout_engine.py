@@ -289,10 +289,12 @@ class RolloutActor:
     s3:// target here (pipelines.rollout passes dspark.io.storage.local_copy)."""
 
     def __init__(self, spec: dict, local_copy: Callable[[str], str] | None = None):
+        from dspark.models.precision import torch_dtype
         from dspark.models.target import load_target
 
         torch.set_num_threads(spec["threads"])
-        target = load_target(spec["target"], dtype=getattr(torch, spec["dtype"]), device=spec["device"],
+        # "auto" resolves here, on the replica's own device (bf16 only where it is native)
+        target = load_target(spec["target"], dtype=torch_dtype(spec["dtype"], spec["device"]), device=spec["device"],
                              local_copy=local_copy)
         self.engine = RolloutEngine(target, SamplingConfig(**spec["sampling"]), spec["max_context_tokens"],
                                     spec["backend"], GeneratorConfig(**spec["engine"]))

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from dspark.models import builtin as models_builtin
+from dspark.models.precision import bf16_is_native  # noqa: F401  (kept importable here)
 from dspark.models.small_batch_linear import use_small_batch_linear
 
 
@@ -279,14 +280,6 @@ def load_target(spec: str, *, dtype: torch.dtype = torch.float32, device: str = 
                          f"model directory, an s3:// URI, or a hub name reachable from this machine.") from None
     revision = getattr(model.config, "_commit_hash", None) or models_builtin.revision_of(spec)
     return Target(model.to(device), tokenizer, name=name, revision=revision or "")
-
-
-def bf16_is_native(device: str) -> bool:
-    """Whether `device` computes bf16 in hardware (a CUDA GPU with bf16; a CPU with avx512_bf16 or AMX).
-    Elsewhere bf16 is emulated and slower than float32."""
-    if device == "cuda":
-        return torch.cuda.is_bf16_supported()
-    return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
 
 
 def build_tiny_model(vocab_size: int = 16, seed: int = 0, num_layers: int = 4, hidden_size: int = 32,

@@ -11,6 +11,7 @@ from pydantic import Field
 from dspark.config import ModelRef, StrictModel
 from dspark.decoding.engine import Engine, EngineConfig
 from dspark.flywheel.config import FlywheelConfig
+from dspark.models.precision import resolve_dtype  # model.dtype -> the weights dtype on the replica's device
 
 log = logging.getLogger("dspark.serve")
 
@@ -20,9 +21,9 @@ class ModelSection(StrictModel):
     target: str = Field("tiny", description='"tiny" | "smollm2-135m" | local dir | s3:// dir | hub name')
     drafter: ModelRef | None = Field(None, description="local dir | s3://... | runs:/<id>/<path> | models:/<name>@<alias> (None: mode off)")
     served_name: str | None = Field(None, description='the `model` clients send; None -> "dspark-<target>"')
-    dtype: Literal["float32", "bfloat16", "auto"] = Field(
-        "float32", description="weights dtype of target and drafter; auto: bfloat16 where the replica's device "
-                               "computes it natively (a CUDA GPU with bf16, a CPU with avx512_bf16 or AMX), else float32")
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto", description="weights dtype of target and drafter; auto: bfloat16 where the replica's device "
+                            "computes it natively (a CUDA GPU with bf16, a CPU with avx512_bf16 or AMX), else float32")
     # "auto": cuda when this replica has a GPU assigned and CUDA works, else cpu; "cuda" fails the
     # replica start (naming this key) where CUDA is unavailable, instead of silently serving on CPU
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when this replica has a GPU and CUDA works, else cpu; cuda: fail the replica start (naming this key) where CUDA is unavailable")
@@ -95,17 +96,6 @@ def resolve_device(setting: str, has_gpus: bool) -> str:
             log.warning("model.device=auto: GPUs are assigned but CUDA is unavailable; serving on cpu")
         return "cuda" if has_gpus and cuda else "cpu"
     return setting
-
-
-def resolve_dtype(setting: str, device: str) -> str:
-    """model.dtype -> the weights dtype on `device`. "auto" is bfloat16 only where the hardware has bf16
-    arithmetic (measured on a 2-core avx512_bf16 CPU: smollm2-135m target-only decoding 1.7-2.3x the fp32
-    tok/s, benchmarks/results/decode_speed/); emulated bf16 is slower than fp32, so elsewhere float32."""
-    from dspark.models.target import bf16_is_native
-
-    if setting != "auto":
-        return setting
-    return "bfloat16" if bf16_is_native(device) else "float32"
 
 
 def build_engine(cfg: ServeConfig, device: str | None = None, has_gpus: bool | None = None) -> Engine:

@@ -45,7 +45,7 @@ class OptimSection(StrictModel):
 
 class DeepSpeedSection(StrictModel):
     zero_stage: Literal[0, 1, 2, 3] = Field(2, description="DeepSpeed ZeRO stage (0 = plain data parallel)")
-    precision: Literal["auto", "fp32", "bf16"] = Field("auto", description="auto: bf16 on GPU workers, fp32 on CPU")
+    precision: Literal["auto", "fp32", "bf16"] = Field("auto", description="the drafter's training precision; auto: bf16 on GPU workers with native bf16, fp32 elsewhere (CPU)")
     extra: dict = Field(default_factory=dict, description="deep-merged into the generated DeepSpeed JSON (advanced; e.g. bucket sizes)")
 
 
@@ -96,8 +96,8 @@ class TrainJobConfig(StrictModel):
     data: DataSection = Field(description="the rollouts trained on")
     optim: OptimSection = Field(default_factory=OptimSection, description="optimiser, schedule and batch geometry")
     deepspeed: DeepSpeedSection = Field(default_factory=DeepSpeedSection, description="ZeRO stage and precision")
-    target_forward_dtype: Literal["same", "auto", "bfloat16"] = Field(
-        "same", description="dtype of the frozen target's forward that makes the drafter's inputs: same = the "
+    target_forward_dtype: Literal["auto", "same", "bfloat16"] = Field(
+        "auto", description="dtype of the frozen target's forward that makes the drafter's inputs: same = the "
         "training precision's; bfloat16 = a bf16 copy of the target (its features and final states are cast "
         "back; the target distribution comes from the training-precision LM head) — on a CPU with avx512_bf16 "
         "or AMX ~8x the fp32 feature tok/s, distributions within TV 0.02; auto = bfloat16 where the worker's "

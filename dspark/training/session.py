@@ -99,11 +99,11 @@ class DeepSpeedUpdate:
 def bf16_forward(setting: str, precision: str, device_type: str) -> bool:
     """Whether a bf16 copy of the target runs the frozen forward: asked for (bfloat16, or auto where the
     device computes bf16 natively) and the training precision is not bf16 already (then the target is)."""
-    from dspark.models.target import bf16_is_native
+    from dspark.models import precision as hardware
 
     if precision == "bf16" or setting == "same":
         return False
-    return setting == "bfloat16" or bf16_is_native(device_type)
+    return setting == "bfloat16" or hardware.bf16_is_native(device_type)
 
 
 def init_engine(cfg, plan: TrainPlan, target, forward_target=None):

@@ -20,15 +20,17 @@ from torch import nn
 
 
 def resolve_precision(device: str | torch.device, requested: str = "auto") -> str:
-    """'auto' -> bf16 on CUDA devices that support it, fp32 elsewhere; an explicit 'bf16' on a CUDA
-    device without bf16 fails; 'bf16' on CPU is allowed (autocast), 'fp32' always."""
+    """'auto' -> bf16 on CUDA devices that compute it natively (dspark.models.precision.bf16_is_native), fp32
+    elsewhere (CPU training stays fp32; the frozen target's forward follows TrainJobConfig.target_forward_dtype);
+    an explicit 'bf16' on a CUDA device without bf16 fails; 'bf16' on CPU is allowed (autocast), 'fp32' always."""
+    from dspark.models import precision as hardware
+
     if requested not in ("auto", "bf16", "fp32"):
         raise ValueError(f"precision must be 'auto', 'bf16' or 'fp32', got {requested!r}")
     dev = torch.device(device)
-    cuda_bf16 = dev.type == "cuda" and torch.cuda.is_bf16_supported()
     if requested == "auto":
-        return "bf16" if cuda_bf16 else "fp32"
-    if requested == "bf16" and dev.type == "cuda" and not cuda_bf16:
+        return "bf16" if dev.type == "cuda" and hardware.bf16_is_native(dev) else "fp32"
+    if requested == "bf16" and dev.type == "cuda" and not torch.cuda.is_bf16_supported():
         raise RuntimeError(f"bf16 is not supported on {torch.cuda.get_device_name(dev)}; use precision fp32 or auto")
     return requested
 

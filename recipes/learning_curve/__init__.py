@@ -78,7 +78,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--chunk-prompts", type=int, default=None,
                    help="rollouts: prompts per committed chunk, also the engine's batch (default: the profile's; "
                         "64 measured 2x the tok/s of 24 on 2 cores); a folder keeps the size it started with")
-    p.add_argument("--data-dtype", choices=["float32", "bfloat16"], default=None,
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default=None,
+                   help="the target's dtype (default: the profile's, auto = bfloat16 where the profile's device "
+                        "computes it natively, else float32; float32 reproduces the cpu measurements before 2026-12-05)")
+    p.add_argument("--data-dtype", choices=["auto", "float32", "bfloat16"], default=None,
                    help="the target's dtype for the training data only (train rollouts, training feature cache); "
                         "evaluation and decoding keep the profile's (default: the profile's dtype)")
     p.add_argument("--precision", choices=["fp32", "bf16"], default=None,
@@ -154,6 +157,8 @@ def main(argv=None) -> None:
         prof = {**prof, "threads": args.threads}
     if args.lr:
         prof = {**prof, "lr": args.lr}
+    if args.dtype:
+        prof = {**prof, "dtype": args.dtype}
     if args.data_dtype:
         prof = {**prof, "data_dtype": args.data_dtype}
     if args.precision:

@@ -11,8 +11,10 @@ machine and multiplies them (the serving engine decodes trees with `draft_tree`;
 
 - τ: the renewal estimate of decoding's τ for each tree on the held-out rows (every anchor; at a decode
   run's setting with --gamma/--answer-tokens/--benchmarks), each paired with one chain on the same prompts;
-- cost, medians over interleaved repetitions at 256 positions of context, target and drafter in bfloat16
-  on 2 threads (a profile's cost_threads; as `benchmarks/decode_speed.py --dtypes bfloat16 --threads 2` runs them): one target step
+- cost, medians over interleaved repetitions at 256 positions of context, target and drafter on this CPU in
+  the profile's dtype resolved there (auto, as serving: bfloat16 where bf16 is native, else float32)
+  on 2 threads (a profile's cost_threads; as `benchmarks/decode_speed.py --dtypes bfloat16 --threads 2` runs them
+  on a CPU with avx512_bf16/AMX): one target step
   (1 token), the verify forward of the tree's 1 + Σ_k Π_{j≤k} n_j tokens, and drafting the tree (one
   backbone pass and `sample_tree`, as `tree_speculative_generate` drafts);
 - projected batch-1 speedup over target-only = τ · target step / (drafting + verify). It leaves out the
@@ -115,13 +117,16 @@ def measure_costs(prof: dict, source: Path, trees: dict[str, tuple[int, ...]], g
 
     from dspark.decoding.sampling import SamplingParams
     from dspark.drafters import load_drafter
+    from dspark.models.precision import resolve_dtype
     from dspark.models.target import load_target
 
     threads, reps = torch.get_num_threads(), prof.get("cost_reps", 30)
     torch.set_num_threads(prof.get("cost_threads", 2))
     try:
-        target = load_target(prof["target"], dtype=torch.bfloat16)
-        drafter = load_drafter(str(source), target).to(torch.bfloat16).eval()
+        # the profile's dtype resolved on this CPU, where the costs are measured (auto: what serving runs here)
+        dtype = getattr(torch, resolve_dtype(prof["dtype"], "cpu"))
+        target = load_target(prof["target"], dtype=dtype)
+        drafter = load_drafter(str(source), target).to(dtype).eval()
         sizes = sorted({tree_nodes(b, gamma)[0] for b in trees.values()})
         ids = torch.randint(0, target.vocab_size, (COST_CONTEXT + max(sizes),), generator=torch.Generator().manual_seed(0))
         context = ids[:COST_CONTEXT]
@@ -153,6 +158,6 @@ def measure_costs(prof: dict, source: Path, trees: dict[str, tuple[int, ...]], g
         used = torch.get_num_threads()
     finally:
         torch.set_num_threads(threads)
-    return {"context": COST_CONTEXT, "reps": reps, "threads": used, "dtype": "bfloat16",
+    return {"context": COST_CONTEXT, "reps": reps, "threads": used, "dtype": str(dtype).removeprefix("torch."),
             "target_step_ms": ms["target_step"], "verify_ms": {str(t): ms[f"verify{t}"] for t in sizes},
             "draft_ms": {name: ms[f"draft:{name}"] for name in trees}}

@@ -8,7 +8,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from recipes.learning_curve.profiles import EVAL_DIR, REPO, TRAIN_FILES, log
+from recipes.learning_curve.profiles import EVAL_DIR, REPO, TRAIN_FILES, log, target_dtype
 
 # ---------------------------------------------------------------- prompts
 def train_prompts(decontam_ngram: int = 13, max_ngram_prompts: int = 3, uri: str | None = None) -> tuple[list, list]:
@@ -64,11 +64,12 @@ def rollout_plan(prompts: list, passes: int, chunk_prompts: int, settings: dict,
     return Plan(chunks, fp)
 
 
-def generate_rollouts(out: str, prompts: list, prof: dict, passes: int, seed: int, dtype: str = "float32",
+def generate_rollouts(out: str, prompts: list, prof: dict, passes: int, seed: int, dtype: str = "auto",
                       first_pass: int = 0) -> dict:
     """Generate every uncommitted chunk of the plan into `out` (rollout-store format) with the target in
-    `dtype`; returns the manifest. A non-fp32 dtype is part of the plan's fingerprint (a folder never mixes
-    precisions; fp32 folders keep the fingerprint they had before the option existed)."""
+    `dtype` ("auto": resolved on the profile's device, `target_dtype`); returns the manifest. The resolved
+    dtype, when not fp32, is part of the plan's fingerprint (a folder never mixes precisions; fp32 folders keep
+    the fingerprint they had before the option existed)."""
     import torch
 
     from dspark.models import builtin as models_builtin
@@ -77,6 +78,7 @@ def generate_rollouts(out: str, prompts: list, prof: dict, passes: int, seed: in
     from dspark.data.rollout_engine import RolloutEngine, SamplingConfig
     from dspark.io.rollout_store import commit_chunk, prepare_output, read_commits
 
+    dtype = target_dtype(prof, dtype)
     sampling = SamplingConfig(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=prof["max_new_tokens"], seed=seed)
     settings = {"target": prof["target"], "sampling": sampling.model_dump(),
                 **({"dtype": dtype} if dtype != "float32" else {})}

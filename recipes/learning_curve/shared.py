@@ -5,14 +5,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from recipes.learning_curve.profiles import log
+from recipes.learning_curve.profiles import log, target_dtype
 
 # ---------------------------------------------------------------- shared: target, rows, caches
 _TARGETS: dict = {}  # one load per process (the after-rollouts run chains phases)
 
 
 def load_target_of(prof: dict):
-    key = (prof["target"], prof["device"], prof["dtype"])
+    """The profile's target in its dtype resolved on its device (`target_dtype`: "auto" is bf16 where native)."""
+    key = (prof["target"], prof["device"], target_dtype(prof))
     if key not in _TARGETS:
         _TARGETS[key] = _load_target(prof)
     return _TARGETS[key]
@@ -27,7 +28,7 @@ def _load_target(prof: dict):
     torch.set_num_threads(prof["threads"])
     if prof["target"] in models_builtin.BUILTIN:
         models_builtin.prepare(prof["target"])
-    return load_target(prof["target"], dtype=getattr(torch, prof["dtype"]), device=prof["device"])
+    return load_target(prof["target"], dtype=getattr(torch, target_dtype(prof)), device=prof["device"])
 
 
 def committed_rows(folder: Path) -> list[dict]:
@@ -62,8 +63,8 @@ def data_target(target, prof: dict):
     the same model loaded in the profile's `data_dtype` (--data-dtype bfloat16: 2x the rollout and ~3x the
     feature tok/s on a CPU with avx512_bf16, measured 2026-12-02). Evaluation and decoding always use the
     profile's dtype, so the estimator and the speed figures measure the reference target."""
-    dtype = prof.get("data_dtype") or prof["dtype"]
-    return target if dtype == prof["dtype"] else load_target_of({**prof, "dtype": dtype})
+    dtype = target_dtype(prof, prof.get("data_dtype"))
+    return target if dtype == target_dtype(prof) else load_target_of({**prof, "dtype": dtype})
 
 
 def train_sets(out: Path) -> list[tuple[Path, Path]]:

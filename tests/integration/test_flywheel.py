@@ -181,8 +181,10 @@ def test_flywheel_end_to_end(local_stack, tmp_path, caplog, monkeypatch):
     v1 = register_first_version(overfit(target, original, steps=60), tmp_path)
     bench = {"math": write_jsonl(tmp_path / "math.jsonl", MATH), "code": write_jsonl(tmp_path / "code.jsonl", OLD_CODE)}
     tracking_cfg = {"experiment": EXPERIMENT}
+    # float32 throughout (evaluation, serving, retraining's frozen forward), the dtype the memorised rows were
+    # answered in: greedy acceptance of a memorised drafter is what this test reads, not what `auto` picks here
     eval_base = {"target": "tiny", "benchmark_dir": None, "decode": {"greedy": True, "max_new_tokens": MAX_TOKENS},
-                 "workers": {"num_workers": 0}}
+                 "workers": {"num_workers": 0, "dtype": "float32"}}
     promote.run(promote.PromoteConfig.model_validate({  # the evaluation baseline of v1, per domain
         "model": MODEL, "tracking": tracking_cfg, "eval": {**eval_base, "output": f"{ROOT}/eval-v1",
         "benchmarks": [{"path": p, "name": f"bench-{d}", "domain": d} for d, p in bench.items()]}}))
@@ -193,7 +195,8 @@ def test_flywheel_end_to_end(local_stack, tmp_path, caplog, monkeypatch):
     # ---- serve it with capture on
     port = free_port()
     serve_cfg = ServeJobConfig.model_validate({
-        "model": {"target": "tiny", "drafter": f"models:/{MODEL}@serving", "served_name": "dspark-tiny"},
+        "model": {"target": "tiny", "drafter": f"models:/{MODEL}@serving", "served_name": "dspark-tiny",
+                  "dtype": "float32"},
         "engine": {"scheduler": {"mode": "fixed"}, "max_model_len": 256, "max_batch": 16},
         "api": {"api_key_env": KEY_ENV, "max_tokens_limit": 64},
         "deployment": {"name": "flywheel", "num_cpus": 0.5, "health_check_period_s": 2},
@@ -243,6 +246,7 @@ def test_flywheel_end_to_end(local_stack, tmp_path, caplog, monkeypatch):
         assert data["captured_rows"] == sum(r["split"] == "train" for r in rows) and data["original_rows"] > 0
         summary = run_train({
             "run_name": "flywheel-retrain", "target": "tiny", "init_from": f"models:/{MODEL}@serving",
+            "target_forward_dtype": "same",
             "drafter": {"algo": "dspark", "anchors_per_seq": 32},
             "data": {"rollouts": f"{ROOT}/retrain", "max_seq_len": 128},
             "optim": {"lr": 1e-2, "warmup_ratio": 0.0, "schedule": "constant", "micro_batch_size": 8,

@@ -27,7 +27,10 @@ def test_config_translates_to_ray_data_vllm_processor_config():
                                                               "engine_kwargs": {"tensor_parallel_size": 2,
                                                                                 "seed": 9}})
     kwargs = rollout_vllm.processor_kwargs(cfg)
-    assert kwargs["engine_kwargs"] == {"dtype": "bfloat16", "seed": 9, "max_model_len": 256, "tensor_parallel_size": 2}
+    # compute.dtype auto (the default) is vLLM's own dtype auto, resolved on its GPU workers
+    assert kwargs["engine_kwargs"] == {"dtype": "auto", "seed": 9, "max_model_len": 256, "tensor_parallel_size": 2}
+    pinned = rollout_vllm.processor_kwargs(_cfg(compute={"num_gpus": 1, "dtype": "float16"}))
+    assert pinned["engine_kwargs"]["dtype"] == "float16"
     assert kwargs["concurrency"] == 3 and kwargs["batch_size"] == 32 and kwargs["accelerator_type"] == "H100"
     from ray.data.llm import vLLMEngineProcessorConfig
 

@@ -57,9 +57,9 @@ def test_forward_target_feeds_the_drafter(target):
 
 
 def test_when_the_bf16_copy_runs(monkeypatch):
-    import dspark.models.target as target_mod
+    from dspark.models import precision
 
-    monkeypatch.setattr(target_mod, "bf16_is_native", lambda device: device == "cpu")
+    monkeypatch.setattr(precision, "bf16_is_native", lambda device: device == "cpu")
     assert bf16_forward("bfloat16", "fp32", "cuda") and bf16_forward("auto", "fp32", "cpu")
     assert not bf16_forward("auto", "fp32", "cuda")  # not native there: the fp32 target runs it
     assert not bf16_forward("same", "fp32", "cpu")
@@ -72,7 +72,7 @@ def test_config_rejects_other_dtypes():
     from dspark.training.config import TrainJobConfig
 
     base = {"run_name": "r", "data": {"rollouts": "x"}}
-    assert TrainJobConfig(**base).target_forward_dtype == "same"
-    assert TrainJobConfig(**base, target_forward_dtype="auto").target_forward_dtype == "auto"
+    assert TrainJobConfig(**base).target_forward_dtype == "auto"  # bf16 copy where native, else same
+    assert TrainJobConfig(**base, target_forward_dtype="same").target_forward_dtype == "same"
     with pytest.raises(ValidationError):
         TrainJobConfig(**base, target_forward_dtype="float16")

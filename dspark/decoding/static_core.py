@@ -1,0 +1,274 @@
+"""The static-shape decoding core: one target step over a preallocated KV store, compiled per shape bucket.
+
+One step appends N new tokens to each of R rows (rows = KV slots 0..R-1) and returns their logits and,
+if asked, the target's context features. Everything the step needs is a tensor built once on the host
+side of the call and then used on the device: the KV columns to write, the positions (RoPE), and the
+attention layout. Nothing inside the step depends on Python values that change between calls, so the
+step is traced once per bucket (R, N, KV window) and replayed: `torch.compile` (inductor; on CUDA
+`mode="reduce-overhead"`, i.e. CUDA graphs over static KV buffers) or eager — the same function either
+way (`mode`).
+
+Layout of one step, row r with cached length s_r (= `starts[r]`):
+- new token i is written at KV column s_r + i and stands at position s_r + depth[r, i] (depth = i for a
+  chain; a node's depth in a tree of drafts);
+- it sees every column < s_r (the verified prefix) and, among the new columns s_r + j, those with
+  seen[r, i, j] (j <= i for a chain; its ancestors and itself for a tree);
+- the attention window is the first `kv_len` columns, kv_len a power-of-two bucket >= max(s_r) + N.
+Invariant (as in dspark.decoding.batched_cache): columns [0, length) of a slot hold exactly the verified
+prefix of its sequence; later columns are stale (rejected drafts, padding) and never visible, so
+dropping a rejected suffix is setting the length, and padding rows or tokens write only stale columns.
+
+The step walks the HF decoder layers itself (embed -> layers -> norm -> LM head), handing each attention a
+cache object whose `update` writes the new keys/values into the static store and returns the window:
+the model's own attention (SDPA) then runs with the device-built boolean mask. Architectures whose base
+model has `embed_tokens`, `layers`, `norm` and `rotary_emb` (Llama, Qwen2/3, Mistral, Qwen3-MoE, ...)
+run here; others are refused with their class name.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+CoreMode = Literal["auto", "compiled", "eager"]
+MIN_WINDOW = 128  # smallest KV window bucket
+_CAPACITY_CHUNK = 1024  # the KV store grows in these columns (a regrow retraces: rare)
+
+
+def default_mode() -> str:
+    """DSPARK_DECODE_CORE (auto | compiled | eager); auto: compiled on CUDA, eager on CPU (measured:
+    benchmarks/results/decode_core/)."""
+    mode = os.environ.get("DSPARK_DECODE_CORE", "auto")
+    if mode not in ("auto", "compiled", "eager"):
+        raise ValueError(f"DSPARK_DECODE_CORE must be auto, compiled or eager, got {mode!r}")
+    return mode
+
+
+def resolve_mode(mode: str, device: torch.device) -> str:
+    if mode not in ("auto", "compiled", "eager"):
+        raise ValueError(f"decode core mode must be auto, compiled or eager, got {mode!r}")
+    if mode == "auto":
+        return "compiled" if device.type == "cuda" else "eager"
+    return mode
+
+
+def window_bucket(need: int, capacity: int) -> int:
+    """The KV window of a step: the smallest power of two >= need (>= MIN_WINDOW), at most capacity."""
+    window = MIN_WINDOW
+    while window < need:
+        window *= 2
+    return min(window, capacity)
+
+
+@dataclass
+class StepOut:
+    logits: Tensor | None  # [R, K, V] at the picked new tokens (all N when pick is None)
+    features: Tensor | None  # [R, N, m*d] outputs of the context layers, concatenated
+
+
+class _StaticWriter:
+    """The cache object one step hands to every attention: `update` writes this step's keys/values at
+    their columns and returns the rows' KV window (HF attention modules call `cache.update`)."""
+
+    def __init__(self, keys: list[Tensor], values: list[Tensor], rows: int, columns: Tensor, window: int):
+        self.keys, self.values, self.rows, self.columns, self.window = keys, values, rows, columns, window
+        self.row_index = torch.arange(rows, device=columns.device)[:, None]  # [R, 1]
+
+    def update(self, key: Tensor, value: Tensor, layer_idx: int, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        k_buf, v_buf = self.keys[layer_idx], self.values[layer_idx]
+        # key [R, Hkv, N, D] -> entries (r, :, columns[r, i]) of the [S, Hkv, L, D] store
+        k_buf[self.row_index, :, self.columns] = key.transpose(1, 2).to(k_buf.dtype)
+        v_buf[self.row_index, :, self.columns] = value.transpose(1, 2).to(v_buf.dtype)
+        return k_buf[: self.rows, :, : self.window], v_buf[: self.rows, :, : self.window]
+
+    def get_seq_length(self, *args, **kwargs) -> int:  # asked by some attention modules; unused here
+        return 0
+
+
+def _step(model, keys: list[Tensor], values: list[Tensor], layer_ids: tuple[int, ...], window: int,
+          ids: Tensor, starts: Tensor, depth: Tensor, seen: Tensor, pick: Tensor | None) -> tuple:
+    """The traced step (see the module doc). ids/depth [R, N], starts [R], seen [R, N, N] bool,
+    pick [R, K] or None -> (logits [R, K or N, V], features [R, N, m*d] or None)."""
+    base = model.model
+    rows, n = ids.shape
+    columns = starts[:, None] + torch.arange(n, device=ids.device)  # [R, N] where the new keys go
+    position_ids = starts[:, None] + depth
+    rel = torch.arange(window, device=ids.device)[None, :] - starts[:, None]  # [R, L] column - s_r
+    within = (rel >= 0) & (rel < n)
+    new_seen = torch.gather(seen, 2, rel.clamp(0, n - 1)[:, None, :].expand(rows, n, window))  # [R, N, L]
+    mask = ((rel < 0)[:, None, :] | (within[:, None, :] & new_seen))[:, None]  # [R, 1, N, L]
+    writer = _StaticWriter(keys, values, rows, columns, window)
+    hidden = base.embed_tokens(ids)
+    rope = base.rotary_emb(hidden, position_ids=position_ids)
+    captured = []
+    for i, layer in enumerate(base.layers[: model.config.num_hidden_layers]):
+        hidden = layer(hidden, attention_mask=mask, position_ids=position_ids, cache=writer, use_cache=True,
+                       position_embeddings=rope)
+        hidden = hidden[0] if isinstance(hidden, tuple) else hidden
+        if i in layer_ids:
+            captured.append(hidden)
+    features = torch.cat([captured[layer_ids.index(i)] for i in layer_ids], -1) if layer_ids else None
+    final = base.norm(hidden)
+    if pick is not None:
+        final = torch.gather(final, 1, pick[..., None].expand(-1, -1, final.shape[-1]))
+    return model.lm_head(final), features
+
+
+class DecodeCore:
+    """A target's static KV store (`slots` sequences) and its step, compiled or eager (module doc)."""
+
+    def __init__(self, target, slots: int = 1, mode: str | None = None, capacity: int = _CAPACITY_CHUNK):
+        base = target.model.model
+        missing = [a for a in ("embed_tokens", "layers", "norm", "rotary_emb") if not hasattr(base, a)]
+        if missing:
+            raise NotImplementedError(f"{type(target.model).__name__}: the decoding core walks embed_tokens, "
+                                      f"layers, norm and rotary_emb; this model lacks {missing}")
+        self.target, self.slots = target, int(slots)
+        self.mode = resolve_mode(mode or default_mode(), target.device)
+        cfg = target.model.config
+        self.kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.keys: list[Tensor] = []
+        self.values: list[Tensor] = []
+        self.capacity = 0
+        self._reserve(capacity)
+        self._compiled = None
+        self._chain_layout: dict[int, tuple[Tensor, Tensor]] = {}
+        self.steps = 0
+
+    # ---- the KV store --------------------------------------------------------------------------
+    def _reserve(self, columns: int) -> None:
+        """Make room for `columns` KV columns per slot (copying what is there: a regrow retraces)."""
+        if columns <= self.capacity:
+            return
+        cap = -(-columns // _CAPACITY_CHUNK) * _CAPACITY_CHUNK
+        dev, dtype = self.target.device, self.target.dtype
+        shape = (self.slots, self.kv_heads, cap, self.head_dim)
+        for store in (self.keys, self.values):
+            for layer in range(self.target.num_layers):
+                grown = torch.zeros(shape, device=dev, dtype=dtype)
+                if layer < len(store):
+                    grown[:, :, : self.capacity] = store[layer]
+                    store[layer] = grown
+                else:
+                    store.append(grown)
+                if dev.type == "cuda":  # CUDA graphs may then write the store in place
+                    torch._dynamo.mark_static_address(grown)
+        self.capacity = cap
+
+    def memory_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+
+    def move_slot(self, src: int, dst: int, length: int) -> None:
+        """Copy the first `length` columns of slot src into slot dst (a released slot's replacement)."""
+        for buf in (*self.keys, *self.values):
+            buf[dst, :, :length] = buf[src, :, :length]
+
+    def keep_columns(self, slot: int, base: int, columns: Tensor) -> None:
+        """Columns `columns` (ascending, >= base) of a slot move to base, base+1, ... (a tree's accepted path)."""
+        for buf in (*self.keys, *self.values):
+            buf[slot, :, base: base + len(columns)] = buf[slot, :, columns.to(buf.device)]
+
+    # ---- one step ----------------------------------------------------------------------------
+    def chain_layout(self, n: int) -> tuple[Tensor, Tensor]:
+        """(depth [1, n], seen [1, n, n]) of n chained tokens, made once per n on the device."""
+        layout = self._chain_layout.get(n)
+        if layout is None:
+            dev = self.target.device
+            depth = torch.arange(n, device=dev)[None]
+            seen = torch.ones(n, n, dtype=torch.bool, device=dev).tril()[None]
+            layout = self._chain_layout[n] = (depth, seen)
+        return layout
+
+    @torch.no_grad()
+    def step(self, ids: Tensor, starts: list[int], layer_ids: tuple[int, ...] = (), pick: Tensor | None = None,
+             depth: Tensor | None = None, seen: Tensor | None = None) -> StepOut:
+        """Append ids [R, N] to slots 0..R-1 whose cached lengths are `starts` (host ints: they size the
+        window). depth/seen: a tree layout per row (default: chains). pick [R, K]: new-token indices whose
+        logits are wanted (default all). The caller sets the slots' lengths afterwards."""
+        rows, n = ids.shape
+        if rows > self.slots:
+            raise ValueError(f"{rows} rows for a decoding core of {self.slots} slots")
+        need = max(starts) + n
+        if need > self.capacity:
+            self._reserve(need)
+        dev = self.target.device
+        if depth is None:
+            depth, seen = (t.expand(rows, *t.shape[1:]) for t in self.chain_layout(n))
+        args = (ids.to(dev), torch.tensor(starts, device=dev), depth.to(dev), seen.to(dev),
+                None if pick is None else pick.to(dev))
+        window = window_bucket(need, self.capacity)
+        fn = self._compiled_step() if self.mode == "compiled" else _step
+        logits, features = fn(self.target.model, self.keys, self.values, tuple(layer_ids), window, *args)
+        self.steps += 1
+        if self.mode == "compiled" and dev.type == "cuda":  # CUDA-graph outputs are overwritten by the next replay
+            logits = logits.clone()
+            features = None if features is None else features.clone()
+        return StepOut(logits, features)
+
+    def _compiled_step(self):
+        if self._compiled is None:
+            import torch._dynamo
+
+            # one graph per bucket (rows, new tokens, window, context layers): allow enough of them
+            torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+            mode = "reduce-overhead" if self.target.device.type == "cuda" else None
+            self._compiled = torch.compile(_step, dynamic=False, mode=mode)
+        return self._compiled
+
+
+class CoreSequence:
+    """Batch-1 decoding on slot 0 of a core: the KV-cache operations speculative decoding needs."""
+
+    def __init__(self, core: DecodeCore):
+        self.core, self.length = core, 0
+
+    def extend(self, ids: list[int] | Tensor, layer_ids=(), logits: str = "all", depth: Tensor | None = None,
+               seen: Tensor | None = None, pad_to: int | None = None) -> StepOut:
+        """Append tokens (their KV stays: `crop` or `keep_path` drop rejected ones); logits "all" or "last".
+        pad_to: pad the new tokens to this many (stale columns) so steps of varying length share a graph."""
+        ids = torch.as_tensor(ids, dtype=torch.long).reshape(-1)
+        n = ids.shape[0]
+        width = max(n, pad_to or 0)
+        if width > n:
+            ids = torch.cat([ids, ids.new_zeros(width - n)])
+            if depth is not None:  # tree layouts pad with lone nodes that see only the prefix
+                depth = torch.cat([depth.reshape(-1), depth.new_zeros(width - n)])[None]
+                grown = torch.eye(width, dtype=torch.bool)
+                grown[:n, :n] = seen.reshape(n, n).cpu()
+                seen = grown[None]
+        pick = torch.tensor([[n - 1]]) if logits == "last" else None
+        out = self.core.step(ids[None], [self.length], tuple(layer_ids), pick=pick,
+                             depth=None if depth is None else depth.reshape(1, -1),
+                             seen=None if seen is None else seen.reshape(1, width, width))
+        self.length += n
+        if width > n:
+            out = StepOut(None if out.logits is None or logits == "last" else out.logits[:, :n],
+                          None if out.features is None else out.features[:, :n]) if logits != "last" else \
+                StepOut(out.logits, None if out.features is None else out.features[:, :n])
+        return out
+
+    def crop(self, length: int) -> None:
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot crop a sequence of {self.length} positions to {length}")
+        self.length = length
+
+    def keep_path(self, base: int, path: Tensor) -> None:
+        """Keep [0, base) and then the columns `path` (ascending, >= base): a verified tree's accepted path."""
+        cols = path.tolist()
+        if cols != list(range(base, base + len(cols))):
+            self.core.keep_columns(0, base, path)
+        self.length = base + len(cols)
+
+
+def core_for(target, slots: int = 1, mode: str | None = None) -> DecodeCore:
+    """The target's batch-1 decoding core (made once per target and mode, reused by every sequence)."""
+    mode = resolve_mode(mode or default_mode(), target.device)
+    cores = target.__dict__.setdefault("_decode_cores", {})
+    key = (slots, mode)
+    if key not in cores:
+        cores[key] = DecodeCore(target, slots=slots, mode=mode)
+    return cores[key]

@@ -62,7 +62,7 @@ def job_config(output: str, sources: list[dict], *overrides: str):
     from jobs.generate import GenerateConfig
 
     base = [f"output={output}", f"sources={json.dumps(sources)}", "tracking.experiment=test-generate",
-            "compute.batch_size=8", "sampling.max_new_tokens=16"]
+            "compute.batch_size=8", "compute.dtype=float32", "sampling.max_new_tokens=16"]
     return load_config(GenerateConfig, str(REPO / "configs" / "generate" / "tiny.yaml"), base + list(overrides))
 
 
@@ -113,13 +113,8 @@ def test_end_to_end_jsonl_to_parquet_in_s3(stack_ray, tiny):
         assert json.loads(row["sampling"])["max_new_tokens"] == 16
     assert sorted(r["num_turns"] for r in rows) == [1] * 26 + [2] * 3 + [3]
     assert result.manifest["tokens"]["generated"] == sum(r["num_generated_tokens"] for r in rows)
-    # a prompt regenerated on its own, outside Ray, gets the same answer (seed + prompt_id), with the target in
-    # the dtype the replica resolved from compute.dtype (auto: bf16 on a CPU with avx512_bf16/AMX, else fp32)
-    from dspark.models.precision import torch_dtype
-    from dspark.models.target import load_target
-
-    same = load_target("tiny", dtype=torch_dtype(cfg.compute.dtype, cfg.compute.device))
-    engine = RolloutEngine(same, cfg.sampling, cfg.max_context_tokens)
+    # a prompt regenerated on its own, outside Ray, gets the same answer (seed + prompt_id)
+    engine = RolloutEngine(tiny, cfg.sampling, cfg.max_context_tokens)
     again = engine.run([dict(p.as_row(), chunk=0) for p in loaded[:2]])
     by_id = {r["prompt_id"]: r for r in rows}
     assert all(a["input_ids"] == by_id[a["prompt_id"]]["input_ids"] for a in again)

@@ -245,10 +245,9 @@ class CoreSequence:
                              depth=None if depth is None else depth.reshape(1, -1),
                              seen=None if seen is None else seen.reshape(1, width, width))
         self.length += n
-        if width > n:
-            out = StepOut(None if out.logits is None or logits == "last" else out.logits[:, :n],
-                          None if out.features is None else out.features[:, :n]) if logits != "last" else \
-                StepOut(out.logits, None if out.features is None else out.features[:, :n])
+        if width > n:  # drop the padding's outputs ("last" already picked a real token)
+            out = StepOut(out.logits if logits == "last" else out.logits[:, :n],
+                          None if out.features is None else out.features[:, :n])
         return out
 
     def crop(self, length: int) -> None:

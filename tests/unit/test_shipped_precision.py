@@ -13,6 +13,8 @@ import yaml
 
 from dspark.config import load_config
 from tests.paths import REPO
+from tests.unit.jobs import test_committed_configs as committed_configs
+from tests.unit.jobs.test_committed_configs import JOB_OF_FOLDER
 
 CONFIGS = sorted(p.relative_to(REPO).as_posix() for p in (REPO / "configs").rglob("*.yaml"))
 # a key that sets a dtype or a precision: dtype, target_forward_dtype, data_dtype, precision, torch_dtype, ...
@@ -20,17 +22,8 @@ PRECISION_KEY = re.compile(r"(dtype|precision)$", re.I)
 # `key.path=value` (a --set override, a demo profile's budget) or `key: value` in a flow mapping or comment
 ASSIGNMENT = re.compile(r"""(?P<key>[\w.]*(?:dtype|precision))\s*[=:]\s*['"]?(?P<value>[\w.-]+)""", re.I)
 FORCED = {"bf16", "bfloat16", "float16", "fp16", "half", "torch.bfloat16", "torch.float16"}
-# configs/<folder>/*.yaml -> the job config model that reads them (as tests/unit/jobs/test_committed_configs.py)
-JOB_OF_FOLDER = {
-    "synthesize": ("jobs.synthesize", "SynthesizeJobConfig"),
-    "generate": ("jobs.generate", "GenerateConfig"),
-    "train": ("jobs.train", "TrainJobConfig"),
-    "calibrate": ("jobs.calibrate", "CalibrateConfig"),
-    "eval": ("jobs.evaluate", "EvalConfig"),
-    "serve": ("jobs.serve", "ServeJobConfig"),
-    "flywheel": ("jobs.flywheel_demo", "FlywheelDemoConfig"),
-}
-JOB_OF_FILE = {"configs/flywheel/tiny-promote.yaml": ("jobs.promote", "PromoteConfig")}
+# configs/<folder>/*.yaml -> the job config model that reads them: the map the committed-configs test keeps
+JOB_OF_FILE = {f"configs/{name}": job for name, job in committed_configs.JOB_OF_FILE.items()}
 JOB_OF_FOLDER_EXTRA = {"recipes": ("recipes.gpu_recipe", "RecipeConfig")}  # precision: auto by default
 STAGE_MODEL = {"generate": JOB_OF_FOLDER["generate"], "train": JOB_OF_FOLDER["train"],
                "calibrate": JOB_OF_FOLDER["calibrate"], "evaluate": JOB_OF_FOLDER["eval"],

@@ -107,7 +107,8 @@ class Target:
         return self.embed_tokens(ids)
 
     def lm_logits(self, final_hidden: Tensor) -> Tensor:
-        return self.lm_head(final_hidden)
+        # hidden states may come from a cache or a drafter in another precision than the head's
+        return self.lm_head(final_hidden.to(self.lm_head.weight.dtype))
 
     def new_cache(self):
         from transformers import DynamicCache

@@ -22,8 +22,7 @@ The drafter context is caught up lazily: the target features of verified positio
 `Request.ctx_pending` and the drafter reads them, for all requests in one `extend_contexts` pass, just
 before it next drafts (or when `context_catch_up_every` steps have piled up, which bounds the memory held).
 So a step where the draft gate skips drafting does the same work as mode `off` (plus keeping the
-features, which the target forward returns anyway), and a drafter that is rarely used costs nothing
-on the steps it sits out.
+features, which the target forward returns anyway); a rarely used drafter costs nothing on the steps it sits out.
 Requests join and leave between steps. A request whose drafting, verification or acceptance fails
 is finished with an error; the others continue. `healthy` turns False when steps keep failing.
 

@@ -23,6 +23,7 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor
 
+from dspark.decoding.kv_sequence import open_sequence
 from dspark.decoding.sampling import SamplingParams, accept_drafts, sample, to_probs
 
 VerifyLen = Callable[[int, object], int]  # (round_idx, DraftProposal) -> number of drafts to verify
@@ -81,12 +82,11 @@ def _stop_set(target, stop_ids: Sequence[int] | None) -> set[int]:
     return set(target.eos_token_ids if stop_ids is None else stop_ids)
 
 
-def _prefill(target, ids: list[int], layer_ids, sp: SamplingParams, generator):
-    """Run the prompt through the target; returns (cache, features [T, m*d] | None, first token)."""
-    out = target.forward(torch.tensor([ids], device=target.device), cache=target.new_cache(), use_cache=True,
-                         layer_ids=layer_ids, logits_at="last")
+def _prefill(seq, ids: list[int], layer_ids, sp: SamplingParams, generator):
+    """Run the prompt through the target into `seq`; returns (features [T, m*d] | None, first token)."""
+    out = seq.extend(ids, layer_ids or (), logits="last")
     first = int(sample(to_probs(out.logits[0, -1], sp), generator))
-    return out.cache, (out.features[0] if out.features is not None else None), first
+    return (out.features[0] if out.features is not None else None), first
 
 
 def drafter_layer_ids(drafter) -> list[int]:
@@ -101,35 +101,39 @@ def drafter_layer_ids(drafter) -> list[int]:
 @torch.no_grad()
 def speculative_generate(target, drafter, prompt_ids, sp: SamplingParams, max_new_tokens: int,
                          stop_ids: Sequence[int] | None = None, verify_len: VerifyLen | None = None,
-                         generator: torch.Generator | None = None, gamma: int | None = None) -> GenerationResult:
+                         generator: torch.Generator | None = None, gamma: int | None = None,
+                         core_mode: str | None = None) -> GenerationResult:
     """Lossless speculative decoding of one prompt. stop_ids None -> target.eos_token_ids ([] = none).
-    gamma defaults to the drafter's block size."""
+    gamma defaults to the drafter's block size. core_mode: the decoding core's mode (auto | compiled |
+    eager; default DSPARK_DECODE_CORE, see dspark.decoding.kv_sequence)."""
     gamma = gamma or drafter.config.block_size
     return generate_rounds(target, drafter, prompt_ids, sp, max_new_tokens, stop_ids, generator, gamma,
-                           lambda state, cache, anchor, round_idx, layer_ids: _round(
-                               target, drafter, state, cache, anchor, gamma, sp, generator, verify_len, round_idx,
-                               layer_ids))
+                           lambda state, seq, anchor, round_idx, layer_ids: _round(
+                               target, drafter, state, seq, anchor, gamma, sp, generator, verify_len, round_idx,
+                               layer_ids), core_mode)
 
 
 RoundFn = Callable[[object, object, int, int, list], tuple]
 
 
 def generate_rounds(target, drafter, prompt_ids, sp: SamplingParams, max_new_tokens: int,
-                    stop_ids: Sequence[int] | None, generator, gamma: int, one_round: RoundFn) -> GenerationResult:
-    """The decoding loop of chain and tree rounds: prefill, then `one_round(state, cache, anchor, round_idx,
-    layer_ids)` -> (stats, new tokens, features and ids of the positions to add to the drafter's context)
+                    stop_ids: Sequence[int] | None, generator, gamma: int, one_round: RoundFn,
+                    core_mode: str | None = None) -> GenerationResult:
+    """The decoding loop of chain and tree rounds: prefill, then `one_round(state, seq, anchor, round_idx,
+    layer_ids)` (seq: the target's KV sequence, dspark.decoding.kv_sequence) -> (stats, new tokens, features and ids of the positions to add to the drafter's context)
     until a stop token or the token budget."""
     ids = _check_inputs(target, prompt_ids, max_new_tokens, gamma + 1)
     stops, layer_ids = _stop_set(target, stop_ids), drafter_layer_ids(drafter)
     start = time.perf_counter()
-    cache, features, anchor = _prefill(target, ids, layer_ids, sp, generator)
+    seq = open_sequence(target, core_mode)
+    features, anchor = _prefill(seq, ids, layer_ids, sp, generator)
     state = drafter.new_state()
     drafter.extend_context(state, features, torch.tensor(ids, device=features.device))
     tokens, rounds = [anchor], []
     finish = "stop" if anchor in stops else ("length" if max_new_tokens == 1 else None)
     prefill_s = time.perf_counter() - start
     while finish is None:
-        stats, new, features, anchor_ids = one_round(state, cache, anchor, len(rounds), layer_ids)
+        stats, new, features, anchor_ids = one_round(state, seq, anchor, len(rounds), layer_ids)
         kept, finish = _keep(new, len(tokens), max_new_tokens, stops)
         stats.emitted = len(kept)
         tokens += kept
@@ -140,9 +144,9 @@ def generate_rounds(target, drafter, prompt_ids, sp: SamplingParams, max_new_tok
     return GenerationResult(tokens, rounds, finish, time.perf_counter() - start, len(ids), prefill_s)
 
 
-def _round(target, drafter, state, cache, anchor: int, gamma: int, sp, generator, verify_len, round_idx, layer_ids):
+def _round(target, drafter, state, seq, anchor: int, gamma: int, sp, generator, verify_len, round_idx, layer_ids):
     """One draft-verify cycle. Returns (stats, new tokens, features and ids of the positions to add to
-    the drafter context). Crops the target cache to [.. anchor, accepted drafts]."""
+    the drafter context). Crops the target's sequence to [.. anchor, accepted drafts]."""
     t0 = time.perf_counter()
     proposal = drafter.propose(state, anchor, gamma, sp, generator)
     t1 = time.perf_counter()
@@ -151,12 +155,12 @@ def _round(target, drafter, state, cache, anchor: int, gamma: int, sp, generator
     if not 0 <= n <= proposed:
         raise ValueError(f"verify_len returned {n}; it must be in [0, {proposed}] (the number of proposed drafts)")
     drafts = proposal.tokens[:n].to(target.device)
-    base = target.cache_length(cache)
+    base = seq.length
     verify_ids = torch.cat([torch.tensor([anchor], device=target.device), drafts])
-    out = target.forward(verify_ids[None], cache=cache, use_cache=True, layer_ids=layer_ids, logits_at="all")
+    out = seq.extend(verify_ids, layer_ids, logits="all")
     target_probs = to_probs(out.logits[0], sp)  # row k scores draft k+1; row n is the bonus distribution
     n_acc, next_token = accept_drafts(drafts, proposal.probs[:n].to(target.device), target_probs, generator)
-    target.crop_cache(out.cache, base + 1 + n_acc)
+    seq.crop(base + 1 + n_acc)
     conf = proposal.confidences.tolist() if getattr(proposal, "confidences", None) is not None else None
     stats = RoundStats(proposed=proposed, verified=n, accepted=n_acc,
                        outcomes=[True] * n_acc + ([False] if n_acc < n else []), confidences=conf,
@@ -167,19 +171,20 @@ def _round(target, drafter, state, cache, anchor: int, gamma: int, sp, generator
 
 @torch.no_grad()
 def target_generate(target, prompt_ids, sp: SamplingParams, max_new_tokens: int,
-                    stop_ids: Sequence[int] | None = None, generator: torch.Generator | None = None) -> GenerationResult:
-    """Target-only decoding with the same sampling and KV cache (one round per token, nothing drafted)."""
+                    stop_ids: Sequence[int] | None = None, generator: torch.Generator | None = None,
+                    core_mode: str | None = None) -> GenerationResult:
+    """Target-only decoding with the same sampling and KV sequence (one round per token, nothing drafted)."""
     ids = _check_inputs(target, prompt_ids, max_new_tokens, 1)
     stops = _stop_set(target, stop_ids)
     start = time.perf_counter()
-    cache, _, token = _prefill(target, ids, None, sp, generator)
+    seq = open_sequence(target, core_mode)
+    _, token = _prefill(seq, ids, None, sp, generator)
     tokens, rounds = [token], []
     finish = "stop" if token in stops else ("length" if max_new_tokens == 1 else None)
     prefill_s = time.perf_counter() - start
     while finish is None:
         t0 = time.perf_counter()
-        out = target.forward(torch.tensor([[token]], device=target.device), cache=cache, use_cache=True,
-                             logits_at="last")
+        out = seq.extend([token], logits="last")
         token = int(sample(to_probs(out.logits[0, -1], sp), generator))
         tokens.append(token)
         rounds.append(RoundStats(0, 0, 0, [], None, emitted=1, verify_s=time.perf_counter() - t0))

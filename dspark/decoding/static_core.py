@@ -35,15 +35,17 @@ from torch import Tensor
 
 CoreMode = Literal["auto", "compiled", "eager"]
 MIN_WINDOW = 128  # smallest KV window bucket
+COMPILED_MAX_TOKENS = 64  # compiled steps take up to this many new tokens per row (bucketed); longer
+# steps (prefills) run the same step eager: compute-bound anyway, and one graph per prompt length is not
 _CAPACITY_CHUNK = 1024  # the KV store grows in these columns (a regrow retraces: rare)
 
 
 def default_mode() -> str:
-    """DSPARK_DECODE_CORE (auto | compiled | eager); auto: compiled on CUDA, eager on CPU (measured:
-    benchmarks/results/decode_core/)."""
+    """DSPARK_DECODE_CORE (auto | compiled | eager | dynamic); auto: compiled on CUDA, eager on CPU (measured:
+    benchmarks/results/decode_core/); dynamic: batch-1 decoding on HF's DynamicCache instead of the core."""
     mode = os.environ.get("DSPARK_DECODE_CORE", "auto")
-    if mode not in ("auto", "compiled", "eager"):
-        raise ValueError(f"DSPARK_DECODE_CORE must be auto, compiled or eager, got {mode!r}")
+    if mode not in ("auto", "compiled", "eager", "dynamic"):
+        raise ValueError(f"DSPARK_DECODE_CORE must be auto, compiled, eager or dynamic, got {mode!r}")
     return mode
 
 
@@ -61,6 +63,12 @@ def window_bucket(need: int, capacity: int) -> int:
     while window < need:
         window *= 2
     return min(window, capacity)
+
+
+def token_bucket(n: int) -> int:
+    """New tokens per row of a compiled step: the next power of two (so verify and prefill steps of
+    varying length share a few graphs)."""
+    return 1 << max(0, (n - 1).bit_length())
 
 
 @dataclass
@@ -99,7 +107,10 @@ def _step(model, keys: list[Tensor], values: list[Tensor], layer_ids: tuple[int,
     rel = torch.arange(window, device=ids.device)[None, :] - starts[:, None]  # [R, L] column - s_r
     within = (rel >= 0) & (rel < n)
     new_seen = torch.gather(seen, 2, rel.clamp(0, n - 1)[:, None, :].expand(rows, n, window))  # [R, N, L]
-    mask = ((rel < 0)[:, None, :] | (within[:, None, :] & new_seen))[:, None]  # [R, 1, N, L]
+    visible = ((rel < 0)[:, None, :] | (within[:, None, :] & new_seen))[:, None]  # [R, 1, N, L]
+    # additive mask (0 visible, dtype min hidden): read alike by SDPA and the eager attention
+    dtype = base.embed_tokens.weight.dtype
+    mask = torch.zeros((), dtype=dtype, device=ids.device).masked_fill(~visible, torch.finfo(dtype).min)
     writer = _StaticWriter(keys, values, rows, columns, window)
     hidden = base.embed_tokens(ids)
     rope = base.rotary_emb(hidden, position_ids=position_ids)
@@ -117,12 +128,19 @@ def _step(model, keys: list[Tensor], values: list[Tensor], layer_ids: tuple[int,
     return model.lm_head(final), features
 
 
+_WALKED = ("embed_tokens", "layers", "norm", "rotary_emb")
+
+
+def missing_parts(target) -> list[str]:
+    """What the step needs from the target's base model and it lacks ([] = the core runs this target)."""
+    return [a for a in _WALKED if not hasattr(target.model.model, a)]
+
+
 class DecodeCore:
     """A target's static KV store (`slots` sequences) and its step, compiled or eager (module doc)."""
 
     def __init__(self, target, slots: int = 1, mode: str | None = None, capacity: int = _CAPACITY_CHUNK):
-        base = target.model.model
-        missing = [a for a in ("embed_tokens", "layers", "norm", "rotary_emb") if not hasattr(base, a)]
+        missing = missing_parts(target)
         if missing:
             raise NotImplementedError(f"{type(target.model).__name__}: the decoding core walks embed_tokens, "
                                       f"layers, norm and rotary_emb; this model lacks {missing}")
@@ -136,6 +154,7 @@ class DecodeCore:
         self.capacity = 0
         self._reserve(capacity)
         self._compiled = None
+        self.owner = None  # the CoreSequence using slot 0 (batch-1 decoding), if any
         self._chain_layout: dict[int, tuple[Tensor, Tensor]] = {}
         self.steps = 0
 
@@ -201,10 +220,11 @@ class DecodeCore:
         args = (ids.to(dev), torch.tensor(starts, device=dev), depth.to(dev), seen.to(dev),
                 None if pick is None else pick.to(dev))
         window = window_bucket(need, self.capacity)
-        fn = self._compiled_step() if self.mode == "compiled" else _step
+        compiled = self.mode == "compiled" and n <= COMPILED_MAX_TOKENS
+        fn = self._compiled_step() if compiled else _step
         logits, features = fn(self.target.model, self.keys, self.values, tuple(layer_ids), window, *args)
         self.steps += 1
-        if self.mode == "compiled" and dev.type == "cuda":  # CUDA-graph outputs are overwritten by the next replay
+        if compiled and dev.type == "cuda":  # CUDA-graph outputs are overwritten by the next replay
             logits = logits.clone()
             features = None if features is None else features.clone()
         return StepOut(logits, features)
@@ -221,25 +241,32 @@ class DecodeCore:
 
 
 class CoreSequence:
-    """Batch-1 decoding on slot 0 of a core: the KV-cache operations speculative decoding needs."""
+    """Batch-1 decoding on slot 0 of a core: the KV-cache operations speculative decoding needs. The
+    core holds one sequence at a time: opening another one on it retires this one (using it then raises)."""
 
     def __init__(self, core: DecodeCore):
         self.core, self.length = core, 0
+        core.owner = self
 
     def extend(self, ids: list[int] | Tensor, layer_ids=(), logits: str = "all", depth: Tensor | None = None,
                seen: Tensor | None = None, pad_to: int | None = None) -> StepOut:
         """Append tokens (their KV stays: `crop` or `keep_path` drop rejected ones); logits "all" or "last".
-        pad_to: pad the new tokens to this many (stale columns) so steps of varying length share a graph."""
+        depth [N] / seen [N, N]: a tree layout (default a chain). pad_to: pad the new tokens to this many
+        (stale columns) so steps of varying length share a graph (compiled cores pad to `token_bucket`)."""
+        if self.core.owner is not self:
+            raise RuntimeError("this decoding core now holds another sequence (one sequence per core at a time)")
         ids = torch.as_tensor(ids, dtype=torch.long).reshape(-1)
         n = ids.shape[0]
+        if pad_to is None and self.core.mode == "compiled" and n <= COMPILED_MAX_TOKENS:
+            pad_to = token_bucket(n)
         width = max(n, pad_to or 0)
         if width > n:
             ids = torch.cat([ids, ids.new_zeros(width - n)])
             if depth is not None:  # tree layouts pad with lone nodes that see only the prefix
-                depth = torch.cat([depth.reshape(-1), depth.new_zeros(width - n)])[None]
+                depth = torch.cat([depth.reshape(-1).cpu(), torch.zeros(width - n, dtype=torch.long)])
                 grown = torch.eye(width, dtype=torch.bool)
                 grown[:n, :n] = seen.reshape(n, n).cpu()
-                seen = grown[None]
+                seen = grown
         pick = torch.tensor([[n - 1]]) if logits == "last" else None
         out = self.core.step(ids[None], [self.length], tuple(layer_ids), pick=pick,
                              depth=None if depth is None else depth.reshape(1, -1),

@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from dspark.decoding.batched_cache import tree_visibility
+from dspark.decoding.kv_sequence import additive_layout_mask
 from dspark.decoding.sampling import KeyedNoise, SamplingParams, rejection_residual, sample, to_probs
 from dspark.decoding.specdec import GenerationResult, RoundStats, generate_rounds
 
@@ -108,9 +109,7 @@ def tree_attention(parents: list[int], cached: int, dtype: torch.dtype, device) 
     """(additive mask [1, 1, 1 + M, cached + 1 + M], position ids [1, 1 + M]) of [anchor, nodes]: each row
     sees the cache, and of the new tokens itself and its ancestors; a node stands at cached + its depth."""
     seen, depth = tree_visibility(verify_parents(parents))
-    visible = torch.cat([torch.ones(len(seen), cached, dtype=torch.bool), seen], dim=1)
-    mask = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, torch.finfo(dtype).min)
-    return mask[None, None].to(device), (cached + depth)[None].to(device)
+    return additive_layout_mask(seen, cached, dtype).to(device), (cached + depth)[None].to(device)
 
 
 def accept_keyed_tree(tokens: Tensor, parents: list[int], target_probs: Tensor, noise: KeyedNoise,
@@ -134,33 +133,35 @@ def accept_keyed_tree(tokens: Tensor, parents: list[int], target_probs: Tensor, 
 @torch.no_grad()
 def tree_speculative_generate(target, drafter, prompt_ids, sp: SamplingParams, max_new_tokens: int,
                               branching: Sequence[int], stop_ids: Sequence[int] | None = None,
-                              generator: torch.Generator | None = None, gamma: int | None = None) -> GenerationResult:
+                              generator: torch.Generator | None = None, gamma: int | None = None,
+                              core_mode: str | None = None) -> GenerationResult:
     """Lossless speculative decoding of one prompt with a draft tree per round (module doc). The drafter
-    needs `draft_tree` (DSpark). gamma: the tree's depth (default the drafter's block size)."""
+    needs `draft_tree` (DSpark). gamma: the tree's depth (default the drafter's block size). core_mode: as
+    in `speculative_generate`."""
     if not hasattr(drafter, "draft_tree"):
         raise ValueError(f"{drafter.algo} drafters do not grow draft trees (DSpark does)")
     gamma = gamma or drafter.config.block_size
     drafter.check_gamma(gamma)
     branching = check_branching(branching, gamma)
     return generate_rounds(target, drafter, prompt_ids, sp, max_new_tokens, stop_ids, generator, gamma,
-                           lambda state, cache, anchor, _round_idx, layer_ids: _tree_round(
-                               target, drafter, state, cache, anchor, gamma, branching, sp, generator, layer_ids))
+                           lambda state, seq, anchor, _round_idx, layer_ids: _tree_round(
+                               target, drafter, state, seq, anchor, gamma, branching, sp, generator, layer_ids),
+                           core_mode)
 
 
-def _tree_round(target, drafter, state, cache, anchor: int, gamma: int, branching: tuple[int, ...], sp,
+def _tree_round(target, drafter, state, seq, anchor: int, gamma: int, branching: tuple[int, ...], sp,
                 generator, layer_ids):
     """One draft-tree / verify / walk cycle -> (stats, new tokens, features and ids of the kept positions)."""
     t0 = time.perf_counter()
     tree = drafter.draft_tree(state, anchor, gamma, branching, sp, generator)
     t1 = time.perf_counter()
-    base = target.cache_length(cache)
+    base = seq.length
     verify_ids = torch.cat([torch.tensor([anchor], device=target.device), tree.tokens.to(target.device)])
-    mask, positions = tree_attention(tree.parents, base, target.dtype, target.device)
-    out = target.forward(verify_ids[None], cache=cache, use_cache=True, attention_mask=mask, position_ids=positions,
-                         layer_ids=layer_ids, logits_at="all")
+    seen, depth = tree_visibility(verify_parents(tree.parents))  # node i at base + depth, sees its ancestors
+    out = seq.extend(verify_ids, layer_ids, logits="all", depth=depth, seen=seen)
     path, next_token = accept_tree(tree.tokens, tree.parents, tree.probs, to_probs(out.logits[0], sp), generator)
     kept = torch.tensor([0, *(1 + node for node in path)], device=target.device)  # in [anchor, nodes]
-    target.keep_cache_path(out.cache, base, base + kept)
+    seq.keep_path(base, base + kept)
     # proposed: the tree's nodes (what the target verified besides the anchor); verified: the depth any path
     # reaches (γ), so position k's conditional acceptance reads as for a chain
     stats = RoundStats(proposed=len(tree.parents), verified=gamma, accepted=len(path),

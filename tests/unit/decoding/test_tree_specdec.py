@@ -3,12 +3,11 @@ tokens' joint against the exact target joint, through the real decoder), the mul
 against the exact law, the tree's attention layout, and a compacted cache that equals a fresh forward."""
 from __future__ import annotations
 
-import copy
-
 import numpy as np
 import pytest
 import torch
 
+from dspark.decoding import kv_sequence, specdec
 from dspark.decoding.sampling import SamplingParams
 from dspark.decoding.tree_specdec import (accept_tree, children_of, parse_branching, tree_attention,
                                           tree_speculative_generate)
@@ -127,22 +126,27 @@ def test_tree_attention_sees_ancestors_only():
     assert positions.tolist() == [[2, 3, 3, 4, 4]]
 
 
-def test_the_kept_cache_equals_a_fresh_forward(micro_target, monkeypatch):
+@pytest.mark.parametrize("kind", ["static_cache", "dynamic_cache"])
+def test_the_kept_cache_equals_a_fresh_forward(micro_target, monkeypatch, kind):
     """After tree rounds the compacted cache is the cache of [prompt, emitted tokens]: the next-token logits
-    from it equal a fresh forward over the whole sequence."""
+    from it equal a fresh forward over the whole sequence (the static core's sequence and HF's dynamic cache)."""
     drafter = _drafter(micro_target)
-    caches = []
-    real_keep = micro_target.keep_cache_path
-    monkeypatch.setattr(micro_target, "keep_cache_path", lambda cache, length, path: (
-        real_keep(cache, length, path), caches.append(copy.deepcopy(cache)))[0])
+    opened = []
+
+    def open_sequence(target, mode=None):
+        opened.append(kv_sequence.DynamicSequence(target) if kind == "dynamic_cache"
+                      else kv_sequence.open_sequence(target, "eager"))
+        return opened[-1]
+
+    monkeypatch.setattr(specdec, "open_sequence", open_sequence)
     out = tree_speculative_generate(micro_target, drafter, PROMPT, SP, 12, (3, 2), stop_ids=[],
                                     generator=torch.Generator().manual_seed(1))
-    cache = caches[-2]  # after the round before the last (the last one may be cut by the token budget)
-    seq = PROMPT + out.token_ids
+    tokens = PROMPT + out.token_ids
     n = len(PROMPT) + sum(r.emitted for r in out.rounds[:-1])  # [prompt, tokens emitted]: all but the anchor
-    assert micro_target.cache_length(cache) == n and len(out.rounds) >= 3
-    step = micro_target.forward(torch.tensor([[seq[n]]]), cache=cache, use_cache=True, logits_at="last").logits[0, -1]
-    fresh = micro_target.forward(torch.tensor([seq[: n + 1]]), logits_at="last").logits[0, -1]
+    assert len(out.rounds) >= 3 and opened[0].length >= n
+    opened[0].crop(n)  # the verified prefix stays valid whatever later rounds wrote behind it
+    step = opened[0].extend([tokens[n]], logits="last").logits[0, -1]
+    fresh = micro_target.forward(torch.tensor([tokens[: n + 1]]), logits_at="last").logits[0, -1]
     assert torch.allclose(step, fresh, atol=1e-5)
 
 

@@ -113,7 +113,8 @@ class Recipe:
         self.cfg, self.out, self.t0 = cfg, out, time.time()
         self.deadline = Deadline(self.t0 + cfg.budget_s)
         self.summary = {"run": cfg.run, "target": cfg.target, "device": None, "rollout_tokens": 0,
-                        "rollout_tok_per_s": None, "tau": {}, "tau_mean": {}, "tau_ci95": {}, "speedup_batch1": {},
+                        "rollout_tok_per_s": None, "decode_core": None, "target_ms_per_token_batch1": None,
+                        "eval_prompts": 0, "tau": {}, "tau_mean": {}, "tau_ci95": {}, "speedup_batch1": {},
                         "train_share": "equal wall-clock per drafter", "train": {}, "phases": {}, "errors": {}}
         self.results: dict = {"config": json.loads(cfg.model_dump_json())}
         out.mkdir(parents=True, exist_ok=True)
@@ -181,6 +182,40 @@ def prompts(r: Recipe) -> None:
     r.benchmarks = [load_benchmark(BenchmarkSpec(path=name), cfg.eval.dir, cfg.eval.prompts_per_benchmark)
                     for name in files]
     r.results["prompts"] = {"loaded": len(loaded), "kept": len(r.prompts), "contaminated": len(loaded) - len(r.prompts)}
+
+
+def decode_core(r: Recipe) -> None:
+    """The batch-1 decoding core evaluation runs on (eval.decode.decode_core; auto: compiled on CUDA, eager on a
+    CPU), tried on one prompt first: a failed compile falls back to eager and says so in recipe.json. Then
+    target-only batch-1 milliseconds per token on it (decoding only, the prefill left out)."""
+    import torch
+
+    from dspark.decoding.specdec import target_generate
+    from dspark.decoding.static_core import default_mode, resolve_mode
+
+    settings = r.cfg.eval.decode
+    mode = settings.decode_core or default_mode()
+    mode = mode if mode == "dynamic" else resolve_mode(mode, r.target.device)
+    ids = r.target.chat_ids([{"role": "user", "content": r.prompts[0].turns[0]}])
+
+    def run(core: str, tokens: int):
+        gen = torch.Generator().manual_seed(r.cfg.seed)
+        return target_generate(r.target, ids, settings.sampling(), tokens, stop_ids=[], generator=gen, core_mode=core)
+
+    info, start = {"requested": mode}, time.time()
+    try:
+        run(mode, 8)  # compiles the prefill-free step's graphs (the compiled mode)
+    except Exception as err:  # noqa: BLE001 — recorded; evaluation then decodes eager
+        if mode != "compiled":
+            raise
+        info["fallback"] = f"{type(err).__name__}: {err}"[:500]
+        mode = "eager"
+        run(mode, 8)
+    info.update(mode=mode, warmup_s=round(time.time() - start, 2))
+    settings.decode_core = mode
+    res = run(mode, 64)
+    r.summary.update(decode_core=info, target_ms_per_token_batch1=round(
+        1000 * (res.wall_s - res.prefill_s) / max(1, len(res.token_ids) - 1), 3))
 
 
 def rollouts(r: Recipe) -> None:
@@ -374,6 +409,7 @@ def main(argv=None) -> int:
         and r.phase("rollouts", lambda: rollouts(r))
     if ok:
         r.phase("profile", lambda: profile(r), fatal=False)
+        r.phase("decode_core", lambda: decode_core(r), fatal=False)
         share = max(0.0, r.deadline.left() - cfg.eval.reserve_s - cfg.output_reserve_s) / len(cfg.drafters)
         for name in cfg.drafters:  # each drafter its own share and failure scope
             ok &= r.phase(f"train:{name}", lambda name=name: train_one(r, name, share), fatal=False)

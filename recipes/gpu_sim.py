@@ -30,11 +30,13 @@ from recipes import gpu_image
 from recipes.gpu_prepare import BUNDLE, STAGE, travelling_files
 
 MiB = 2**20
-FIELDS = ("device", "rollout_tokens", "rollout_tok_per_s", "tau", "tau_mean", "tau_ci95", "speedup_batch1", "phases")
+FIELDS = ("device", "rollout_tokens", "rollout_tok_per_s", "tau", "tau_mean", "tau_ci95", "speedup_batch1", "phases",
+          "decode_core", "target_ms_per_token_batch1", "eval_prompts")
 # CPU budgets: the flow of the GPU profiles, shrunk to minutes on 2 shared cores
 SIM_RUNS = {
     "tiny": ("configs/recipes/gpu-tiny.yaml", ["budget_s=900", "rollout.seconds=60", "rollout.tokens=3000",
-                                              "train.max_steps=20", "eval.reserve_s=200"]),
+                                              "train.max_steps=20", "eval.reserve_s=200",
+                                              "eval.decode.decode_core=compiled"]),  # torch.compile under the image's torch
     "smollm2-135m": ("configs/recipes/gpu-smollm2-135m.yaml", [
         "budget_s=900", "rollout.seconds=90", "rollout.tokens=6000", "rollout.sampling.max_new_tokens=64",
         "rollout.generator_cpu.max_batch=16", "train.batch_size=2", "train.max_seq_len=192", "train.log_every=1",

@@ -290,3 +290,36 @@ def ragged_forward(target, store: KVSlots, first: int, ids: torch.Tensor, counts
     if logits_at == "all":
         return [(logits[s], None if feats is None else feats[s]) for s in slices]
     return [(logits[i: i + 1], None if feats is None else feats[s]) for i, s in enumerate(slices)]
+
+
+class RaggedSlots:
+    """`CoreSlots`' interface over the ragged store (DSPARK_DECODE_CORE=dynamic, or a target the core cannot
+    walk): one flattened row per forward, a host-built mask."""
+
+    def __init__(self, target):
+        enable_ragged(target.model)
+        self.target, self.kv = target, KVSlots(target.device, target.dtype)
+
+    @property
+    def used(self) -> int:
+        return self.kv.used
+
+    def allocate(self) -> int:
+        return self.kv.allocate()
+
+    def release(self, slot: int) -> int | None:
+        return self.kv.release(slot)
+
+    def prefill(self, first: int, prompts: list[list[int]]) -> torch.Tensor:
+        ids = torch.tensor([t for p in prompts for t in p], device=self.target.device)[None]
+        outs = ragged_forward(self.target, self.kv, first, ids, [len(p) for p in prompts], "last")
+        for slot, p in enumerate(prompts, start=first):
+            self.kv.set_length(slot, len(p))
+        return torch.cat([logits for logits, _ in outs])
+
+    def decode(self, tokens: list[int]) -> torch.Tensor:
+        ids = torch.tensor(tokens, device=self.target.device)[None]
+        outs = ragged_forward(self.target, self.kv, 0, ids, [1] * len(tokens), "all")
+        for slot in range(len(tokens)):
+            self.kv.set_length(slot, self.kv.lengths[slot] + 1)
+        return torch.cat([logits for logits, _ in outs])

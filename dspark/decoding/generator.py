@@ -1,7 +1,8 @@
 """Continuous-batching target-only generation for offline jobs (rollouts, benchmarks).
 
-The serving engine's target-only path, without its request queue, drafter or HTTP concerns: the
-same ragged KV store and the same ragged forward (dspark.decoding.batched_cache, `ragged_forward`).
+The target's decoding core over preallocated KV slots (dspark.decoding.static_core `CoreSlots`: the
+static-shape step, compiled or eager; decoding steps bucketed by batch size), or with
+`decode_core: dynamic` the ragged KV store and forward the serving engine uses (dspark.decoding.batched_cache).
 `BatchGenerator.generate(prompts, ...)` keeps up to `max_batch` sequences decoding together:
   1. admission: waiting prompts, sorted by length (length buckets: sequences admitted together
      have similar lengths, so the padded attention grid wastes little), take free slots at once,
@@ -12,8 +13,8 @@ same ragged KV store and the same ragged forward (dspark.decoding.batched_cache,
 
 Sampling is per sequence and independent of the batch: sequence i draws its uniforms from its own
 CPU `torch.Generator(seed_i)` and its token by inverse CDF of `to_probs(logits)` (dspark.decoding.sampling).
-The forward for sequence i computes the same logits as a batch-1 forward with a KV cache (the
-ragged layout keeps rows apart), so each sequence is distributed exactly as target-only sampling
+The forward for sequence i computes the same logits as a batch-1 forward with a KV cache (each row
+attends to its own slot only), so each sequence is distributed exactly as target-only sampling
 (tests/test_generator.py: χ² at temperature 1, greedy equals HF greedy).
 
 Invariant between steps, for active sequence s in slot s: KV length == len(prompt) + len(tokens) - 1
@@ -29,13 +30,13 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Literal, Sequence
 
 import torch
 from pydantic import Field, field_validator
 
-from dspark.decoding.batched_cache import KVSlots, enable_ragged, ragged_forward
 from dspark.config import StrictModel
+from dspark.decoding.kv_sequence import open_slots
 from dspark.decoding.sampling import SamplingParams, inverse_cdf, to_probs
 from dspark.decoding.specdec import _keep
 
@@ -57,6 +58,9 @@ class GeneratorConfig(StrictModel):
                                                       "always admitted, however long).")
     bucket_by_length: bool = Field(True, description="Admit prompts shortest first so that sequences "
                                                      "decoding together have similar lengths.")
+    decode_core: Literal["auto", "compiled", "eager", "dynamic"] | None = Field(
+        None, description="the KV path: the static decoding core compiled or eager (auto: compiled on CUDA, eager "
+                          "on a CPU), or dynamic (the ragged store); None = DSPARK_DECODE_CORE or auto")
 
     @field_validator("max_batch", "max_prefill_tokens")
     @classmethod
@@ -98,8 +102,7 @@ class BatchGenerator:
 
     def __init__(self, target, cfg: GeneratorConfig | None = None):
         self.target, self.cfg = target, cfg or GeneratorConfig()
-        enable_ragged(target.model)
-        self.kv = KVSlots(target.device, target.dtype)
+        self.kv = open_slots(target, self.cfg.max_batch, self.cfg.decode_core)
         self.stats = GeneratorStats()
 
     @torch.no_grad()
@@ -181,21 +184,13 @@ class BatchGenerator:
 
     def _prefill(self, newcomers: list[_Seq], sampling: SamplingParams, stops: set[int]) -> None:
         """Newcomers occupy the last slots: one ragged forward over their prompts, first token each."""
-        first = self.kv.used - len(newcomers)
-        ids = torch.tensor([t for s in newcomers for t in s.prompt], device=self.target.device)[None]
-        outs = ragged_forward(self.target, self.kv, first, ids, [len(s.prompt) for s in newcomers], "last")
-        for slot, seq in enumerate(newcomers, start=first):
-            self.kv.set_length(slot, len(seq.prompt))
-        self.stats.prefill_tokens += ids.shape[1]
-        self._sample_and_emit(newcomers, torch.cat([logits for logits, _ in outs]), sampling, stops)
+        logits = self.kv.prefill(self.kv.used - len(newcomers), [s.prompt for s in newcomers])
+        self.stats.prefill_tokens += sum(len(s.prompt) for s in newcomers)
+        self._sample_and_emit(newcomers, logits, sampling, stops)
 
     def _decode(self, active: list[_Seq], sampling: SamplingParams, stops: set[int]) -> None:
         """Feed every active sequence its last token (the only one not yet in its KV slot)."""
-        ids = torch.tensor([s.tokens[-1] for s in active], device=self.target.device)[None]
-        outs = ragged_forward(self.target, self.kv, 0, ids, [1] * len(active), "all")
-        for slot in range(len(active)):
-            self.kv.set_length(slot, self.kv.lengths[slot] + 1)
-        self._sample_and_emit(active, torch.cat([logits for logits, _ in outs]), sampling, stops)
+        self._sample_and_emit(active, self.kv.decode([s.tokens[-1] for s in active]), sampling, stops)
 
     def _sample_and_emit(self, seqs: list[_Seq], logits: torch.Tensor, sampling: SamplingParams,
                          stops: set[int]) -> None:

@@ -4,13 +4,15 @@ verified tree's accepted path). `open_sequence` gives the static decoding core's
 (dspark.decoding.static_core, compiled or eager) where the core walks the target, else `DynamicSequence`
 over HF's DynamicCache. Invariant either way: after an operation, the first `length` cached positions hold
 exactly the sequence's verified prefix.
+Batched (the rollout generator): `open_slots` gives the core's slots (`CoreSlots`) or the ragged store
+(`RaggedSlots`), both with allocate / release / prefill / decode.
 """
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-from dspark.decoding.static_core import CoreSequence, StepOut, core_for, default_mode, missing_parts
+from dspark.decoding.static_core import CoreSequence, CoreSlots, StepOut, core_for, default_mode, missing_parts
 
 
 def additive_layout_mask(seen: Tensor, cached: int, dtype: torch.dtype) -> Tensor:
@@ -56,3 +58,14 @@ def open_sequence(target, mode: str | None = None) -> CoreSequence | DynamicSequ
     if mode == "dynamic" or missing_parts(target):
         return DynamicSequence(target)
     return CoreSequence(core_for(target, mode=mode))
+
+
+def open_slots(target, max_batch: int, mode: str | None = None):
+    """Batched sequences' KV store (CoreSlots' interface): the core's slots (mode auto | compiled | eager, default
+    DSPARK_DECODE_CORE), else (or with mode "dynamic") the ragged store of dspark.decoding.batched_cache."""
+    from dspark.decoding.batched_cache import RaggedSlots
+
+    mode = mode or default_mode()
+    if mode == "dynamic" or missing_parts(target):
+        return RaggedSlots(target)
+    return CoreSlots(target, max_batch, mode)

@@ -81,25 +81,25 @@ class _StaticWriter:
     """The cache object one step hands to every attention: `update` writes this step's keys/values at
     their columns and returns the rows' KV window (HF attention modules call `cache.update`)."""
 
-    def __init__(self, keys: list[Tensor], values: list[Tensor], rows: int, columns: Tensor, window: int):
-        self.keys, self.values, self.rows, self.columns, self.window = keys, values, rows, columns, window
-        self.row_index = torch.arange(rows, device=columns.device)[:, None]  # [R, 1]
+    def __init__(self, keys: list[Tensor], values: list[Tensor], slots: slice, columns: Tensor, window: int):
+        self.keys, self.values, self.slots, self.columns, self.window = keys, values, slots, columns, window
+        self.row_index = torch.arange(slots.start, slots.stop, device=columns.device)[:, None]  # [R, 1]
 
     def update(self, key: Tensor, value: Tensor, layer_idx: int, *args, **kwargs) -> tuple[Tensor, Tensor]:
         k_buf, v_buf = self.keys[layer_idx], self.values[layer_idx]
         # key [R, Hkv, N, D] -> entries (r, :, columns[r, i]) of the [S, Hkv, L, D] store
         k_buf[self.row_index, :, self.columns] = key.transpose(1, 2).to(k_buf.dtype)
         v_buf[self.row_index, :, self.columns] = value.transpose(1, 2).to(v_buf.dtype)
-        return k_buf[: self.rows, :, : self.window], v_buf[: self.rows, :, : self.window]
+        return k_buf[self.slots, :, : self.window], v_buf[self.slots, :, : self.window]
 
     def get_seq_length(self, *args, **kwargs) -> int:  # asked by some attention modules; unused here
         return 0
 
 
-def _step(model, keys: list[Tensor], values: list[Tensor], layer_ids: tuple[int, ...], window: int,
+def _step(model, keys: list[Tensor], values: list[Tensor], layer_ids: tuple[int, ...], window: int, first: int,
           ids: Tensor, starts: Tensor, depth: Tensor, seen: Tensor, pick: Tensor | None) -> tuple:
-    """The traced step (see the module doc). ids/depth [R, N], starts [R], seen [R, N, N] bool,
-    pick [R, K] or None -> (logits [R, K or N, V], features [R, N, m*d] or None)."""
+    """The traced step (see the module doc) on slots first..first+R-1. ids/depth [R, N], starts [R],
+    seen [R, N, N] bool, pick [R, K] or None -> (logits [R, K or N, V], features [R, N, m*d] or None)."""
     base = model.model
     rows, n = ids.shape
     columns = starts[:, None] + torch.arange(n, device=ids.device)  # [R, N] where the new keys go
@@ -111,7 +111,7 @@ def _step(model, keys: list[Tensor], values: list[Tensor], layer_ids: tuple[int,
     # additive mask (0 visible, dtype min hidden): read alike by SDPA and the eager attention
     dtype = base.embed_tokens.weight.dtype
     mask = torch.zeros((), dtype=dtype, device=ids.device).masked_fill(~visible, torch.finfo(dtype).min)
-    writer = _StaticWriter(keys, values, rows, columns, window)
+    writer = _StaticWriter(keys, values, slice(first, first + rows), columns, window)
     hidden = base.embed_tokens(ids)
     rope = base.rotary_emb(hidden, position_ids=position_ids)
     captured = []
@@ -204,13 +204,14 @@ class DecodeCore:
 
     @torch.no_grad()
     def step(self, ids: Tensor, starts: list[int], layer_ids: tuple[int, ...] = (), pick: Tensor | None = None,
-             depth: Tensor | None = None, seen: Tensor | None = None) -> StepOut:
-        """Append ids [R, N] to slots 0..R-1 whose cached lengths are `starts` (host ints: they size the
-        window). depth/seen: a tree layout per row (default: chains). pick [R, K]: new-token indices whose
-        logits are wanted (default all). The caller sets the slots' lengths afterwards."""
+             depth: Tensor | None = None, seen: Tensor | None = None, first: int = 0, eager: bool = False) -> StepOut:
+        """Append ids [R, N] to slots first..first+R-1 whose cached lengths are `starts` (host ints: they size
+        the window). depth/seen: a tree layout per row (default: chains). pick [R, K]: new-token indices whose
+        logits are wanted (default all). The caller sets the slots' lengths afterwards. Compiled cores compile
+        steps from slot 0 of at most COMPILED_MAX_TOKENS new tokens unless `eager`; others run eager."""
         rows, n = ids.shape
-        if rows > self.slots:
-            raise ValueError(f"{rows} rows for a decoding core of {self.slots} slots")
+        if first + rows > self.slots:
+            raise ValueError(f"slots {first}..{first + rows - 1} on a decoding core of {self.slots} slots")
         need = max(starts) + n
         if need > self.capacity:
             self._reserve(need)
@@ -220,9 +221,9 @@ class DecodeCore:
         args = (ids.to(dev), torch.tensor(starts, device=dev), depth.to(dev), seen.to(dev),
                 None if pick is None else pick.to(dev))
         window = window_bucket(need, self.capacity)
-        compiled = self.mode == "compiled" and n <= COMPILED_MAX_TOKENS
+        compiled = self.mode == "compiled" and not eager and n <= COMPILED_MAX_TOKENS and first == 0
         fn = self._compiled_step() if compiled else _step
-        logits, features = fn(self.target.model, self.keys, self.values, tuple(layer_ids), window, *args)
+        logits, features = fn(self.target.model, self.keys, self.values, tuple(layer_ids), window, first, *args)
         self.steps += 1
         if compiled and dev.type == "cuda":  # CUDA-graph outputs are overwritten by the next replay
             logits = logits.clone()
@@ -298,3 +299,52 @@ def core_for(target, slots: int = 1, mode: str | None = None) -> DecodeCore:
     if key not in cores:
         cores[key] = DecodeCore(target, slots=slots, mode=mode)
     return cores[key]
+
+
+class CoreSlots:
+    """Batched sequences on a core's slots (the rollout generator's KV store): slots 0..used-1 hold the active
+    sequences, contiguous. Decoding steps pad their rows to a power of two (a few graphs, not one per batch
+    size); the padding rows write a column of free slots, which the next prefill there overwrites."""
+
+    def __init__(self, target, max_batch: int, mode: str | None = None):
+        self.core = DecodeCore(target, slots=max_batch, mode=mode)
+        self.lengths: list[int] = []
+
+    @property
+    def used(self) -> int:
+        return len(self.lengths)
+
+    def allocate(self) -> int:
+        if self.used >= self.core.slots:
+            raise RuntimeError(f"all {self.core.slots} slots are in use")
+        self.lengths.append(0)
+        return self.used - 1
+
+    def release(self, slot: int) -> int | None:
+        """Free `slot`; the last slot moves into it (returns its old index, None if nothing moved)."""
+        last = self.used - 1
+        if slot != last:
+            self.core.move_slot(last, slot, self.lengths[last])
+            self.lengths[slot] = self.lengths[last]
+        self.lengths.pop()
+        return last if slot != last else None
+
+    def prefill(self, first: int, prompts: list[list[int]]) -> Tensor:
+        """Prompts into slots first.. (right-padded to the longest; the padding's columns lie past each
+        length, so nothing reads them) -> logits [R, V] of each prompt's last token. Always eager: prefills
+        are compute-bound, and one graph per (rows, width) would never pay back its compile."""
+        width = max(map(len, prompts))
+        ids = torch.tensor([p + [0] * (width - len(p)) for p in prompts])
+        pick = torch.tensor([[len(p) - 1] for p in prompts])
+        out = self.core.step(ids, [0] * len(prompts), pick=pick, first=first, eager=True)
+        self.lengths[first:] = [len(p) for p in prompts]
+        return out.logits[:, 0]
+
+    def decode(self, tokens: list[int]) -> Tensor:
+        """One token appended to each of slots 0..len(tokens)-1 -> logits [R, V] of the next token."""
+        rows = len(tokens)
+        padded = min(token_bucket(rows), self.core.slots) if self.core.mode == "compiled" else rows
+        ids = torch.tensor(tokens + [0] * (padded - rows))[:, None]
+        out = self.core.step(ids, self.lengths[:rows] + [0] * (padded - rows))
+        self.lengths[:rows] = [n + 1 for n in self.lengths[:rows]]
+        return out.logits[:rows, 0]

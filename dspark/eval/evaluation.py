@@ -21,7 +21,7 @@ import hashlib
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Literal, Sequence
 
 import torch
 from pydantic import Field
@@ -50,6 +50,9 @@ class DecodeSettings(StrictModel):
     greedy: bool = Field(False, description="argmax decoding whatever the temperature (same as temperature 0)")
     gamma: int | None = Field(None, ge=1, description="drafts proposed per round; None = each drafter's block size")
     max_new_tokens: MaxNewTokens = 256
+    decode_core: Literal["auto", "compiled", "eager", "dynamic"] | None = Field(
+        None, description="the target's batch-1 KV path (dspark.decoding.kv_sequence): auto (compiled on CUDA, "
+                          "eager on CPU), compiled, eager, dynamic (HF cache); None = DSPARK_DECODE_CORE or auto")
 
     def sampling(self) -> SamplingParams:
         return SamplingParams(temperature=0.0 if self.greedy else self.temperature, top_p=self.top_p, top_k=self.top_k)
@@ -130,10 +133,11 @@ def decode_fn(target, drafter, mode: Mode, settings: DecodeSettings, generator: 
               threshold_on: str = "prefix") -> Decode:
     sp = settings.sampling()
     if drafter is None:
-        return lambda ids: target_generate(target, ids, sp, settings.max_new_tokens, generator=generator)
+        return lambda ids: target_generate(target, ids, sp, settings.max_new_tokens, generator=generator,
+                                           core_mode=settings.decode_core)
     hook = None if mode.threshold is None else threshold_verify_len(mode.threshold, threshold_on)
     return lambda ids: speculative_generate(target, drafter, ids, sp, settings.max_new_tokens, verify_len=hook,
-                                            generator=generator, gamma=settings.gamma)
+                                            generator=generator, gamma=settings.gamma, core_mode=settings.decode_core)
 
 
 def evaluate_prompt(target, drafters: dict, benchmark: str, index: int, turns: Sequence[str],

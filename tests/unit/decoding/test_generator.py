@@ -1,6 +1,7 @@
 """Continuous-batching generator (dspark/decoding/generator.py) on the built-in `tiny` target: exact target
 distribution at temperature 1 (χ² of the first two tokens against the exact joint), greedy equal to
-HF greedy, finished sequences making room at once, and bad input."""
+HF greedy, seeded answers independent of the batch (each on the decoding core eager and compiled, greedy also
+on the ragged store), finished sequences making room at once, and bad input."""
 from __future__ import annotations
 
 import collections
@@ -24,7 +25,8 @@ def _chat(target, text: str) -> list[int]:
     return target.chat_ids([{"role": "user", "content": text}])
 
 
-def test_first_two_tokens_follow_the_exact_target_joint(tiny):
+@pytest.mark.parametrize("core", ["eager", "compiled"])
+def test_first_two_tokens_follow_the_exact_target_joint(tiny, core):
     """3000 samples of one prompt, interleaved with longer 'filler' sequences of other prompts so that
     sequences join and leave mid-batch at different ages: the joint of the first two tokens matches
     P(t1, t2) computed exactly from the target."""
@@ -35,7 +37,7 @@ def test_first_two_tokens_follow_the_exact_target_joint(tiny):
         prompts.append(prompt), budgets.append(2)
         if i % 10 == 0:
             prompts.append(filler), budgets.append(9)
-    gen = BatchGenerator(tiny, GeneratorConfig(max_batch=96, bucket_by_length=False))
+    gen = BatchGenerator(tiny, GeneratorConfig(max_batch=16, bucket_by_length=False, decode_core=core))
     out = gen.generate(prompts, sp, seeds=list(range(len(prompts))), max_new_tokens=budgets, stop_ids=[])
     pairs = collections.Counter(tuple(toks) for (toks, _), p in zip(out, prompts) if p == prompt)
     assert sum(pairs.values()) == runs and all(len(k) == 2 for k in pairs)
@@ -44,14 +46,15 @@ def test_first_two_tokens_follow_the_exact_target_joint(tiny):
     for (a, b), n in pairs.items():
         counts[a, b] = n
     assert chi2_pvalue(counts, joint) > 1e-3
-    assert gen.stats.max_active == 96 and gen.stats.generated_tokens == 2 * runs + 9 * (runs // 10)
+    assert gen.stats.max_active == 16 and gen.stats.generated_tokens == 2 * runs + 9 * (runs // 10)
 
 
-def test_greedy_equals_hf_greedy_with_joins_and_leaves(tiny):
+@pytest.mark.parametrize("core", ["eager", "compiled", "dynamic"])
+def test_greedy_equals_hf_greedy_with_joins_and_leaves(tiny, core):
     texts = ["hi", "what is 2 + 3", "def f(x): return x * 2 and then some more words here", "list the primes",
              "a b c d e f g h i j k l m n o p", "sum the list", "why"]
     prompts = [_chat(tiny, t) for t in texts]
-    gen = BatchGenerator(tiny, GeneratorConfig(max_batch=3, max_prefill_tokens=40))
+    gen = BatchGenerator(tiny, GeneratorConfig(max_batch=3, max_prefill_tokens=40, decode_core=core))
     out = gen.generate(prompts, SamplingParams(temperature=0.0), seeds=[0] * len(prompts),
                        max_new_tokens=[12, 5, 20, 3, 16, 9, 1])
     for (tokens, finish), p, budget in zip(out, prompts, [12, 5, 20, 3, 16, 9, 1]):
@@ -71,9 +74,10 @@ def test_a_long_answer_does_not_hold_the_batch(tiny):
     assert gen.stats.steps <= 41 and gen.kv.used == 0
 
 
-def test_same_seed_same_answer_whatever_the_batch(tiny):
+@pytest.mark.parametrize("core", ["eager", "compiled"])
+def test_same_seed_same_answer_whatever_the_batch(tiny, core):
     prompts = [_chat(tiny, f"tell me about number {i}" * (1 + i)) for i in range(4)]
-    gen = BatchGenerator(tiny, GeneratorConfig(max_batch=4))
+    gen = BatchGenerator(tiny, GeneratorConfig(max_batch=4, decode_core=core))
     together = gen.generate(prompts, SamplingParams(temperature=1.0), seeds=[5, 6, 7, 8], max_new_tokens=10)
     alone = [gen.generate([p], SamplingParams(temperature=1.0), seeds=[s], max_new_tokens=10)[0]
              for p, s in zip(prompts, [5, 6, 7, 8])]

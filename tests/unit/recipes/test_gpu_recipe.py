@@ -92,6 +92,28 @@ def test_the_profile_phase_times_decoding_steps_at_batch_1_and_the_rollout_batch
         assert r.summary["ms_per_step"][name] == {k: got[k] for k in ("wall_ms", "host_ms", "device_ms")}
 
 
+@pytest.mark.parametrize("compile_fails", [False, True])
+def test_the_decode_core_phase_times_batch_1_and_falls_back_to_eager_saying_why(tiny, tmp_path, monkeypatch,
+                                                                               compile_fails):
+    from types import SimpleNamespace
+
+    from dspark.decoding.static_core import DecodeCore
+    from recipes.gpu_recipe import decode_core
+
+    r = Recipe(recipe_config(), tmp_path)
+    r.target, r.prompts = tiny, [SimpleNamespace(turns=["What is 2 + 2?"])]
+    r.cfg.eval.decode.decode_core = "compiled" if compile_fails else "eager"
+    if compile_fails:
+        def no_compiler(self):
+            raise RuntimeError("no C++ compiler")
+        monkeypatch.setattr(DecodeCore, "_compiled_step", no_compiler)
+    decode_core(r)
+    info = r.summary["decode_core"]
+    assert info["mode"] == "eager" and r.cfg.eval.decode.decode_core == "eager"  # what evaluation then decodes with
+    assert ("no C++ compiler" in info["fallback"]) if compile_fails else "fallback" not in info
+    assert r.summary["target_ms_per_token_batch1"] > 0
+
+
 def test_the_deadline_stops_training_mid_phase(tiny):
     rows = _rows(tiny)
     cfg = DrafterConfig(algo="dflash", block_size=3, num_layers=1, anchors_per_seq=4)

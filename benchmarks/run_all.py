@@ -53,6 +53,9 @@ SCRIPT_ARGS: dict[str, ScriptArgs] = {
                                      quick=["--target", "tiny", "--num-prompts", "8", "--max-new-tokens", "16"]),
     "train_throughput": ScriptArgs(full=[], quick=["--quick"]),  # smollm2-135m, ZeRO 0/2/3, 2 CPU workers
     "serve_load": ScriptArgs(full=[], quick=["--quick"]),  # smollm2-135m + its trained DSpark drafter
+    "decode_core": ScriptArgs(full=[],  # smollm2-135m + the committed CPU drafter, eager vs compiled vs dynamic
+                              quick=["--target", "tiny", "--drafter", "untrained", "--prompts", "1",
+                                     "--max-new-tokens", "16", "--rollout-rows", "4", "--out", "/dev/null"]),
     "mlflow_logging": ScriptArgs(full=[], quick=["--calls", "200", "--pending", "20"]),  # SQLite store + a hung port
 }
 

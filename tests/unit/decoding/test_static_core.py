@@ -36,11 +36,6 @@ def test_eager_static_core_equals_hf_greedy(target):
     assert _greedy(DecodeCore(target, mode="eager"), ids, 16) == _hf_greedy(target, ids, 16)
 
 
-def test_compiled_static_core_equals_hf_greedy(target):
-    ids = target.tokenizer("The quick brown fox", add_special_tokens=False)["input_ids"]
-    assert _greedy(DecodeCore(target, mode="compiled"), ids, 12) == _hf_greedy(target, ids, 12)
-
-
 def test_static_cache_crop_drops_rejected_columns(target):
     """Verify-like step: append 4 drafts, keep 1 (crop), continue: same logits as never having drafted."""
     ids = target.tokenizer("Hello world, this is", add_special_tokens=False)["input_ids"]

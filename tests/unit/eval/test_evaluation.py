@@ -406,3 +406,15 @@ def test_evaluate_job_refuses_a_drafter_for_another_target(tmp_path, two_drafter
     wrong = save_drafter(tiny_drafter(other), str(tmp_path / "wrong"))
     with pytest.raises(ValueError, match=r"cannot evaluate: drafter .*wrong.*another target"):
         run(job_config(tmp_path, two_drafters + [wrong], num_workers=0))
+
+
+def test_a_speedup_above_tau_is_reported_as_a_broken_baseline_not_quoted():
+    from dspark.eval.evaluation import _guard_speedup
+
+    warnings: list[str] = []
+    broken, fine = {"tau": 1.4, "speedup": 1.9}, {"tau": 1.4, "speedup": 1.3}
+    _guard_speedup(broken, "drafter 'd' on benchmark 'b'", warnings)
+    _guard_speedup(fine, "drafter 'd' on benchmark 'c'", warnings)
+    assert broken["speedup"] is None and broken["speedup_above_tau"] == 1.9
+    assert fine == {"tau": 1.4, "speedup": 1.3}
+    assert len(warnings) == 1 and "broken target-only baseline" in warnings[0] and "'b'" in warnings[0]

@@ -30,7 +30,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator, Literal, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 from pydantic import Field, field_validator
@@ -38,6 +38,7 @@ from pydantic import Field, field_validator
 from dspark.config import StrictModel
 from dspark.decoding.kv_sequence import open_slots
 from dspark.decoding.sampling import SamplingParams, inverse_cdf, to_probs
+from dspark.decoding.static_core import DecodeCoreMode
 from dspark.decoding.specdec import _keep
 
 
@@ -58,7 +59,7 @@ class GeneratorConfig(StrictModel):
                                                       "always admitted, however long).")
     bucket_by_length: bool = Field(True, description="Admit prompts shortest first so that sequences "
                                                      "decoding together have similar lengths.")
-    decode_core: Literal["auto", "compiled", "eager", "dynamic"] | None = Field(
+    decode_core: DecodeCoreMode | None = Field(
         None, description="the KV path: the static decoding core compiled or eager (auto: compiled on CUDA, eager "
                           "on a CPU), or dynamic (the ragged store); None = DSPARK_DECODE_CORE or auto")
 

@@ -51,13 +51,18 @@ class DynamicSequence:
         self.length = base + len(path)
 
 
+def core_mode_for(target, mode: str | None) -> str | None:
+    """The core mode to decode this target with (mode default DSPARK_DECODE_CORE), or None for the path
+    without the core (mode "dynamic", or a target the core does not walk)."""
+    mode = mode or default_mode()
+    return None if mode == "dynamic" or missing_parts(target) else mode
+
+
 def open_sequence(target, mode: str | None = None) -> CoreSequence | DynamicSequence:
     """A new empty sequence on the target: the static core's (mode: auto | compiled | eager, default
     DSPARK_DECODE_CORE) where it walks this target, else (or with mode "dynamic") HF's dynamic cache."""
-    mode = mode or default_mode()
-    if mode == "dynamic" or missing_parts(target):
-        return DynamicSequence(target)
-    return CoreSequence(core_for(target, mode=mode))
+    core_mode = core_mode_for(target, mode)
+    return DynamicSequence(target) if core_mode is None else CoreSequence(core_for(target, mode=core_mode))
 
 
 def open_slots(target, max_batch: int, mode: str | None = None):
@@ -65,7 +70,5 @@ def open_slots(target, max_batch: int, mode: str | None = None):
     DSPARK_DECODE_CORE), else (or with mode "dynamic") the ragged store of dspark.decoding.batched_cache."""
     from dspark.decoding.batched_cache import RaggedSlots
 
-    mode = mode or default_mode()
-    if mode == "dynamic" or missing_parts(target):
-        return RaggedSlots(target)
-    return CoreSlots(target, max_batch, mode)
+    core_mode = core_mode_for(target, mode)
+    return RaggedSlots(target) if core_mode is None else CoreSlots(target, max_batch, core_mode)

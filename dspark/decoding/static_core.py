@@ -28,15 +28,15 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 from torch import Tensor
 
-CoreMode = Literal["auto", "compiled", "eager"]
+DecodeCoreMode = Literal["auto", "compiled", "eager", "dynamic"]  # dynamic: HF's cache / the ragged store, no core
 MIN_WINDOW = 128  # smallest KV window bucket
 COMPILED_MAX_TOKENS = 64  # compiled steps take up to this many new tokens per row (bucketed); longer
-# steps (prefills) run the same step eager: compute-bound anyway, and one graph per prompt length is not
+# steps (prefills) run the same step eager: compute-bound anyway, and one graph per prompt length would not pay
 _CAPACITY_CHUNK = 1024  # the KV store grows in these columns (a regrow retraces: rare)
 
 
@@ -44,7 +44,7 @@ def default_mode() -> str:
     """DSPARK_DECODE_CORE (auto | compiled | eager | dynamic); auto: compiled on CUDA, eager on CPU (measured:
     benchmarks/results/decode_core/); dynamic: batch-1 decoding on HF's DynamicCache instead of the core."""
     mode = os.environ.get("DSPARK_DECODE_CORE", "auto")
-    if mode not in ("auto", "compiled", "eager", "dynamic"):
+    if mode not in get_args(DecodeCoreMode):
         raise ValueError(f"DSPARK_DECODE_CORE must be auto, compiled, eager or dynamic, got {mode!r}")
     return mode
 

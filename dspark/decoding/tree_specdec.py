@@ -29,7 +29,6 @@ import torch
 from torch import Tensor
 
 from dspark.decoding.batched_cache import tree_visibility
-from dspark.decoding.kv_sequence import additive_layout_mask
 from dspark.decoding.sampling import KeyedNoise, SamplingParams, rejection_residual, sample, to_probs
 from dspark.decoding.specdec import GenerationResult, RoundStats, generate_rounds
 
@@ -103,13 +102,6 @@ def tree_expected_accepted(tokens: Tensor, parents: list[int], draft_probs: Tens
 def verify_parents(parents: list[int]) -> list[int]:
     """Parents within the verified row [anchor, nodes]: the anchor is the root, node i sits at 1 + i."""
     return [-1, *(p + 1 for p in parents)]
-
-
-def tree_attention(parents: list[int], cached: int, dtype: torch.dtype, device) -> tuple[Tensor, Tensor]:
-    """(additive mask [1, 1, 1 + M, cached + 1 + M], position ids [1, 1 + M]) of [anchor, nodes]: each row
-    sees the cache, and of the new tokens itself and its ancestors; a node stands at cached + its depth."""
-    seen, depth = tree_visibility(verify_parents(parents))
-    return additive_layout_mask(seen, cached, dtype).to(device), (cached + depth)[None].to(device)
 
 
 def accept_keyed_tree(tokens: Tensor, parents: list[int], target_probs: Tensor, noise: KeyedNoise,

@@ -21,7 +21,7 @@ import hashlib
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Literal, Sequence
+from typing import Callable, Iterable, Sequence
 
 import torch
 from pydantic import Field
@@ -31,6 +31,7 @@ from dspark.config import StrictModel
 from dspark.decoding.sampling import MaxNewTokens, SamplingParams, Temperature, TopK, TopP
 from dspark.decoding.scheduler import threshold_schedule
 from dspark.decoding.specdec import GenerationResult, RoundStats, speculative_generate, target_generate
+from dspark.decoding.static_core import DecodeCoreMode
 from dspark.drafters.registry import DRAFTER_CLASSES
 from dspark.eval.benchmark_files import (Benchmark, BenchmarkError, BenchmarkSpec, load_benchmark,  # noqa: F401
                                          load_benchmarks, parse_benchmark)  # (re-exported: callers use ev.*)
@@ -50,7 +51,7 @@ class DecodeSettings(StrictModel):
     greedy: bool = Field(False, description="argmax decoding whatever the temperature (same as temperature 0)")
     gamma: int | None = Field(None, ge=1, description="drafts proposed per round; None = each drafter's block size")
     max_new_tokens: MaxNewTokens = 256
-    decode_core: Literal["auto", "compiled", "eager", "dynamic"] | None = Field(
+    decode_core: DecodeCoreMode | None = Field(
         None, description="the target's batch-1 KV path (dspark.decoding.kv_sequence): auto (compiled on CUDA, "
                           "eager on CPU), compiled, eager, dynamic (HF cache); None = DSPARK_DECODE_CORE or auto")
 

@@ -9,8 +9,10 @@ import torch
 
 from dspark.decoding import kv_sequence, specdec
 from dspark.decoding.sampling import SamplingParams
-from dspark.decoding.tree_specdec import (accept_tree, children_of, parse_branching, tree_attention,
-                                          tree_speculative_generate)
+from dspark.decoding.batched_cache import tree_visibility
+from dspark.decoding.kv_sequence import additive_layout_mask
+from dspark.decoding.tree_specdec import (accept_tree, children_of, parse_branching, tree_speculative_generate,
+                                          verify_parents)
 from dspark.drafters import DrafterConfig, build_drafter
 from dspark.models.target import build_tiny_model
 from tests.lossless_stats import chi2_pvalue, exact_joint
@@ -115,8 +117,9 @@ def test_siblings_are_distinct_and_draw_without_replacement():
 
 
 def test_tree_attention_sees_ancestors_only():
-    # anchor -> a, b; a -> c; b -> d  (depths 1, 1, 2, 2)
-    mask, positions = tree_attention([-1, -1, 0, 1], cached=2, dtype=torch.float32, device="cpu")
+    # anchor -> a, b; a -> c; b -> d  (depths 1, 1, 2, 2): the layout a tree round verifies with
+    seen, depth = tree_visibility(verify_parents([-1, -1, 0, 1]))
+    mask, positions = additive_layout_mask(seen, cached=2, dtype=torch.float32), (2 + depth)[None]
     visible = (mask[0, 0] == 0).int().tolist()
     assert visible == [[1, 1, 1, 0, 0, 0, 0],   # anchor: cache + itself
                        [1, 1, 1, 1, 0, 0, 0],   # a

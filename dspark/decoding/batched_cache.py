@@ -299,10 +299,15 @@ class RaggedSlots:
     def __init__(self, target):
         enable_ragged(target.model)
         self.target, self.kv = target, KVSlots(target.device, target.dtype)
+        self.device = self.kv.device
 
     @property
     def used(self) -> int:
         return self.kv.used
+
+    @property
+    def lengths(self) -> list[int]:
+        return self.kv.lengths
 
     def allocate(self) -> int:
         return self.kv.allocate()
@@ -310,16 +315,29 @@ class RaggedSlots:
     def release(self, slot: int) -> int | None:
         return self.kv.release(slot)
 
+    def set_length(self, slot: int, length: int) -> None:
+        self.kv.set_length(slot, length)
+
+    def keep_columns(self, slot: int, base: int, columns: list[int]) -> None:
+        self.kv.keep_columns(slot, base, columns)
+
+    def memory_bytes(self) -> int:
+        return self.kv.memory_bytes()
+
+    def forward(self, first: int, rows: list[torch.Tensor], logits_at: str, layer_ids=(),
+                parents: list[list[int] | None] | None = None, eager: bool = True) -> list[tuple]:
+        ids = torch.cat([r.to(self.device) for r in rows])[None]
+        return ragged_forward(self.target, self.kv, first, ids, [int(r.shape[0]) for r in rows], logits_at,
+                              list(layer_ids or ()) or None, parents)
+
     def prefill(self, first: int, prompts: list[list[int]]) -> torch.Tensor:
-        ids = torch.tensor([t for p in prompts for t in p], device=self.target.device)[None]
-        outs = ragged_forward(self.target, self.kv, first, ids, [len(p) for p in prompts], "last")
+        outs = self.forward(first, [torch.tensor(p) for p in prompts], "last")
         for slot, p in enumerate(prompts, start=first):
             self.kv.set_length(slot, len(p))
         return torch.cat([logits for logits, _ in outs])
 
     def decode(self, tokens: list[int]) -> torch.Tensor:
-        ids = torch.tensor(tokens, device=self.target.device)[None]
-        outs = ragged_forward(self.target, self.kv, 0, ids, [1] * len(tokens), "all")
+        outs = self.forward(0, list(torch.tensor(tokens)[:, None]), "all")
         for slot in range(len(tokens)):
             self.kv.set_length(slot, self.kv.lengths[slot] + 1)
         return torch.cat([logits for logits, _ in outs])

@@ -2,20 +2,22 @@
 
 One engine holds the frozen target, one drafter (its STS calibration travels with it) and the active
 requests. Each `step()`:
-  1. admits waiting requests (bounded queue) and prefills them in one ragged target forward; the
+  1. admits waiting requests (bounded queue) and prefills them in one target step; the
      first token of each comes from the prefill, the drafter context gets the prompt's features;
   2. drafts γ tokens for every active request (`drafter.propose_batch`);
   3. picks a verify length ℓ_r per request with the scheduler (dspark.decoding.scheduler: dynamic = Algorithm 1
      over the SPS table profiled at start, threshold, fixed, off);
-  4. verifies [anchor_r, drafts_r[:ℓ_r]] of ALL requests in ONE target forward: tokens are flattened
-     into one row and each request attends to its own KV slot (dspark.decoding.batched_cache);
+  4. verifies [anchor_r, drafts_r[:ℓ_r]] of ALL requests in ONE target step of the decoding core
+     (dspark.decoding.static_core `CoreSlots`: one row per request over its preallocated KV slot, rows
+     padded to a shape bucket, compiled or eager — `decode_core`; with `decode_core: dynamic` the ragged
+     store of dspark.decoding.batched_cache: tokens flattened into one row);
   5. accepts losslessly per request (`accept_drafts`), keeps the accepted prefix in the KV slot, queues
      its target features for the drafter context, emits the new tokens; finished requests leave, their
      slots are recycled.
 With `draft_tree` set (EngineConfig), a step with at most `tree_max_rows` active requests drafts a tree per
 request instead (`drafter.draft_trees`) and verifies every node (the row's tokens attend to their ancestors
-only, dspark.decoding.batched_cache); the tree walk (`accept_tree`, `accept_keyed_tree`) picks the accepted
-path, whose KV columns move behind the prefix (`KVSlots.keep_columns`). Such steps bypass the scheduler; with
+only); the tree walk (`accept_tree`, `accept_keyed_tree`) picks the accepted
+path, whose KV columns move behind the prefix (`keep_columns`). Such steps bypass the scheduler; with
 the draft gate on, a gate of their own (`tree_gate`: a tree's verify cost and acceptance are not a chain's)
 decides whether drafting a tree beats a target-only step at that load.
 The drafter context is caught up lazily: the target features of verified positions wait in
@@ -27,8 +29,8 @@ Requests join and leave between steps. A request whose drafting, verification or
 is finished with an error; the others continue. `healthy` turns False when steps keep failing.
 
 Losslessness: every row is exactly batch-1 speculative decoding (dspark.decoding.specdec) with a verify length
-that is non-anticipating (the scheduler's modes guarantee it; Appendix A), and the ragged forward
-computes the same logits as a per-request forward with a KV cache.
+that is non-anticipating (the scheduler's modes guarantee it; Appendix A), and the batched step
+computes the same logits as a per-request forward with a KV cache (each row sees its own slot only).
 
 Randomness: every request draws from its own torch.Generator (on the target's device), seeded with
 the request's `seed` or, without one, from the engine's seed stream (EngineConfig.seed). Its prefill
@@ -53,7 +55,7 @@ right after a catch-up ctx_pending is empty, so the drafter drafts from the full
 Module map: the per-request state and step report are dspark.decoding.request; the queue, slots,
 retirement, totals and background loop dspark.decoding.request_batch (Engine subclasses its
 RequestBatch); the config dspark.decoding.engine_config; the start-up SPS profile
-dspark.decoding.sps_profile; the ragged forward dspark.decoding.batched_cache.
+dspark.decoding.sps_profile; the KV slots and their step dspark.decoding.kv_sequence `open_slots`.
 """
 from __future__ import annotations
 
@@ -64,8 +66,8 @@ from typing import Sequence
 
 import torch
 
-from dspark.decoding.batched_cache import KVSlots, enable_ragged, ragged_forward
 from dspark.decoding.engine_config import EngineConfig
+from dspark.decoding.kv_sequence import open_slots
 from dspark.decoding.request import (EngineUnavailableError, Listener, QueueFullError, Request, RequestStats,
                                      StepReport, TokenLogprob)
 from dspark.decoding.request_batch import RequestBatch
@@ -96,13 +98,12 @@ class Engine(RequestBatch):
         self.tree = self._check_tree()
         self.layer_ids = drafter_layer_ids(drafter) if self.drafting else None
         self.max_model_len = min(cfg.max_model_len, getattr(target, "max_positions", cfg.max_model_len))
-        enable_ragged(target.model)
         # Device invariant: KV slots, request RNGs and every tensor a step creates live on target.device (so
         # does the drafter); sampling moves probabilities to the generator's device, never back.
-        kv = KVSlots(target.device, target.dtype)
+        kv = open_slots(target, cfg.max_batch, cfg.decode_core, self.max_model_len)
         self.sps: SPSTable | None = None
         if self.mode in ("dynamic", "async_topk"):
-            self.sps = engine_sps_table(cfg, target, self.gamma, self.layer_ids)
+            self.sps = engine_sps_table(cfg, kv, target, self.gamma, self.layer_ids)
         self.scheduler = PrefixScheduler(cfg.scheduler, self.sps)
         sched = cfg.scheduler
         gate_on = sched.draft_gate and self.sps is not None and self.drafting
@@ -214,10 +215,10 @@ class Engine(RequestBatch):
         return report
 
     def _prefill(self, newcomers: list[Request], report: StepReport) -> None:
-        """One ragged forward over the newcomers' prompts: first token, KV slot, drafter context."""
+        """One target step over the newcomers' prompts: first token, KV slot, drafter context."""
         report.admitted, report.prefill_tokens = len(newcomers), sum(len(r.prompt_ids) for r in newcomers)
         rows = [torch.tensor(r.prompt_ids, device=self.target.device) for r in newcomers]
-        outputs = self._forward_rows(newcomers, rows, "last", report)
+        outputs = self._forward_rows(newcomers, rows, "last", report, eager=True)
         for req, ids, out in zip(newcomers, rows, outputs):
             if req.finished:
                 continue
@@ -416,30 +417,26 @@ class Engine(RequestBatch):
         self._emit(req, ids[rows][1:].tolist() + [next_token], report, logits[rows])
 
     # ---- the batched target forward -----------------------------------------------------------
-    def _forward_rows(self, reqs: list[Request], rows: list[torch.Tensor], logits_at: str,
-                      report: StepReport, parents: list[list[int] | None] | None = None) -> list[tuple]:
-        """Ragged forward over the requests' slots (contiguous, in order); parents: per row None or its
-        tree. Returns per row (logits, features). If the batch fails, each row is retried alone and only
+    def _forward_rows(self, reqs: list[Request], rows: list[torch.Tensor], logits_at: str, report: StepReport,
+                      parents: list[list[int] | None] | None = None, eager: bool = False) -> list[tuple]:
+        """One target step over the requests' slots (contiguous, in order: the decoding core's, or the ragged
+        store's with decode_core dynamic); parents: per row None or its tree. Returns per row (logits, features). If the batch fails, each row is retried alone and only
         failing rows are failed."""
-        first, counts = reqs[0].slot, [len(r) for r in rows]
+        first = reqs[0].slot
         parents = parents or [None] * len(rows)
         assert [r.slot for r in reqs] == list(range(first, first + len(reqs))), "slots must be contiguous"
         try:
-            return self._ragged_forward(self.kv, first, torch.cat(rows)[None], counts, logits_at, parents)
+            return self.kv.forward(first, rows, logits_at, self.layer_ids, parents, eager)
         except Exception:
             log.warning("batched target forward failed; retrying row by row to isolate the failure", exc_info=True)
         outputs = []
         for req, ids, tree in zip(reqs, rows, parents):
             try:
-                outputs.append(self._ragged_forward(self.kv, req.slot, ids[None], [len(ids)], logits_at, [tree])[0])
+                outputs.append(self.kv.forward(req.slot, [ids], logits_at, self.layer_ids, [tree], eager)[0])
             except Exception as err:
                 outputs.append((None, None))
                 self._fail(req, f"target forward failed: {err}", report)
         return outputs
-
-    def _ragged_forward(self, store: KVSlots, first: int, ids: torch.Tensor, counts: list[int],
-                        logits_at: str, parents: list[list[int] | None] | None = None) -> list[tuple]:
-        return ragged_forward(self.target, store, first, ids, counts, logits_at, self.layer_ids, parents)
 
     def stats(self) -> dict:
         """A JSON-able snapshot: the batch's (queue, totals, rates) plus scheduler, gates and SPS table."""

@@ -9,12 +9,16 @@ from pydantic import Field, PositiveInt
 from dspark.config import StrictModel
 from dspark.decoding.sampling import LogprobsMode
 from dspark.decoding.scheduler import SchedulerConfig
+from dspark.decoding.static_core import DecodeCoreMode
 
 
 class EngineConfig(StrictModel):
     scheduler: SchedulerConfig = Field(default_factory=lambda: SchedulerConfig(mode="dynamic"), description="which drafts each step verifies")
     gamma: int | None = Field(None, description="drafts proposed per round (None = the drafter's block size)")
     max_batch: int = Field(32, description="active requests per step")
+    decode_core: DecodeCoreMode | None = Field(None, description=(
+        "the target step: the static decoding core compiled or eager (auto: compiled on CUDA, eager on a CPU), "
+        "or dynamic (the ragged KV store); None = DSPARK_DECODE_CORE or auto"))
     max_waiting: int = Field(128, description="queued requests beyond which submit() rejects (HTTP 429)")
     max_model_len: int = Field(2048, description="prompt + max_new_tokens + γ + 1 must fit (capped by the target)")
     max_prefill_tokens: int = Field(4096, description="prompt tokens admitted per step (at least one request always)")

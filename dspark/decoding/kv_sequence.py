@@ -65,10 +65,12 @@ def open_sequence(target, mode: str | None = None) -> CoreSequence | DynamicSequ
     return DynamicSequence(target) if core_mode is None else CoreSequence(core_for(target, mode=core_mode))
 
 
-def open_slots(target, max_batch: int, mode: str | None = None):
-    """Batched sequences' KV store (CoreSlots' interface): the core's slots (mode auto | compiled | eager, default
-    DSPARK_DECODE_CORE), else (or with mode "dynamic") the ragged store of dspark.decoding.batched_cache."""
+def open_slots(target, max_batch: int, mode: str | None = None, max_len: int | None = None):
+    """Batched sequences' KV store (CoreSlots' interface: allocate / release / set_length / keep_columns /
+    forward): the core's slots (mode auto | compiled | eager, default DSPARK_DECODE_CORE; a compiled store
+    holds `max_len` columns per slot up front), else (or with mode "dynamic") the ragged store of
+    dspark.decoding.batched_cache."""
     from dspark.decoding.batched_cache import RaggedSlots
 
     core_mode = core_mode_for(target, mode)
-    return RaggedSlots(target) if core_mode is None else CoreSlots(target, max_batch, core_mode)
+    return RaggedSlots(target) if core_mode is None else CoreSlots(target, max_batch, core_mode, max_len)

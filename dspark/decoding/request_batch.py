@@ -19,7 +19,6 @@ from typing import Callable
 
 import torch
 
-from dspark.decoding.batched_cache import KVSlots
 from dspark.decoding.engine_config import EngineConfig
 from dspark.decoding.request import EngineUnavailableError, QueueFullError, Request, StepReport, TokenLogprob
 from dspark.decoding.sampling import to_logprobs
@@ -36,7 +35,7 @@ class RequestBatch:
     gamma = 0  # Engine: drafts per round (γ + 1 positions of the context are kept free for a round)
     max_model_len = 0  # Engine: the context a request must fit in
 
-    def __init__(self, cfg: EngineConfig, kv: KVSlots):
+    def __init__(self, cfg: EngineConfig, kv):  # kv: the KV slots (dspark.decoding.kv_sequence.open_slots)
         self.cfg, self.kv = cfg, kv
         self._seeds = random.Random(cfg.seed)  # seeds of requests that bring none (None: OS entropy)
         self.active: list[Request] = []  # active[i].slot == i

@@ -139,7 +139,8 @@ def missing_parts(target) -> list[str]:
 class DecodeCore:
     """A target's static KV store (`slots` sequences) and its step, compiled or eager (module doc)."""
 
-    def __init__(self, target, slots: int = 1, mode: str | None = None, capacity: int = _CAPACITY_CHUNK):
+    def __init__(self, target, slots: int = 1, mode: str | None = None, capacity: int = _CAPACITY_CHUNK,
+                 chunk: int = _CAPACITY_CHUNK):
         missing = missing_parts(target)
         if missing:
             raise NotImplementedError(f"{type(target.model).__name__}: the decoding core walks embed_tokens, "
@@ -151,7 +152,7 @@ class DecodeCore:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.keys: list[Tensor] = []
         self.values: list[Tensor] = []
-        self.capacity = 0
+        self.capacity, self.chunk = 0, int(chunk)
         self._reserve(capacity)
         self._compiled = None
         self.owner = None  # the CoreSequence using slot 0 (batch-1 decoding), if any
@@ -163,7 +164,7 @@ class DecodeCore:
         """Make room for `columns` KV columns per slot (copying what is there: a regrow retraces)."""
         if columns <= self.capacity:
             return
-        cap = -(-columns // _CAPACITY_CHUNK) * _CAPACITY_CHUNK
+        cap = -(-columns // self.chunk) * self.chunk
         dev, dtype = self.target.device, self.target.dtype
         shape = (self.slots, self.kv_heads, cap, self.head_dim)
         for store in (self.keys, self.values):
@@ -302,12 +303,19 @@ def core_for(target, slots: int = 1, mode: str | None = None) -> DecodeCore:
 
 
 class CoreSlots:
-    """Batched sequences on a core's slots (the rollout generator's KV store): slots 0..used-1 hold the active
-    sequences, contiguous. Decoding steps pad their rows to a power of two (a few graphs, not one per batch
-    size); the padding rows write a column of free slots, which the next prefill there overwrites."""
+    """Batched sequences on a core's slots (the KV store of the serving engine and the rollout generator):
+    slots 0..used-1 hold the active sequences, contiguous, slot s verified up to `lengths[s]`. `forward`
+    appends a row of tokens (a chain, or a tree of drafts) to each of a range of slots in one step; rows
+    pad to one width, and compiled steps from slot 0 pad rows and width to powers of two (a few graphs, not
+    one per shape): padding tokens write stale columns only, padding rows free slots' columns, which the
+    next prefill there overwrites. A compiled store is sized up front (`max_len`: a regrow retraces every
+    graph); an eager one grows in chunks of 256 columns."""
 
-    def __init__(self, target, max_batch: int, mode: str | None = None):
-        self.core = DecodeCore(target, slots=max_batch, mode=mode)
+    def __init__(self, target, max_batch: int, mode: str | None = None, max_len: int | None = None):
+        mode = resolve_mode(mode or default_mode(), target.device)
+        up_front = max_len if mode == "compiled" and max_len else MIN_WINDOW
+        self.core = DecodeCore(target, slots=max_batch, mode=mode, capacity=up_front, chunk=256)
+        self.device = target.device
         self.lengths: list[int] = []
 
     @property
@@ -323,28 +331,79 @@ class CoreSlots:
     def release(self, slot: int) -> int | None:
         """Free `slot`; the last slot moves into it (returns its old index, None if nothing moved)."""
         last = self.used - 1
+        if not 0 <= slot <= last:
+            raise IndexError(f"slot {slot} is not in use (0..{last})")
         if slot != last:
             self.core.move_slot(last, slot, self.lengths[last])
             self.lengths[slot] = self.lengths[last]
         self.lengths.pop()
         return last if slot != last else None
 
+    def set_length(self, slot: int, length: int) -> None:
+        """Keep the first `length` columns of a slot (commit accepted tokens / drop rejected ones)."""
+        self.lengths[slot] = length
+
+    def keep_columns(self, slot: int, base: int, columns: list[int]) -> None:
+        """Keep [0, base) of a slot, then `columns` (ascending, >= base: a tree row's accepted path)."""
+        if columns != list(range(base, base + len(columns))):
+            self.core.keep_columns(slot, base, torch.tensor(columns, device=self.device))
+        self.lengths[slot] = base + len(columns)
+
+    def memory_bytes(self) -> int:
+        return self.core.memory_bytes()
+
+    def forward(self, first: int, rows: list[Tensor], logits_at: str, layer_ids=(),
+                parents: list[list[int] | None] | None = None, eager: bool = False) -> list[tuple]:
+        """Append rows[r] (token ids [n_r]) to slot first + r at its length -> per row (logits [n_r, V] with
+        logits_at "all", [1, V] with "last"; features [n_r, m*d] or None): `ragged_forward`'s contract.
+        parents: per row None (a chain) or its tree (`tree_visibility`). eager: run this step uncompiled (prefills:
+        compute-bound, and one graph per prompt width would never pay back its compile). The caller sets the
+        lengths after."""
+        counts, real = [int(r.shape[0]) for r in rows], len(rows)
+        width, count = max(counts), real
+        if self.core.mode == "compiled" and not eager and first == 0 and width <= COMPILED_MAX_TOKENS:
+            width, count = token_bucket(width), min(token_bucket(real), self.core.slots)
+        ids = torch.zeros(count, width, dtype=torch.long, device=self.device)
+        for r, row in enumerate(rows):
+            ids[r, : counts[r]] = row
+        depth = seen = None
+        if parents is not None and any(p is not None for p in parents):
+            depth, seen = _row_layouts(parents, counts, count, width)
+        pick = torch.tensor([[n - 1] for n in counts] + [[0]] * (count - real)) if logits_at == "last" else None
+        starts = self.lengths[first: first + real] + [0] * (count - real)
+        out = self.core.step(ids, starts, tuple(layer_ids or ()), pick=pick, depth=depth, seen=seen, first=first,
+                             eager=eager)
+        feats = out.features
+        return [(out.logits[r] if pick is not None else out.logits[r, :n], None if feats is None else feats[r, :n])
+                for r, n in enumerate(counts)]
+
     def prefill(self, first: int, prompts: list[list[int]]) -> Tensor:
-        """Prompts into slots first.. (right-padded to the longest; the padding's columns lie past each
-        length, so nothing reads them) -> logits [R, V] of each prompt's last token. Always eager: prefills
-        are compute-bound, and one graph per (rows, width) would never pay back its compile."""
-        width = max(map(len, prompts))
-        ids = torch.tensor([p + [0] * (width - len(p)) for p in prompts])
-        pick = torch.tensor([[len(p) - 1] for p in prompts])
-        out = self.core.step(ids, [0] * len(prompts), pick=pick, first=first, eager=True)
+        """Prompts into slots first.. -> logits [R, V] of each prompt's last token (eager, see `forward`)."""
+        rows = [torch.tensor(p, device=self.device) for p in prompts]
+        outs = self.forward(first, rows, "last", eager=True)
         self.lengths[first:] = [len(p) for p in prompts]
-        return out.logits[:, 0]
+        return torch.cat([logits for logits, _ in outs])
 
     def decode(self, tokens: list[int]) -> Tensor:
         """One token appended to each of slots 0..len(tokens)-1 -> logits [R, V] of the next token."""
         rows = len(tokens)
-        padded = min(token_bucket(rows), self.core.slots) if self.core.mode == "compiled" else rows
-        ids = torch.tensor(tokens + [0] * (padded - rows))[:, None]
-        out = self.core.step(ids, self.lengths[:rows] + [0] * (padded - rows))
+        outs = self.forward(0, list(torch.tensor(tokens, device=self.device)[:, None]), "all")
         self.lengths[:rows] = [n + 1 for n in self.lengths[:rows]]
-        return out.logits[:rows, 0]
+        return torch.cat([logits for logits, _ in outs])
+
+
+def _row_layouts(parents: list[list[int] | None], counts: list[int], rows: int, width: int) -> tuple[Tensor, Tensor]:
+    """(depth [rows, width], seen [rows, width, width]) of a step's rows: a chain's (padding continues the
+    chain), a tree's (`tree_visibility`; padding tokens are lone nodes that see the prefix only); padding
+    rows are chains."""
+    from dspark.decoding.batched_cache import tree_visibility
+
+    depth = torch.arange(width).repeat(rows, 1)
+    seen = torch.ones(width, width, dtype=torch.bool).tril().repeat(rows, 1, 1)
+    for r, tree in enumerate(parents):
+        if tree is not None:
+            n = counts[r]
+            tree_seen, tree_depth = tree_visibility(tree)
+            depth[r], seen[r] = 0, torch.eye(width, dtype=torch.bool)
+            depth[r, :n], seen[r, :n, :n] = tree_depth, tree_seen
+    return depth, seen

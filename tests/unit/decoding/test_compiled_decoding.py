@@ -2,20 +2,24 @@
 inductor on CPU here, CUDA graphs on a GPU): lossless at temperature 1 through the real decoder (χ² of the
 first tokens' joint against the exact target joint, chain with a load-aware verify length and tree), the
 Appendix A power check (a peeking verify length must be caught by the same test), and greedy output equal
-to HF `generate` token for token (target-only, chain and tree)."""
+to HF `generate` token for token (target-only, chain and tree). The same through the continuous-batching
+engine on the core's compiled slots (`EngineConfig.decode_core`): χ² of the first tokens' joints with chains
+and with trees, greedy == HF `generate` with requests joining and leaving, and a seeded request's tokens the
+same alone and batched with others."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
 
+from dspark.decoding.engine import Engine, EngineConfig
 from dspark.decoding.sampling import SamplingParams, to_probs
 from dspark.decoding.scheduler import PrefixScheduler, SchedulerConfig, SPSTable
 from dspark.decoding.specdec import speculative_generate, target_generate
 from dspark.decoding.tree_specdec import tree_speculative_generate
 from dspark.drafters import DrafterConfig, build_drafter
 from dspark.models.target import build_tiny_model
-from tests.lossless_stats import chi2_pvalue, exact_joint
+from tests.lossless_stats import chi2_pvalue, engine_three_token_pvalues, exact_joint
 
 VOCAB, PROMPT, N_TOKENS, GAMMA, RUNS, TREE_RUNS = 6, [1, 5, 2, 4, 3], 3, 3, 3000, 2000
 SP = SamplingParams(temperature=1.0)
@@ -81,3 +85,45 @@ def test_compiled_greedy_equals_hf_generate(micro_target):
     tree = tree_speculative_generate(micro_target, drafter, PROMPT, greedy, 30, (2,), stop_ids=[],
                                      core_mode=COMPILED)
     assert chain.token_ids == reference and tree.token_ids == reference
+
+
+# ---- the continuous-batching engine on the compiled core (few rows: each (rows, width) bucket compiles once) ----
+ENGINE_RUNS, ENGINE_ROWS = 1200, 2
+
+
+def _compiled_engine(target, drafter, mode="dynamic", **kw) -> Engine:
+    kw.setdefault("sps_table", {1: 100.0, 8: 90.0, 32: 60.0})
+    engine = Engine(target, drafter, EngineConfig(scheduler=SchedulerConfig(mode=mode), decode_core=COMPILED,
+                                                  max_batch=ENGINE_ROWS, **kw))
+    assert engine.kv.core.mode == COMPILED
+    return engine
+
+
+@pytest.mark.parametrize("tree", [None, [2, 2]])
+def test_compiled_engine_is_lossless(micro_target, tree):
+    """Requests joining and leaving the compiled slots (1 or 2 rows, verify widths padded to powers of two;
+    with a tree, every step verifies trees): the joints of tokens 1-2 and 2-3 match target-only sampling."""
+    engine = _compiled_engine(micro_target, _drafter(micro_target), max_waiting=ENGINE_RUNS, draft_tree=tree,
+                              tree_max_rows=ENGINE_ROWS)
+    p12, p23, totals = engine_three_token_pvalues(engine, micro_target, PROMPT, SP, VOCAB, ENGINE_RUNS)
+    print(f"\n[lossless] compiled engine, tree {tree}: p(t1,t2)={p12:.3g} p(t2,t3)={p23:.3g} "
+          f"accepted {totals['accepted']}/{totals['verified']}")
+    assert 0 < totals["accepted"] < totals["verified"]
+    assert p12 > 1e-3 and p23 > 1e-3
+
+
+def test_compiled_engine_greedy_equals_hf_generate_and_seeds_are_batch_invariant(micro_target):
+    """Greedy: every request of a batch (joining and leaving) gets HF `generate`'s tokens. Temperature 1:
+    a seeded request gets the same tokens alone and among other requests (keyed randomness)."""
+    greedy, drafter = SamplingParams(temperature=0), _drafter(micro_target)
+    prompts = [PROMPT, [2, 3], [4] * 9, [1, 2, 3, 4], [5, 1]]
+    engine = _compiled_engine(micro_target, drafter)
+    for prompt, req in zip(prompts, engine.generate(prompts, greedy, max_new_tokens=12, stop_ids=[])):
+        hf = micro_target.model.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12,
+                                         do_sample=False)
+        assert req.tokens == hf[0, len(prompt):].tolist()
+    (alone,) = [r.tokens for r in engine.generate([PROMPT], SP, max_new_tokens=12, stop_ids=[], seeds=[77])]
+    others = prompts[1:]
+    batched = engine.generate(others[:2] + [PROMPT] + others[2:], SP, max_new_tokens=12, stop_ids=[],
+                              seeds=[None, None, 77, None, None])
+    assert batched[2].tokens == alone

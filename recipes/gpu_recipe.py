@@ -257,14 +257,14 @@ def profile_steps(r: Recipe, rows: int, steps: int, top: int = 12) -> dict:
     from torch.profiler import ProfilerActivity, schedule
     from torch.profiler import profile as torch_profile
 
-    from dspark.decoding.generator import BatchGenerator, GeneratorConfig, Request
+    from dspark.decoding.generator import BatchGenerator, GeneratorConfig, PromptJob
     from dspark.decoding.sampling import SamplingParams
     from dspark.training.budget import sync
 
     prompts = [[int(t) for t, m in zip(x["input_ids"], x["loss_mask"]) if not m] for x in r.rows]
     prompts = (prompts * (rows // len(prompts) + 1))[:rows]
     gen = BatchGenerator(r.target, GeneratorConfig(max_batch=rows, max_prefill_tokens=1 << 30))
-    requests = [Request(i, p, i, steps + 3) for i, p in enumerate(prompts)]
+    requests = [PromptJob(i, p, i, steps + 3) for i, p in enumerate(prompts)]
     marks = []  # before each loop iteration: 1 = prefill + first decoding step, 2.. = decoding steps
 
     def stop() -> bool:

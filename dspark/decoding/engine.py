@@ -32,7 +32,9 @@ Losslessness: every row is exactly batch-1 speculative decoding (dspark.decoding
 that is non-anticipating (the scheduler's modes guarantee it; Appendix A), and the batched step
 computes the same logits as a per-request forward with a KV cache (each row sees its own slot only).
 
-Randomness: every request draws from its own torch.Generator (on the target's device), seeded with
+Randomness: without a drafter (mode off: rollouts, target-only serving) every token is drawn on the device
+with counter-based randomness keyed by (the request's seed, output position), all rows in one call
+(`sample_keyed`; a keyed seeded request gets the Gumbel-max token below). With one, every request draws from its own torch.Generator (on the target's device), seeded with
 the request's `seed` or, without one, from the engine's seed stream (EngineConfig.seed). Its prefill
 sample, its drafts and its acceptance draws come from that generator only, so a request's random
 draws never depend on the other requests in the batch; but how many draws a round consumes depends
@@ -41,9 +43,8 @@ whole batch. So a request with a `seed` uses, by default (EngineConfig.seeded_sa
 position-keyed randomness instead (`dspark.decoding.sampling.KeyedNoise`): the token at output position j is
 the target's Gumbel-max sample with noise keyed by (seed, j), whatever was drafted or verified, so a
 seeded request's output depends on its seed, prompt and settings alone (up to floating-point
-differences of the batched forward), under any load and scheduler — and stays exactly lossless.
-("stream": seeded requests use the stream too, and repeat only under the same load.)
-
+differences of the batched forward), under any load and scheduler — and stays exactly lossless
+("stream": seeded requests use the stream too, and repeat only under the same load).
 Logprobs: a request asking for them (`logprobs` = number of alternatives, 0..) gets, per emitted
 token, the target's log-probability of it and the top alternatives, from the same verify-forward
 logits the token was accepted or drawn from (`dspark.decoding.sampling.to_logprobs`, EngineConfig.logprobs_mode).
@@ -52,10 +53,8 @@ Invariant between steps, for each active request r in slot r: KV length == draft
 positions in ctx_pending == len(prompt) + len(tokens) - 1 (everything but the anchor, tokens[-1]);
 right after a catch-up ctx_pending is empty, so the drafter drafts from the full verified context.
 
-Module map: the per-request state and step report are dspark.decoding.request; the queue, slots,
-retirement, totals and background loop dspark.decoding.request_batch (Engine subclasses its
-RequestBatch); the config dspark.decoding.engine_config; the start-up SPS profile
-dspark.decoding.sps_profile; the KV slots and their step dspark.decoding.kv_sequence `open_slots`.
+Module map: request (per-request state, step report), request_batch (queue, slots, retirement, totals,
+loop: Engine subclasses RequestBatch), engine_config, sps_profile, kv_sequence `open_slots` (KV + step).
 """
 from __future__ import annotations
 
@@ -162,7 +161,7 @@ class Engine(RequestBatch):
         stops = frozenset(self.target.eos_token_ids if stop_ids is None else stop_ids)
         req = Request(ids, sampling or SamplingParams(), int(max_new_tokens), stops, listener=listener, seed=seed,
                       logprobs=logprobs, **({"id": request_id} if request_id else {}))
-        if seed is not None and self.cfg.seeded_sampling == "keyed":
+        if seed is not None and self.cfg.seeded_sampling == "keyed" and self.drafting:
             req.noise = KeyedNoise(seed, self.target.vocab_size, self.target.device,
                                    getattr(self.drafter, "draft_ids", None) if self.drafting else None)
         self._enqueue(req, self.target.device)
@@ -219,14 +218,15 @@ class Engine(RequestBatch):
         report.admitted, report.prefill_tokens = len(newcomers), sum(len(r.prompt_ids) for r in newcomers)
         rows = [torch.tensor(r.prompt_ids, device=self.target.device) for r in newcomers]
         outputs = self._forward_rows(newcomers, rows, "last", report, eager=True)
+        if not self.drafting:
+            return self._target_only_tokens(newcomers, outputs, report)
         for req, ids, out in zip(newcomers, rows, outputs):
             if req.finished:
                 continue
             try:
                 logits, features = out
-                if self.drafting:
-                    req.draft_state = self.drafter.new_state()
-                    req.ctx_pending = [(features, ids)]  # read when the request first drafts
+                req.draft_state = self.drafter.new_state()  # (a drafting engine: see above)
+                req.ctx_pending = [(features, ids)]  # read when the request first drafts
                 self.kv.set_length(req.slot, len(req.prompt_ids))
                 probs = to_probs(logits[-1], req.sampling)
                 token = int(req.noise.argmax(probs[None], [0])[0]) if req.noise else int(sample(probs, req.generator))
@@ -280,16 +280,15 @@ class Engine(RequestBatch):
         return self.drafter.propose_batch(*args, samplings, generators)
 
     def _steady_share(self, rows: int, caught: int) -> float:
-        """The share of this step's catch-up that steady drafting would pay per step: about 1 + accepted
-        positions per row. The rest is the backlog the skipped steps left, which the drafter reads anyway
-        (`_catch_up_overdue`) whether or not the gate drafts: pricing it into an exploration step made
-        every exploration look expensive and kept the gate closed."""
+        """The share of this step's catch-up that steady drafting would pay per step (1 + accepted positions
+        per row); the rest is the skipped steps' backlog, read anyway (`_catch_up_overdue`): pricing it into
+        an exploration step made every exploration look expensive and kept the gate closed."""
         steady = rows * (1.0 + getattr(self.gate, "accepted_per_req", 0.0))
         return min(1.0, steady / caught) if caught else 1.0
 
     def _catch_up_overdue(self, report: StepReport) -> None:
-        """Catch up requests holding `context_catch_up_every` steps of features (bounds the memory the
-        pending features pin while the gate keeps skipping; amortised, it is 1/N of a catch-up per step)."""
+        """Catch up requests holding `context_catch_up_every` steps of features (bounds the memory they pin
+        while the gate keeps skipping)."""
         if self.drafting:
             every = self.cfg.context_catch_up_every
             self._catch_up([r for r in self.active if len(r.ctx_pending) >= every], report)
@@ -359,6 +358,10 @@ class Engine(RequestBatch):
         report.rows, report.batch_tokens = len(rows), sum(len(r) for r in rows)
         report.verify_lens = list(lengths)
         outputs = self._forward_rows(self.active, rows, "all", report, parents)
+        if not self.drafting:
+            self._target_only_tokens(list(self.active), outputs, report)
+            report.verify_s = time.perf_counter() - t0
+            return
         for req, ids, out in zip(list(self.active), rows, outputs):
             if req.finished:
                 continue

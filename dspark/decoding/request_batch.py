@@ -2,8 +2,8 @@
 active requests in KV-slot order (`active[i].slot == i`), admission into free slots, retirement (a
 finished request's slot is recycled, the last slot moving into the hole so slots stay contiguous),
 failure and cancellation, the checks a request must pass to fit the context, the emission of a round's
-tokens (stop tokens, the token limit, logprobs, the listener), the running totals, and the background
-thread that drives `step()`.
+tokens (stop tokens, the token limit, logprobs, the listener; without a drafter the tokens' draw itself,
+`_target_only_tokens`), the running totals, and the background thread that drives `step()`.
 
 `Engine` (dspark.decoding.engine) subclasses `RequestBatch` and adds the round itself (prefill, draft,
 verify, accept); nothing here touches the target or the drafter.
@@ -21,7 +21,7 @@ import torch
 
 from dspark.decoding.engine_config import EngineConfig
 from dspark.decoding.request import EngineUnavailableError, QueueFullError, Request, StepReport, TokenLogprob
-from dspark.decoding.sampling import to_logprobs
+from dspark.decoding.sampling import sample_keyed, to_logprobs
 from dspark.decoding.specdec import _keep
 from dspark.models.openmp_pool import release_openmp_pool
 
@@ -67,8 +67,8 @@ class RequestBatch:
             if len(self.waiting) >= self.cfg.max_waiting:
                 self.totals["rejected"] += 1
                 raise QueueFullError(f"engine queue is full ({self.cfg.max_waiting} waiting); retry later")
-            req.generator = torch.Generator(device=device).manual_seed(
-                req.seed if req.seed is not None else self._seeds.getrandbits(63))
+            req.key_seed = req.seed if req.seed is not None else self._seeds.getrandbits(63)
+            req.generator = torch.Generator(device=device).manual_seed(req.key_seed)
             self.waiting.append(req)
             self.totals["submitted"] += 1
         self._wakeup.set()
@@ -92,6 +92,10 @@ class RequestBatch:
         """Stop a request at the next step boundary (e.g. its client went away)."""
         req.cancelled = True
         self._wakeup.set()
+
+    def cancel_all(self) -> None:
+        """Finish every active and waiting request now as cancelled (their tokens so far stay)."""
+        self._fail_all("cancelled", reason="cancelled")
 
     def has_work(self) -> bool:
         return bool(self.active or self.waiting)
@@ -172,6 +176,24 @@ class RequestBatch:
             req.finish_reason = finish
             report.finished += 1
         self._notify(req, kept)
+
+    def _target_only_tokens(self, reqs: list[Request], outputs: list[tuple], report: StepReport) -> None:
+        """Without a drafter every row gets one token, all drawn in one device call and one host copy, the token
+        at output position j keyed by (key_seed, j) (`sample_keyed`: the same alone or in any batch): for a
+        seeded request with seeded_sampling keyed the Gumbel-max token a drafting engine would emit, else the
+        inverse-CDF draw at u(key_seed, j)."""
+        live = [(r, logits) for r, (logits, _) in zip(reqs, outputs) if not r.finished]
+        if not live:
+            return
+        logits = torch.cat([lg[-1:] for _, lg in live])
+        keyed = [r.seed is not None and self.cfg.seeded_sampling == "keyed" for r, _ in live]  # Gumbel (KeyedNoise)
+        tokens = sample_keyed(logits, [r.sampling for r, _ in live], [r.key_seed for r, _ in live],
+                              [len(r.tokens) for r, _ in live], keyed).tolist()
+        for (req, lg), token in zip(live, tokens):
+            self.kv.set_length(req.slot, len(req.prompt_ids) + len(req.tokens))
+            if req.tokens:
+                req.stats.add_round(0, 0, 0)
+            self._emit(req, [token], report, lg[-1:])
 
     def _logprobs(self, req: Request, tokens: list[int], logits: torch.Tensor) -> list[TokenLogprob]:
         lp = to_logprobs(logits, req.sampling, self.cfg.logprobs_mode)  # [n, V]

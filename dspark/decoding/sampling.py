@@ -9,7 +9,10 @@ one-hot at the argmax, and the acceptance rule then reduces to "accept iff argma
 Two sources of randomness: a request's torch.Generator stream (draws consumed in order, so how
 many are consumed depends on how many drafts were verified), or `KeyedNoise` (the noise of output
 position j is a function of (seed, j) alone; tokens are drawn by Gumbel-max with that noise, so the
-target's token at j does not depend on what was drafted or verified — see `KeyedNoise`).
+target's token at j does not depend on what was drafted or verified — see `KeyedNoise`). The keyed noise
+is counter-based and made on the device (`keyed_gumbel`: splitmix64 of (seed, position, token)), so the
+target-only tokens of a whole batch are drawn in one call (`sample_keyed`: the engine without a drafter; the
+rollout generator's tokens by inverse CDF at the counter-based uniform `keyed_uniform(seed, position)`).
 """
 from __future__ import annotations
 
@@ -114,6 +117,71 @@ def _mix64(x: int) -> int:
     return x ^ (x >> 31)
 
 
+def _signed(c: int) -> int:
+    return c - 2**64 if c >= 2**63 else c
+
+
+def _mix64_tensor(x: Tensor) -> Tensor:
+    """`_mix64` on int64 tensors (two's-complement wrap-around is arithmetic mod 2**64; `>>` on int64 is
+    arithmetic, so the shifted-in sign bits are masked off to make it the logical shift)."""
+    def lsr(v: Tensor, k: int) -> Tensor:
+        return (v >> k) & ((1 << (64 - k)) - 1)
+    x = x + _signed(0x9E3779B97F4A7C15)
+    x = (x ^ lsr(x, 30)) * _signed(0xBF58476D1CE4E5B9)
+    x = (x ^ lsr(x, 27)) * _signed(0x94D049BB133111EB)
+    return x ^ lsr(x, 31)
+
+
+def keyed_gumbel(seeds: Tensor, positions: Tensor, vocab_size: int) -> Tensor:
+    """Counter-based Gumbel noise on the device: g [N, V] float64, g[i, x] a function of (seeds[i],
+    positions[i], x) alone: u = the top 53 bits of splitmix64(splitmix64(splitmix64(seed) ^ position) ^ x),
+    g = -log(-log u) (u = 0 gives -inf: never chosen). No generator state, no host round trip: the noise of
+    every row of a step in one call (`KeyedNoise`, `sample_keyed`)."""
+    row = _mix64_tensor(_mix64_tensor(seeds.long().reshape(-1, 1)) ^ positions.long().reshape(-1, 1))
+    bits = _mix64_tensor(row ^ torch.arange(vocab_size, device=row.device))
+    u = ((bits >> 11) & ((1 << 53) - 1)).double() * 2.0**-53
+    return -torch.log(-torch.log(u))
+
+
+def keyed_uniform(seeds: Tensor, positions: Tensor) -> Tensor:
+    """Counter-based uniforms on the device: u [N] float64 in [0, 1), u[i] a function of (seeds[i],
+    positions[i]) alone (the top 53 bits of splitmix64(splitmix64(seed) ^ position))."""
+    x = _mix64_tensor(_mix64_tensor(seeds.long()) ^ positions.long())
+    return ((x >> 11) & ((1 << 53) - 1)).double() * 2.0**-53
+
+
+def sample_keyed(logits: Tensor, samplings: Sequence[SamplingParams], seeds: Sequence[int],
+                 positions: Sequence[int], gumbel: Sequence[bool] | None = None) -> Tensor:
+    """One target-only token per row of logits [R, V], drawn from to_probs(logits[r], samplings[r]) with
+    randomness keyed by (seeds[r], positions[r]) alone -> LongTensor [R] on logits' device. gumbel[r]: the
+    Gumbel-max sample with `keyed_gumbel` noise (the very token `KeyedNoise(seed).argmax` gives there, so a
+    seeded request is the same with or without a drafter; V hashes per row); else inverse CDF at
+    `keyed_uniform` (one hash per row: the rollout generator's). Rows sharing a SamplingParams are processed
+    together (usually all of them: one call, no per-row work)."""
+    dev, rows_n = logits.device, logits.shape[0]
+    keys = torch.tensor([_signed(s & _MASK64) for s in seeds], device=dev)
+    where = torch.tensor(list(positions), device=dev)
+    use_gumbel = torch.tensor(list(gumbel) if gumbel is not None else [False] * rows_n, device=dev)
+    u = keyed_uniform(keys, where)
+    tokens = torch.empty(rows_n, dtype=torch.long, device=dev)
+    groups: dict[tuple, tuple[SamplingParams, list[int]]] = {}
+    for r, sp in enumerate(samplings):
+        groups.setdefault(tuple(sp.model_dump().values()), (sp, []))[1].append(r)
+    for sp, rows in groups.values():
+        index = torch.tensor(rows, device=dev) if len(rows) < rows_n else slice(None)
+        probs = to_probs(logits[index], sp)
+        tokens[index] = inverse_cdf(probs, u[index, None])
+    if gumbel is not None and any(gumbel):
+        rows = torch.nonzero(use_gumbel)[:, 0]
+        noise = keyed_gumbel(keys[rows], where[rows], logits.shape[-1])
+        for sp, group in groups.values():
+            picked = [r for r in group if gumbel[r]]
+            if picked:
+                at = torch.tensor(picked, device=dev)
+                tokens[at] = (to_probs(logits[at], sp).double().log() + noise[torch.searchsorted(rows, at)]).argmax(-1)
+    return tokens
+
+
 def derive_seed(seed: int, *keys: int) -> int:
     """A seed in [0, 2**63) that is a function of (seed, keys) alone (e.g. (request seed, position))."""
     x = _mix64(seed & _MASK64)
@@ -123,9 +191,9 @@ def derive_seed(seed: int, *keys: int) -> int:
 
 
 class KeyedNoise:
-    """Counter-based randomness of one request: the Gumbel noise g_j [V] of output position j comes
-    from a generator seeded with derive_seed(seed, j), a function of (seed, j) alone, never of how
-    many draws were made before.
+    """Counter-based randomness of one request: the Gumbel noise g_j [V] of output position j is
+    `keyed_gumbel(seed, j)`, computed on the device, a function of (seed, j) alone, never of how many
+    draws were made before.
 
     Coupling (invariant): a token is drawn by Gumbel-max, x_j = argmax_x log p_j(x) + g_j(x), which is
     distributed exactly as p_j (g_j i.i.d. standard Gumbel, independent of the prefix, which depends
@@ -140,8 +208,7 @@ class KeyedNoise:
 
     def __init__(self, seed: int, vocab_size: int, device, columns: Tensor | None = None):
         self.seed, self.vocab_size = int(seed), int(vocab_size)
-        self.generator = torch.Generator(device=device)
-        self.device = self.generator.device
+        self.device = torch.device(device)
         self.columns = None if columns is None else columns.to(self.device)
         self.cursor = 0
         self._noise: dict[int, Tensor] = {}  # position -> g [V] float64 (drafts and verify share it)
@@ -149,9 +216,8 @@ class KeyedNoise:
     def gumbel(self, position: int) -> Tensor:
         g = self._noise.get(position)
         if g is None:
-            self.generator.manual_seed(derive_seed(self.seed, position))
-            u = torch.rand(self.vocab_size, generator=self.generator, device=self.device, dtype=torch.float64)
-            g = self._noise[position] = -torch.log(-torch.log(u))  # u = 0 -> -inf: never chosen
+            g = self._noise[position] = keyed_gumbel(torch.tensor([_signed(self.seed & _MASK64)], device=self.device),
+                                                     torch.tensor([position], device=self.device), self.vocab_size)[0]
         return g
 
     def forget_before(self, position: int) -> None:

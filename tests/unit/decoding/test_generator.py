@@ -98,11 +98,11 @@ def test_stream_cycles_requests_and_stops_mid_batch_with_valid_prefixes(tiny):
     step: finished answers equal generate() for the same seeds, stopped ones are prefixes of them."""
     import itertools
 
-    from dspark.decoding.generator import Request
+    from dspark.decoding.generator import PromptJob
 
     prompts = [_chat(tiny, t) for t in ("what is 2 + 3", "def f(x): return x", "list the primes")]
     sp = SamplingParams(temperature=1.0)
-    requests = (Request((c, i), p, seed=1000 * c + i, max_new_tokens=24)
+    requests = (PromptJob((c, i), p, seed=1000 * c + i, max_new_tokens=24)
                 for c in itertools.count() for i, p in enumerate(prompts))
     gen = BatchGenerator(tiny, GeneratorConfig(max_batch=4))
     steps = []

@@ -102,3 +102,26 @@ def test_nucleus_shortcut_equals_a_full_sort(scale, monkeypatch):
     fast = to_probs(logits, sp)
     monkeypatch.setattr(sampling, "TOP_P_CANDIDATES", 10**9)
     assert torch.equal(fast, to_probs(logits, sp))
+
+
+def test_counter_based_draws_are_functions_of_seed_and_position_and_follow_the_distribution():
+    """keyed_uniform / keyed_gumbel (device-side, no generator): the same (seed, position) gives the same value
+    whatever else is in the call; sample_keyed's inverse-CDF and Gumbel-max draws follow to_probs exactly
+    (χ² over 20k positions), and its Gumbel rows are KeyedNoise's tokens."""
+    from dspark.decoding.sampling import KeyedNoise, keyed_gumbel, keyed_uniform, sample_keyed
+
+    seeds, positions = torch.tensor([7, 7, 8, -3]), torch.tensor([0, 1, 0, 5])
+    u = keyed_uniform(seeds, positions)
+    assert torch.equal(u[1:2], keyed_uniform(seeds[1:2], positions[1:2])) and len(set(u.tolist())) == 4
+    g = keyed_gumbel(seeds, positions, 11)
+    assert torch.equal(g[3], keyed_gumbel(seeds[3:], positions[3:], 11)[0]) and g.shape == (4, 11)
+    sp, logits = SamplingParams(temperature=1.0), torch.tensor([1.0, 0.0, -1.0, 0.5, 2.0])
+    probs = to_probs(logits, sp).double().numpy()
+    n = 20_000
+    for gumbel in (False, True):
+        tokens = sample_keyed(logits.expand(n, -1), [sp] * n, [11] * n, list(range(n)), [gumbel] * n)
+        counts = np.bincount(tokens.numpy(), minlength=5)
+        assert stats.chisquare(counts, probs / probs.sum() * n).pvalue > 1e-3, (gumbel, counts)
+    noise = KeyedNoise(11, 5, "cpu")
+    rows = sample_keyed(logits.expand(6, -1), [sp] * 6, [11] * 6, list(range(6)), [True] * 6)
+    assert rows.tolist() == noise.argmax(to_probs(logits, sp).expand(6, -1), list(range(6))).tolist()

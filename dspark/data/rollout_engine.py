@@ -256,7 +256,7 @@ def stream_rollouts(target, prompts: list, sampling: SamplingConfig, engine: Gen
     `stop` are kept (a prefix of a target sample is a valid one)."""
     import itertools
 
-    from dspark.decoding.generator import Request
+    from dspark.decoding.generator import PromptJob
 
     limit = max_context_tokens or target.max_positions
     ids = {}
@@ -269,7 +269,7 @@ def stream_rollouts(target, prompts: list, sampling: SamplingConfig, engine: Gen
     if not order:
         raise ValueError(f"none of the {len(prompts)} prompts fits the context limit ({limit} tokens)")
     cycles = itertools.count() if stop is not None else range(1)
-    requests = (Request(f"{pid}#c{c}", ids[pid], row_seed(sampling.seed + c, pid, 0),
+    requests = (PromptJob(f"{pid}#c{c}", ids[pid], row_seed(sampling.seed + c, pid, 0),
                         min(sampling.max_new_tokens, limit - len(ids[pid])))
                 for c in cycles for pid in order)
     generator = BatchGenerator(target, engine)

@@ -94,7 +94,9 @@ class BatchGenerator:
             scheduler=SchedulerConfig(mode="off"), seeded_sampling="stream",
             max_batch=self.cfg.max_batch, max_waiting=self.cfg.max_batch,
             max_prefill_tokens=self.cfg.max_prefill_tokens, decode_core=self.cfg.decode_core,
-            max_model_len=getattr(target, "max_positions", None) or 1 << 20))
+            # prompt + new tokens <= the target's positions (the engine keeps one column for the anchor, which a
+            # target-only request's last token never takes)
+            max_model_len=(getattr(target, "max_positions", None) or 1 << 20) + 1))
         self.engine.step_listeners.append(self._account)
         self.kv = self.engine.kv
         self.stats = GeneratorStats()

@@ -133,6 +133,23 @@ def test_engine_reports_prompts_longer_than_the_context(tiny, backend):
 
 
 
+def test_stream_rollouts_cycles_prompts_with_fresh_seeds_until_stopped(tiny):
+    """The timed rollout stream (the GPU recipe's): prompts cycle with fresh seeds, answers are masked as
+    generated, and answers cut by `stop` are kept as "stopped" prefixes."""
+    from dspark.data.prompts import Prompt
+    from dspark.data.rollout_engine import stream_rollouts
+
+    prompts = [Prompt(f"p{i}", "t", "", "train", "", [f"question {i} " * (1 + i)]) for i in range(3)]
+    steps = []
+    rows = list(stream_rollouts(tiny, prompts, SamplingConfig(temperature=1.0, max_new_tokens=12, seed=3),
+                                stop=lambda: steps.append(1) or len(steps) > 40))
+    cycles = {r["prompt_id"].split("#")[1] for r in rows}
+    assert {"c0", "c1"} <= cycles and {r["prompt_id"].split("#")[0] for r in rows} == {"p0", "p1", "p2"}
+    for r in rows:
+        assert sum(r["loss_mask"]) == r["num_generated_tokens"] == len(r["input_ids"]) - r["loss_mask"].index(1)
+    assert rows[-1]["finish_reason"] == "stopped" or len(steps) <= 41
+
+
 def _cfg(output: str, sources: list[dict], **extra) -> RolloutConfig:
     return RolloutConfig.model_validate({"target": "tiny", "sources": sources, "output": output, **extra})
 

@@ -97,9 +97,11 @@ class _StaticWriter:
 
 
 def _step(model, keys: list[Tensor], values: list[Tensor], layer_ids: tuple[int, ...], window: int, first: int,
-          ids: Tensor, starts: Tensor, depth: Tensor, seen: Tensor, pick: Tensor | None) -> tuple:
+          cache_kw: str, ids: Tensor, starts: Tensor, depth: Tensor, seen: Tensor, pick: Tensor | None) -> tuple:
     """The traced step (see the module doc) on slots first..first+R-1. ids/depth [R, N], starts [R],
-    seen [R, N, N] bool, pick [R, K] or None -> (logits [R, K or N, V], features [R, N, m*d] or None)."""
+    seen [R, N, N] bool, pick [R, K] or None -> (logits [R, K or N, V], features [R, N, m*d] or None).
+    cache_kw: the decoder layers' KV-cache argument (`cache`, or `past_key_values` in older transformers:
+    a wrong name is silently ignored and the layers would attend to the new tokens only)."""
     base = model.model
     rows, n = ids.shape
     columns = starts[:, None] + torch.arange(n, device=ids.device)  # [R, N] where the new keys go
@@ -116,8 +118,8 @@ def _step(model, keys: list[Tensor], values: list[Tensor], layer_ids: tuple[int,
     rope = base.rotary_emb(hidden, position_ids=position_ids)
     captured = []
     for i, layer in enumerate(base.layers[: model.config.num_hidden_layers]):
-        hidden = layer(hidden, attention_mask=mask, position_ids=position_ids, cache=writer, use_cache=True,
-                       position_embeddings=rope)
+        hidden = layer(hidden, attention_mask=mask, position_ids=position_ids, use_cache=True,
+                       position_embeddings=rope, **{cache_kw: writer})
         hidden = hidden[0] if isinstance(hidden, tuple) else hidden
         if i in layer_ids:
             captured.append(hidden)
@@ -145,7 +147,10 @@ class DecodeCore:
         if missing:
             raise NotImplementedError(f"{type(target.model).__name__}: the decoding core walks embed_tokens, "
                                       f"layers, norm and rotary_emb; this model lacks {missing}")
+        from dspark.models.target import cache_kwarg_of
+
         self.target, self.slots = target, int(slots)
+        self.cache_kw = cache_kwarg_of(type(target.model.model.layers[0]))
         self.mode = resolve_mode(mode or default_mode(), target.device)
         cfg = target.model.config
         self.kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
@@ -224,7 +229,8 @@ class DecodeCore:
         window = window_bucket(need, self.capacity)
         compiled = self.mode == "compiled" and not eager and n <= COMPILED_MAX_TOKENS and first == 0
         fn = self._compiled_step() if compiled else _step
-        logits, features = fn(self.target.model, self.keys, self.values, tuple(layer_ids), window, first, *args)
+        logits, features = fn(self.target.model, self.keys, self.values, tuple(layer_ids), window, first,
+                              self.cache_kw, *args)
         self.steps += 1
         if compiled and dev.type == "cuda":  # CUDA-graph outputs are overwritten by the next replay
             logits = logits.clone()

@@ -230,7 +230,8 @@ class Target:
 
 
 @functools.lru_cache(maxsize=None)
-def _cache_kwarg_of(forward_cls: type) -> str:
+def cache_kwarg_of(forward_cls: type) -> str:
+    """The KV-cache argument name of a transformers module class's forward (base model or decoder layer)."""
     params = inspect.signature(forward_cls.forward).parameters
     return "cache" if "cache" in params else "past_key_values"
 
@@ -239,7 +240,7 @@ def _cache_kwarg(base_model) -> str:
     """The KV-cache argument (and output field) name of this transformers version's base models:
     `cache` in newer releases, `past_key_values` before. Passing the wrong one is silently ignored,
     so it is looked up, never guessed."""
-    return _cache_kwarg_of(type(base_model))
+    return cache_kwarg_of(type(base_model))
 
 
 def _strip_after_stop(seq: list[int], stops: set[int], pad: int) -> list[int]:

@@ -72,23 +72,19 @@ def drafter_loss(drafter, target, input_ids: Tensor, loss_mask: Tensor, attentio
     if not bool(select.any()):
         return _zero_loss(model, int(valid.sum()))
 
-    with torch.no_grad():
-        out = target_out if target_out is not None else target.forward(
-            input_ids, attention_mask=attention_mask, layer_ids=model.layer_ids, logits_at=None)
-        target_hidden = _gather_rows(out.final_hidden, label_pos - 1)[select]  # position t+k-1
-        p_target = torch.softmax(target.lm_logits(target_hidden).float(), dim=-1)
-    labels = input_ids.gather(1, label_pos.flatten(1)).view_as(label_pos)[select]
-
-    draft = drafter(out.features, input_ids, attention_mask.bool(), anchors, select)
     # With a draft vocabulary the logits cover its N tokens and p_d is zero outside them: TV and the
     # acceptance label c* compare against the full target distribution, computed on the N columns plus
     # the target mass outside them (`lost`, which counts in full), so no [pairs, V] tensor is built;
     # CE ignores labels outside the subset (they cannot be drafted).
     draft_ids = getattr(model, "draft_ids", None)  # columns of draft.logits; None = the full vocabulary
-    p_t_cols, lost = p_target, None  # the target on the drafter's columns, and its mass elsewhere
-    if draft_ids is not None:
-        p_t_cols = p_target[..., draft_ids.to(device)]
-        lost = (p_target.sum(-1) - p_t_cols.sum(-1)).clamp_min(0.0)
+    with torch.no_grad():
+        out = target_out if target_out is not None else target.forward(
+            input_ids, attention_mask=attention_mask, layer_ids=model.layer_ids, logits_at=None)
+        # the target on the drafter's columns at each pair's position t+k-1, and its mass elsewhere
+        p_t_cols, lost = target_distributions(target, out.final_hidden, label_pos - 1, select, draft_ids)
+    labels = input_ids.gather(1, label_pos.flatten(1)).view_as(label_pos)[select]
+
+    draft = drafter(out.features, input_ids, attention_mask.bool(), anchors, select)
     with torch.set_grad_enabled(torch.is_grad_enabled() and cfg.loss_tv != 0):  # no TV term: metrics only
         p_draft = torch.softmax(draft.logits.float(), dim=-1)
     ce_labels, predicted = labels, draft.logits.argmax(-1)
@@ -109,19 +105,44 @@ def drafter_loss(drafter, target, input_ids: Tensor, loss_mask: Tensor, attentio
     l_tv = tv_loss(p_draft, p_t_cols, weights, denom, lost)
     c_star = acceptance_label(p_draft, p_t_cols, lost)
     loss = cfg.loss_ce * l_ce + cfg.loss_tv * l_tv
-    metrics = {"loss_ce": l_ce.item(), "loss_tv": l_tv.item(), "loss_conf": 0.0}
+    metrics = {"loss_ce": l_ce, "loss_tv": l_tv, "loss_conf": torch.zeros((), device=device)}
     if draft.conf_logits is not None:
         l_conf = conf_loss(draft.conf_logits, c_star, weights, denom)
         loss = loss + cfg.loss_conf * l_conf
-        metrics["loss_conf"] = l_conf.item()
-        metrics["conf_mae"] = float((torch.sigmoid(draft.conf_logits.detach().float()) - c_star).abs().mean())
+        metrics["loss_conf"] = l_conf
+        metrics["conf_mae"] = (torch.sigmoid(draft.conf_logits.detach().float()) - c_star).abs().mean()
 
     c_full = torch.zeros(select.shape, device=device)
     c_full[select] = c_star
     metrics.update(acceptance_metrics(c_full[valid], select[valid]))
-    metrics.update(loss=loss.item(), n_anchors=float(valid.sum()), n_supervised=float(select.sum()),
-                   n_blocks=float(n_blocks), token_acc=float((predicted == labels).float().mean()))
-    return LossOutput(loss, metrics)
+    metrics.update(loss=loss, n_anchors=valid.sum(), n_supervised=select.sum(), n_blocks=torch.tensor(n_blocks),
+                   token_acc=(predicted == labels).float().mean())
+    return LossOutput(loss, read_back(metrics))
+
+
+def read_back(metrics: dict[str, Tensor]) -> dict[str, float]:
+    """0-d metric tensors -> floats in ONE device-to-host copy (not one sync per metric)."""
+    names = list(metrics)
+    values = torch.stack([metrics[k].detach().float().reshape(()).to(metrics["loss"].device) for k in names])
+    return dict(zip(names, values.tolist()))
+
+
+def target_distributions(target, final_hidden: Tensor, positions: Tensor, select: Tensor,
+                         columns: Tensor | None) -> tuple[Tensor, Tensor | None]:
+    """The target's next-token distribution at positions[select] ([P] pairs; final_hidden [B, T, d]) on the
+    drafter's `columns` (None: all V), and the mass outside them (None without columns). Overlapping anchor
+    blocks label the same position up to K times: the frozen LM head and the V-wide softmax run once per
+    distinct position and the rows are then repeated (dense anchors: ~K× less LM-head work)."""
+    batch, length = final_hidden.shape[:2]
+    rows = torch.arange(batch, device=positions.device)[:, None, None] * length
+    flat = (rows + positions)[select]  # [P] row-major index of each pair's position
+    distinct, inverse = torch.unique(flat, return_inverse=True)
+    probs = torch.softmax(target.lm_logits(final_hidden.reshape(batch * length, -1)[distinct]).float(), dim=-1)
+    if columns is None:
+        return probs[inverse], None
+    on_cols = probs[:, columns.to(probs.device)]
+    lost = (probs.sum(-1) - on_cols.sum(-1)).clamp_min(0.0)
+    return on_cols[inverse], lost[inverse]
 
 
 def soft_targets(p_t_cols: Tensor, subset: bool) -> Tensor:

@@ -90,17 +90,20 @@ def conf_loss(conf_logits: Tensor, c_star: Tensor, weights: Tensor, denom: float
     return (weights * bce).sum() / denom
 
 
-def acceptance_metrics(c_star: Tensor, valid: Tensor) -> dict[str, float]:
-    """c_star, valid [blocks, K] -> acc_pos_{k} (mean c*_k where supervised) and expected_accept_len
-    = 1 + Σ_k Π_{j≤k} c*_j, averaged over fully supervised blocks (all blocks if none is complete;
-    unsupervised positions then count as rejected)."""
+def acceptance_metrics(c_star: Tensor, valid: Tensor) -> dict[str, Tensor]:
+    """c_star, valid [blocks, K] -> acc_pos_{k} (mean c*_k where supervised; nan where none is) and
+    expected_accept_len = 1 + Σ_k Π_{j≤k} c*_j, averaged over fully supervised blocks (all blocks if none is
+    complete; unsupervised positions then count as rejected); 0-d tensors, read back with the step's other
+    metrics in one copy (`drafter_loss`)."""
     K = c_star.shape[-1]
     c = torch.where(valid, c_star, torch.zeros_like(c_star)).float()
-    out = {}
-    for k in range(K):
-        n = int(valid[:, k].sum())
-        out[f"acc_pos_{k + 1}"] = float(c[:, k].sum() / n) if n else math.nan
+    n = valid.sum(0)  # [K]
+    per_pos = torch.where(n > 0, c.sum(0) / n.clamp_min(1), torch.full_like(c[0] if len(c) else n.float(), math.nan))
+    out = {f"acc_pos_{k + 1}": per_pos[k] for k in range(K)}
     full = valid.all(-1)
-    rows = c[full] if bool(full.any()) else c[valid.any(-1)]
-    out["expected_accept_len"] = float(1.0 + rows.cumprod(-1).sum(-1).mean()) if rows.numel() else math.nan
+    use = torch.where(full.any(), full, valid.any(-1))  # complete blocks, else every supervised one
+    chain = 1.0 + c.cumprod(-1).sum(-1)
+    count = use.sum()
+    out["expected_accept_len"] = torch.where(count > 0, (chain * use).sum() / count.clamp_min(1),
+                                             torch.tensor(math.nan, device=c.device))
     return out

@@ -160,3 +160,30 @@ def test_sequence_step_weights_average_per_sequence_then_over_sequences():
     assert abs(got - want) < 1e-6
     assert DrafterConfig(algo="eagle3").resolved_loss_norm == "sequence_step"
     assert DrafterConfig(algo="dspark").resolved_loss_norm == "token"
+
+
+def test_target_distributions_run_the_lm_head_once_per_position_and_equal_the_per_pair_softmax():
+    """Overlapping anchor blocks label a position several times: target_distributions computes each distinct
+    position's softmax once (counted through the LM head) and gives every pair the same rows as the per-pair
+    computation, also on a draft vocabulary's columns with the mass outside them."""
+    from dspark.training.loss import target_distributions
+
+    torch.manual_seed(0)
+    hidden = torch.randn(2, 6, 5)
+    calls = []
+
+    class Counting(StubTarget):
+        def lm_logits(self, h):
+            calls.append(h.shape[0])
+            return h
+
+    anchors, valid = torch.tensor([[0, 1, 2], [1, 2, 3]]), torch.ones(2, 3, dtype=torch.bool)
+    pos, sel = supervised_pairs(torch.ones(2, 6, dtype=torch.long), torch.ones(2, 6, dtype=torch.long), anchors, valid, 3)
+    per_pair = torch.softmax(hidden.gather(1, (pos - 1).flatten(1)[..., None].expand(-1, -1, 5))
+                             .view(*pos.shape, 5)[sel], -1)
+    probs, lost = target_distributions(Counting(hidden), hidden, pos - 1, sel, None)
+    assert lost is None and torch.allclose(probs, per_pair)
+    assert calls == [len(torch.unique(((torch.arange(2)[:, None, None] * 6) + pos - 1)[sel]))] and calls[0] < int(sel.sum())
+    columns = torch.tensor([4, 0])
+    on_cols, lost = target_distributions(Counting(hidden), hidden, pos - 1, sel, columns)
+    assert torch.allclose(on_cols, per_pair[:, columns]) and torch.allclose(lost, 1 - per_pair[:, columns].sum(-1))

@@ -56,6 +56,9 @@ SCRIPT_ARGS: dict[str, ScriptArgs] = {
     "decode_core": ScriptArgs(full=[],  # smollm2-135m + the committed CPU drafter, eager vs compiled vs dynamic
                               quick=["--target", "tiny", "--drafter", "untrained", "--prompts", "1",
                                      "--max-new-tokens", "16", "--rollout-rows", "4", "--out", "/dev/null"]),
+    "engine_core": ScriptArgs(full=[],  # the serving engine on the core (eager) vs the ragged store, c = 1/4/16
+                              quick=["--target", "tiny", "--drafter", "untrained", "--concurrency", "1,4",
+                                     "--max-new-tokens", "8", "--rounds", "1", "--out", "/dev/null"]),
     "train_step": ScriptArgs(full=["--baseline", "01b9160"],  # the lean step (2026-12-06) against the step before it
                              quick=["--baseline", "HEAD", "--target", "tiny", "--steps", "1", "--rounds", "1",
                                     "--out", "/dev/null"]),

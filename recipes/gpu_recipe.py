@@ -82,6 +82,10 @@ class EvalSection(StrictModel):
     prompts_per_benchmark: int = Field(8, ge=1, description="first-turn prompts per benchmark at most")
     reserve_s: float = Field(90, ge=0, description="seconds kept for evaluation when the other phases are planned")
     decode: DecodeSettings = Field(default_factory=lambda: DecodeSettings(max_new_tokens=128), description="sampling")
+    engine_tau: bool = Field(True, description="first, τ of every drafter on all loaded prompts batched through the "
+                                               "serving engine (dspark.eval.engine_tau: fixed γ, bootstrap CI); the "
+                                               "batch-1 speedup pass then runs on what the deadline leaves")
+    engine_max_batch: int = Field(64, ge=1, description="requests decoding together in the engine-τ pass")
 
 
 class RecipeConfig(StrictModel):
@@ -115,6 +119,7 @@ class Recipe:
         self.summary = {"run": cfg.run, "target": cfg.target, "device": None, "rollout_tokens": 0,
                         "rollout_tok_per_s": None, "decode_core": None, "target_ms_per_token_batch1": None,
                         "eval_prompts": 0, "tau": {}, "tau_mean": {}, "tau_ci95": {}, "speedup_batch1": {},
+                        "tau_engine": {}, "eval_prompts_engine": 0,
                         "train_share": "equal wall-clock per drafter", "train": {}, "phases": {}, "errors": {}}
         self.results: dict = {"config": json.loads(cfg.model_dump_json())}
         out.mkdir(parents=True, exist_ok=True)
@@ -375,6 +380,8 @@ def save(r: Recipe) -> None:
 def evaluate(r: Recipe) -> None:
     from dspark.eval.evaluation import aggregate, evaluate_round_robin, tau_ci95
 
+    if r.cfg.eval.engine_tau:
+        engine_taus(r)
     stop = r.deadline.within(r.deadline.left() - r.cfg.output_reserve_s)  # the plot still fits
     convs, failed = evaluate_round_robin(r.target, r.drafters, r.benchmarks, r.cfg.eval.decode, r.cfg.seed,
                                          stop=stop.passed)
@@ -388,6 +395,21 @@ def evaluate(r: Recipe) -> None:
         r.summary["speedup_batch1"][name] = block["overall"].get("speedup")
     r.summary["eval_prompts"] = len({(c.benchmark, c.index) for c in convs})
     r.summary["errors"].update({f"eval:{n}": e for n, e in failed.items()})
+
+
+def engine_taus(r: Recipe) -> None:
+    """τ with its bootstrap CI for every drafter, all loaded prompts batched through the engine (one pass each)."""
+    from dspark.eval.engine_tau import engine_tau
+
+    ev = r.cfg.eval
+    for name, drafter in r.drafters.items():
+        try:
+            r.summary["tau_engine"][name] = engine_tau(r.target, drafter, r.benchmarks, ev.decode, r.cfg.seed,
+                                                       ev.engine_max_batch)
+        except Exception as err:  # noqa: BLE001 — one drafter's failure is recorded; the others go on
+            r.summary["errors"][f"eval_engine:{name}"] = f"{type(err).__name__}: {err}"
+    counts = [t["prompts"] for t in r.summary["tau_engine"].values()]
+    r.summary["eval_prompts_engine"] = max(counts, default=0)
 
 
 def plot(r: Recipe) -> None:

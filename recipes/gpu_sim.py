@@ -31,7 +31,7 @@ from recipes.gpu_prepare import BUNDLE, STAGE, travelling_files
 
 MiB = 2**20
 FIELDS = ("device", "rollout_tokens", "rollout_tok_per_s", "tau", "tau_mean", "tau_ci95", "speedup_batch1", "phases",
-          "decode_core", "target_ms_per_token_batch1", "eval_prompts")
+          "decode_core", "target_ms_per_token_batch1", "eval_prompts", "tau_engine", "eval_prompts_engine")
 # CPU budgets: the flow of the GPU profiles, shrunk to minutes on 2 shared cores
 SIM_RUNS = {
     "tiny": ("configs/recipes/gpu-tiny.yaml", ["budget_s=900", "rollout.seconds=60", "rollout.tokens=3000",

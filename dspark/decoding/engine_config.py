@@ -9,7 +9,7 @@ from pydantic import Field, PositiveInt
 from dspark.config import StrictModel
 from dspark.decoding.sampling import LogprobsMode
 from dspark.decoding.scheduler import SchedulerConfig
-from dspark.decoding.static_core import DecodeCoreMode
+from dspark.decoding.static_core import DecodeCoreMode, default_mode
 
 
 class EngineConfig(StrictModel):
@@ -17,8 +17,9 @@ class EngineConfig(StrictModel):
     gamma: int | None = Field(None, description="drafts proposed per round (None = the drafter's block size)")
     max_batch: int = Field(32, description="active requests per step")
     decode_core: DecodeCoreMode | None = Field(None, description=(
-        "the target step: the static decoding core compiled or eager (auto: compiled on CUDA, eager on a CPU), "
-        "or dynamic (the ragged KV store); None = DSPARK_DECODE_CORE or auto"))
+        "the target step: the static decoding core compiled or eager, or dynamic (the ragged KV store); auto: "
+        "compiled on CUDA; on a CPU the ragged store for a drafting engine (measured faster there: "
+        "benchmarks/results/engine_core/), the eager core without a drafter; None = DSPARK_DECODE_CORE or auto"))
     max_waiting: int = Field(128, description="queued requests beyond which submit() rejects (HTTP 429)")
     max_model_len: int = Field(2048, description="prompt + max_new_tokens + γ + 1 must fit (capped by the target)")
     max_prefill_tokens: int = Field(4096, description="prompt tokens admitted per step (at least one request always)")
@@ -45,3 +46,14 @@ class EngineConfig(StrictModel):
         "active requests up to which steps verify draft trees (draft_tree set); above it the scheduler's "
         "chains: a tree costs 1 + nodes verified tokens per row, which pays at low load only"))
     context_catch_up_every: int = Field(256, ge=1, description="steps of target features a request may hold for its drafter before the drafter reads them even without drafting (bounds memory while the draft gate skips; the drafter always catches up before it drafts)")
+
+
+def engine_core_mode(cfg: EngineConfig, target, drafter) -> str:
+    """The engine's target step (EngineConfig.decode_core, else DSPARK_DECODE_CORE, else auto). auto: the
+    compiled core on CUDA; on a CPU the ragged store when drafting — rows of mixed verify lengths padded to one
+    width made the eager core 0.83-0.94x of it at c = 1-16 (benchmarks/engine_core.py) — and the eager core
+    without a drafter (every row one token: no padding; rollouts at parity or faster)."""
+    mode = cfg.decode_core or default_mode()
+    if mode == "auto" and target.device.type != "cuda":
+        return "dynamic" if drafter is not None and cfg.scheduler.mode != "off" else "eager"
+    return mode

@@ -314,13 +314,15 @@ class CoreSlots:
     appends a row of tokens (a chain, or a tree of drafts) to each of a range of slots in one step; rows
     pad to one width, and compiled steps from slot 0 pad rows and width to powers of two (a few graphs, not
     one per shape): padding tokens write stale columns only, padding rows free slots' columns, which the
-    next prefill there overwrites. A compiled store is sized up front (`max_len`: a regrow retraces every
-    graph); an eager one grows in chunks of 256 columns."""
+    next prefill there overwrites. A compiled store starts at min(max_len, 1024) columns and grows in chunks
+    of 1024 (a regrow retraces every graph: rare); an eager one starts at 128 and grows in chunks of 256."""
 
     def __init__(self, target, max_batch: int, mode: str | None = None, max_len: int | None = None):
         mode = resolve_mode(mode or default_mode(), target.device)
-        up_front = max_len if mode == "compiled" and max_len else MIN_WINDOW
-        self.core = DecodeCore(target, slots=max_batch, mode=mode, capacity=up_front, chunk=256)
+        compiled = mode == "compiled"
+        up_front = min(max_len or _CAPACITY_CHUNK, _CAPACITY_CHUNK) if compiled else MIN_WINDOW
+        self.core = DecodeCore(target, slots=max_batch, mode=mode, capacity=up_front,
+                               chunk=_CAPACITY_CHUNK if compiled else 256)
         self.device = target.device
         self.lengths: list[int] = []
 

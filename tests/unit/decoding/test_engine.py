@@ -387,3 +387,17 @@ def test_skipped_steps_do_no_drafter_work_and_the_context_catches_up_before_draf
     engine.generate([], GREEDY)  # runs the requests to the end
     for p, r in zip(prompts, reqs):
         assert r.tokens == target_generate(wide_target, p, GREEDY, 40, stop_ids=[]).token_ids
+
+
+def test_the_engine_picks_its_target_step_by_hardware_and_load(wide_target, monkeypatch):
+    """auto on a CPU: the ragged store when drafting (measured faster than the padded eager core there), the
+    eager core without a drafter; an explicit decode_core is kept."""
+    from dspark.decoding.batched_cache import RaggedSlots
+    from dspark.decoding.static_core import CoreSlots
+
+    monkeypatch.delenv("DSPARK_DECODE_CORE", raising=False)
+    drafter = _drafter(wide_target)
+    assert isinstance(_engine(wide_target, drafter, "fixed").kv, RaggedSlots)
+    assert isinstance(_engine(wide_target, None, "off").kv, CoreSlots)
+    eager = _engine(wide_target, drafter, "fixed", decode_core="eager").kv
+    assert isinstance(eager, CoreSlots) and eager.core.mode == "eager"

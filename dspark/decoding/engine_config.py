@@ -18,8 +18,8 @@ class EngineConfig(StrictModel):
     max_batch: int = Field(32, description="active requests per step")
     decode_core: DecodeCoreMode | None = Field(None, description=(
         "the target step: the static decoding core compiled or eager, or dynamic (the ragged KV store); auto: "
-        "compiled on CUDA; on a CPU the ragged store for a drafting engine (measured faster there: "
-        "benchmarks/results/engine_core/), the eager core without a drafter; None = DSPARK_DECODE_CORE or auto"))
+        "compiled on CUDA; on a CPU the ragged store for a drafting engine (measured faster there, see the "
+        "README), the eager core without a drafter; None = DSPARK_DECODE_CORE or auto"))
     max_waiting: int = Field(128, description="queued requests beyond which submit() rejects (HTTP 429)")
     max_model_len: int = Field(2048, description="prompt + max_new_tokens + γ + 1 must fit (capped by the target)")
     max_prefill_tokens: int = Field(4096, description="prompt tokens admitted per step (at least one request always)")
@@ -51,7 +51,7 @@ class EngineConfig(StrictModel):
 def engine_core_mode(cfg: EngineConfig, target, drafter) -> str:
     """The engine's target step (EngineConfig.decode_core, else DSPARK_DECODE_CORE, else auto). auto: the
     compiled core on CUDA; on a CPU the ragged store when drafting — rows of mixed verify lengths padded to one
-    width made the eager core 0.83-0.94x of it at c = 1-16 (benchmarks/engine_core.py) — and the eager core
+    width made the eager core 0.83-0.94x of it at c = 1-16 (the engine_core benchmark) — and the eager core
     without a drafter (every row one token: no padding; rollouts at parity or faster)."""
     mode = cfg.decode_core or default_mode()
     if mode == "auto" and target.device.type != "cuda":

@@ -99,7 +99,7 @@ class Engine(RequestBatch):
         self.max_model_len = min(cfg.max_model_len, getattr(target, "max_positions", cfg.max_model_len))
         # Device invariant: KV slots, request RNGs and every tensor a step creates live on target.device (so
         # does the drafter); sampling moves probabilities to the generator's device, never back.
-        kv = open_slots(target, cfg.max_batch, engine_core_mode(cfg, target, drafter), self.max_model_len)
+        kv = open_slots(target, cfg.max_batch, engine_core_mode(cfg, target), self.max_model_len)
         self.sps: SPSTable | None = None
         if self.mode in ("dynamic", "async_topk"):
             self.sps = engine_sps_table(cfg, kv, target, self.gamma, self.layer_ids)

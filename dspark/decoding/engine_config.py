@@ -18,8 +18,8 @@ class EngineConfig(StrictModel):
     max_batch: int = Field(32, description="active requests per step")
     decode_core: DecodeCoreMode | None = Field(None, description=(
         "the target step: the static decoding core compiled or eager, or dynamic (the ragged KV store); auto: "
-        "compiled on CUDA; on a CPU the ragged store for a drafting engine (measured faster there, see the "
-        "README), the eager core without a drafter; None = DSPARK_DECODE_CORE or auto"))
+        "compiled on CUDA, the ragged store on a CPU (measured faster there for a drafting engine, see the "
+        "README); None = DSPARK_DECODE_CORE or auto"))
     max_waiting: int = Field(128, description="queued requests beyond which submit() rejects (HTTP 429)")
     max_model_len: int = Field(2048, description="prompt + max_new_tokens + γ + 1 must fit (capped by the target)")
     max_prefill_tokens: int = Field(4096, description="prompt tokens admitted per step (at least one request always)")
@@ -48,12 +48,11 @@ class EngineConfig(StrictModel):
     context_catch_up_every: int = Field(256, ge=1, description="steps of target features a request may hold for its drafter before the drafter reads them even without drafting (bounds memory while the draft gate skips; the drafter always catches up before it drafts)")
 
 
-def engine_core_mode(cfg: EngineConfig, target, drafter) -> str:
+def engine_core_mode(cfg: EngineConfig, target) -> str:
     """The engine's target step (EngineConfig.decode_core, else DSPARK_DECODE_CORE, else auto). auto: the
-    compiled core on CUDA; on a CPU the ragged store when drafting — rows of mixed verify lengths padded to one
-    width made the eager core 0.83-0.94x of it at c = 1-16 (the engine_core benchmark) — and the eager core
-    without a drafter (every row one token: no padding; rollouts at parity or faster)."""
+    compiled core on CUDA, the ragged store on a CPU — rows of mixed verify lengths padded to one width made the
+    eager core 0.83-0.94x of it at c = 1-16 (the engine_core benchmark), and target-only serving (mode off, the
+    baseline a drafting engine is compared with) stays on the same store. The rollout generator asks for the
+    eager core explicitly on a CPU (every row one token: no padding; at parity or faster)."""
     mode = cfg.decode_core or default_mode()
-    if mode == "auto" and target.device.type != "cuda":
-        return "dynamic" if drafter is not None and cfg.scheduler.mode != "off" else "eager"
-    return mode
+    return "dynamic" if mode == "auto" and target.device.type != "cuda" else mode

@@ -390,14 +390,18 @@ def test_skipped_steps_do_no_drafter_work_and_the_context_catches_up_before_draf
 
 
 def test_the_engine_picks_its_target_step_by_hardware_and_load(wide_target, monkeypatch):
-    """auto on a CPU: the ragged store when drafting (measured faster than the padded eager core there), the
-    eager core without a drafter; an explicit decode_core is kept."""
+    """auto on a CPU: the ragged store for the engine (measured faster than the padded eager core there, and
+    target-only serving stays on the same store), the eager core for the rollout generator; an explicit
+    decode_core is kept."""
     from dspark.decoding.batched_cache import RaggedSlots
+    from dspark.decoding.generator import BatchGenerator
     from dspark.decoding.static_core import CoreSlots
 
     monkeypatch.delenv("DSPARK_DECODE_CORE", raising=False)
     drafter = _drafter(wide_target)
     assert isinstance(_engine(wide_target, drafter, "fixed").kv, RaggedSlots)
-    assert isinstance(_engine(wide_target, None, "off").kv, CoreSlots)
+    assert isinstance(_engine(wide_target, None, "off").kv, RaggedSlots)
+    rollouts = BatchGenerator(wide_target).kv
+    assert isinstance(rollouts, CoreSlots) and rollouts.core.mode == "eager"
     eager = _engine(wide_target, drafter, "fixed", decode_core="eager").kv
     assert isinstance(eager, CoreSlots) and eager.core.mode == "eager"

@@ -21,13 +21,15 @@ from dspark.decoding.scheduler import SchedulerConfig
 
 
 def engine_tau(target, drafter, benchmarks, settings, seed: int, max_batch: int = 64,
-               resamples: int = 1000) -> dict:
+               resamples: int = 1000, decode_core: str = "eager") -> dict:
     """{prompts, skipped, tau: {benchmark: τ_b}, tau_mean, tau_ci95} of `drafter` on the first turns of
-    `benchmarks` (dspark.eval.benchmark_files.Benchmark), sampled with `settings` (evaluation.DecodeSettings)."""
+    `benchmarks` (dspark.eval.benchmark_files.Benchmark), sampled with `settings` (evaluation.DecodeSettings).
+    decode_core: the engine's target step; eager by default — τ does not depend on the step's speed, and a
+    compiled engine would spend minutes of a GPU budget compiling one graph per (rows, window) bucket."""
     from dspark.eval.evaluation import prompt_seed
 
     engine = Engine(target, drafter, EngineConfig(
-        scheduler=SchedulerConfig(mode="fixed"), gamma=settings.gamma, decode_core=settings.decode_core,
+        scheduler=SchedulerConfig(mode="fixed"), gamma=settings.gamma, decode_core=decode_core,
         max_batch=max_batch, max_waiting=max_batch, max_model_len=getattr(target, "max_positions", 1 << 20)))
     room = engine.max_model_len - engine.gamma - 1
     jobs, skipped = [], 0

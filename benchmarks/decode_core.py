@@ -64,6 +64,13 @@ def device_label(device: str) -> str:
     return "cpu-bf16-native" if bf16_is_native(device) else "cpu-avx2"
 
 
+def write_result(result: dict, name: str, label: str, out: str | None = None) -> None:
+    """The result JSON at `out`, default benchmarks/results/<name>/<label>.json (folders made)."""
+    path = Path(out or REPO_ROOT / "benchmarks/results" / name / f"{label}.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1) + "\n")
+
+
 # ---- one step: ops and host time --------------------------------------------------------------
 def filled_core(target, mode: str, rows: int, context: int) -> DecodeCore:
     """A core of `rows` slots whose sequences hold `context` tokens (prefilled eager)."""
@@ -239,9 +246,7 @@ def main(argv=None) -> dict:
         "rollout_note": "BatchGenerator, max_batch rollout_rows, 2 x rollout_rows sequences, prefills included",
     }
     if args.device == "cpu" and not args.quick:
-        out = Path(args.out or REPO_ROOT / "benchmarks/results/decode_core" / f"{result['device']}.json")
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=1) + "\n")
+        write_result(result, "decode_core", result["device"], args.out)
     print(json.dumps(result))
     return result
 

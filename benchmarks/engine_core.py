@@ -19,12 +19,11 @@ import sys
 import time
 from pathlib import Path
 
-import torch
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
-from benchmarks.decode_core import DEFAULT_DRAFTER, device_label, load_drafter  # noqa: E402
+from benchmarks.decode_core import DEFAULT_DRAFTER, device_label, load_drafter, write_result  # noqa: E402
 from benchmarks.decode_speed import load_prompts  # noqa: E402
 from dspark.decoding.engine import Engine, EngineConfig  # noqa: E402
 from dspark.decoding.sampling import SamplingParams  # noqa: E402
@@ -92,9 +91,7 @@ def main(argv=None) -> dict:
     result = {"benchmark": "engine_core", "device": device_label("cpu"), "target": target.name,
               "dtype": str(dtype).removeprefix("torch."), "scheduler": args.mode, "prompts": len(prompts),
               "max_new_tokens": args.max_new_tokens, "rounds": args.rounds, "by_concurrency": rows_out}
-    out = Path(args.out or REPO_ROOT / "benchmarks/results/engine_core" / f"{result['device']}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n")
+    write_result(result, "engine_core", result["device"], args.out)
     print(json.dumps(result))
     return result
 

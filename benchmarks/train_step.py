@@ -109,12 +109,10 @@ def main(argv=None) -> dict:
               "anchors_per_seq": args.anchors, "seq_len": args.seq_len, "batch": args.batch, "steps": args.steps,
               "tokens_per_s": runs, "median_tokens_per_s": med,
               "after_over_baseline": round(med["after"] / med["baseline"], 3)}
-    from dspark.models.precision import bf16_is_native
+    sys.path.insert(0, str(REPO_ROOT))
+    from benchmarks.decode_core import device_label, write_result
 
-    out = Path(args.out or REPO_ROOT / "benchmarks/results/train_step" /
-               f"{'cpu-bf16-native' if bf16_is_native('cpu') else 'cpu-avx2'}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(result, "train_step", device_label("cpu"), args.out)
     print(json.dumps(result))
     return result
 

@@ -329,15 +329,3 @@ class RaggedSlots:
         ids = torch.cat([r.to(self.device) for r in rows])[None]
         return ragged_forward(self.target, self.kv, first, ids, [int(r.shape[0]) for r in rows], logits_at,
                               list(layer_ids or ()) or None, parents)
-
-    def prefill(self, first: int, prompts: list[list[int]]) -> torch.Tensor:
-        outs = self.forward(first, [torch.tensor(p) for p in prompts], "last")
-        for slot, p in enumerate(prompts, start=first):
-            self.kv.set_length(slot, len(p))
-        return torch.cat([logits for logits, _ in outs])
-
-    def decode(self, tokens: list[int]) -> torch.Tensor:
-        outs = self.forward(0, list(torch.tensor(tokens)[:, None]), "all")
-        for slot in range(len(tokens)):
-            self.kv.set_length(slot, self.kv.lengths[slot] + 1)
-        return torch.cat([logits for logits, _ in outs])

@@ -99,7 +99,7 @@ class Engine(RequestBatch):
         self.max_model_len = min(cfg.max_model_len, getattr(target, "max_positions", cfg.max_model_len))
         # Device invariant: KV slots, request RNGs and every tensor a step creates live on target.device (so
         # does the drafter); sampling moves probabilities to the generator's device, never back.
-        kv = open_slots(target, cfg.max_batch, engine_core_mode(cfg, target), self.max_model_len)
+        kv = open_slots(target, cfg.max_batch, engine_core_mode(cfg.decode_core, target), self.max_model_len)
         self.sps: SPSTable | None = None
         if self.mode in ("dynamic", "async_topk"):
             self.sps = engine_sps_table(cfg, kv, target, self.gamma, self.layer_ids)
@@ -163,7 +163,7 @@ class Engine(RequestBatch):
                       logprobs=logprobs, **({"id": request_id} if request_id else {}))
         if seed is not None and self.cfg.seeded_sampling == "keyed" and self.drafting:
             req.noise = KeyedNoise(seed, self.target.vocab_size, self.target.device,
-                                   getattr(self.drafter, "draft_ids", None) if self.drafting else None)
+                                   getattr(self.drafter, "draft_ids", None))
         self._enqueue(req, self.target.device)
         return req
 
@@ -422,9 +422,9 @@ class Engine(RequestBatch):
     # ---- the batched target forward -----------------------------------------------------------
     def _forward_rows(self, reqs: list[Request], rows: list[torch.Tensor], logits_at: str, report: StepReport,
                       parents: list[list[int] | None] | None = None, eager: bool = False) -> list[tuple]:
-        """One target step over the requests' slots (contiguous, in order: the decoding core's, or the ragged
-        store's with decode_core dynamic); parents: per row None or its tree. Returns per row (logits, features). If the batch fails, each row is retried alone and only
-        failing rows are failed."""
+        """One target step over the requests' slots (contiguous, in order); parents: per row None or its tree;
+        eager: uncompiled (prefills). Returns per row (logits, features). If the batch fails, each row is
+        retried alone and only failing rows are failed."""
         first = reqs[0].slot
         parents = parents or [None] * len(rows)
         assert [r.slot for r in reqs] == list(range(first, first + len(reqs))), "slots must be contiguous"

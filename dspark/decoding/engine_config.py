@@ -48,11 +48,13 @@ class EngineConfig(StrictModel):
     context_catch_up_every: int = Field(256, ge=1, description="steps of target features a request may hold for its drafter before the drafter reads them even without drafting (bounds memory while the draft gate skips; the drafter always catches up before it drafts)")
 
 
-def engine_core_mode(cfg: EngineConfig, target) -> str:
-    """The engine's target step (EngineConfig.decode_core, else DSPARK_DECODE_CORE, else auto). auto: the
-    compiled core on CUDA, the ragged store on a CPU — rows of mixed verify lengths padded to one width made the
-    eager core 0.83-0.94x of it at c = 1-16 (the engine_core benchmark), and target-only serving (mode off, the
-    baseline a drafting engine is compared with) stays on the same store. The rollout generator asks for the
-    eager core explicitly on a CPU (every row one token: no padding; at parity or faster)."""
-    mode = cfg.decode_core or default_mode()
-    return "dynamic" if mode == "auto" and target.device.type != "cuda" else mode
+def engine_core_mode(decode_core: str | None, target, cpu_auto: str = "dynamic") -> str:
+    """An engine's target step: decode_core, else DSPARK_DECODE_CORE, else auto. auto: the compiled core on CUDA;
+    on a CPU `cpu_auto` — the ragged store for serving (rows of mixed verify lengths padded to one width made the
+    eager core 0.83-0.94x of it at c = 1-16, the engine_core benchmark, and target-only serving, the baseline a
+    drafting engine is compared with, stays on the same store), the eager core for the rollout generator (every
+    row one token: nothing padded; at parity or faster)."""
+    mode = decode_core or default_mode()
+    if mode != "auto":
+        return mode
+    return "compiled" if target.device.type == "cuda" else cpu_auto

@@ -34,10 +34,11 @@ from pydantic import Field, field_validator
 
 from dspark.config import StrictModel
 from dspark.decoding.engine import Engine, EngineConfig
+from dspark.decoding.engine_config import engine_core_mode
 from dspark.decoding.request import Request, StepReport
 from dspark.decoding.sampling import SamplingParams
 from dspark.decoding.scheduler import SchedulerConfig
-from dspark.decoding.static_core import DecodeCoreMode, default_mode, resolve_mode
+from dspark.decoding.static_core import DecodeCoreMode
 
 
 @dataclass
@@ -93,7 +94,7 @@ class BatchGenerator:
             # seeded_sampling stream: no Gumbel noise over the vocabulary (keyed_uniform: one hash per token)
             scheduler=SchedulerConfig(mode="off"), seeded_sampling="stream",
             max_batch=self.cfg.max_batch, max_waiting=self.cfg.max_batch,
-            max_prefill_tokens=self.cfg.max_prefill_tokens, decode_core=rollout_core_mode(self.cfg, target),
+            max_prefill_tokens=self.cfg.max_prefill_tokens, decode_core=engine_core_mode(self.cfg.decode_core, target, cpu_auto="eager"),
             # prompt + new tokens <= the target's positions (the engine keeps one column for the anchor, which a
             # target-only request's last token never takes)
             max_model_len=(getattr(target, "max_positions", None) or 1 << 20) + 1))
@@ -165,13 +166,6 @@ class BatchGenerator:
         s.decode_s += report.step_s - report.prefill_s
         s.decode_steps += int(report.rows > 0)
         s.max_active = max(s.max_active, report.rows)
-
-
-def rollout_core_mode(cfg: GeneratorConfig, target) -> str:
-    """decode_core (else DSPARK_DECODE_CORE) with auto resolved for rollouts: compiled on CUDA, the eager core on a
-    CPU (measured faster than the ragged store there: every row is one token, nothing is padded)."""
-    mode = cfg.decode_core or default_mode()
-    return resolve_mode("auto", target.device) if mode == "auto" else mode
 
 
 def _check(job: PromptJob, name: str) -> PromptJob:

@@ -4,8 +4,8 @@ verified tree's accepted path). `open_sequence` gives the static decoding core's
 (dspark.decoding.static_core, compiled or eager) where the core walks the target, else `DynamicSequence`
 over HF's DynamicCache. Invariant either way: after an operation, the first `length` cached positions hold
 exactly the sequence's verified prefix.
-Batched (the rollout generator): `open_slots` gives the core's slots (`CoreSlots`) or the ragged store
-(`RaggedSlots`), both with allocate / release / prefill / decode.
+Batched (the engine, and through it the rollout generator): `open_slots` gives the core's slots (`CoreSlots`) or the ragged store
+(`RaggedSlots`), both with allocate / release / set_length / keep_columns / forward.
 """
 from __future__ import annotations
 
@@ -68,7 +68,7 @@ def open_sequence(target, mode: str | None = None) -> CoreSequence | DynamicSequ
 def open_slots(target, max_batch: int, mode: str | None = None, max_len: int | None = None):
     """Batched sequences' KV store (CoreSlots' interface: allocate / release / set_length / keep_columns /
     forward): the core's slots (mode auto | compiled | eager, default DSPARK_DECODE_CORE; a compiled store
-    holds `max_len` columns per slot up front), else (or with mode "dynamic") the ragged store of
+    starts at min(max_len, 1024) columns per slot), else (or with mode "dynamic") the ragged store of
     dspark.decoding.batched_cache."""
     from dspark.decoding.batched_cache import RaggedSlots
 

@@ -159,26 +159,27 @@ def sample_keyed(logits: Tensor, samplings: Sequence[SamplingParams], seeds: Seq
     `keyed_uniform` (one hash per row: the rollout generator's). Rows sharing a SamplingParams are processed
     together (usually all of them: one call, no per-row work)."""
     dev, rows_n = logits.device, logits.shape[0]
+    gumbel = list(gumbel) if gumbel is not None else [False] * rows_n
     keys = torch.tensor([_signed(s & _MASK64) for s in seeds], device=dev)
     where = torch.tensor(list(positions), device=dev)
-    use_gumbel = torch.tensor(list(gumbel) if gumbel is not None else [False] * rows_n, device=dev)
-    u = keyed_uniform(keys, where)
     tokens = torch.empty(rows_n, dtype=torch.long, device=dev)
     groups: dict[tuple, tuple[SamplingParams, list[int]]] = {}
     for r, sp in enumerate(samplings):
         groups.setdefault(tuple(sp.model_dump().values()), (sp, []))[1].append(r)
     for sp, rows in groups.values():
-        index = torch.tensor(rows, device=dev) if len(rows) < rows_n else slice(None)
-        probs = to_probs(logits[index], sp)
-        tokens[index] = inverse_cdf(probs, u[index, None])
-    if gumbel is not None and any(gumbel):
-        rows = torch.nonzero(use_gumbel)[:, 0]
-        noise = keyed_gumbel(keys[rows], where[rows], logits.shape[-1])
-        for sp, group in groups.values():
-            picked = [r for r in group if gumbel[r]]
-            if picked:
-                at = torch.tensor(picked, device=dev)
-                tokens[at] = (to_probs(logits[at], sp).double().log() + noise[torch.searchsorted(rows, at)]).argmax(-1)
+        index = torch.tensor(rows, device=dev)
+        # once per group, whichever way its rows draw (all rows: no gather copy of the logits)
+        probs = to_probs(logits if len(rows) == rows_n else logits[index], sp)
+        flags = [gumbel[r] for r in rows]
+        if not any(flags):  # the common case: every row by inverse CDF, no masking copies
+            tokens[index] = inverse_cdf(probs, keyed_uniform(keys[index], where[index])[:, None])
+            continue
+        mask = torch.tensor(flags, device=dev)
+        by_cdf, by_gumbel = index[~mask], index[mask]
+        if len(by_cdf):
+            tokens[by_cdf] = inverse_cdf(probs[~mask], keyed_uniform(keys[by_cdf], where[by_cdf])[:, None])
+        noise = keyed_gumbel(keys[by_gumbel], where[by_gumbel], logits.shape[-1])
+        tokens[by_gumbel] = (probs[mask].double().log() + noise).argmax(-1)
     return tokens
 
 

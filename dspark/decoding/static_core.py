@@ -385,20 +385,6 @@ class CoreSlots:
         return [(out.logits[r] if pick is not None else out.logits[r, :n], None if feats is None else feats[r, :n])
                 for r, n in enumerate(counts)]
 
-    def prefill(self, first: int, prompts: list[list[int]]) -> Tensor:
-        """Prompts into slots first.. -> logits [R, V] of each prompt's last token (eager, see `forward`)."""
-        rows = [torch.tensor(p, device=self.device) for p in prompts]
-        outs = self.forward(first, rows, "last", eager=True)
-        self.lengths[first:] = [len(p) for p in prompts]
-        return torch.cat([logits for logits, _ in outs])
-
-    def decode(self, tokens: list[int]) -> Tensor:
-        """One token appended to each of slots 0..len(tokens)-1 -> logits [R, V] of the next token."""
-        rows = len(tokens)
-        outs = self.forward(0, list(torch.tensor(tokens, device=self.device)[:, None]), "all")
-        self.lengths[:rows] = [n + 1 for n in self.lengths[:rows]]
-        return torch.cat([logits for logits, _ in outs])
-
 
 def _row_layouts(parents: list[list[int] | None], counts: list[int], rows: int, width: int) -> tuple[Tensor, Tensor]:
     """(depth [rows, width], seen [rows, width, width]) of a step's rows: a chain's (padding continues the

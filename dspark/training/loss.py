@@ -40,12 +40,6 @@ def supervised_pairs(loss_mask: Tensor, attention_mask: Tensor, anchors: Tensor,
     return clamped, valid.unsqueeze(-1) & (pos < T) & ok
 
 
-def _gather_rows(x: Tensor, pos: Tensor) -> Tensor:
-    """x [B, T, D], pos [B, N, K] -> [B, N, K, D]."""
-    flat = pos.flatten(1)
-    return x.gather(1, flat.unsqueeze(-1).expand(-1, -1, x.shape[-1])).view(*pos.shape, x.shape[-1])
-
-
 def _zero_loss(model, n_anchors: int) -> LossOutput:
     zero = sum(p.sum() for p in model.parameters() if p.requires_grad) * 0.0
     return LossOutput(zero, {"loss": 0.0, "loss_ce": 0.0, "loss_tv": 0.0, "loss_conf": 0.0,

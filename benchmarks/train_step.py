@@ -11,8 +11,10 @@ quarter prompt, three quarters supervised: content does not change the cost) of 
 `--batch`, a drafter of the recipe's shape (`--algo`, `--anchors` per sequence: the GPU recipe uses 512, i.e.
 every answer position of a 1024-token row is an anchor and each position is labelled by up to block-size anchor
 blocks), precision auto. The first step is not timed; tokens/s = non-padding tokens over the timed steps.
-Printed (last stdout line, JSON; also written to benchmarks/results/train_step/<cpu>.json): per side the tokens/s
-of each round and their median, and after/baseline.
+With `--memo` a third side runs this tree's step with the target memo warm (every step after the warm-up is
+served from it, as in a run's second epoch or its next drafter). Printed (last stdout line, JSON; also written
+to benchmarks/results/train_step/<cpu>.json): per side the tokens/s of each round and their median, and the
+ratios to the baseline.
 """
 from __future__ import annotations
 
@@ -38,8 +40,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--steps", type=int, default=4, help="timed optimizer steps per measurement")
     ap.add_argument("--rounds", type=int, default=2, help="ABAB rounds")
+    ap.add_argument("--memo", action="store_true",
+                    help="also measure this tree's step with the target memo warm (a later epoch: "
+                         "dspark/training/target_memo.py), as a third side `after_memo`")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/train_step/<cpu label>.json)")
     ap.add_argument("--measure", default=None, help=argparse.SUPPRESS)  # child mode: the library root to import
+    ap.add_argument("--memo-side", action="store_true", help=argparse.SUPPRESS)  # child mode: with a warm memo
     return ap.parse_args(argv)
 
 
@@ -59,7 +65,12 @@ def measure(args: argparse.Namespace) -> dict:
     target = load_target(args.target, device="cpu", dtype=dtype)
     drafter = build_drafter(DrafterConfig(algo=args.algo, anchors_per_seq=args.anchors), target)
     precision = "bf16" if dtype == torch.bfloat16 else "fp32"
-    trainer = LocalTrainer(args.algo, target, drafter, OptimSection(), precision)
+    memo = None
+    if args.memo_side:  # the same batch every step: after the warm-up step every step is a later epoch's
+        from dspark.training.target_memo import TargetMemo
+
+        memo = TargetMemo.of_gb(4.0)
+    trainer = LocalTrainer(args.algo, target, drafter, OptimSection(), precision, **({"memo": memo} if memo else {}))
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(0, target.vocab_size, (args.batch, args.seq_len), generator=gen)
     loss_mask = torch.ones_like(ids)
@@ -72,10 +83,10 @@ def measure(args: argparse.Namespace) -> dict:
     return {"tokens_per_s": round(tokens / (time.perf_counter() - t0), 1), "precision": precision}
 
 
-def child(root: Path, args: argparse.Namespace) -> dict:
+def child(root: Path, args: argparse.Namespace, memo: bool = False) -> dict:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--measure", str(root), "--target", args.target,
            "--algo", args.algo, "--anchors", str(args.anchors), "--seq-len", str(args.seq_len),
-           "--batch", str(args.batch), "--steps", str(args.steps)]
+           "--batch", str(args.batch), "--steps", str(args.steps)] + (["--memo-side"] if memo else [])
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
@@ -95,11 +106,12 @@ def main(argv=None) -> dict:
         subprocess.run(["git", "worktree", "add", "--detach", str(base), rev], cwd=REPO_ROOT, check=True,
                        capture_output=True)
         try:
-            runs = {"baseline": [], "after": []}
+            runs = {"baseline": [], "after": []} | ({"after_memo": []} if args.memo else {})
+            roots = {"baseline": base, "after": REPO_ROOT, "after_memo": REPO_ROOT}
             for r in range(args.rounds):
-                order = (("baseline", base), ("after", REPO_ROOT)) if r % 2 == 0 else (("after", REPO_ROOT), ("baseline", base))
-                for name, root in order:
-                    res = child(root, args)
+                order = list(runs) if r % 2 == 0 else list(runs)[::-1]
+                for name in order:
+                    res = child(roots[name], args, memo=name == "after_memo")
                     runs[name].append(res["tokens_per_s"])
                     print(f"round {r + 1} {name}: {res['tokens_per_s']} tok/s ({res['precision']})", flush=True)
         finally:
@@ -109,6 +121,8 @@ def main(argv=None) -> dict:
               "anchors_per_seq": args.anchors, "seq_len": args.seq_len, "batch": args.batch, "steps": args.steps,
               "tokens_per_s": runs, "median_tokens_per_s": med,
               "after_over_baseline": round(med["after"] / med["baseline"], 3)}
+    if args.memo:
+        result["after_memo_over_baseline"] = round(med["after_memo"] / med["baseline"], 3)
     sys.path.insert(0, str(REPO_ROOT))
     from benchmarks.decode_core import device_label, write_result
 

@@ -144,11 +144,11 @@ def train_loop_per_worker(loop_config: dict) -> None:
         return regroup_by_length(batches, cfg.data.bucket_window, seed)
 
     def on_step(result: StepResult) -> None:
-        if logger:
+        if logger and result.metrics is not None:  # a step that reports (TrainSession.reports)
             logger.log(result.step, result.metrics)
             print_progress(result, plan.total_steps, cfg.tracking.log_every_steps)
         final = result.step >= plan.total_steps
-        if result.step % cfg.checkpoint.every_steps == 0 or final:
+        if result.step % cfg.checkpoint.every_steps == 0 or final:  # always a reporting step
             report_checkpoint(session, {"step": result.step, **result.metrics})
         maybe_inject_fault(cfg, session.rank, result.step)
 

@@ -74,6 +74,9 @@ class TrainSection(StrictModel):
     bucket_window: int = Field(16, ge=0, description="length-bucketing window in batches")
     max_steps: int | None = Field(None, ge=1, description="cap on steps per drafter (None: as many as fit)")
     log_every: int = Field(50, ge=1, description="a training-curve point every N steps")
+    target_memo_gb: float = Field(24.0, ge=0, description="frozen-target outputs of the rows trained on, kept on the "
+                                  "device (GiB) and reused by later epochs and by the next drafters "
+                                  "(dspark/training/target_memo.py); 0 = run the target every step")
 
 
 class EvalSection(StrictModel):
@@ -122,6 +125,7 @@ class Recipe:
                         "tau_engine": {}, "eval_prompts_engine": 0,
                         "train_share": "equal wall-clock per drafter", "train": {}, "phases": {}, "errors": {}}
         self.results: dict = {"config": json.loads(cfg.model_dump_json())}
+        self.target_memo = None  # the frozen target's outputs, shared by the drafters trained (train_one)
         out.mkdir(parents=True, exist_ok=True)
 
     def phase(self, name: str, fn, fatal: bool = True) -> bool:
@@ -306,6 +310,7 @@ def train_one(r: Recipe, name: str, share_s: float) -> None:
     from dspark.drafters import build_drafter
     from dspark.training.budget import epoch_batches, probe_batches, train_for
     from dspark.training.loop import LocalTrainer, flops_rates
+    from dspark.training.target_memo import TargetMemo
 
     entry, tc = r.cfg.drafters[name], r.cfg.train
     base = read_yaml(entry.train_config)
@@ -320,7 +325,9 @@ def train_one(r: Recipe, name: str, share_s: float) -> None:
             counts = count_token_frequencies(((x["input_ids"], x["loss_mask"]) for x in r.rows), r.target.vocab_size)
             draft_ids = top_token_ids(counts, drafter_cfg.draft_vocab_size)
         drafter = build_drafter(drafter_cfg, r.target, draft_ids=draft_ids)
-    trainer = LocalTrainer(drafter_cfg.algo, r.target, drafter, optim, r.precision)
+    if r.target_memo is None:
+        r.target_memo = TargetMemo.of_gb(memo_gb(tc.target_memo_gb, r.target.device))
+    trainer = LocalTrainer(drafter_cfg.algo, r.target, drafter, optim, r.precision, memo=r.target_memo)
     pad = r.target.pad_token_id
     batches = epoch_batches(r.rows, tc.batch_size, tc.max_seq_len, pad, tc.bucket_window, r.cfg.seed)
     probe = probe_batches(r.rows, min(tc.batch_size, len(r.rows)), tc.max_seq_len, pad)
@@ -333,7 +340,16 @@ def train_one(r: Recipe, name: str, share_s: float) -> None:
         "planned_steps": rep.planned_steps,
         "stopped_by": rep.stopped_by, "epochs": rep.epochs, "measured_step_s": round(rep.step_s, 4),
         "tokens_per_s": round(rep.tokens / max(rep.train_s, 1e-9), 1),
+        "target_memo": None if r.target_memo is None else vars(r.target_memo.stats).copy(),
         **flops_rates(rep.flops, rep.train_s, r.target.device, r.precision)}
+
+
+def memo_gb(requested: float, device) -> float:
+    """The target memo's budget: as configured on an accelerator; on a CPU at most a quarter of free RAM."""
+    if device.type != "cpu":
+        return requested
+    free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")  # no psutil in the GPU image
+    return min(requested, free / 4 / 2**30)
 
 
 def continued_drafter(entry: DrafterEntry, target):

@@ -14,9 +14,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from dspark.drafters.anchors import block_mask, block_positions
+from dspark.drafters.anchors import block_positions
 from dspark.drafters.base import (DraftProposal, DraftState, DraftTrainOut, Drafter, RowSampling, drafting_mask,
                                   split_proposals)
+from dspark.drafters.block_attention import BlockLayout
 from dspark.drafters.config import DrafterConfig
 from dspark.drafters.layers import InjectedLayer, RMSNorm, batch_kv, init_weights, padding_mask
 from dspark.decoding.sampling import Generators, rows_generators, sample
@@ -76,7 +77,7 @@ class DFlashDrafter(Drafter):
         return [layer.context_kv(h_ctx, cos, sin) for layer in self.layers]
 
     def run_blocks(self, x: Tensor, positions: Tensor, ctx_kv: list[tuple[Tensor, Tensor]],
-                   mask: Tensor | None) -> Tensor:
+                   mask: Tensor | BlockLayout | None) -> Tensor:
         cos, sin = self.rotary(positions)
         for layer, (k, v) in zip(self.layers, ctx_kv):
             x = layer(x, cos, sin, k, v, mask)
@@ -91,7 +92,7 @@ class DFlashDrafter(Drafter):
         N, L, gamma = anchors.shape[1], self.block_len, self.config.block_size
         kv = self.context_kv(self.context_states(features), torch.arange(T, device=self.device))
         x = self.block_inputs(input_ids.gather(1, anchors)).flatten(1, 2)  # [B, N*L, d]
-        h = self.run_blocks(x, block_positions(anchors, L), kv, block_mask(anchors, ctx_valid, L))
+        h = self.run_blocks(x, block_positions(anchors, L), kv, BlockLayout.build(anchors, ctx_valid, L, L))
         h = h.view(B, N, L, -1)[:, :, self.first_pred_slot:self.first_pred_slot + gamma]
         return self.predict_train(h, input_ids, anchors, select)
 

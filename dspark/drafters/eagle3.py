@@ -21,9 +21,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dspark.drafters.anchors import is_dense, packed_mask
+from dspark.drafters.anchors import is_dense
 from dspark.drafters.base import (DraftProposal, DraftState, DraftTrainOut, Drafter, RowSampling, drafting_mask,
                                   split_proposals)
+from dspark.drafters.block_attention import BlockLayout
 from dspark.drafters.config import DrafterConfig
 from dspark.drafters.layers import MLP, Attention, RMSNorm, batch_kv, init_weights, padding_mask
 from dspark.decoding.sampling import Generators, rows_generators, sample
@@ -82,24 +83,24 @@ class Eagle3Drafter(Drafter):
         B, T = input_ids.shape
         if anchors.shape[1] == T and is_dense(anchors):
             return self._forward_dense(features, input_ids, ctx_valid, select)
-        N, K, layer = anchors.shape[1], select.shape[2], self.midlayer
+        K, layer = select.shape[2], self.midlayer
         prev_feat = F.pad(self.fused(features)[:, :-1], (0, 0, 1, 0))  # entry j uses f_{j-1}; f_{-1} = 0
         x_ctx, _ = layer.inputs(self.embed(input_ids), prev_feat)
         ctx_k, ctx_v = layer.self_attn.keys_values(x_ctx, *self.rotary(torch.arange(T, device=self.device)))
         hidden = prev_feat.gather(1, anchors.unsqueeze(-1).expand(-1, -1, prev_feat.shape[-1]))  # f_{t-1}
-        q_block = torch.arange(N, device=self.device)
-        keys, values, outs = [ctx_k], [ctx_v], []
+        own_k, own_v, outs = [], [], []
         for k in range(K):  # step k+1 sits at position t+k with token x_{t+k} (teacher-forced)
             pos = anchors + k
             x, res = layer.inputs(self.embed(input_ids.gather(1, pos.clamp(max=T - 1))), hidden)
             cos, sin = self.rotary(pos)
             kk, vv = layer.self_attn.keys_values(x, cos, sin)
-            keys.append(kk)
-            values.append(vv)
-            k_block = q_block.repeat(k + 1)  # block keys are laid out step-major
-            k_slot = torch.arange(k + 1, device=self.device).repeat_interleave(N)
-            mask = packed_mask(anchors, ctx_valid, q_block, torch.full_like(q_block, k), k_block, k_slot, causal=True)
-            hidden = layer(x, res, cos, sin, torch.cat(keys, -2), torch.cat(values, -2), mask)
+            own_k.append(kk)
+            own_v.append(vv)
+            # block keys block-major: anchor n's steps 0..k at n·(k+1) .. n·(k+1)+k (all visible to its step k)
+            blk_k, blk_v = (torch.stack(t, dim=-2).flatten(-3, -2) for t in (own_k, own_v))
+            layout = BlockLayout.build(anchors, ctx_valid, q_per_block=1, k_per_block=k + 1)
+            out = layer.self_attn.attend_blocks(layer.self_attn.queries(x, cos, sin), ctx_k, ctx_v, blk_k, blk_v, layout)
+            hidden = layer.finish(res, out)
             outs.append(self.norm(hidden))
         h = torch.stack(outs, dim=2)  # [B, N, K, d]
         return DraftTrainOut(logits=self.lm_logits(h[select]), conf_logits=None)

@@ -2,7 +2,8 @@
 and a growable per-layer K/V buffer for the inference state.
 
 Attention masks are boolean (True = may attend) and built from indices (see dspark/drafters/anchors.py), so
-many anchor blocks of one sequence run as one dense batch without padding each block to the context.
+many anchor blocks of one sequence run as one batch without padding each block to the context; training
+attends them chunk by chunk (dspark/drafters/block_attention.py).
 Module and parameter names follow the Qwen3 / vLLM draft checkpoints (q_proj, k_norm, mlp.gate_proj,
 input_layernorm, ...), which keeps the vLLM export a plain rename table.
 """
@@ -11,6 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from dspark.drafters.block_attention import BlockLayout, attend_chunks
 
 
 class RMSNorm(nn.Module):
@@ -81,9 +84,20 @@ class Attention(nn.Module):
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
         """q [B, H, Sq, hd], k/v [B, KV, Sk, hd], mask bool [B, 1, Sq, Sk] or None -> [B, Sq, hidden]."""
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.num_heads != self.num_kv_heads)
-        out = out.transpose(-3, -2).reshape(*q.shape[:-3], q.shape[-2], self.num_heads * self.head_dim)
-        return self.o_proj(out)
+        return self.project(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.gqa))
+
+    def attend_blocks(self, q: Tensor, ctx_k: Tensor, ctx_v: Tensor, blk_k: Tensor, blk_v: Tensor,
+                      layout: BlockLayout) -> Tensor:
+        """Packed anchor blocks (training): `attend` over [context ; block keys] with the packed block rule,
+        computed chunk by chunk (dspark/drafters/block_attention.py) -> [B, N·Lq, hidden]."""
+        return self.project(attend_chunks(q, ctx_k, ctx_v, blk_k, blk_v, layout, self.gqa))
+
+    @property
+    def gqa(self) -> bool:
+        return self.num_heads != self.num_kv_heads
+
+    def project(self, out: Tensor) -> Tensor:  # [B, H, S, hd] -> o_proj([B, S, H*hd])
+        return self.o_proj(out.transpose(-3, -2).reshape(*out.shape[:-3], out.shape[-2], self.num_heads * self.head_dim))
 
 
     def attend_diagonal(self, q: Tensor, ctx_k: Tensor, ctx_v: Tensor, ctx_mask: Tensor,
@@ -104,9 +118,7 @@ class Attention(nn.Module):
         s_own = (q.unsqueeze(-2) * torch.stack([heads(k) for k in own_k], dim=-2)).sum(-1).float() * scale
         p = torch.softmax(torch.cat([s_ctx, s_own], dim=-1), dim=-1).to(q.dtype)
         T = ctx_k.shape[-2]
-        out = p[..., :T] @ heads(ctx_v) + (p[..., T:].unsqueeze(-1) * own_v_all).sum(-2)
-        out = out.transpose(-3, -2).reshape(*q.shape[:-3], q.shape[-2], self.num_heads * self.head_dim)
-        return self.o_proj(out)
+        return self.project(p[..., :T] @ heads(ctx_v) + (p[..., T:].unsqueeze(-1) * own_v_all).sum(-2))
 
 
 class MLP(nn.Module):
@@ -138,12 +150,16 @@ class InjectedLayer(nn.Module):
         return self.self_attn.keys_values(h_ctx, cos, sin)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, ctx_k: Tensor, ctx_v: Tensor,
-                mask: Tensor | None) -> Tensor:
+                mask: Tensor | BlockLayout | None) -> Tensor:
+        """mask: a BlockLayout for packed training blocks, else a key mask over [context ; block] or None."""
         h = self.input_layernorm(x)
         q = self.self_attn.queries(h, cos, sin)
         k, v = self.self_attn.keys_values(h, cos, sin)
-        k, v = torch.cat([ctx_k, k], dim=-2), torch.cat([ctx_v, v], dim=-2)
-        x = x + self.self_attn.attend(q, k, v, mask)
+        if isinstance(mask, BlockLayout):
+            x = x + self.self_attn.attend_blocks(q, ctx_k, ctx_v, k, v, mask)
+        else:
+            k, v = torch.cat([ctx_k, k], dim=-2), torch.cat([ctx_v, v], dim=-2)
+            x = x + self.self_attn.attend(q, k, v, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 

@@ -102,6 +102,10 @@ class TrainJobConfig(StrictModel):
         "back; the target distribution comes from the training-precision LM head) — on a CPU with avx512_bf16 "
         "or AMX ~8x the fp32 feature tok/s, distributions within TV 0.02; auto = bfloat16 where the worker's "
         "device computes it natively, else same")
+    target_memo_gb: float = Field(
+        2.0, ge=0, description="keep each worker's frozen-target outputs (features, final states) of the rows it has "
+        "trained on, up to this many GiB on its device, and reuse them in later epochs instead of running the target "
+        "again (dspark/training/target_memo.py); used only when the run has more than one epoch; 0 = off")
     scaling: ScalingSection = Field(default_factory=ScalingSection, description="the Ray Train worker group")
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection, description="where and how often checkpoints are written")
     tracking: TrainTracking = Field(default_factory=TrainTracking, description="MLflow run and model registration")

@@ -115,11 +115,12 @@ class LocalTrainer:
     optim: object  # dspark.training.config.OptimSection (lr, betas, eps, weight_decay, warmup_ratio, schedule, grad_clip)
     precision: str = "fp32"
     curve: list = field(default_factory=list)
+    memo: object = None  # dspark.training.target_memo.TargetMemo shared by the trainers of one process, or None
 
     def __post_init__(self):
         self.drafter.train()
         self.backend = TorchUpdate(LossModule(self.drafter, self.target), self.optim)
-        self.core = DrafterStep(self.backend, self.target.device, self.precision)
+        self.core = DrafterStep(self.backend, self.target.device, self.precision, self.memo)
         self.flops_model = FlopsModel.of(self.target, self.drafter)
 
     @property

@@ -47,11 +47,12 @@ def _zero_loss(model, n_anchors: int) -> LossOutput:
 
 
 def drafter_loss(drafter, target, input_ids: Tensor, loss_mask: Tensor, attention_mask: Tensor | None,
-                 generator: torch.Generator | None = None, target_out=None) -> LossOutput:
+                 generator: torch.Generator | None = None, target_out=None, read_metrics: bool = True) -> LossOutput:
     """Combined loss α_ce·L_ce + α_tv·L_tv (+ α_conf·L_conf for DSpark with a confidence head).
     `drafter` may be wrapped (DDP / DeepSpeed engine): it is called, never unwrapped, for the forward.
     `target_out`: the frozen target's features [B, T, m*d] and final hidden states [B, T, d] of these
-    sequences, precomputed (dspark/training/feature_cache.py); None runs the target here."""
+    sequences, precomputed (dspark/training/feature_cache.py); None runs the target here.
+    read_metrics=False: the metrics stay 0-d device tensors (no host copy here; see `read_back`)."""
     model = getattr(drafter, "module", drafter)
     cfg, K = model.config, model.config.train_steps
     device = target.device
@@ -111,13 +112,14 @@ def drafter_loss(drafter, target, input_ids: Tensor, loss_mask: Tensor, attentio
     metrics.update(acceptance_metrics(c_full[valid], select[valid]))
     metrics.update(loss=loss, n_anchors=valid.sum(), n_supervised=select.sum(), n_blocks=torch.tensor(n_blocks),
                    token_acc=(predicted == labels).float().mean())
-    return LossOutput(loss, read_back(metrics))
+    return LossOutput(loss, read_back(metrics) if read_metrics else {k: v.detach() for k, v in metrics.items()})
 
 
-def read_back(metrics: dict[str, Tensor]) -> dict[str, float]:
-    """0-d metric tensors -> floats in ONE device-to-host copy (not one sync per metric)."""
+def read_back(metrics: dict[str, Tensor | float]) -> dict[str, float]:
+    """0-d metric tensors (or floats) -> floats in ONE device-to-host copy (not one sync per metric)."""
     names = list(metrics)
-    values = torch.stack([metrics[k].detach().float().reshape(()).to(metrics["loss"].device) for k in names])
+    device = next((v.device for v in metrics.values() if isinstance(v, Tensor)), "cpu")
+    values = torch.stack([torch.as_tensor(metrics[k]).detach().float().reshape(()).to(device) for k in names])
     return dict(zip(names, values.tolist()))
 
 

@@ -3,8 +3,9 @@ shared training step (dspark.training.step.DrafterStep, the same one the GPU rec
 DeepSpeed) over a DeepSpeed engine as its update backend, checkpoints, and the step loop with exact resume.
 
 Per micro batch `dspark.training.loss.drafter_loss` runs the target to get the context features and the
-target distributions at the supervised positions only (online: nothing is cached on disk), then the
-drafter loss; DeepSpeed (`DeepSpeedUpdate`) accumulates gradients to the global batch, clips, steps AdamW
+target distributions at the supervised positions only (online: nothing is cached on disk; in a run of
+several epochs the outputs of rows already seen are kept in memory up to `target_memo_gb` and reused,
+dspark/training/target_memo.py), then the drafter loss; DeepSpeed (`DeepSpeedUpdate`) accumulates gradients to the global batch, clips, steps AdamW
 (a plain torch optimizer: no JIT-compiled ops on CPU) and the warmup+cosine schedule.
 
 Why online features: a precomputed target cache (what the public reference does) stores the fused
@@ -127,7 +128,7 @@ def init_engine(cfg, plan: TrainPlan, target, forward_target=None):
                                   weight_decay=cfg.optim.weight_decay)
     schedule = (plan.total_steps, cfg.optim.warmup_ratio, cfg.optim.schedule, cfg.optim.min_lr_ratio)
     engine, _, _, _ = deepspeed.initialize(
-        model=LossModule(drafter, target, forward_target), optimizer=optimizer, config=plan.ds_config,
+        model=LossModule(drafter, target, forward_target, read_metrics=False), optimizer=optimizer, config=plan.ds_config,
         lr_scheduler=lambda opt: build_scheduler(opt, *schedule))  # stepped by DeepSpeed per optimizer step
     return engine
 
@@ -159,7 +160,8 @@ def drafter_of(engine) -> nn.Module:
 @dataclass
 class StepResult:
     step: int
-    metrics: dict[str, float]  # rank-averaged loss terms + lr, grad_norm, tokens_per_s, ...
+    metrics: dict[str, float] | None  # rank-averaged over the steps since the last report: loss terms, lr,
+    # grad_norm, tokens_per_s, ...; None on steps that do not report (TrainSession.reports)
 
 
 @dataclass
@@ -180,11 +182,11 @@ class TrainSession:
     _tokens: int = 0
     _metric_sums: dict = field(default_factory=dict)
     _micro: int = 0
+    _window_steps: int = 0  # optimizer steps since the last step_metrics
     _t_last: float = 0.0
     _step: object = None  # the shared DrafterStep over this session's DeepSpeedUpdate
     _steps_here: int = 0  # optimizer steps taken since this process started (or resumed)
     _timed: tuple = (0.0, 0)  # (time of this launch's first step, tokens since then)
-    _flops: float = 0.0  # model FLOPs of the micro batches since the last step_metrics (training_loop.FlopsModel)
     _flops_model: object = None
 
     def setup(self) -> "TrainSession":
@@ -198,11 +200,18 @@ class TrainSession:
                                   local_copy=self.local_copy)
         forward_target = self.forward_target_of(precision)
         self.engine = init_engine(self.cfg, self.plan, self.target, forward_target)
-        self._step = DrafterStep(DeepSpeedUpdate(self.engine, self.plan), self.device, precision)
+        self._step = DrafterStep(DeepSpeedUpdate(self.engine, self.plan), self.device, precision, self.memo())
         from dspark.training.loop import FlopsModel
 
         self._flops_model = FlopsModel.of(self.target, drafter_of(self.engine))
         return self
+
+    def memo(self):
+        """The target memo (cfg.target_memo_gb) when a later epoch can reuse it, else None."""
+        from dspark.training.target_memo import TargetMemo
+
+        repeats = self.plan.total_steps > self.plan.steps_per_epoch
+        return TargetMemo.of_gb(self.cfg.target_memo_gb) if repeats else None
 
     def forward_target_of(self, precision: str):
         """A bf16 copy of the target for the frozen forward (cfg.target_forward_dtype), or None."""
@@ -252,14 +261,13 @@ class TrainSession:
 
     # ---- training ------------------------------------------------------------------------
     def micro_step(self, batch: dict[str, torch.Tensor], generator: torch.Generator) -> None:
-        """The shared step on one micro batch; DeepSpeed steps the optimizer at accumulation boundaries."""
+        """The shared step on one micro batch; DeepSpeed steps the optimizer at accumulation boundaries.
+        Its metrics stay on the device, summed there; `step_metrics` reads them back (log steps only)."""
         metrics = self._step.micro(batch, generator)
         self._micro += 1
-        tokens = int(batch["attention_mask"].sum())
-        self._tokens += tokens
-        self._flops += self._flops_model.train_flops(tokens, metrics["n_anchors"], metrics["n_supervised"])
+        self._tokens += int(batch["attention_mask"].sum())
         for key, value in metrics.items():
-            self._metric_sums[key] = self._metric_sums.get(key, 0.0) + float(value)
+            self._metric_sums[key] = self._metric_sums[key] + value if key in self._metric_sums else value
 
     def step_metrics(self) -> dict[str, float]:
         """Metrics of the micro batches since the last call, averaged over micro batches and ranks
@@ -267,8 +275,12 @@ class TrainSession:
         steps after its first (start-up and warm-up excluded)."""
         import torch.distributed as dist
 
-        local = {k: v / max(1, self._micro) for k, v in self._metric_sums.items()}
-        payload = {"metrics": local, "tokens": self._tokens, "flops": self._flops, "mem": peak_memory_gb(self.device)}
+        from dspark.training.loss import read_back
+
+        sums = read_back(self._metric_sums) if self._metric_sums else {}  # the one device-to-host copy
+        flops = self._flops_model.train_flops(self._tokens, sums.get("n_anchors", 0.0), sums.get("n_supervised", 0.0))
+        local = {k: v / max(1, self._micro) for k, v in sums.items()}
+        payload = {"metrics": local, "tokens": self._tokens, "flops": flops, "mem": peak_memory_gb(self.device)}
         gathered = [None] * self.world
         if dist.is_available() and dist.is_initialized() and self.world > 1:
             dist.all_gather_object(gathered, payload)
@@ -280,7 +292,8 @@ class TrainSession:
         norm = self.engine.get_global_grad_norm()
         norm = self._step.update.grad_norm if norm is None else norm
         out.update({"lr": self._step.update.lr, "tokens": float(tokens), "tokens_per_s": tokens / max(1e-9, now - self._t_last),
-                    "step_time_s": now - self._t_last, "peak_mem_gb": max(g["mem"] for g in gathered)})
+                    "step_time_s": (now - self._t_last) / max(1, self._window_steps),
+                    "peak_mem_gb": max(g["mem"] for g in gathered)})
         if norm is not None:
             out["grad_norm"] = float(norm)
         rates = flops_rates(sum(g["flops"] for g in gathered), now - self._t_last, self.device,
@@ -292,7 +305,7 @@ class TrainSession:
         else:
             self._timed = (self._timed[0], self._timed[1] + tokens)
             out["mean_tokens_per_s"] = self._timed[1] / max(1e-9, now - self._timed[0])
-        self._metric_sums, self._micro, self._tokens, self._flops, self._t_last = {}, 0, 0, 0.0, now
+        self._metric_sums, self._micro, self._tokens, self._t_last, self._window_steps = {}, 0, 0, now, 0
         return out
 
     def run(self, epoch_batches: Callable[[int], Iterable[dict]],
@@ -314,7 +327,14 @@ class TrainSession:
                 self.micro_step(collate(rows, max_len, pad_id), generator)
                 if (index + 1) % accum == 0:
                     self.step += 1
-                    on_step(StepResult(self.step, {**self.step_metrics(), "epoch": float(epoch)}))
+                    self._window_steps += 1
+                    metrics = {**self.step_metrics(), "epoch": float(epoch)} if self.reports(self.step) else None
+                    on_step(StepResult(self.step, metrics))
+
+    def reports(self, step: int) -> bool:
+        """Metrics are read back and gathered on log steps, checkpoint steps and the last step only."""
+        return (step % self.cfg.tracking.log_every_steps == 0 or step % self.cfg.checkpoint.every_steps == 0
+                or step >= self.plan.total_steps)
 
 
 def micro_seed(seed: int, rank: int, epoch: int, index: int) -> int:

@@ -54,28 +54,37 @@ class LossModule(nn.Module):
     the frozen forward instead; its features and final states are cast to the target's dtype, and the
     target distribution still comes from `target`'s LM head."""
 
-    def __init__(self, drafter: nn.Module, target, forward_target=None):
+    def __init__(self, drafter: nn.Module, target, forward_target=None, read_metrics: bool = True):
         super().__init__()
         self.drafter = drafter
+        self.read_metrics = read_metrics  # False: metrics stay device tensors (the session reads them per log)
         object.__setattr__(self, "target", target)
         object.__setattr__(self, "forward_target", forward_target)
 
-    def forward(self, input_ids, loss_mask, attention_mask, generator):
+    def forward(self, input_ids, loss_mask, attention_mask, generator, target_out=None):
+        """target_out: the frozen target's outputs for this batch when the caller has them (TargetMemo)."""
         from dspark.training.loss import drafter_loss
 
-        target_out = None if self.forward_target is None else self.frozen_forward(input_ids, attention_mask)
+        if target_out is None and self.forward_target is not None:
+            target_out = self.frozen_forward(input_ids, attention_mask)
         out = drafter_loss(self.drafter, self.target, input_ids, loss_mask, attention_mask, generator,
-                           target_out=target_out)
+                           target_out=target_out, read_metrics=self.read_metrics)
         return out.loss, out.metrics
+
+    @property
+    def layer_ids(self) -> list[int]:
+        return getattr(self.drafter, "module", self.drafter).layer_ids
 
     @torch.no_grad()
     def frozen_forward(self, input_ids, attention_mask):
         from dspark.models.target import TargetOutput
 
-        model = getattr(self.drafter, "module", self.drafter)
         dev, dtype = self.target.device, self.target.dtype
-        out = self.forward_target.forward(input_ids.to(dev), attention_mask=attention_mask.to(dev),
-                                          layer_ids=model.layer_ids, logits_at=None)
+        runner = self.forward_target if self.forward_target is not None else self.target
+        out = runner.forward(input_ids.to(dev), attention_mask=attention_mask.to(dev),
+                             layer_ids=self.layer_ids, logits_at=None)
+        if runner is self.target:
+            return out
         return TargetOutput(features=out.features.to(dtype), final_hidden=out.final_hidden.to(dtype),
                             logits=None, cache=None)
 
@@ -130,12 +139,14 @@ class TorchUpdate:
 
 
 class DrafterStep:
-    """The training step: loss on one micro batch through `update` (TorchUpdate or DeepSpeedUpdate)."""
+    """The training step: loss on one micro batch through `update` (TorchUpdate or DeepSpeedUpdate).
+    `memo` (dspark.training.target_memo.TargetMemo): the frozen target's outputs of rows already seen, shared
+    across epochs (and across the drafters of one process); None runs the target on every micro batch."""
 
     COUNTS = ("n_anchors", "n_supervised", "n_blocks")  # summed over micro batches, never averaged
 
-    def __init__(self, update, device: str | torch.device, precision: str):
-        self.update, self.device, self.precision = update, torch.device(device), precision
+    def __init__(self, update, device: str | torch.device, precision: str, memo=None):
+        self.update, self.device, self.precision, self.memo = update, torch.device(device), precision, memo
 
     @property
     def drafter(self) -> nn.Module:
@@ -145,10 +156,16 @@ class DrafterStep:
               update: bool = True) -> dict[str, float]:
         """Forward + backward one micro batch (loss scaled by `scale` for a torch backend; DeepSpeed
         scales by its accumulation steps itself), then the backend's step; -> loss and loss metrics."""
-        batch = {k: v.to(self.device) for k, v in batch.items()}
+        on_device = {k: v.to(self.device) for k, v in batch.items()}
         with autocast(self.device, self.precision):
-            loss, metrics = self.update.forward(batch["input_ids"], batch["loss_mask"], batch["attention_mask"],
-                                                generator)
+            target_out = None
+            if self.memo is not None:
+                module = self.update.module
+                target_out = self.memo.outputs(batch["input_ids"], batch["attention_mask"], module.layer_ids,
+                                               lambda: module.frozen_forward(on_device["input_ids"],
+                                                                             on_device["attention_mask"]))
+            loss, metrics = self.update.forward(on_device["input_ids"], on_device["loss_mask"],
+                                                on_device["attention_mask"], generator, target_out)
         self.update.backward(loss, scale)
         self.update.step(update)
-        return dict(metrics)  # floats read back in one copy by drafter_loss (the loss among them)
+        return dict(metrics)  # floats read back in one copy by drafter_loss, or device tensors (read_metrics=False)

@@ -241,17 +241,20 @@ def test_local_ray_is_never_auto_detected(monkeypatch):
 
 
 
-@pytest.fixture
-def gloo_world_of_one(monkeypatch):
+@pytest.fixture(scope="module")
+def gloo_world_of_one():
+    """One gloo process group for the module's session tests (DeepSpeed keeps the first group it sees, so
+    a group destroyed and made again between tests would not be the one it uses)."""
     import torch.distributed as dist
 
-    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
-    for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
-                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_closed_port())}.items():
-        monkeypatch.setenv(key, value)
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("DS_ACCELERATOR", "cpu")
+        for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+                           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_closed_port())}.items():
+            mp.setenv(key, value)
+        dist.init_process_group("gloo", rank=0, world_size=1)
+        yield
+        dist.destroy_process_group()
 
 
 
@@ -351,3 +354,33 @@ def test_step_budget_replans_from_the_steps_since_its_last_point_not_a_warm_up_h
         budget.stepped(Trainer())
     assert budget.stopped_by == "steps" and clock[0] >= 55.0  # within 5 s of the 60 s share
     assert budget.done > 180  # 48 s of 0.25 s steps after the 12 s warm-up
+
+
+def test_session_reports_on_log_checkpoint_and_last_steps_and_reuses_target_outputs(gloo_world_of_one):
+    """Metrics are read back and gathered only on the steps that report them (log_every_steps, checkpoint
+    steps, the last), averaged over the steps since the last report; from the second epoch on the frozen
+    target's outputs come from the session's memo (every batch of epoch 2 is a hit)."""
+    from dspark.training.plan import TrainPlan
+    from dspark.training.session import TrainSession
+
+    cfg = job_config("x", **{"deepspeed.zero_stage": 2, "scaling.num_workers": 1, "optim.max_steps": 6,
+                             "optim.micro_batch_size": 2, "optim.global_batch_size": 2,
+                             "tracking.log_every_steps": 4, "checkpoint.every_steps": 3})
+    plan = TrainPlan(total_steps=6, steps_per_epoch=3, grad_accum=1, precision="fp32", ds_config=deepspeed_config(cfg))
+    session = TrainSession(cfg, plan, 0, 1, torch.device("cpu")).setup()
+    rng = np.random.default_rng(1)
+    rows = [{"input_ids": rng.integers(0, session.target.vocab_size, 20), "loss_mask": np.r_[[0] * 4, [1] * 16]}
+            for _ in range(6)]
+
+    def batches(epoch):
+        for i in range(0, len(rows), 2):
+            yield {k: [r[k] for r in rows[i:i + 2]] for k in ("input_ids", "loss_mask")}
+
+    results = []
+    session.run(batches, results.append)
+    reported = {r.step: r.metrics for r in results if r.metrics is not None}
+    assert [r.step for r in results] == [1, 2, 3, 4, 5, 6] and sorted(reported) == [3, 4, 6]
+    assert reported[4]["tokens"] == 40 and reported[6]["tokens"] == 80  # one step since 3, two since 4
+    assert all(math.isfinite(m["loss"]) and m["n_supervised"] > 0 for m in reported.values())
+    memo = session._step.memo
+    assert (memo.stats.misses, memo.stats.hits, memo.stats.rows_held) == (3, 3, 6)

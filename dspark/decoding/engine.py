@@ -23,8 +23,8 @@ decides whether drafting a tree beats a target-only step at that load.
 The drafter context is caught up lazily: the target features of verified positions wait in
 `Request.ctx_pending` and the drafter reads them, for all requests in one `extend_contexts` pass, just
 before it next drafts (or when `context_catch_up_every` steps have piled up, which bounds the memory held).
-So a step where the draft gate skips drafting does the same work as mode `off` (plus keeping the
-features, which the target forward returns anyway); a rarely used drafter costs nothing on the steps it sits out.
+So a step where the draft gate skips drafting does mode `off`'s work, through the same batched draw (plus keeping
+the features, which the target forward returns anyway): a drafter costs nothing on the steps it sits out.
 Requests join and leave between steps. A request whose drafting, verification or acceptance fails
 is finished with an error; the others continue. `healthy` turns False when steps keep failing.
 
@@ -34,9 +34,10 @@ computes the same logits as a per-request forward with a KV cache (each row sees
 
 Randomness: without a drafter (mode off: rollouts, target-only serving) every token is drawn on the device
 with counter-based randomness keyed by (the request's seed, output position), all rows in one call
-(`sample_keyed`; a keyed seeded request gets the Gumbel-max token below). With one, every request draws from its own torch.Generator (on the target's device), seeded with
-the request's `seed` or, without one, from the engine's seed stream (EngineConfig.seed). Its prefill
-sample, its drafts and its acceptance draws come from that generator only, so a request's random
+(`sample_keyed`; a keyed seeded request gets the Gumbel-max token below); so does a drafting engine's step
+where no row verifies a draft. Otherwise every request draws from its own torch.Generator (on the target's
+device), seeded with the request's `seed` or, without one, from the engine's seed stream (EngineConfig.seed).
+Its prefill sample, its drafts and its acceptance draws come from that generator only, so a request's random
 draws never depend on the other requests in the batch; but how many draws a round consumes depends
 on its verify length, which the dynamic/async_topk schedulers and the draft gate choose over the
 whole batch. So a request with a `seed` uses, by default (EngineConfig.seeded_sampling="keyed"),
@@ -73,8 +74,7 @@ from dspark.decoding.request_batch import RequestBatch
 from dspark.decoding.sampling import KeyedNoise, SamplingParams, accept_drafts, accept_keyed, sample, to_probs
 from dspark.decoding.scheduler import DraftGate, PrefixScheduler, SPSTable, prefix_survival
 from dspark.decoding.specdec import drafter_layer_ids
-from dspark.decoding.tree_specdec import (accept_keyed_tree, accept_tree, check_branching, tree_expected_accepted,
-                                          verify_parents)
+from dspark.decoding.tree_specdec import accept_keyed_tree, accept_tree, check_branching, tree_expected_accepted, verify_parents
 from dspark.decoding.sps_profile import engine_sps_table
 from dspark.drafters.base import DraftTree
 
@@ -358,8 +358,8 @@ class Engine(RequestBatch):
         report.rows, report.batch_tokens = len(rows), sum(len(r) for r in rows)
         report.verify_lens = list(lengths)
         outputs = self._forward_rows(self.active, rows, "all", report, parents)
-        if not self.drafting:
-            self._target_only_tokens(list(self.active), outputs, report)
+        if not any(lengths) and not any(parents):  # no row verifies a draft: one batched draw (as mode off)
+            self._target_only_tokens(list(self.active), outputs, report, rows if self.drafting else None)
             report.verify_s = time.perf_counter() - t0
             return
         for req, ids, out in zip(list(self.active), rows, outputs):

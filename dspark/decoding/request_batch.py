@@ -177,22 +177,32 @@ class RequestBatch:
             report.finished += 1
         self._notify(req, kept)
 
-    def _target_only_tokens(self, reqs: list[Request], outputs: list[tuple], report: StepReport) -> None:
-        """Without a drafter every row gets one token, all drawn in one device call and one host copy, the token
-        at output position j keyed by (key_seed, j) (`sample_keyed`: the same alone or in any batch): for a
-        seeded request with seeded_sampling keyed the Gumbel-max token a drafting engine would emit, else the
-        inverse-CDF draw at u(key_seed, j)."""
-        live = [(r, logits) for r, (logits, _) in zip(reqs, outputs) if not r.finished]
+    def _target_only_tokens(self, reqs: list[Request], outputs: list[tuple], report: StepReport,
+                            rows: list[torch.Tensor] | None = None) -> None:
+        """A step where no row verifies a draft (no drafter; or the gate skipped drafting, or the scheduler chose
+        length 0 for every row): every row gets one token, all drawn in one device call and one host copy, the
+        token at output position j keyed by (key_seed, j) (`sample_keyed`: the same alone or in any batch): for
+        a seeded request with seeded_sampling keyed the Gumbel-max token a drafting engine would emit, else the
+        inverse-CDF draw at u(key_seed, j) (fresh for every j, and whether j is drawn here does not depend on
+        it: exact). With a drafter the anchor's features wait in ctx_pending (rows: the verified [anchor] rows)."""
+        live = [(r, out, i) for i, (r, out) in enumerate(zip(reqs, outputs)) if not r.finished]
         if not live:
             return
-        logits = torch.cat([lg[-1:] for _, lg in live])
-        keyed = [r.seed is not None and self.cfg.seeded_sampling == "keyed" for r, _ in live]  # Gumbel (KeyedNoise)
-        tokens = sample_keyed(logits, [r.sampling for r, _ in live], [r.key_seed for r, _ in live],
-                              [len(r.tokens) for r, _ in live], keyed).tolist()
-        for (req, lg), token in zip(live, tokens):
+        logits = torch.cat([lg[-1:] for _, (lg, _), _ in live])
+        keyed = [r.seed is not None and self.cfg.seeded_sampling == "keyed" for r, _, _ in live]  # Gumbel (KeyedNoise)
+        tokens = sample_keyed(logits, [r.sampling for r, _, _ in live], [r.key_seed for r, _, _ in live],
+                              [len(r.tokens) for r, _, _ in live], keyed).tolist()
+        for (req, (lg, features), i), token in zip(live, tokens):
             self.kv.set_length(req.slot, len(req.prompt_ids) + len(req.tokens))
+            if rows is not None:  # the drafter reads the anchor's features when it next drafts
+                req.ctx_pending.append((features[:1], rows[i][:1]))
+                if req.noise is not None:
+                    req.noise.forget_before(len(req.tokens) + 1)
             if req.tokens:
-                req.stats.add_round(0, 0, 0)
+                proposed = 0 if req.proposal is None else int(req.proposal.tokens.shape[0])
+                req.stats.add_round(proposed, 0, 0)
+                report.proposed += proposed
+            req.proposal = None
             self._emit(req, [token], report, lg[-1:])
 
     def _logprobs(self, req: Request, tokens: list[int], logits: torch.Tensor) -> list[TokenLogprob]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import posixpath
+import re
 from pathlib import Path
 from typing import Annotated, Any, Callable, TypeVar
 
@@ -33,6 +34,21 @@ def absolute_if_local(ref: str | None) -> str | None:
 # an input reference (local path | s3:// | runs:/ | models:/ | a name), made absolute when it is a local
 # path relative to where the config is loaded
 ModelRef = Annotated[str, AfterValidator(absolute_if_local)]
+
+
+def check_alias(alias: str) -> str:
+    """MLflow's rules for a registered-model alias, checked when a config loads (MLflow itself only checks
+    at registration, i.e. after training): 1-255 letters, digits, '_' or '-'; not 'latest' (any case), not
+    'v<N>'/'V<N>' (both reserved for versions)."""
+    if not re.fullmatch(r"[\w-]{1,255}", alias):
+        raise ValueError(f"alias {alias!r} is not a valid MLflow alias: use 1-255 letters, digits, '_' or '-'")
+    if alias.lower() == "latest" or re.fullmatch(r"[vV]\d+", alias):
+        raise ValueError(f"alias {alias!r} is reserved by MLflow ('latest' and v<N> name versions); choose another")
+    return alias
+
+
+# a registered-model alias (e.g. champion, trained), validated by MLflow's rules at config load
+ModelAlias = Annotated[str, AfterValidator(check_alias)]
 
 
 class RayConfig(StrictModel):

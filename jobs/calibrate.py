@@ -26,7 +26,7 @@ from pydantic import Field, field_validator, model_validator
 from dspark.eval import calibration as cal
 from dspark.eval import evaluation as ev
 from dspark.eval import metrics
-from dspark.config import ModelRef, StrictModel
+from dspark.config import ModelAlias, ModelRef, StrictModel
 from pipelines.ray_cluster import init_ray
 from jobs.common import load_job_config, tracked_run
 from dspark.config import RayConfig, TrackingConfig
@@ -59,7 +59,7 @@ class CalibrateConfig(StrictModel):
     min_rounds: int = Field(100, description="fewer calibration rounds than this -> a warning (noisy temperatures)")
     output: str = Field("results/calibrate", description="report + the new drafter under <output>/drafter (local or s3://)")
     registered_model: str | None = Field(None, description="register under this name; None -> the source's name if models:/")
-    aliases: list[str] = Field(default_factory=lambda: ["calibrated"], description="aliases moved to the new registered version")
+    aliases: list[ModelAlias] = Field(default_factory=lambda: ["calibrated"], description="aliases moved to the new registered version (only these; the serving alias moves through jobs.promote)")
     workers: WorkersConfig = Field(default_factory=WorkersConfig, description="the decoding actor pool")
     ray: RayConfig = Field(default_factory=RayConfig, description="Ray cluster to use")
     tracking: TrackingConfig = Field(TrackingConfig(experiment="dspark-calibrate"), description="MLflow")

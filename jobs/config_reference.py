@@ -33,6 +33,8 @@ def _type_name(annotation) -> str:
         return _type_name(args[0])
     if origin in (typing.Union, types.UnionType) and any(typing.get_origin(a) is typing.Annotated for a in args):
         return " | ".join(_type_name(a) for a in args)
+    if origin in (list, tuple, set) and any(typing.get_origin(a) is typing.Annotated for a in args):
+        return f"{origin.__name__}[{', '.join(_type_name(a) for a in args)}]"
     text = repr(annotation) if not isinstance(annotation, type) else annotation.__name__
     return text.replace("typing.", "").replace("NoneType", "None")
 

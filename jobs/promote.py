@@ -24,7 +24,7 @@ import time
 from pydantic import Field
 
 from dspark.eval import evaluation as ev
-from dspark.config import RayConfig, StrictModel, TrackingConfig
+from dspark.config import ModelAlias, RayConfig, StrictModel, TrackingConfig
 from jobs.common import load_job_config, tracked_run
 from pipelines.eval_decode import WorkersConfig
 
@@ -51,7 +51,7 @@ class RolloutSection(StrictModel):
 
 class PromoteConfig(StrictModel):
     model: str = Field(description="registered model name of the drafter")
-    serving_alias: str = Field("serving", description="the alias the endpoint serves (model.drafter: models:/<model>@<alias>)")
+    serving_alias: ModelAlias = Field("serving", description="the alias the endpoint serves (model.drafter: models:/<model>@<alias>)")
     candidate: str | None = Field(None, description="models:/<model>/<version> (or @alias) to judge; None: record the serving version's baseline")
     drifted_domains: list[str] | None = Field(None, description="None: from the serving version's dspark.drift tag")
     tolerance: float = Field(0.05, ge=0, description="largest mean τ loss allowed on a domain that did not drift")
@@ -139,7 +139,7 @@ def run(cfg: PromoteConfig) -> dict:
     if decision.promote:
         registry.record_baseline(cfg.model, candidate.model_version, summary["tau"]["candidate"],
                                  source=f"jobs.promote eval {cfg.eval.output}")
-        registry.set_alias(cfg.model, cfg.serving_alias, candidate.model_version)
+        registry.promote(cfg.model, candidate.model_version, cfg.serving_alias, f"jobs.promote run {run_id or '-'}: {note}"[:4900])
         if cfg.rollout.serve_config:
             summary["rollout"] = roll_out(cfg, f"models:/{cfg.model}/{candidate.model_version}")
     return {**summary, "mlflow_run_id": run_id}

@@ -230,14 +230,20 @@ def finish_run(cfg: TrainJobConfig, plan: TrainPlan, result) -> dict:
                                    summary["metrics"])
         export.attach_exports(drafter_dir, plan.mlflow_run_id, cfg.registered_model_name, version, target=cfg.target)
     summary["registered_model"] = {"name": cfg.registered_model_name, "version": version, "alias": cfg.tracking.alias}
+    if cfg.tracking.promote_to:  # an explicit promotion the user asked for (never the default)
+        from dspark.io import registry
+
+        registry.promote(cfg.registered_model_name, version, cfg.tracking.promote_to,
+                         f"jobs.train run {cfg.run_name}: tracking.promote_to (no evaluation)")
+        summary["registered_model"]["promoted_to"] = cfg.tracking.promote_to
     tracking.set_tags({"dspark.registered_model": cfg.registered_model_name, "dspark.registered_version": version})
     tracking.end_run("FINISHED")
     return summary
 
 
 def register_drafter(run_id: str, name: str, alias: str, drafter_dir: str, metrics: dict) -> str:
-    """Log the drafter as an MLflow model and register it as a new version of `name` with `alias` (and
-    the serving alias), tagged with what it is and its training-time expected τ; a failure keeps the
+    """Log the drafter as an MLflow model and register it as a new version of `name` with `alias` (only:
+    training never moves the serving alias by itself), tagged with what it is and its training-time expected τ; a failure keeps the
     trained drafter (checkpoint and run artifacts) and says how to register it."""
     from dspark.io import registry
     from dspark.io.drafter_model import version_tags

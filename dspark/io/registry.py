@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from dspark.config import flatten
+from dspark.config import check_alias, flatten
 from dspark.io import tracking
 
 BASELINE_PREFIX = "dspark.baseline."  # dspark.baseline.<domain>.tau = τ measured by jobs.evaluate
@@ -50,8 +50,10 @@ def set_model_version_tags(name: str, version: str, tags: dict[str, str]) -> Non
         client.set_model_version_tag(name, str(version), key, str(value)[:5000])
 
 
-SERVING_ALIAS = "champion"  # the version serving, evaluation and calibration use by default (configs/*)
-RESERVED_ALIAS = "latest"  # MLflow's own `models:/<name>/latest` keyword: not an alias we may set
+SERVING_ALIAS = "champion"  # the version serving, evaluation and calibration use by default (configs/*); it
+# moves only by an explicit promotion (`promote`: jobs.promote, or a job's promote_to a user sets), never by
+# registering a version
+PROMOTED_TAG = "dspark.promoted."  # dspark.promoted.<alias> = who/why, on the version an alias was moved to
 DRAFTER_MODEL_TYPE = "dspark-drafter"
 
 
@@ -95,11 +97,12 @@ def link_run_metrics(run_id: str, model_id: str) -> None:
 
 def register_model_version(run_id: str, name: str, artifact_path: str, aliases: list[str],
                            description: str = "", model_id: str | None = None, tags: dict | None = None) -> str:
-    """Register a new version of model `name` (created when new) and move every alias in `aliases`, and
-    SERVING_ALIAS, to it; returns the version. Its source is the LoggedModel `model_id` (an MLflow model,
-    `log_drafter_model`) or, without one, the run's `artifact_path` directory. `tags` go on the version.
+    """Register a new version of model `name` (created when new) and move the aliases in `aliases` (checked
+    first: dspark.config.check_alias) to it, and no other (the serving alias moves only through `promote`);
+    returns the version. Its source is the LoggedModel `model_id` (an MLflow model, `log_drafter_model`) or,
+    without one, the run's `artifact_path` directory. `tags` go on the version.
     Transient errors are retried; a final failure raises TrackingError."""
-    aliases = [a for a in dict.fromkeys([*aliases, SERVING_ALIAS]) if a.lower() != RESERVED_ALIAS]
+    aliases = [check_alias(a) for a in dict.fromkeys(aliases)]
 
     def register() -> str:
         client = tracking.client()
@@ -120,10 +123,20 @@ def register_model_version(run_id: str, name: str, artifact_path: str, aliases: 
     return tracking.retry(f"registering {artifact_path} of run {run_id} as {name!r}", register, raise_on_failure=True)
 
 
+def promote(name: str, version: str, alias: str, reason: str) -> None:
+    """Point `alias` (e.g. SERVING_ALIAS) of model `name` at `version`, and record on the version who moved
+    it and why (tag dspark.promoted.<alias>). The one way the serving alias moves."""
+    check_alias(alias)
+    set_alias(name, alias, version)
+    set_model_version_tags(name, version, {f"{PROMOTED_TAG}{alias}": reason})
+
+
 def publish_drafter(run_id: str, name: str, checkpoint_dir: str, aliases: list[str], description: str = "",
                     tags: dict | None = None) -> str:
     """log_drafter_model + register_model_version: the checkpoint becomes an MLflow model, registered as
-    a new version of `name` with `tags` (on the version and the LoggedModel) and `aliases` + champion."""
+    a new version of `name` with `tags` (on the version and the LoggedModel) and `aliases` (only those)."""
+    for alias in aliases:
+        check_alias(alias)  # before any upload
     model_id = log_drafter_model(run_id, checkpoint_dir, tags=tags)
     return register_model_version(run_id, name, "drafter", aliases, description=description, model_id=model_id,
                                   tags=tags)

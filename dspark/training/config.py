@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from dspark.config import ModelRef, RayConfig, StrictModel, TrackingConfig
+from dspark.config import ModelAlias, ModelRef, RayConfig, StrictModel, TrackingConfig
 from dspark.drafters import DrafterConfig
 
 
@@ -72,10 +72,15 @@ class CheckpointSection(StrictModel):
 class TrainTracking(TrackingConfig):
     experiment: str = Field("dspark-train", description="MLflow experiment")
     registered_model: str | None = Field(None, description='model registry name; None -> "drafter-<run_name>"')
-    # alias moved to each newly registered version, besides the serving alias `champion` (which
-    # serve/eval/calibrate configs use). MLflow reserves "latest"; `models:/<name>@latest` still
-    # resolves (to the newest version) with a deprecation warning.
-    alias: str = Field("trained", description="alias moved to each newly registered version (the serving alias `champion` always moves too)")
+    # Training never changes what is served: it moves its own alias only. The serving alias `champion`
+    # (serve/eval/calibrate configs read it) moves through jobs.promote, or here only when a user sets
+    # promote_to. MLflow reserves "latest" and v<N>; both are refused when the config loads.
+    alias: ModelAlias = Field("trained", description="alias moved to each newly registered version (never the serving "
+                              "alias unless promote_to names it)")
+    promote_to: ModelAlias | None = Field(None, description="also point this alias (e.g. champion) at the new version: an "
+                                          "explicit promotion without evaluation, recorded on the version as tag "
+                                          "dspark.promoted.<alias>; None (default): serving stays on its version "
+                                          "until jobs.promote moves it")
     log_every_steps: int = Field(1, ge=1, description="log step metrics every N optimizer steps")
 
 

@@ -34,6 +34,7 @@ def test_drafter_model_round_trip_through_the_tracking_server(local_stack, tmp_p
     version = registry.publish_drafter(run_id, "server-tiny-drafter", ckpt, ["trained"],
                                        tags=version_tags(ckpt, 2.0, "test"))
     tracking.end_run()
+    registry.promote("server-tiny-drafter", version, registry.SERVING_ALIAS, "test: first version")
 
     client = mlflow.MlflowClient()
     mv = client.get_model_version_by_alias("server-tiny-drafter", "champion")

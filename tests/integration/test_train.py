@@ -172,6 +172,7 @@ def test_ray_train_zero2_survives_a_killed_worker(local_stack, tiny_rollouts, tm
     version = client.get_model_version_by_alias("test-tiny-dspark", "trained")
     assert version.run_id == run_id and version.version == summary["registered_model"]["version"]
     assert version.tags["dspark.export.vllm"] == f"runs:/{run_id}/exports/vllm", "the vLLM export is attached"
+    assert "champion" not in client.get_registered_model("test-tiny-dspark").aliases, "training never serves itself"
 
 
 
@@ -192,8 +193,9 @@ def test_relaunch_resumes_run_and_drafter_decodes_losslessly(local_stack, tiny_r
     first = mlflow_runs("test-train", "test-train-zero2")
     if not first:
         pytest.skip("needs the run of test_ray_train_zero2_survives_a_killed_worker")
-    summary = run_train_job(stack_job(tiny_rollouts, tmp_path, **{"optim.max_steps": 20, "fault": None}),
-                            local_stack, tmp_path)
+    summary = run_train_job(stack_job(tiny_rollouts, tmp_path, **{"optim.max_steps": 20, "fault": None,
+                                                                   "tracking.promote_to": "champion"}),
+                            local_stack, tmp_path)  # promote_to: the explicit promotion a user types
 
     assert summary["mlflow_run_id"] == first[0].info.run_id
     assert len(mlflow_runs("test-train", "test-train-zero2")) == 1
@@ -203,8 +205,10 @@ def test_relaunch_resumes_run_and_drafter_decodes_losslessly(local_stack, tiny_r
     client = mlflow.MlflowClient(tracking_uri=os.environ["MLFLOW_TRACKING_URI"])
     latest = client.get_model_version_by_alias("test-tiny-dspark", "trained")
     assert int(latest.version) == int(summary["registered_model"]["version"]) >= 2
-    champion = client.get_model_version_by_alias("test-tiny-dspark", "champion")  # the serving alias moved too
+    champion = client.get_model_version_by_alias("test-tiny-dspark", "champion")  # moved: promote_to asked for it
     assert champion.version == latest.version and champion.source.startswith("models:/m-")  # an MLflow model
+    assert "tracking.promote_to" in champion.tags["dspark.promoted.champion"]
+    assert summary["registered_model"]["promoted_to"] == "champion"
     assert champion.tags["dspark.algo"] == "dspark" and champion.tags["dspark.target"] == "tiny"
     logged = client.get_logged_model(champion.source.removeprefix("models:/"))
     assert "loss" in {m.key for m in logged.metrics}  # the training metrics are linked to the model

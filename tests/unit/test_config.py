@@ -117,3 +117,22 @@ def test_relative_input_paths_become_absolute_where_the_config_is_loaded(tmp_pat
 
     (tmp_path / "rows.parquet").write_bytes(b"")
     assert DataSection(rollouts="rows.parquet").rollouts == str(tmp_path / "rows.parquet")
+
+
+@pytest.mark.parametrize("alias", ["latest", "V2", "my alias", "a/b"])
+def test_bad_aliases_fail_when_the_config_loads_naming_them(alias):
+    """MLflow would refuse them only at registration, after training: the job configs refuse them first."""
+    from dspark.training.config import TrainJobConfig
+    from jobs.calibrate import CalibrateConfig
+    from jobs.promote import PromoteConfig
+
+    base = REPO / "configs" / "train" / "tiny-dspark.yaml"
+    for field in ("tracking.alias", "tracking.promote_to"):
+        with pytest.raises(ConfigError, match=f"{field}.*{alias}"):
+            load_config(TrainJobConfig, base, [f"{field}={alias}"])
+    with pytest.raises(ConfigError, match=alias):
+        load_config(CalibrateConfig, REPO / "configs" / "calibrate" / "tiny.yaml", [f"aliases=[{alias}]"])
+    with pytest.raises(ConfigError, match=alias):
+        load_config(PromoteConfig, REPO / "configs" / "flywheel" / "tiny-promote.yaml", [f"serving_alias={alias}"])
+    ok = load_config(TrainJobConfig, base, ["tracking.promote_to=champion"])
+    assert ok.tracking.promote_to == "champion" and ok.tracking.alias == "trained"

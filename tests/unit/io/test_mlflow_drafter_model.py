@@ -5,7 +5,7 @@ alias, and system metrics through MLflow's public API; against a SQLite store in
   metrics are linked to that model and the version carries algo/target/τ/draft-vocabulary tags;
 - `mlflow.pyfunc.load_model("models:/<name>@champion")` proposes the drafter's own greedy block;
 - every drafter reference still loads the checkpoint inside the MLflow model;
-- `@latest` (MLflow-reserved) still resolves, with a DeprecationWarning; `champion` moves on register.
+- `@latest` (MLflow-reserved) still resolves, with a DeprecationWarning; `champion` moves only by `promote`.
 """
 from __future__ import annotations
 
@@ -66,8 +66,8 @@ def test_a_registered_drafter_is_an_mlflow_model_with_linked_metrics_and_tags(st
     assert model.source_run_id == run_id and model.model_type == registry.DRAFTER_MODEL_TYPE
     assert {m.key: m.value for m in model.metrics} == {"loss": 2.5, "expected_accept_len": 2.75}  # linked
     assert model.params["algo"] == "dspark" and model.tags["dspark.tau"] == "2.7500"
-    for alias in ("trained", "champion"):
-        assert str(store.get_model_version_by_alias("tiny-dspark-drafter", alias).version) == version
+    assert str(store.get_model_version_by_alias("tiny-dspark-drafter", "trained").version) == version
+    assert "champion" not in store.get_registered_model("tiny-dspark-drafter").aliases  # registering never serves
     assert {"MLmodel", "artifacts"} <= {f.path for f in store.list_logged_model_artifacts(model_id)}
 
 
@@ -78,8 +78,9 @@ def test_pyfunc_load_model_proposes_the_drafters_own_block(store, tiny, tmp_path
     from dspark.decoding.sampling import SamplingParams
 
     drafter, ckpt, run_id = trained_run(tiny, tmp_path, tau=2.0)
-    registry.publish_drafter(run_id, "tiny-dspark-drafter", ckpt, [])
+    version = registry.publish_drafter(run_id, "tiny-dspark-drafter", ckpt, [])
     tracking.end_run()
+    registry.promote("tiny-dspark-drafter", version, registry.SERVING_ALIAS, "test: first version")
     model = mlflow.pyfunc.load_model("models:/tiny-dspark-drafter@champion")
     prompt = tiny.chat_ids([{"role": "user", "content": "count to five"}])
     (out,) = model.predict({"prompt_ids": [prompt]})
@@ -95,18 +96,28 @@ def test_pyfunc_load_model_proposes_the_drafters_own_block(store, tiny, tmp_path
     assert out["draft_tokens"] == expected.tokens.tolist()
 
 
-def test_champion_moves_to_each_new_version_and_latest_is_deprecated(store, tiny, tmp_path):
+def test_registering_never_moves_the_serving_alias_only_promote_does(store, tiny, tmp_path):
     from dspark.io.drafter_source import resolve_ref
 
+    versions = []
     for tau in (1.5, 2.5):
         _, ckpt, run_id = trained_run(tiny, tmp_path, tau)
-        registry.publish_drafter(run_id, "d", ckpt, ["latest", "trained"])  # "latest" is never set
+        versions.append(registry.publish_drafter(run_id, "d", ckpt, ["trained"]))
         tracking.end_run()
-    assert resolve_ref("models:/d@champion").model_version == "2"
+    assert versions == ["1", "2"] and set(store.get_registered_model("d").aliases) == {"trained"}
+    registry.promote("d", "1", registry.SERVING_ALIAS, "test: the evaluated one")
+    assert resolve_ref("models:/d@champion").model_version == "1"  # the newer, unevaluated v2 is not served
+    assert store.get_model_version("d", "1").tags["dspark.promoted.champion"] == "test: the evaluated one"
     assert resolve_ref("models:/d/latest").model_version == "2"  # MLflow's own keyword
     with pytest.warns(DeprecationWarning, match="MLflow reserves 'latest'.*@champion"):
         assert resolve_ref("models:/d@latest").model_version == "2"
-    assert "latest" not in store.get_registered_model("d").aliases
+    _, ckpt, run_id = trained_run(tiny, tmp_path, 3.0)
+    for bad in ("latest", "v3", "my alias"):  # refused before anything is uploaded or registered
+        with pytest.raises(ValueError, match=repr(bad)):
+            registry.publish_drafter(run_id, "d", ckpt, ["trained", bad])
+    tracking.end_run()
+    assert [v.version for v in store.search_model_versions("name='d'")] != [] and \
+        max(int(v.version) for v in store.search_model_versions("name='d'")) == 2
 
 
 def test_system_metrics_go_through_mlflows_public_log_system_metrics(store, monkeypatch):

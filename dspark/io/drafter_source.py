@@ -5,7 +5,7 @@ Accepted references (the same everywhere a job or the server takes a drafter):
   s3://bucket/prefix               copied once into the storage cache (dspark.io.storage.local_copy)
   runs:/<run_id>/<artifact_path>   an MLflow run artifact directory
   models:/<name>/<version>         a registered model version
-  models:/<name>@<alias>           a registered model alias (jobs move `@champion` to each new version)
+  models:/<name>@<alias>           a registered model alias (`@champion`: the serving one, moved by jobs.promote)
   models:/<name>/latest            MLflow's own keyword: the newest version
 A registered version is an MLflow model (dspark.io.drafter_model): its checkpoint is the model's
 artifacts/drafter/ folder. `models:/<name>@latest` (MLflow reserves "latest": no such alias can exist)
@@ -68,8 +68,8 @@ def resolve_ref(ref: str | DrafterRef) -> DrafterRef:
     alias = ref.model_version.lstrip("@")
     if ref.model_version == "@latest":
         warnings.warn(f"drafter reference {ref.uri!r}: MLflow reserves 'latest', so other MLflow tools cannot "
-                      f"resolve @latest; use models:/{ref.model_name}@champion (the serving alias jobs move to "
-                      f"each new version) or models:/{ref.model_name}/latest", DeprecationWarning, stacklevel=3)
+                      f"resolve @latest; use models:/{ref.model_name}@champion (the serving alias) or "
+                      f"models:/{ref.model_name}/latest (the newest version)", DeprecationWarning, stacklevel=3)
     if alias == "latest":  # MLflow's `models:/<name>/latest`, and the deprecated `@latest`
         versions = client.search_model_versions(f"name='{ref.model_name}'")
         if not versions:

@@ -66,7 +66,7 @@ def log_drafter_model(run_id: str, checkpoint_dir: str, name: str = "drafter", t
     def log() -> str:
         mlflow, client = tracking.mlflow_module(), tracking.client()
         from dspark.drafters.checkpoint import read_checkpoint_config
-        from dspark.io.drafter_model import ARTIFACT_KEY, DrafterModel, pip_requirements
+        from dspark.io.drafter_model import ARTIFACT_KEY, DrafterModel, code_paths, pip_requirements
 
         params = {k: str(v)[:6000] for k, v in flatten(read_checkpoint_config(checkpoint_dir)).items()}
         model = client.create_logged_model(client.get_run(run_id).info.experiment_id, name=name,
@@ -74,7 +74,8 @@ def log_drafter_model(run_id: str, checkpoint_dir: str, name: str = "drafter", t
                                            tags={k: str(v) for k, v in (tags or {}).items()})
         with tempfile.TemporaryDirectory(prefix="dspark-mlflow-model-") as tmp:
             mlflow.pyfunc.save_model(os.path.join(tmp, "model"), python_model=DrafterModel(),
-                                     artifacts={ARTIFACT_KEY: checkpoint_dir}, pip_requirements=pip_requirements())
+                                     artifacts={ARTIFACT_KEY: checkpoint_dir}, pip_requirements=pip_requirements(),
+                                     code_paths=code_paths())
             client.log_model_artifacts(model.model_id, os.path.join(tmp, "model"))
         client.finalize_logged_model(model.model_id, "READY")
         link_run_metrics(run_id, model.model_id)

@@ -36,7 +36,7 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dspark.serve.prometheus import HttpMetrics
-from dspark.serve.protocol import (REQUEST_ID_HEADER, ApiError, ChatBody, CompletionBody, client_request_id, dump,
+from dspark.serve.protocol import (DRAFTER_HEADER, REQUEST_ID_HEADER, ApiError, ChatBody, CompletionBody, client_request_id, dump,
                                    validation_error)
 from dspark.serve.service import OpenAIService
 
@@ -132,6 +132,8 @@ def make_app(service: OpenAIService):
 
     def respond(result, request_id: str | None = None):
         echo = {"X-Request-Id": request_id} if request_id else {}  # echoed back, as vLLM does
+        if service.drafter_ref:
+            echo[DRAFTER_HEADER] = service.drafter_ref  # the pinned version that verified this answer's drafts
         if isinstance(result, BaseModel):
             return JSONResponse(dump(result), headers=echo)
         return StreamingResponse(result, media_type="text/event-stream",

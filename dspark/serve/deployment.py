@@ -167,7 +167,7 @@ def deployment_for(cfg: ServeConfig, forward_api_key: bool = True):
     replicas through runtime_env. `serve deploy`/RayService (build_app) never do that — the runtime
     env is shown by `serve status` and the dashboard: there the replicas' containers hold the key
     (a Kubernetes Secret through env/valueFrom, infra/kuberay/rayservice.yaml)."""
-    d = cfg.deployment
+    cfg, d = pinned_config(cfg), cfg.deployment
     actor_options: dict[str, Any] = {"num_cpus": d.num_cpus}
     if d.num_gpus > 0:
         actor_options["num_gpus"] = d.num_gpus
@@ -179,6 +179,19 @@ def deployment_for(cfg: ServeConfig, forward_api_key: bool = True):
         max_queued_requests=d.max_queued_requests, ray_actor_options=actor_options,
         health_check_period_s=d.health_check_period_s, health_check_timeout_s=d.health_check_timeout_s,
     ).bind({k: v for k, v in config_to_dict(cfg).items() if k in ServeConfig.model_fields})
+
+
+def pinned_config(cfg: ServeConfig) -> ServeConfig:
+    """`cfg` with model.drafter's alias resolved ONCE, where the app is deployed: every replica, including
+    ones an autoscaler adds later, serves that same version even if the alias moves meanwhile (a promotion
+    redeploys with the new version pinned: jobs.promote's rolling update). Fails here, before any replica
+    starts, when the alias does not resolve."""
+    if cfg.engine.scheduler.mode == "off" or not cfg.model.drafter:
+        return cfg
+    from dspark.flywheel.observer import pin_drafter
+
+    pinned, _ = pin_drafter(cfg.model.drafter)
+    return cfg.model_copy(update={"model": cfg.model.model_copy(update={"drafter": pinned})})
 
 
 def build_app(args: dict):

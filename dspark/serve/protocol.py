@@ -37,6 +37,7 @@ class ErrorResponse(BaseModel):
 
 
 REQUEST_ID_HEADER = "x-request-id"
+DRAFTER_HEADER = "X-DSpark-Drafter"  # on every response: the pinned drafter version serving it (mode != off)
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
 

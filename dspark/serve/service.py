@@ -343,10 +343,14 @@ class OpenAIService:
         want = body.logprobs is not None
         return text_completion(rid, created, self.model_name, outs, body.n, logprobs if want else None)
 
+    @property
+    def drafter_ref(self) -> str | None:
+        """The drafter reference this replica serves (pinned to a version at deployment), None in mode off."""
+        return self.cfg.model.drafter if self.engine.drafting else None
+
     def model_card(self) -> ServedModel:
-        drafter = self.cfg.model.drafter if self.engine.drafting else None
         return ServedModel(id=self.model_name, object="model", created=self.created, owned_by="dspark",
-                           root=self.target.name, drafter=drafter, scheduler=self.engine.mode,
+                           root=self.target.name, drafter=self.drafter_ref, scheduler=self.engine.mode,
                            max_model_len=self.engine.max_model_len)
 
     def models(self) -> ModelList:

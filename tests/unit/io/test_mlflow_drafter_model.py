@@ -147,3 +147,41 @@ def test_an_attached_worker_samples_system_metrics_and_leaves_the_run_running(st
     run = store.get_run(run_id)
     assert run.info.status == "RUNNING"
     assert any(k.startswith("system/worker-1/cpu_utilization") for k in run.data.metrics), run.data.metrics
+
+
+def test_the_mlflow_model_loads_where_dspark_is_not_installed(store, tiny, tmp_path):
+    """The pyfunc model carries the dspark code (code_paths) and lists what that code imports, so
+    `mlflow.pyfunc.load_model` works in a process that cannot import an installed dspark."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.paths import REPO
+
+    _, ckpt, run_id = trained_run(tiny, tmp_path, tau=2.0)
+    version = registry.publish_drafter(run_id, "portable-drafter", ckpt, ["trained"])
+    tracking.end_run()
+    script = f"""
+import json, sys
+sys.meta_path = [f for f in sys.meta_path if "editable" not in repr(f)]  # hide the editable dspark install
+sys.path = [p for p in sys.path if p and p.rstrip("/") != {str(REPO)!r}]  # nor the checkout itself
+try:
+    import dspark
+    raise SystemExit("dspark is still importable: the test would prove nothing")
+except ModuleNotFoundError:
+    pass
+import mlflow
+model = mlflow.pyfunc.load_model("models:/portable-drafter/{version}")
+(out,) = model.predict({{"prompt_ids": [[1, 2, 3, 4]]}})
+import dspark
+print(json.dumps({{"dspark": dspark.__file__, "drafts": len(out["draft_tokens"])}}))
+"""
+    done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["drafts"] == 4 and not result["dspark"].startswith(str(REPO))  # the model's own copy
+    import mlflow
+
+    reqs = mlflow.pyfunc.get_model_dependencies(f"models:/portable-drafter/{version}")
+    listed = {line.split("==")[0].lower() for line in open(reqs).read().split() if "==" in line}
+    assert {"torch", "transformers", "pydantic", "pyyaml", "mlflow"} <= listed

@@ -385,6 +385,26 @@ def test_deployment_for_reserves_the_gpus_asked_for():
 
 
 
+def test_every_replica_serves_the_version_resolved_once_at_deployment(monkeypatch, client):
+    """deployment_for resolves the drafter alias before binding, so replicas added later (autoscaling) serve
+    the same version even after the alias moves; responses name the drafter that served them."""
+    pytest.importorskip("ray.serve")
+    from dspark.flywheel import observer
+    from dspark.serve.deployment import deployment_for
+
+    resolved = iter(["3", "4"])  # the alias moves between two deployments
+    monkeypatch.setattr(observer, "pin_drafter", lambda ref: (f"models:/d/{(v := next(resolved))}", v))
+    cfg = ServeConfig.model_validate({"model": {"drafter": "models:/d@champion"}})
+    first = deployment_for(cfg)._bound_deployment.init_args[0]
+    assert first["model"]["drafter"] == "models:/d/3" and cfg.model.drafter == "models:/d@champion"
+    assert deployment_for(cfg)._bound_deployment.init_args[0]["model"]["drafter"] == "models:/d/4"  # a redeploy
+    off = ServeConfig.model_validate({"model": {"drafter": "models:/d@champion"}, "engine": {"scheduler": {"mode": "off"}}})
+    assert deployment_for(off)._bound_deployment.init_args[0]["model"]["drafter"] == "models:/d@champion"
+    r = client.post("/v1/chat/completions", json=CHAT)
+    served = client.get("/v1/models").json()["data"][0]["drafter"]
+    assert r.status_code == 200 and served and r.headers["X-DSpark-Drafter"] == served
+
+
 @pytest.mark.parametrize("route,field,value", UNSUPPORTED, ids=[f"{r}-{f}" for r, f, _ in UNSUPPORTED])
 def test_unimplemented_openai_fields_get_400_naming_the_field(client, route, field, value):
     body = {**CHAT} if route == "chat" else {"prompt": "the a of", "max_tokens": 4}

@@ -111,6 +111,25 @@ def check_target(meta: dict, target, source: str, check_name: bool = True) -> No
                          f"Load it with its own target{hint}.")
 
 
+def load_weights(drafter: Drafter, local: str) -> None:
+    """The checkpoint's tensors into `drafter` (built from its config.json): ValueError naming the file and
+    the first mismatches when the file is unreadable or does not fit the config (corrupt or edited)."""
+    path = os.path.join(local, WEIGHTS_FILE)
+    try:
+        state = load_file(path)
+    except FileNotFoundError:
+        raise ValueError(f"drafter {local}: {WEIGHTS_FILE} is missing; the checkpoint is incomplete") from None
+    except Exception as err:  # noqa: BLE001 - safetensors raises its own error types for truncated files
+        raise ValueError(f"drafter {local}: {WEIGHTS_FILE} is unreadable ({err}); the file is corrupt or "
+                         f"truncated — copy or export the drafter again") from None
+    try:
+        drafter.load_state_dict(state, strict=True)
+    except RuntimeError as err:
+        details = "; ".join(line.strip() for line in str(err).splitlines()[1:4])
+        raise ValueError(f"drafter {local}: {WEIGHTS_FILE} does not match its config.json ({details}); the "
+                         f"checkpoint is corrupt or was edited — export it again") from None
+
+
 def load_drafter(path_or_uri: str, target=None, *, device: str | torch.device | None = None,
                  dtype: torch.dtype | None = None, check_name: bool = True) -> Drafter:
     """Load a local checkpoint dir. With `target`, verify it matches and attach it."""
@@ -121,7 +140,7 @@ def load_drafter(path_or_uri: str, target=None, *, device: str | torch.device | 
     if target is not None:
         check_target(data["target_meta"], target, str(path_or_uri), check_name)
     drafter = drafter_from_config(cfg, data["target_meta"])
-    drafter.load_state_dict(load_file(os.path.join(local, WEIGHTS_FILE)), strict=True)
+    load_weights(drafter, local)
     drafter.calibration = data.get("calibration")
     drafter.draft_temperature = checked_draft_temperature(data.get("draft_temperature", 1.0), local)
     device = device if device is not None else (target.device if target is not None else "cpu")

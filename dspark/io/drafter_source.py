@@ -61,10 +61,15 @@ def parse_ref(ref: str) -> DrafterRef:
 def resolve_ref(ref: str | DrafterRef) -> DrafterRef:
     """For models:/ references, turn an alias (or `latest`) into a concrete version number."""
     ref = parse_ref(ref) if isinstance(ref, str) else ref
-    pinned = ref.kind == "model" and not ref.model_version.startswith("@") and ref.model_version != "latest"
-    if ref.kind != "model" or pinned:
+    if ref.kind != "model":
         return ref
     client = _mlflow_client()
+    if not ref.model_version.startswith("@") and ref.model_version != "latest":  # pinned: check it exists
+        try:
+            client.get_model_version(ref.model_name, ref.model_version)
+        except Exception as err:  # noqa: BLE001 - MLflow raises RestException / MlflowException
+            raise ValueError(f"drafter reference {ref.uri!r}: {err}") from None
+        return ref
     alias = ref.model_version.lstrip("@")
     if ref.model_version == "@latest":
         warnings.warn(f"drafter reference {ref.uri!r}: MLflow reserves 'latest', so other MLflow tools cannot "

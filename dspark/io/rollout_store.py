@@ -143,6 +143,34 @@ def rollout_files(uri: str) -> list[str]:
     return files
 
 
+def check_shards(uri: str, files: list[str]) -> None:
+    """Every shard is there and whole, read from its footer only (and, for a jobs.generate output, holds the
+    rows its commit marker counted): ConfigError naming the first bad shard and what to do, before any work."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    expected = {storage.join(uri, m["files"]["data"]): m.get("rows") for m in read_commits(uri.rstrip("/")).values()}
+
+    def problem(f: str) -> str | None:
+        fs, path = storage.pyarrow_fs(f)
+        try:
+            rows = pq.read_metadata(path, filesystem=fs).num_rows
+        except FileNotFoundError:
+            return "is missing although its commit marker names it" if f in expected else "is missing"
+        except (OSError, pa.ArrowInvalid) as err:
+            return f"is corrupt or truncated ({str(err).split(';')[0]})"
+        if expected.get(f) is not None and rows != expected[f]:
+            return f"holds {rows} rows but its commit marker counted {expected[f]}"
+        return None
+
+    with ThreadPoolExecutor(max_workers=16) as pool:
+        for f, why in zip(files, pool.map(problem, files)):
+            if why and f in expected:
+                raise ConfigError(f"rollouts shard {f!r} {why}; remove the shard and its _commits marker and rerun "
+                                  f"jobs.generate on the same output (it regenerates only that chunk)")
+            if why:
+                raise ConfigError(f"rollouts file {f!r} {why}; remove or rewrite it, or point data.rollouts elsewhere")
+
+
 def parquet_paths(files: list[str]):
     """(pyarrow filesystem, paths inside it) for a list of same-store URIs."""
     pairs = [storage.pyarrow_fs(f) for f in files]
@@ -154,6 +182,7 @@ def check_rollouts(uri: str, split: str) -> tuple[list[str], int]:
     import pyarrow.dataset as pads
 
     files = rollout_files(uri)
+    check_shards(uri, files)
     fs, paths = parquet_paths(files)
     try:
         dataset = pads.dataset(paths, filesystem=fs, format="parquet")

@@ -191,3 +191,35 @@ def test_rollout_plots_show_lengths_per_domain_and_finish_reasons(tmp_path, monk
     paths = generate.rollout_plots("unused", tmp_path)
     assert [Path(p).name for p in paths] == ["prompt_lengths.png", "answer_lengths.png", "finish_reasons.png"]
     assert all(Path(p).stat().st_size > 1000 for p in paths)
+
+
+def test_corrupt_rollout_shards_fail_in_the_driver_naming_the_shard(tmp_path):
+    """A truncated shard, a shard its commit marker names but that is gone, and a shard with fewer rows
+    than its marker counted: each is one ConfigError naming the shard, raised by the check jobs.train runs
+    before it starts Ray Train."""
+    import pyarrow.parquet as pq
+
+    from dspark.config import ConfigError
+    from dspark.io.rollout_store import check_rollouts
+
+    out = str(tmp_path / "out")
+    result = {**{k: None for k in schema.RESULT_SCHEMA.names}, "source": "p", "domain": "", "split": "train",
+              "messages": [], "input_ids": list(range(40)), "loss_mask": [1] * 40, "num_prompt_tokens": 0,
+              "num_generated_tokens": 40, "num_turns": 1, "finish_reason": "stop", "turn_finish_reasons": ["stop"],
+              "target": "tiny", "target_revision": "", "sampling": "{}", "location": "p:1"}
+    for chunk in range(3):
+        commit_chunk(out, chunk, [{**result, "prompt_id": f"{chunk}{i}".ljust(32, "x"), "chunk": chunk}
+                                  for i in range(5)])
+    files, rows = check_rollouts(out, "train")
+    assert rows == 15 and len(files) == 3
+    shard = tmp_path / "out" / "data" / f"{schema.shard_name(1)}.parquet"
+    whole = shard.read_bytes()
+    shard.write_bytes(whole[: len(whole) // 2])  # a write cut short
+    with pytest.raises(ConfigError, match=f"{shard.name}.*corrupt or truncated.*rerun jobs.generate"):
+        check_rollouts(out, "train")
+    shard.unlink()
+    with pytest.raises(ConfigError, match=f"{shard.name}.*missing although its commit marker names it"):
+        check_rollouts(out, "train")
+    pq.write_table(pq.read_table(tmp_path / "out" / "data" / f"{schema.shard_name(0)}.parquet").slice(0, 2), shard)
+    with pytest.raises(ConfigError, match=f"{shard.name}.*holds 2 rows but its commit marker counted 5"):
+        check_rollouts(out, "train")

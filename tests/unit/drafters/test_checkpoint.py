@@ -187,3 +187,28 @@ def test_draft_temperature_defaults_to_one_and_rejects_bad_values(tmp_path, targ
         path.write_text(json.dumps({**config, "draft_temperature": bad}))
         with pytest.raises(ValueError, match="draft_temperature .* must be a number > 0"):
             load_drafter(str(tmp_path / "ckpt"))
+
+
+def test_a_corrupt_drafter_checkpoint_fails_naming_the_file_and_what_is_wrong(target, tmp_path):
+    """A tensor of the wrong shape, a truncated weights file, a missing one, another target: one ValueError
+    each, naming the checkpoint and the problem (not a raw state-dict traceback)."""
+    from safetensors.torch import save_file
+
+    path = save_drafter(make(target, "dspark"), str(tmp_path / "d"))
+    weights = os.path.join(path, "model.safetensors")
+    state = load_file(weights)
+    name = next(k for k, v in state.items() if v.dim() == 2)
+    save_file({**state, name: state[name][:, :-1].contiguous()}, weights)
+    with pytest.raises(ValueError, match=f"{path}: model.safetensors does not match its config.json.*{name}"):
+        load_drafter(path, target)
+    save_file(state, weights)
+    whole = open(weights, "rb").read()
+    open(weights, "wb").write(whole[: len(whole) // 2])
+    with pytest.raises(ValueError, match=f"{path}: model.safetensors is unreadable.*corrupt or truncated"):
+        load_drafter(path, target)
+    os.remove(weights)
+    with pytest.raises(ValueError, match=f"{path}: model.safetensors is missing"):
+        load_drafter(path, target)
+    other = save_drafter(make(build_tiny_model(vocab_size=24), "dspark"), str(tmp_path / "other"))
+    with pytest.raises(ValueError, match="trained for another target.*vocab_size 24 != 16"):
+        load_drafter(other, target)

@@ -335,10 +335,14 @@ def test_kuberay_rayservice_points_at_the_serve_app():
             assert dep["ray_actor_options"].get("num_gpus", 0) >= 1, "serve replicas should run on GPUs"
 
 
-def test_kuberay_rayservice_args_build_the_serve_app():
+def test_kuberay_rayservice_args_build_the_serve_app(monkeypatch):
     """The RayService's app args are accepted by the application builder (a valid ServeConfig), and
-    it deploys the same app as infra/serve/serve_config.yaml."""
+    it deploys the same app as infra/serve/serve_config.yaml. (On the cluster the builder also pins the
+    drafter alias through MLflow; here there is no registry, so pinning keeps the reference.)"""
+    from dspark.flywheel import observer
     from dspark.serve import deployment
+
+    monkeypatch.setattr(observer, "pin_drafter", lambda ref: (ref, ""))
 
     theirs = load_yaml("infra/serve/serve_config.yaml")["applications"][0]
     for app in serve_applications():
@@ -486,9 +490,11 @@ def test_api_key_comes_from_a_secret_on_the_serving_containers():
 def test_build_app_never_puts_the_api_key_in_the_runtime_env(monkeypatch):
     """`serve deploy`/RayService build the app on the cluster, where the key is in the container env:
     it must not be copied into the replica runtime_env (jobs.serve on one machine still forwards it)."""
+    from dspark.flywheel import observer
     from dspark.serve import deployment
     from dspark.serve.config import ServeConfig
 
+    monkeypatch.setattr(observer, "pin_drafter", lambda ref: (ref, ""))  # no registry here
     monkeypatch.setenv("DSPARK_API_KEY", "sk-secret")
     deployed = deployment.build_app({"config": str(ROOT / "configs" / "serve" / "tiny.yaml")})
     assert "sk-secret" not in json.dumps(deployed._bound_deployment.ray_actor_options, default=str)

@@ -185,3 +185,22 @@ print(json.dumps({{"dspark": dspark.__file__, "drafts": len(out["draft_tokens"])
     reqs = mlflow.pyfunc.get_model_dependencies(f"models:/portable-drafter/{version}")
     listed = {line.split("==")[0].lower() for line in open(reqs).read().split() if "==" in line}
     assert {"torch", "transformers", "pydantic", "pyyaml", "mlflow"} <= listed
+
+
+def test_a_corrupt_reference_to_a_missing_alias_or_model_fails_naming_it(store, tiny, tmp_path):
+    """models:/ references that do not resolve fail with the reference in the message, at deployment (the
+    Serve app pins the alias before any replica starts), not deep inside a replica."""
+    from dspark.io.drafter_source import resolve_ref
+    from dspark.serve.config import ServeConfig
+
+    _, ckpt, run_id = trained_run(tiny, tmp_path, tau=2.0)
+    registry.publish_drafter(run_id, "d", ckpt, ["trained"])
+    tracking.end_run()
+    for ref in ("models:/d@champion", "models:/no-such-model@trained", "models:/d/7"):
+        with pytest.raises(ValueError, match=ref.replace("/", ".")):
+            resolve_ref(ref)
+    pytest.importorskip("ray.serve")
+    from dspark.serve.deployment import deployment_for
+
+    with pytest.raises(ValueError, match="models:/d@champion"):
+        deployment_for(ServeConfig.model_validate({"model": {"drafter": "models:/d@champion"}}))

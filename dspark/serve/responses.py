@@ -189,7 +189,8 @@ def text_completion(rid: str, created: int, model: str, outs: list[Outcome], n: 
 def not_generated(req: Request) -> ApiError:
     """The error of a request the engine cancelled (stopping: 503) or failed (500)."""
     if req.finish_reason == "cancelled":  # the engine stopped under it
-        return ApiError(503, "the request was cancelled: the engine is stopping", None, "service_unavailable")
+        return ApiError(503, "the request was cancelled: the engine is stopping", None, "service_unavailable",
+                        {"Retry-After": "5"})  # another replica (or this one, restarted) will take it
     return ApiError(500, f"generation failed: {req.error}", None, "generation_failed")
 
 

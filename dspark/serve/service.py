@@ -189,7 +189,7 @@ class OpenAIService:
                 self.metrics.rejected()
             raise ApiError(429, str(err), None, "rate_limit_exceeded", {"Retry-After": "1"}) from None
         except EngineUnavailableError as err:
-            raise ApiError(503, str(err), None, "service_unavailable") from None
+            raise ApiError(503, str(err), None, "service_unavailable", {"Retry-After": "5"}) from None
         except ValueError as err:
             raise ApiError(400, str(err), "prompt") from None
 

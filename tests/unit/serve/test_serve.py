@@ -250,7 +250,7 @@ def test_api_key_is_enforced_when_set(client, monkeypatch):
 
 
 
-def test_full_queue_gets_429_and_unhealthy_engine_503(tiny, drafter_dir):
+def test_overload_full_queue_gets_429_and_unhealthy_engine_503_both_with_retry_after(tiny, drafter_dir):
     from fastapi.testclient import TestClient
 
     cfg = _serve_config(drafter_dir, max_waiting=0)
@@ -261,7 +261,9 @@ def test_full_queue_gets_429_and_unhealthy_engine_503(tiny, drafter_dir):
             assert resp.status_code == 429 and resp.headers["retry-after"] == "1"
             engine.healthy, engine.health_error = False, "simulated device loss"
             assert c.get("/healthz").status_code == 503
-            assert "simulated device loss" in _post(c, "chat", CHAT).json()["error"]["message"]
+            unavailable = _post(c, "chat", CHAT)
+            assert unavailable.status_code == 503 and unavailable.headers["retry-after"] == "5"  # overload: told when
+            assert "simulated device loss" in unavailable.json()["error"]["message"]
     finally:
         engine.stop()
 

@@ -2,10 +2,10 @@
 
 The driver validates everything that can fail before training (config, rollouts, storage, MLflow),
 creates the MLflow run once, saves the run record, config and DeepSpeed JSON beside the checkpoints
-(dspark.io.run_dir), runs a Ray Train `TorchTrainer` (workers: jobs.train_worker, DeepSpeed ZeRO,
-online target features), then logs the drafter and registers it as an MLflow model version.
-Relaunching the same `run_name` + `checkpoint.storage_path` resumes the run (checkpoints, DeepSpeed
-state and the MLflow run id from `<storage_path>/<run_name>/`).
+(dspark.io.run_dir), runs a Ray Train `TorchTrainer` (workers: jobs.train_worker, DeepSpeed ZeRO, online target
+features), then logs the drafter and registers it as an MLflow model version (its own alias only: the serving one
+moves by `tracking.promote_to` or jobs.promote). Relaunching the same `run_name` + `checkpoint.storage_path`
+resumes the run (checkpoints, DeepSpeed state and the MLflow run id from `<storage_path>/<run_name>/`).
 """
 from __future__ import annotations
 
@@ -210,7 +210,7 @@ def finish_run(cfg: TrainJobConfig, plan: TrainPlan, result) -> dict:
     """Log the final drafter and the config, register the drafter with its engine exports attached
     (dspark.export.attach_exports), close the MLflow run."""
     from dspark import export
-    from dspark.io import tracking
+    from dspark.io import registry, tracking
 
     summary = {"run_name": cfg.run_name, "checkpoint": checkpoint_uri(cfg, result.checkpoint),
                "metrics": dict(result.metrics or {}), "mlflow_run_id": plan.mlflow_run_id}
@@ -220,19 +220,14 @@ def finish_run(cfg: TrainJobConfig, plan: TrainPlan, result) -> dict:
         drafter_dir = os.path.join(tmp, "drafter")
         copy_checkpoint_subdir(result.checkpoint, "drafter", drafter_dir)
         tracking.log_artifact(drafter_dir, "drafter")
-        config_path = os.path.join(tmp, "config.yaml")
-        Path(config_path).write_text(dump_config(cfg))
-        tracking.log_artifact(config_path)
-        ds_path = os.path.join(tmp, "ds_config.json")
-        Path(ds_path).write_text(json.dumps(plan.ds_config, indent=2))
-        tracking.log_artifact(ds_path)
+        for name, text in (("config.yaml", dump_config(cfg)), ("ds_config.json", json.dumps(plan.ds_config, indent=2))):
+            Path(tmp, name).write_text(text)
+            tracking.log_artifact(os.path.join(tmp, name))
         version = register_drafter(plan.mlflow_run_id, cfg.registered_model_name, cfg.tracking.alias, drafter_dir,
                                    summary["metrics"])
         export.attach_exports(drafter_dir, plan.mlflow_run_id, cfg.registered_model_name, version, target=cfg.target)
     summary["registered_model"] = {"name": cfg.registered_model_name, "version": version, "alias": cfg.tracking.alias}
     if cfg.tracking.promote_to:  # an explicit promotion the user asked for (never the default)
-        from dspark.io import registry
-
         registry.promote(cfg.registered_model_name, version, cfg.tracking.promote_to,
                          f"jobs.train run {cfg.run_name}: tracking.promote_to (no evaluation)")
         summary["registered_model"]["promoted_to"] = cfg.tracking.promote_to
@@ -242,14 +237,13 @@ def finish_run(cfg: TrainJobConfig, plan: TrainPlan, result) -> dict:
 
 
 def register_drafter(run_id: str, name: str, alias: str, drafter_dir: str, metrics: dict) -> str:
-    """Log the drafter as an MLflow model and register it as a new version of `name` with `alias` (only:
-    training never moves the serving alias by itself), tagged with what it is and its training-time expected τ; a failure keeps the
-    trained drafter (checkpoint and run artifacts) and says how to register it."""
+    """Log the drafter as an MLflow model and register it as a new version of `name` with `alias` only (training
+    never moves the serving alias itself), tagged with what it is and its training-time expected τ; a failure
+    keeps the trained drafter (checkpoint and run artifacts) and says how to register it."""
     from dspark.io import registry
     from dspark.io.drafter_model import version_tags
 
-    tags = version_tags(drafter_dir, metrics.get("expected_accept_len"),
-                        "training expected_accept_len (teacher-forced)")
+    tags = version_tags(drafter_dir, metrics.get("expected_accept_len"), "training expected_accept_len (teacher-forced)")
     try:
         return registry.publish_drafter(run_id, name, drafter_dir, [alias], description="dspark drafter (jobs.train)",
                                         tags=tags)

@@ -11,14 +11,20 @@ from scipy import stats
 from dspark.decoding.sampling import SamplingParams, to_probs
 
 
-def exact_joint(target, prompt: list[int], n_tokens: int, sp: SamplingParams, vocab: int) -> np.ndarray:
+def exact_joint(target, prompt: list[int], n_tokens: int, sp: SamplingParams, vocab: int,
+                allowed=None) -> np.ndarray:
     """P(t_1..t_n) under target-only sampling, from one batched forward per extra token over all
-    prefixes (vocab^depth rows): only for micro vocabularies."""
+    prefixes (vocab^depth rows): only for micro vocabularies. allowed(prefix) -> bool [V]: a grammar's
+    mask after the generated `prefix` (structured output): the target's logits outside it are -inf."""
     joint = torch.ones([1], dtype=torch.float64)
     for depth in range(n_tokens):
         prefixes = list(itertools.product(range(vocab), repeat=depth))
         ids = torch.tensor([prompt + list(p) for p in prefixes])
-        cond = to_probs(target.forward(ids, logits_at="last").logits[:, -1], sp).double()  # [V^depth, V]
+        logits = target.forward(ids, logits_at="last").logits[:, -1]
+        if allowed is not None:
+            masks = torch.stack([allowed(list(p)) for p in prefixes])
+            logits = logits.masked_fill(~masks, float("-inf"))
+        cond = to_probs(logits, sp).double().nan_to_num(0.0)  # [V^depth, V]; unreachable prefixes: 0
         joint = (joint.reshape(-1, 1) * cond).reshape(-1)
     return joint.reshape([vocab] * n_tokens).numpy()
 
@@ -35,13 +41,13 @@ def chi2_pvalue(counts: np.ndarray, probs: np.ndarray, min_expected: float = 5.0
 
 
 def three_token_pvalues(outputs: list[list[int]], target, prompt: list[int], sp: SamplingParams,
-                        vocab: int) -> tuple[float, float]:
+                        vocab: int, allowed=None) -> tuple[float, float]:
     """χ² p-values of the sampled joints of tokens (1, 2) and (2, 3) of `outputs` (3 tokens each) against
-    the target's exact joint after `prompt`."""
+    the target's exact joint after `prompt` (under the grammar mask `allowed`, see exact_joint)."""
     counts = np.zeros([vocab] * 3)
     for tokens in outputs:
         counts[tuple(tokens)] += 1
-    joint = exact_joint(target, prompt, 3, sp, vocab)
+    joint = exact_joint(target, prompt, 3, sp, vocab, allowed)
     return chi2_pvalue(counts.sum(2), joint.sum(2)), chi2_pvalue(counts.sum(0), joint.sum(0))
 
 

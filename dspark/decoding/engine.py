@@ -24,9 +24,9 @@ The drafter context is caught up lazily: the target features of verified positio
 `Request.ctx_pending` and the drafter reads them, for all requests in one `extend_contexts` pass, just
 before it next drafts (or when `context_catch_up_every` steps have piled up, which bounds the memory held).
 So a step where the draft gate skips drafting does mode `off`'s work, through the same batched draw (plus keeping
-the features, which the target forward returns anyway): a drafter costs nothing on the steps it sits out.
-Requests join and leave between steps. A request whose drafting, verification or acceptance fails
-is finished with an error; the others continue. `healthy` turns False when steps keep failing.
+the features, which the target forward returns anyway): a drafter costs nothing on the steps it sits out. Requests
+join and leave between steps; one whose drafting, verification or acceptance fails is finished with an error, the
+others continue; `healthy` turns False when steps keep failing.
 
 Losslessness: every row is exactly batch-1 speculative decoding (dspark.decoding.specdec) with a verify length
 that is non-anticipating (the scheduler's modes guarantee it; Appendix A), and the batched step
@@ -43,17 +43,16 @@ on its verify length, which the dynamic/async_topk schedulers and the draft gate
 whole batch. So a request with a `seed` uses, by default (EngineConfig.seeded_sampling="keyed"),
 position-keyed randomness instead (`dspark.decoding.sampling.KeyedNoise`): the token at output position j is
 the target's Gumbel-max sample with noise keyed by (seed, j), whatever was drafted or verified, so a
-seeded request's output depends on its seed, prompt and settings alone (up to floating-point
-differences of the batched forward), under any load and scheduler — and stays exactly lossless
-("stream": seeded requests use the stream too, and repeat only under the same load).
-Logprobs: a request asking for them (`logprobs` = number of alternatives, 0..) gets, per emitted
-token, the target's log-probability of it and the top alternatives, from the same verify-forward
-logits the token was accepted or drawn from (`dspark.decoding.sampling.to_logprobs`, EngineConfig.logprobs_mode).
+seeded request's output depends on its seed, prompt and settings alone (up to floating-point differences of the
+batched forward), under any load and scheduler — and stays exactly lossless ("stream": seeded requests use the
+stream too, and repeat only under the same load). Logprobs (`logprobs` = number of alternatives, 0..): per emitted
+token the target's log-probability of it and the top alternatives, from the verify-forward logits it was accepted
+or drawn from (`dspark.decoding.sampling.to_logprobs`, EngineConfig.logprobs_mode). Structured output: a request's
+`constraint` masks the target's rows (dspark.decoding.constraint: exact for the constrained distribution).
 
 Invariant between steps, for each active request r in slot r: KV length == drafter context length +
 positions in ctx_pending == len(prompt) + len(tokens) - 1 (everything but the anchor, tokens[-1]);
 right after a catch-up ctx_pending is empty, so the drafter drafts from the full verified context.
-
 Module map: request (per-request state, step report), request_batch (queue, slots, retirement, totals,
 loop: Engine subclasses RequestBatch), engine_config, sps_profile, kv_sequence `open_slots` (KV + step).
 """
@@ -66,6 +65,7 @@ from typing import Sequence
 
 import torch
 
+from dspark.decoding.constraint import constrain
 from dspark.decoding.engine_config import EngineConfig, engine_core_mode
 from dspark.decoding.kv_sequence import open_slots
 from dspark.decoding.request import (EngineUnavailableError, Listener, QueueFullError, Request, RequestStats,
@@ -78,8 +78,8 @@ from dspark.decoding.tree_specdec import accept_keyed_tree, accept_tree, check_b
 from dspark.decoding.sps_profile import engine_sps_table
 from dspark.drafters.base import DraftTree
 
-__all__ = ["Engine", "EngineConfig", "EngineUnavailableError", "Listener", "QueueFullError", "Request",
-           "RequestStats", "StepReport", "TokenLogprob"]  # the engine's API, wherever each piece is defined
+__all__ = ["Engine", "EngineConfig", "EngineUnavailableError", "Listener", "QueueFullError", "Request", "RequestStats",
+           "StepReport", "TokenLogprob"]  # the engine's API, wherever each piece is defined
 
 log = logging.getLogger("dspark.decoding.engine")
 
@@ -140,15 +140,15 @@ class Engine(RequestBatch):
                              f"{self.drafter.config.algo}; set draft_tree to null (engine.draft_tree in a serve config)")
         return check_branching(self.cfg.draft_tree, self.gamma)
 
-    # ---- public API --------------------------------------------------------------------------
     def submit(self, prompt_ids: Sequence[int], sampling: SamplingParams | None = None, max_new_tokens: int = 64,
                stop_ids: Sequence[int] | None = None, listener: Listener | None = None,
-               request_id: str | None = None, seed: int | None = None, logprobs: int | None = None) -> Request:
-        """Queue a request (thread-safe). Raises ValueError for bad input, QueueFullError when the queue
-        is full, EngineUnavailableError when the engine cannot serve. stop_ids None = the target's EOS.
-        seed: the request's own seed (None: one from the engine's seed stream; with a seed and
-        seeded_sampling=keyed, position-keyed randomness). logprobs: None = none; k >= 0 = each emitted
-        token's logprob and its k most likely alternatives (`Request.token_logprobs`)."""
+               request_id: str | None = None, seed: int | None = None, logprobs: int | None = None,
+               constraint=None) -> Request:
+        """Queue a request (thread-safe). Raises ValueError for bad input, QueueFullError when the queue is full,
+        EngineUnavailableError when the engine cannot serve. stop_ids None = the target's EOS. seed: the request's
+        own (None: from the engine's seed stream; with seeded_sampling=keyed, position-keyed randomness). logprobs:
+        k >= 0 = each emitted token's logprob and its k most likely alternatives (`Request.token_logprobs`).
+        constraint: a dspark.decoding.constraint.TokenConstraint (structured output; verified as chains)."""
         if logprobs is not None and not 0 <= logprobs <= self.target.vocab_size:
             raise ValueError(f"logprobs must be in [0, {self.target.vocab_size}], got {logprobs}")
         self.check_request(len(prompt_ids), max_new_tokens)
@@ -160,7 +160,7 @@ class Engine(RequestBatch):
                              f"max {max(ids)}")
         stops = frozenset(self.target.eos_token_ids if stop_ids is None else stop_ids)
         req = Request(ids, sampling or SamplingParams(), int(max_new_tokens), stops, listener=listener, seed=seed,
-                      logprobs=logprobs, **({"id": request_id} if request_id else {}))
+                      logprobs=logprobs, constraint=constraint, **({"id": request_id} if request_id else {}))
         if seed is not None and self.cfg.seeded_sampling == "keyed" and self.drafting:
             req.noise = KeyedNoise(seed, self.target.vocab_size, self.target.device,
                                    getattr(self.drafter, "draft_ids", None))
@@ -180,7 +180,6 @@ class Engine(RequestBatch):
             self.step()
         return out
 
-    # ---- one step ----------------------------------------------------------------------------
     @torch.no_grad()
     def step(self) -> StepReport:
         t0 = time.perf_counter()
@@ -192,7 +191,8 @@ class Engine(RequestBatch):
             self._retire()
             report.prefill_s = time.perf_counter() - t0
         if self.active:
-            tree_step = self.tree is not None and len(self.active) <= self.cfg.tree_max_rows
+            tree_step = (self.tree is not None and len(self.active) <= self.cfg.tree_max_rows
+                         and all(r.constraint is None for r in self.active))
             gate = self.tree_gate if tree_step else self.gate
             drafted = self.drafting and (gate is None or gate.should_draft(len(self.active)))
             if drafted:  # catches the drafter context up first
@@ -228,7 +228,7 @@ class Engine(RequestBatch):
                 req.draft_state = self.drafter.new_state()  # (a drafting engine: see above)
                 req.ctx_pending = [(features, ids)]  # read when the request first drafts
                 self.kv.set_length(req.slot, len(req.prompt_ids))
-                probs = to_probs(logits[-1], req.sampling)
+                probs = to_probs(constrain(logits[-1:], req.constraint)[0], req.sampling)
                 token = int(req.noise.argmax(probs[None], [0])[0]) if req.noise else int(sample(probs, req.generator))
                 self._emit(req, [token], report, logits[-1:])
             except Exception as err:
@@ -375,7 +375,7 @@ class Engine(RequestBatch):
         if isinstance(req.proposal, DraftTree):
             return self._accept_tree(req, ids, logits, features, report)
         n = req.verify_len
-        target_probs = to_probs(logits, req.sampling)  # row k scores draft k+1; row n is the bonus
+        target_probs = to_probs(constrain(logits, req.constraint, ids[1:].tolist()), req.sampling)  # row k: draft k+1
         if req.noise is not None:  # row k is output position len(tokens) + k (tokens[-1], the anchor, is before)
             n_acc, next_token = accept_keyed(ids[1:], target_probs, req.noise, len(req.tokens))
         else:
@@ -419,7 +419,6 @@ class Engine(RequestBatch):
         req.proposal = None
         self._emit(req, ids[rows][1:].tolist() + [next_token], report, logits[rows])
 
-    # ---- the batched target forward -----------------------------------------------------------
     def _forward_rows(self, reqs: list[Request], rows: list[torch.Tensor], logits_at: str, report: StepReport,
                       parents: list[list[int] | None] | None = None, eager: bool = False) -> list[tuple]:
         """One target step over the requests' slots (contiguous, in order); parents: per row None or its tree;

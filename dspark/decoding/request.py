@@ -89,6 +89,7 @@ class Request:
     generator: torch.Generator | None = None  # this request's own RNG (see dspark.decoding.engine's docstring)
     key_seed: int = 0  # its seed, or the one drawn for it: keys its target-only tokens (engine without a drafter)
     noise: KeyedNoise | None = None  # position-keyed randomness of a seeded request (seeded_sampling=keyed)
+    constraint: object = None  # dspark.decoding.constraint.TokenConstraint: structured output (grammar)
     draft_state: object = None
     ctx_pending: list = field(default_factory=list)  # (features, token ids) of verified positions the drafter has not read yet
     proposal: object = None

@@ -21,6 +21,7 @@ import torch
 
 from dspark.decoding.engine_config import EngineConfig
 from dspark.decoding.request import EngineUnavailableError, QueueFullError, Request, StepReport, TokenLogprob
+from dspark.decoding.constraint import constrain
 from dspark.decoding.sampling import sample_keyed, to_logprobs
 from dspark.decoding.specdec import _keep
 from dspark.models.openmp_pool import release_openmp_pool
@@ -171,6 +172,8 @@ class RequestBatch:
         if req.logprobs is not None and kept:
             req.token_logprobs += self._logprobs(req, kept, logits[: len(kept)])
         req.tokens += kept
+        if req.constraint is not None:
+            req.constraint.commit(kept)
         report.emitted += len(kept)
         if finish:
             req.finish_reason = finish
@@ -188,7 +191,7 @@ class RequestBatch:
         live = [(r, out, i) for i, (r, out) in enumerate(zip(reqs, outputs)) if not r.finished]
         if not live:
             return
-        logits = torch.cat([lg[-1:] for _, (lg, _), _ in live])
+        logits = torch.cat([constrain(lg[-1:], r.constraint) for r, (lg, _), _ in live])  # grammar masks
         keyed = [r.seed is not None and self.cfg.seeded_sampling == "keyed" for r, _, _ in live]  # Gumbel (KeyedNoise)
         tokens = sample_keyed(logits, [r.sampling for r, _, _ in live], [r.key_seed for r, _, _ in live],
                               [len(r.tokens) for r, _, _ in live], keyed).tolist()

@@ -177,7 +177,7 @@ class RequestBody(BaseModel):
     store: bool | None = Field(None, description="not supported (only false: nothing is stored)")
 
     @field_validator("frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias", "store",
-                     "tools", "tool_choice", "functions", "function_call", "response_format", "parallel_tool_calls",
+                     "tools", "tool_choice", "functions", "function_call", "parallel_tool_calls",
                      "modalities", "audio", "prediction", "web_search_options", "best_of", "echo", "suffix",
                      check_fields=False)
     @classmethod
@@ -250,7 +250,20 @@ class ChatBody(RequestBody):
     tool_choice: Any = Field(None, description="not supported (only 'none')")
     functions: list | None = Field(None, description="not supported (deprecated function calling)")
     function_call: Any = Field(None, description="not supported (deprecated function calling)")
-    response_format: dict | None = Field(None, description="not supported (only {'type': 'text'})")
+    response_format: dict | None = Field(None, description=(
+        "structured output: {'type': 'text'} (default), {'type': 'json_object'} (any JSON object) or {'type': "
+        "'json_schema', 'json_schema': {'name': ..., 'schema': {...}}}; decoded exactly from the target's "
+        "distribution restricted to the grammar, speculative decoding included (dspark/decoding/constraint.py)"))
+
+    @field_validator("response_format")
+    @classmethod
+    def _response_format(cls, value: dict | None) -> dict | None:
+        kind = (value or {}).get("type", "text")
+        if kind not in ("text", "json_object", "json_schema"):
+            raise ValueError(f"response_format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}")
+        if kind == "json_schema" and not isinstance((value.get("json_schema") or {}).get("schema"), dict):
+            raise ValueError("response_format.json_schema.schema must be a JSON schema object")
+        return value
     modalities: list | None = Field(None, description="only ['text']")
     audio: Any = Field(None, description="not supported")
     prediction: Any = Field(None, description="not supported (predicted outputs)")

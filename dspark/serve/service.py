@@ -10,6 +10,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Protocol
 
+from dspark.decoding.constraint import response_format_constraint
 from dspark.decoding.engine import Engine, EngineUnavailableError, QueueFullError, Request, TokenLogprob
 from dspark.decoding.sampling import derive_seed
 from dspark.serve.config import PROMPT_CHARS_PER_TOKEN, ServeConfig, served_name
@@ -177,10 +178,14 @@ class OpenAIService:
             except RuntimeError:  # the event loop is closed: nobody is waiting for this answer any more
                 pass
 
+        try:  # each choice its own grammar state (structured output)
+            constraint = response_format_constraint(self.target, getattr(body, "response_format", None))
+        except ValueError as err:
+            raise ApiError(400, str(err), "response_format") from None
         try:
             req = self.engine.submit(ids, body.sampling(), max_tokens, stop_ids=sorted(self.stop_ids(body)),
                                      listener=listener, seed=self.choice_seed(body, index),
-                                     logprobs=body.top_logprobs_count(), request_id=request_id)
+                                     logprobs=body.top_logprobs_count(), request_id=request_id, constraint=constraint)
             if self.flywheel is not None:
                 self.flywheel.submitted(req, body)
             return req

@@ -14,7 +14,6 @@ import functools
 import json
 from typing import Any
 
-import numpy as np
 import torch
 from torch import Tensor
 
@@ -40,6 +39,8 @@ class TokenConstraint:
 
     def allowed(self) -> Tensor:
         """bool [V]: the tokens the grammar allows next."""
+        import numpy as np  # here: the engine imports this module on machines without numpy (the GPU image)
+
         bits = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
         mask = np.unpackbits(bits, bitorder="little")[: self.vocab_size].astype(bool)
         return torch.from_numpy(mask).to(self.device)

@@ -6,7 +6,7 @@ import logging
 import os
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from dspark.config import ModelRef, StrictModel
 from dspark.decoding.engine import Engine, EngineConfig
@@ -46,6 +46,19 @@ class ApiSection(StrictModel):
         f"None: {PROMPT_CHARS_PER_TOKEN} × engine.max_model_len"))
 
 
+class AutoscalingSection(StrictModel):
+    min_replicas: int = Field(1, ge=0, description="fewest replicas")
+    max_replicas: int = Field(2, ge=1, description="most replicas")
+    target_ongoing_requests: float = Field(32.0, gt=0, description="requests per replica the autoscaler aims at "
+                                           "(below engine.max_batch: a replica batches up to that)")
+
+    @model_validator(mode="after")
+    def _order(self):
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"min_replicas {self.min_replicas} > max_replicas {self.max_replicas}")
+        return self
+
+
 class DeploymentSection(StrictModel):
     name: str = Field("dspark", description="Serve application name")
     num_replicas: int = Field(1, description="engine replicas (one engine each)")
@@ -56,6 +69,12 @@ class DeploymentSection(StrictModel):
     torch_threads: int | None = Field(None, description="None -> max(1, round(num_cpus))")
     health_check_period_s: float = Field(10.0, description="seconds between Serve's replica health checks")
     health_check_timeout_s: float = Field(30.0, description="a replica not answering its health check within this is restarted")
+    graceful_shutdown_timeout_s: float = Field(
+        300.0, ge=0, description="a replica being stopped (downscale, upgrade, promotion roll-out) finishes its open "
+        "requests for up to this long before it is killed (Ray Serve's default of 20 s cuts long streams)")
+    autoscaling: AutoscalingSection | None = Field(None, description="replicas between min and max by load (Ray "
+                                                   "Serve autoscaling_config; num_replicas is then ignored); None: "
+                                                   "num_replicas fixed")
 
 
 class HttpSection(StrictModel):

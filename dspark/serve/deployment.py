@@ -174,10 +174,12 @@ def deployment_for(cfg: ServeConfig, forward_api_key: bool = True):
     key = os.environ.get(cfg.api.api_key_env) if forward_api_key else None
     if key:
         actor_options["runtime_env"] = {"env_vars": {cfg.api.api_key_env: key}}
+    scaling = ({"autoscaling_config": d.autoscaling.model_dump()} if d.autoscaling else {"num_replicas": d.num_replicas})
     return _deployment_class().options(
-        name="DSparkServer", num_replicas=d.num_replicas, max_ongoing_requests=d.max_ongoing_requests,
-        max_queued_requests=d.max_queued_requests, ray_actor_options=actor_options,
-        health_check_period_s=d.health_check_period_s, health_check_timeout_s=d.health_check_timeout_s,
+        name="DSparkServer", max_ongoing_requests=d.max_ongoing_requests, max_queued_requests=d.max_queued_requests,
+        ray_actor_options=actor_options, health_check_period_s=d.health_check_period_s,
+        health_check_timeout_s=d.health_check_timeout_s, graceful_shutdown_timeout_s=d.graceful_shutdown_timeout_s,
+        **scaling,
     ).bind({k: v for k, v in config_to_dict(cfg).items() if k in ServeConfig.model_fields})
 
 

@@ -387,6 +387,20 @@ def test_deployment_for_reserves_the_gpus_asked_for():
 
 
 
+def test_the_deployment_drains_on_shutdown_and_autoscales_from_the_serve_config():
+    pytest.importorskip("ray.serve")
+    from dspark.serve.deployment import deployment_for
+
+    fixed = deployment_for(ServeConfig.model_validate({"deployment": {"num_replicas": 2}}))._bound_deployment
+    assert fixed.num_replicas == 2 and fixed._deployment_config.graceful_shutdown_timeout_s == 300.0
+    scaled = deployment_for(ServeConfig.model_validate(
+        {"deployment": {"autoscaling": {"min_replicas": 1, "max_replicas": 3, "target_ongoing_requests": 8}}})
+    )._bound_deployment._deployment_config.autoscaling_config
+    assert (scaled.min_replicas, scaled.max_replicas, scaled.target_ongoing_requests) == (1, 3, 8)
+    with pytest.raises(ValueError, match="min_replicas 4 > max_replicas 2"):
+        ServeConfig.model_validate({"deployment": {"autoscaling": {"min_replicas": 4, "max_replicas": 2}}})
+
+
 def test_every_replica_serves_the_version_resolved_once_at_deployment(monkeypatch, client):
     """deployment_for resolves the drafter alias before binding, so replicas added later (autoscaling) serve
     the same version even after the alias moves; responses name the drafter that served them."""

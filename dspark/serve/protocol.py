@@ -177,7 +177,7 @@ class RequestBody(BaseModel):
     store: bool | None = Field(None, description="not supported (only false: nothing is stored)")
 
     @field_validator("frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias", "store",
-                     "tools", "tool_choice", "functions", "function_call", "parallel_tool_calls",
+                     "functions", "function_call", "parallel_tool_calls",
                      "modalities", "audio", "prediction", "web_search_options", "best_of", "echo", "suffix",
                      check_fields=False)
     @classmethod
@@ -234,6 +234,18 @@ class ChatMessage(BaseModel):
         return self.content or ""
 
 
+class FunctionSpec(BaseModel):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$", description="the function's name")
+    description: str | None = Field(None, description="what it does (shown to the model)")
+    parameters: dict | None = Field(None, description="JSON schema of its arguments (the call is decoded under it)")
+    strict: bool | None = Field(None, description="accepted; the arguments always follow the schema here")
+
+
+class ToolSpec(BaseModel):
+    type: Literal["function"] = Field(description="only function tools")
+    function: FunctionSpec
+
+
 class ChatBody(RequestBody):
     messages: list[ChatMessage] = Field(min_length=1, description="the conversation, rendered with the chat template")
     max_completion_tokens: int | None = Field(None, ge=1, description="preferred over max_tokens when given")
@@ -245,15 +257,21 @@ class ChatBody(RequestBody):
         "one the template reads, else 400"))
     reasoning_effort: str | None = Field(None, description=(
         "passed to the chat template as the variable `reasoning_effort` where it reads one, else 400"))
-    parallel_tool_calls: bool | None = Field(None, description="not supported (tool calling)")
-    tools: list | None = Field(None, description="not supported (tool calling)")
-    tool_choice: Any = Field(None, description="not supported (only 'none')")
+    parallel_tool_calls: bool | None = Field(None, description="only true (the default): one call is made")
+    tools: list[ToolSpec] | None = Field(None, description="functions the model may call (dspark/serve/tools.py)")
+    tool_choice: Any = Field(None, description=(
+        "'none', 'required' or {'type': 'function', 'function': {'name': ...}}: the answer is one call, decoded "
+        "under its arguments' JSON schema; 'auto' (the default with tools) is not supported yet: 400"))
     functions: list | None = Field(None, description="not supported (deprecated function calling)")
     function_call: Any = Field(None, description="not supported (deprecated function calling)")
     response_format: dict | None = Field(None, description=(
         "structured output: {'type': 'text'} (default), {'type': 'json_object'} (any JSON object) or {'type': "
         "'json_schema', 'json_schema': {'name': ..., 'schema': {...}}}; decoded exactly from the target's "
         "distribution restricted to the grammar, speculative decoding included (dspark/decoding/constraint.py)"))
+
+    @property
+    def tools_dicts(self) -> list[dict] | None:
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
 
     @field_validator("response_format")
     @classmethod

@@ -20,6 +20,7 @@ from openai.types.completion_choice import Logprobs as CompletionLogprobs
 from pydantic import BaseModel
 
 from dspark.decoding.request import Request, TokenLogprob
+from dspark.serve.tools import tool_calls_of
 from dspark.serve.protocol import (ApiError, DSparkChatCompletion, DSparkChatCompletionChunk, DSparkCompletion,
                                    DSparkCompletionChoice, SpecDecode, dump, usage)
 
@@ -162,11 +163,16 @@ def spec_decode(reqs: list[Request]) -> SpecDecode:
 
 
 def chat_completion(rid: str, created: int, model: str, outs: list[Outcome], n: int,
-                    logprobs: Logprobs | None) -> DSparkChatCompletion:
-    """The non-streaming /v1/chat/completions answer (logprobs None: not asked for)."""
-    choices = [ChatChoice(index=o.index, message=ChatCompletionMessage(role="assistant", content=o.text),
-                          finish_reason=o.finish_reason, logprobs=logprobs.chat(o.logprobs) if logprobs is not None else None)
-               for o in outs]
+                    logprobs: Logprobs | None, tool_call: bool = False) -> DSparkChatCompletion:
+    """The non-streaming /v1/chat/completions answer (logprobs None: not asked for; tool_call: each answer is
+    a constrained call, returned as `tool_calls` when it is whole)."""
+    choices = []
+    for o in outs:
+        calls = tool_calls_of(o.text) if tool_call and o.finish_reason == "stop" else None
+        message = (ChatCompletionMessage(role="assistant", content=None, tool_calls=calls) if calls else
+                   ChatCompletionMessage(role="assistant", content=o.text))
+        choices.append(ChatChoice(index=o.index, message=message, finish_reason="tool_calls" if calls else o.finish_reason,
+                                  logprobs=logprobs.chat(o.logprobs) if logprobs is not None else None))
     reqs = [o.req for o in outs]
     return DSparkChatCompletion(id=rid, object="chat.completion", created=created, model=model, choices=choices,
                                 usage=request_usage(reqs, sum(o.completion_tokens for o in outs), n),

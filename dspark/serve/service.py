@@ -10,7 +10,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Protocol
 
-from dspark.decoding.constraint import response_format_constraint
+from dspark.decoding.constraint import TokenConstraint, response_format_constraint
 from dspark.decoding.engine import Engine, EngineUnavailableError, QueueFullError, Request, TokenLogprob
 from dspark.decoding.sampling import derive_seed
 from dspark.serve.config import PROMPT_CHARS_PER_TOKEN, ServeConfig, served_name
@@ -20,6 +20,7 @@ from dspark.serve.responses import (ChatStream, CompletionStream, Logprobs, Outc
                                     request_usage, spec_decode, sse, text_completion)
 from dspark.serve.templates import RESERVED_TEMPLATE_VARIABLES, template_variables
 from dspark.serve.text import TextAssembler
+from dspark.serve.tools import active_tools, call_schema, tools_message
 
 
 class MetricsSink(Protocol):
@@ -178,10 +179,12 @@ class OpenAIService:
             except RuntimeError:  # the event loop is closed: nobody is waiting for this answer any more
                 pass
 
-        try:  # each choice its own grammar state (structured output)
-            constraint = response_format_constraint(self.target, getattr(body, "response_format", None))
+        tools = active_tools(getattr(body, "tools_dicts", None), getattr(body, "tool_choice", None))
+        try:  # each choice its own grammar state (structured output; a tool call is one)
+            constraint = (TokenConstraint.json(self.target, call_schema(tools)) if tools else
+                          response_format_constraint(self.target, getattr(body, "response_format", None)))
         except ValueError as err:
-            raise ApiError(400, str(err), "response_format") from None
+            raise ApiError(400, str(err), "tools" if tools else "response_format") from None
         try:
             req = self.engine.submit(ids, body.sampling(), max_tokens, stop_ids=sorted(self.stop_ids(body)),
                                      listener=listener, seed=self.choice_seed(body, index),
@@ -316,6 +319,14 @@ class OpenAIService:
         self.check_request(body, "messages")
         self.check_choices(body, 1)
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        try:
+            tools = active_tools(body.tools_dicts, body.tool_choice)
+        except ValueError as err:
+            raise ApiError(400, str(err), "tool_choice") from None
+        if tools and (body.stream or (body.response_format or {}).get("type", "text") != "text"):
+            raise ApiError(400, "tool calls are answered with stream=false and no response_format here",
+                           "stream" if body.stream else "response_format")
+        messages = ([tools_message(tools)] if tools else []) + messages
         kwargs = self.template_kwargs(body)
         (ids,) = await self.tokenize([(messages, kwargs)], "messages")
         jobs = [(ids, self.max_tokens(body, len(ids), "messages"))] * body.n
@@ -326,7 +337,7 @@ class OpenAIService:
                                request_id)
         outs = await self.run_to_end(jobs, body, request_id)
         want = body.top_logprobs_count() is not None
-        return chat_completion(rid, created, self.model_name, outs, body.n, logprobs if want else None)
+        return chat_completion(rid, created, self.model_name, outs, body.n, logprobs if want else None, bool(tools))
 
     async def completions(self, body: CompletionBody, request_id: str | None = None):
         self.check_request(body, "prompt")

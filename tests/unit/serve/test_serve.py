@@ -91,7 +91,6 @@ BAD_INPUTS = [  # (route, body, param named in the error)
 
 
 UNSUPPORTED = [
-    ("chat", "tools", [{"type": "function", "function": {"name": "f"}}]), ("chat", "tool_choice", "auto"),
     ("chat", "frequency_penalty", 0.5),
     ("chat", "presence_penalty", -1.0), ("chat", "logit_bias", {"5": 10}), ("chat", "functions", [{"name": "f"}]),
     ("chat", "modalities", ["text", "audio"]), ("chat", "prediction", {"type": "content", "content": "x"}),
@@ -522,8 +521,8 @@ def test_openai_client_sync_and_streaming(client):
     assert e.value.code == "model_not_found" and e.value.param == "model"
     with pytest.raises(openai.BadRequestError) as e:
         api.chat.completions.create(model="dspark-tiny", messages=CHAT["messages"], tools=[
-            {"type": "function", "function": {"name": "f"}}])
-    assert e.value.param == "tools"
+            {"type": "function", "function": {"name": "f"}}])  # tool_choice auto (the default): not served yet
+    assert e.value.param == "tool_choice"
 
 
 
@@ -552,6 +551,56 @@ def test_structured_output_over_http_with_speculative_decoding(client):
         api.chat.completions.create(model="dspark-tiny", messages=CHAT["messages"],
                                     response_format={"type": "json_schema", "json_schema": {"name": "x"}})
     assert e.value.param == "response_format"
+
+
+@pytest.fixture
+def long_client(tiny, drafter_dir):
+    """The app with a 1024-token context (tiny's tokenizer spends about a token per character of JSON)."""
+    from fastapi.testclient import TestClient
+
+    cfg = _serve_config(drafter_dir, max_model_len=1024)
+    engine = Engine(*tiny, cfg.engine).start()
+    with TestClient(make_app(OpenAIService(engine, cfg))) as c:
+        yield c
+    engine.stop()
+
+
+def test_tool_calls_required_or_named_are_decoded_under_the_arguments_schema(long_client):
+    """tool_choice required / a named function: the answer is one call whose arguments follow that tool's
+    schema, returned as tool_calls with finish_reason tool_calls, drafted and verified as usual; auto (the
+    default), a choice naming no tool and streaming are 400s naming the field."""
+    import openai
+
+    pytest.importorskip("llguidance")
+    api = _openai(long_client)
+    tools = [{"type": "function", "function": {"name": "w", "parameters": {  # short: tiny's context is 256 tokens
+                 "type": "object", "properties": {"c": {"enum": ["P", "O"]}}, "required": ["c"],
+                 "additionalProperties": False}}},
+             {"type": "function", "function": {"name": "s", "parameters": {
+                 "type": "object", "properties": {"n": {"type": "boolean"}}, "required": ["n"],
+                 "additionalProperties": False}}}]
+    for choice in ("required", {"type": "function", "function": {"name": "w"}}):
+        for seed in range(2):
+            chat = api.chat.completions.create(model="dspark-tiny", messages=CHAT["messages"], max_tokens=64,
+                                               temperature=1.0, seed=seed, tools=tools, tool_choice=choice)
+            c = chat.choices[0]
+            assert c.finish_reason == "tool_calls" and c.message.content is None, c.message.content
+            (call,) = c.message.tool_calls
+            args = json.loads(call.function.arguments)
+            if call.function.name == "w":
+                assert set(args) == {"c"} and args["c"] in ("P", "O")
+            else:
+                assert choice == "required" and set(args) == {"n"} and isinstance(args["n"], bool)
+            assert call.type == "function" and call.id.startswith("call_")
+            assert chat.model_extra["spec_decode"]["rounds"] >= 1
+    for bad in ({"tool_choice": "auto"}, {"tool_choice": {"type": "function", "function": {"name": "nope"}}},
+                {"tool_choice": "required", "stream": True}):
+        with pytest.raises(openai.BadRequestError) as e:
+            api.chat.completions.create(model="dspark-tiny", messages=CHAT["messages"], tools=tools, **bad)
+        assert e.value.param in ("tool_choice", "stream")
+    plain = api.chat.completions.create(model="dspark-tiny", messages=CHAT["messages"], max_tokens=4, tools=tools,
+                                        tool_choice="none")
+    assert plain.choices[0].message.tool_calls is None
 
 
 def test_async_openai_client_over_asgi(client):

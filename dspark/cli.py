@@ -92,8 +92,6 @@ def _plan(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from dspark.eval.planner import CPU_CURVE  # stdlib-only module: the committed curve, one name for it
-
     parser = argparse.ArgumentParser(prog="dspark", description="DSpark speculative-decoding toolkit")
     groups = parser.add_subparsers(dest="group", required=True)
 
@@ -142,7 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan = groups.add_parser("plan", help="rollout tokens and device-hours for a target tau (from measurements)",
                              description="Fits tau(rollout tokens) to a learning-curve JSON and combines it with "
                                          "measured rollout/training throughputs per device kind (dspark/eval/planner.py)")
-    plan.add_argument("--curve", default=CPU_CURVE, help="learning-curve JSON")
+    plan.add_argument("--curve", required=True, help="learning-curve JSON (recipes.learning_curve's; the committed "
+                                                    "CPU one is under the repo's learning_curve results)")
     plan.add_argument("--form", choices=("loglinear", "power"), default="loglinear", help="curve form to fit")
     plan.add_argument("--rollout-bench", nargs="+", required=True, help="rollout throughput JSON(s), one per device")
     plan.add_argument("--train-bench", nargs="+", required=True, help="training throughput JSON(s), one per device")

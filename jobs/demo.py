@@ -185,10 +185,10 @@ def build_summary(demo: Demo, trained: dict, evaluation: dict, chats: list[dict]
 
 
 def next_step_text(target: str) -> str:
-    """Where the committed learning curve says to go next (dspark.eval.planner.demo_next_steps)."""
-    from dspark.eval import planner
+    """Where the committed learning curve says to go next (jobs.demo_next.demo_next_steps)."""
+    from jobs.demo_next import demo_next_steps
 
-    return planner.demo_next_steps(Path(__file__).resolve().parents[1], target)
+    return demo_next_steps(Path(__file__).resolve().parents[1], target)
 
 
 def print_section(text: str) -> None:

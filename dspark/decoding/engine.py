@@ -74,9 +74,9 @@ from dspark.decoding.request_batch import RequestBatch
 from dspark.decoding.sampling import KeyedNoise, SamplingParams, accept_drafts, accept_keyed, sample, to_probs
 from dspark.decoding.scheduler import DraftGate, PrefixScheduler, SPSTable, prefix_survival
 from dspark.decoding.specdec import drafter_layer_ids
-from dspark.decoding.tree_specdec import accept_keyed_tree, accept_tree, check_branching, tree_expected_accepted, verify_parents
+from dspark.decoding.tree_specdec import (DraftTree, accept_keyed_tree, accept_tree, check_branching,
+                                          tree_expected_accepted, verify_parents)
 from dspark.decoding.sps_profile import engine_sps_table
-from dspark.drafters.base import DraftTree
 
 __all__ = ["Engine", "EngineConfig", "EngineUnavailableError", "Listener", "QueueFullError", "Request", "RequestStats",
            "StepReport", "TokenLogprob"]  # the engine's API, wherever each piece is defined

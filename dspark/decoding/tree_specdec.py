@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import re
 import time
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -31,6 +32,16 @@ from torch import Tensor
 from dspark.decoding.batched_cache import tree_visibility
 from dspark.decoding.sampling import KeyedNoise, SamplingParams, rejection_residual, sample, to_probs
 from dspark.decoding.specdec import GenerationResult, RoundStats, generate_rounds
+
+
+@dataclass
+class DraftTree:
+    """A tree of drafts grown from one anchor (a drafter's `draft_trees`), nodes in breadth-first order."""
+
+    tokens: Tensor  # LongTensor [M] target ids
+    parents: list[int]  # parent node of each node, -1 = the anchor
+    depths: list[int]  # 1..γ: node i's token stands at position anchor + depths[i]
+    probs: Tensor  # float32 [M, V]: the distribution node i was drawn from (shared by its siblings)
 
 
 def parse_branching(text: str) -> tuple[int, ...]:

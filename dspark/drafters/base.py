@@ -23,6 +23,7 @@ from dspark.drafters import draft_vocab
 from dspark.drafters.config import DrafterConfig
 from dspark.drafters.layers import KVBuffer, Rotary
 from dspark.decoding.sampling import Generators, SamplingParams, to_probs
+from dspark.decoding.tree_specdec import DraftTree  # noqa: F401 - what draft_trees returns (decoding verifies it)
 from dspark.models.small_batch_linear import use_small_batch_linear
 
 
@@ -32,16 +33,6 @@ class DraftProposal:
     probs: Tensor  # float32 [n, V]: the exact processed distribution each token was sampled from
     # (with a draft vocabulary: the distribution on the subset, zero elsewhere)
     confidences: Tensor | None = None  # [n] c_k (STS-calibrated when drafter.calibration is set)
-
-
-@dataclass
-class DraftTree:
-    """A tree of drafts grown from one anchor (`DSparkDrafter.sample_tree`), nodes in breadth-first order."""
-
-    tokens: Tensor  # LongTensor [M] target ids
-    parents: list[int]  # parent node of each node, -1 = the anchor
-    depths: list[int]  # 1..γ: node i's token stands at position anchor + depths[i]
-    probs: Tensor  # float32 [M, V]: the distribution node i was drawn from (shared by its siblings)
 
 
 @dataclass

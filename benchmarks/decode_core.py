@@ -31,7 +31,7 @@ import torch
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
-from benchmarks.decode_speed import load_prompts  # noqa: E402
+from benchmarks.decode_speed import eval_prompt_ids  # noqa: E402
 from dspark.decoding.sampling import SamplingParams  # noqa: E402
 from dspark.decoding.specdec import speculative_generate, target_generate  # noqa: E402
 from dspark.decoding.static_core import DecodeCore, resolve_mode  # noqa: E402
@@ -223,7 +223,7 @@ def main(argv=None) -> dict:
     dtype = torch_dtype(args.dtype, args.device)
     target = load_target(args.target, device=args.device, dtype=dtype, local_copy=storage.local_copy)
     drafter = None if args.quick else load_drafter(args.drafter, target).to(dtype)
-    prompts = load_prompts(target, args.data_dir, args.datasets, args.prompts)
+    prompts = eval_prompt_ids(target, args.data_dir, args.datasets, args.prompts)
     context = max(len(ids) for _, ids in prompts)
     print(f"target {target.name} {dtype} on {args.device}; {len(prompts)} prompts x {args.max_new_tokens} tokens; "
           f"rollout rows {args.rollout_rows}", flush=True)

@@ -107,7 +107,7 @@ def tree_spec(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
-def load_prompts(target, data_dir: str, datasets: str, per_dataset: int) -> list[tuple[str, list[int]]]:
+def eval_prompt_ids(target, data_dir: str, datasets: str, per_dataset: int) -> list[tuple[str, list[int]]]:
     base = data_dir
     if not os.path.isdir(base):
         raise SystemExit(f"eval data directory {base} not found; pass --data-dir")
@@ -263,7 +263,7 @@ def main(argv=None) -> dict:
                              dtype=getattr(torch, dtype))
         drafters = {name: d.to(getattr(torch, dtype)) for name, d in load_drafters(args, target).items()}
         if i == 0:
-            prompts = load_prompts(target, args.data_dir, args.datasets, args.prompts)
+            prompts = eval_prompt_ids(target, args.data_dir, args.datasets, args.prompts)
             print(f"target {target.name} ({target.num_layers} layers, vocab {target.vocab_size}) on {args.device}; "
                   f"{len(prompts)} prompts x {args.max_new_tokens} new tokens; dtypes {dtypes}; modes: target, "
                   f"{', '.join(drafters)}" + (f" at γ {args.gamma}" if args.gamma else "")

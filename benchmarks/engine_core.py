@@ -24,7 +24,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
 from benchmarks.decode_core import DEFAULT_DRAFTER, device_label, load_drafter, write_result  # noqa: E402
-from benchmarks.decode_speed import load_prompts  # noqa: E402
+from benchmarks.decode_speed import eval_prompt_ids  # noqa: E402
 from dspark.decoding.engine import Engine, EngineConfig  # noqa: E402
 from dspark.decoding.sampling import SamplingParams  # noqa: E402
 from dspark.decoding.scheduler import SchedulerConfig  # noqa: E402
@@ -64,7 +64,7 @@ def main(argv=None) -> dict:
     dtype = torch_dtype("auto", "cpu")
     target = load_target(args.target, device="cpu", dtype=dtype)
     drafter = load_drafter(args.drafter, target).to(dtype)
-    prompts = [ids for _, ids in load_prompts(target, args.data_dir, args.datasets, args.prompts)]
+    prompts = [ids for _, ids in eval_prompt_ids(target, args.data_dir, args.datasets, args.prompts)]
     modes, sp = args.modes.split(","), SamplingParams(temperature=1.0)
     table, rows_out = None, {}
     for c in [int(x) for x in args.concurrency.split(",")]:

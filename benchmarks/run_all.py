@@ -27,6 +27,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dspark.devstack.processes import last_json_object
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BENCH_DIR = Path(__file__).resolve().parent
 TAIL_LINES = 400  # output lines kept to find the JSON result
@@ -91,24 +93,6 @@ def discover(bench_dir: Path) -> list[Path]:
     """Benchmark scripts in `bench_dir`, sorted by name (helpers `_*.py` and this runner excluded)."""
     return sorted(p for p in bench_dir.glob("*.py")
                   if not p.name.startswith("_") and p.name != Path(__file__).name)
-
-
-def last_json_object(lines: list[str]) -> tuple[dict | None, bool]:
-    """(the last line that parses as a JSON object, whether it was the very last non-empty line).
-    Ray may flush its workers' log lines after a script's final print, so trailing lines that are
-    not JSON are skipped (and flagged in the report) rather than failing the benchmark."""
-    non_empty = [line for line in lines if line.strip()]
-    for position, line in enumerate(reversed(non_empty)):
-        text = line.strip()
-        if not (text.startswith("{") and text.endswith("}")):
-            continue
-        try:
-            value = json.loads(text)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(value, dict):
-            return value, position == 0
-    return None, False
 
 
 def _pump(stream, tail: collections.deque) -> None:

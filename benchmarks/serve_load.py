@@ -91,7 +91,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 # ---- prompts and the drafter ------------------------------------------------------------------------------
-def load_prompts(data_dir: str) -> list[str]:
+def first_turns(data_dir: str) -> list[str]:
     from dspark.eval.benchmark_files import parse_benchmark
 
     files = sorted(Path(data_dir).glob("*.jsonl")) if Path(data_dir).is_dir() else []
@@ -337,7 +337,7 @@ def main(argv=None) -> int:
     dtypes = [d for d in args.dtypes.split(",") if d]
     if set(dtypes) - {"float32", "bfloat16", "auto"}:
         raise SystemExit(f"error: --dtypes takes float32, bfloat16, auto; got {args.dtypes!r}")
-    prompts = load_prompts(args.data_dir)
+    prompts = first_turns(args.data_dir)
     drafter_dir, drafter_label = resolve_drafter(args)
 
     from pipelines.ray_cluster import init_ray

@@ -95,7 +95,7 @@ def rollout_prompts(uri: str, split: str) -> list[tuple[str | None, list[str]]]:
     return prompts
 
 
-def load_prompts(data: CalibrationData) -> list[tuple[str | None, list[str]]]:
+def calibration_prompts(data: CalibrationData) -> list[tuple[str | None, list[str]]]:
     if data.rollouts:
         prompts = rollout_prompts(data.rollouts, data.split)
     else:
@@ -230,7 +230,7 @@ def run(cfg: CalibrateConfig) -> dict:
     if not drafter.has_confidences:
         raise ValueError(f"drafter {cfg.drafter} ({drafter.config.algo}) has no confidence head; STS calibrates "
                          f"DSpark drafters built with confidence_head=true")
-    prompts = load_prompts(cfg.data)
+    prompts = calibration_prompts(cfg.data)
     items = [{"benchmark": "calibration", "index": i, "turns": turns, "system": system,
               "modes": [ev.Mode(DRAFTER_NAME)]} for i, (system, turns) in enumerate(prompts)]
     spec = worker_spec(cfg.target, {DRAFTER_NAME: pinned.uri}, cfg.decode, cfg.seed, cfg.workers, raw_confidences=True)

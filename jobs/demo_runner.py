@@ -20,6 +20,7 @@ from pathlib import Path
 from pydantic import Field
 
 from dspark.config import StrictModel, load_config
+from dspark.devstack.processes import last_json_object
 from dspark.io.http import http_ok
 
 REPO = Path(__file__).resolve().parent.parent
@@ -100,20 +101,6 @@ def sha(obj) -> str:
 
 def fill(templates: list[str], values: dict[str, str]) -> list[str]:
     return [t.format(**values) for t in templates]
-
-
-def last_json_object(text: str) -> dict | None:
-    """The last line of `text` that parses as a JSON object (jobs print their summary last)."""
-    for line in reversed(text.splitlines()):
-        line = line.strip()
-        if line.startswith("{") and line.endswith("}"):
-            try:
-                value = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(value, dict):
-                return value
-    return None
 
 
 def fmt_s(seconds: float) -> str:
@@ -254,7 +241,7 @@ def run_job_stage(demo: Demo, stage_id: str, title: str, module: str, config: st
         raise DemoError(f"stage {stage_id} failed (ray job {submission_id}, exit {rc}); its log is in {log_path} "
                         f"and `ray job logs {submission_id}`. Fix the cause and rerun the demo: finished stages "
                         f"are reused")
-    summary = last_json_object(output)
+    summary = last_json_object(output.splitlines())[0]
     marker = {"key": key, "stage": stage_id, "command": printable, "submission_id": submission_id,
               "wall_s": wall_s, "summary": summary, "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
     storage.write_text(demo.marker_uri(stage_id), json.dumps(marker, indent=2, default=str))

@@ -1,8 +1,9 @@
 """Processes and ports of the local stack, through psutil: start times (a PID is trusted only with
 its start time, so a recycled PID is never signalled), session members and their descendants,
-graceful termination, and who listens on a port."""
+graceful termination, who listens on a port, and the JSON summary a child printed last."""
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import signal
@@ -142,3 +143,21 @@ def _wait_ports_free(ports, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and not all(port_is_free(p) for p in ports):
         time.sleep(0.2)
+
+
+def last_json_object(lines: list[str]) -> tuple[dict | None, bool]:
+    """(the last line that parses as a JSON object, whether it was the very last non-empty line).
+    Ray may flush its workers' log lines after a script's final print, so trailing lines that are
+    not JSON are skipped (and flagged in the report) rather than failing the benchmark."""
+    non_empty = [line for line in lines if line.strip()]
+    for position, line in enumerate(reversed(non_empty)):
+        text = line.strip()
+        if not (text.startswith("{") and text.endswith("}")):
+            continue
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(value, dict):
+            return value, position == 0
+    return None, False

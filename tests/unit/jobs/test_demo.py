@@ -91,8 +91,10 @@ def test_job_command_is_the_cluster_command():
 
 def test_last_json_object_and_fill():
     text = "progress 10%\n{\"not\": json\n{\"rows_out\": 5}\n------\nJob 'x' succeeded\n"
-    assert runner.last_json_object(text) == {"rows_out": 5}
-    assert runner.last_json_object("no json here") is None
+    from dspark.devstack.processes import last_json_object
+
+    assert last_json_object(text.splitlines()) == ({"rows_out": 5}, False)  # trailing non-JSON lines: skipped
+    assert last_json_object(["no json here"]) == (None, False)
     assert runner.fill(["output={out}/r", "n={n}"], {"out": "s3://b", "n": "3"}) == ["output=s3://b/r", "n=3"]
 
 

@@ -158,15 +158,6 @@ def compare_rows(n: int, args, vocab: int, seed: int = 0) -> list[dict]:
     return rows
 
 
-def draft_ids_of(base, rows: list[dict], vocab: int):
-    """The config's draft vocabulary (drafter.draft_vocab_size) built from these rows' supervised tokens,
-    as jobs.train builds it from the rollouts; None without one (the full vocabulary)."""
-    from dspark.drafters.draft_vocab import DraftVocabPlan, count_token_frequencies
-
-    counts = count_token_frequencies(((r["input_ids"], r["loss_mask"]) for r in rows), vocab)
-    return DraftVocabPlan.from_counts(counts, base.drafter.draft_vocab_size).ids()
-
-
 def measure_interleaved(base, target, rows: list[dict], args, precision: str) -> dict:
     """Padded (window 1) and bucketed (--bucket-window) LocalTrainer runs over the same rows, their steps
     interleaved in ABBA order so load drift on a shared machine hits both alike; each step is timed on
@@ -175,13 +166,15 @@ def measure_interleaved(base, target, rows: list[dict], args, precision: str) ->
 
     from dspark.training.batching import bucketed_batches, collate, padding_fraction
     from dspark.drafters import build_drafter
+    from dspark.drafters.draft_vocab import DraftVocabPlan
     from dspark.training.loop import LocalTrainer, flops_rates
 
     lengths = [len(r["input_ids"]) for r in rows]
     runs = {}
     for name, window in (("padded", 1), ("bucketed", args.bucket_window)):
         torch.manual_seed(0)
-        drafter = build_drafter(base.drafter, target, draft_ids=draft_ids_of(base, rows, target.vocab_size))
+        drafter = build_drafter(base.drafter, target, draft_ids=DraftVocabPlan.of_rows(
+            ((r["input_ids"], r["loss_mask"]) for r in rows), base.drafter.draft_vocab_size, target.vocab_size).ids())
         trainer = LocalTrainer(base.drafter.algo, target, drafter, base.optim, precision)
         trainer.set_schedule(args.steps)
         picks = bucketed_batches(list(range(len(rows))), lengths, args.micro_batch, window, seed=0)

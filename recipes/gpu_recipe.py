@@ -306,7 +306,7 @@ def device_us(event) -> float:
 def train_one(r: Recipe, name: str, share_s: float) -> None:
     import torch
 
-    from dspark.drafters.draft_vocab import count_token_frequencies, top_token_ids
+    from dspark.drafters.draft_vocab import DraftVocabPlan
     from dspark.drafters import build_drafter
     from dspark.training.budget import epoch_batches, probe_batches, train_for
     from dspark.training.loop import LocalTrainer, flops_rates
@@ -320,11 +320,9 @@ def train_one(r: Recipe, name: str, share_s: float) -> None:
         drafter_cfg, drafter = continued_drafter(entry, r.target)
     else:
         drafter_cfg = DrafterConfig(**{**base["drafter"], **entry.drafter})
-        draft_ids = None
-        if drafter_cfg.draft_vocab_size:  # the most frequent answer tokens of the rollouts (as jobs.train)
-            counts = count_token_frequencies(((x["input_ids"], x["loss_mask"]) for x in r.rows), r.target.vocab_size)
-            draft_ids = top_token_ids(counts, drafter_cfg.draft_vocab_size)
-        drafter = build_drafter(drafter_cfg, r.target, draft_ids=draft_ids)
+        vocab = DraftVocabPlan.of_rows(((x["input_ids"], x["loss_mask"]) for x in r.rows),  # as jobs.train plans it
+                                       drafter_cfg.draft_vocab_size, r.target.vocab_size)
+        drafter = build_drafter(drafter_cfg, r.target, draft_ids=vocab.ids())
     if r.target_memo is None:
         r.target_memo = TargetMemo.of_gb(memo_gb(tc.target_memo_gb, r.target.device))
     trainer = LocalTrainer(drafter_cfg.algo, r.target, drafter, optim, r.precision, memo=r.target_memo)

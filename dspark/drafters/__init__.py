@@ -19,12 +19,6 @@ from dspark.drafters.eagle3 import Eagle3Drafter
 from dspark.drafters.registry import DRAFTER_CLASSES, build_drafter, drafter_from_config
 
 
-def export_vllm(drafter: Drafter, out_dir: str, method: str | None = None, **kwargs) -> str:
-    from dspark.export.vllm import export_vllm as _export
-
-    return _export(drafter, out_dir, method=method, **kwargs)
-
-
 __all__ = ["DrafterConfig", "DraftProposal", "DraftState", "DraftTrainOut", "Drafter", "DFlashDrafter",
            "DSparkDrafter", "Eagle3Drafter", "build_drafter", "drafter_from_config", "resolve_config",
-           "save_drafter", "load_drafter", "export_vllm", "DRAFTER_CLASSES"]
+           "save_drafter", "load_drafter", "DRAFTER_CLASSES"]

@@ -44,6 +44,15 @@ class DraftVocabPlan:
         ids = kept if kept is not None else top_token_ids(counts, size, vocab_size=vocab_size)
         return cls(tuple(ids.tolist()), coverage(counts, ids))  # (the module's coverage function)
 
+    @classmethod
+    def of_rows(cls, rows: Iterable[tuple[Sequence[int], Sequence[int]]], size: int | None, vocab_size: int,
+                kept: Tensor | None = None) -> "DraftVocabPlan":
+        """`from_counts` over the supervised tokens of in-memory (input_ids, loss_mask) rows: what every trainer
+        that holds its rows (the GPU recipe, the learning curve, benchmarks) plans, as jobs.train does from Parquet."""
+        if size is None:
+            return cls()
+        return cls.from_counts(count_token_frequencies(rows, vocab_size), size, vocab_size, kept=kept)
+
     def ids(self) -> Tensor | None:
         """draft_ids as the int64 tensor build_drafter takes (None for the full vocabulary)."""
         return None if self.draft_ids is None else torch.tensor(self.draft_ids, dtype=torch.long)

@@ -13,7 +13,7 @@ import math
 from pathlib import Path
 
 from recipes.learning_curve.profiles import REPO, log
-from recipes.learning_curve.report import fit_curve
+from recipes.learning_curve.report import loglinear_fit
 
 
 def lineage_rounds(spec: dict, results: Path) -> list[dict]:
@@ -43,7 +43,7 @@ def cmd_lineage(args, prof: dict) -> dict:
     rounds = lineage_rounds(spec, results)
     # one point per amount of data: a round that only re-passed rows replaces the one before it
     by_tokens = {r["rollout_tokens"]: r for r in rounds}
-    fit = fit_curve([{"rollout_tokens": t, "expected_tau": r["expected_tau"]} for t, r in sorted(by_tokens.items())])
+    fit = loglinear_fit([{"rollout_tokens": t, "expected_tau": r["expected_tau"]} for t, r in sorted(by_tokens.items())])
     curve = json.loads(Path(args.curve).read_text()) if args.curve else None
     last = rounds[-1]
     report = {"benchmark": "learning_curve_lineage", "target": spec.get("target"), "description": spec.get("description"),

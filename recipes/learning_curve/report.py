@@ -46,16 +46,16 @@ def summarize_decode(records: list[dict], temperature: float = 1.0) -> dict:
     return out
 
 
-def fit_curve(points: list[dict]) -> dict | None:
-    """Log-linear fit τ = a + b·ln(tokens) over the points (least squares; 2+ points)."""
-    import numpy as np
+def loglinear_fit(points: list[dict]) -> dict | None:
+    """The planner's log-linear fit τ = a + b·ln(tokens) (dspark.eval.planner.fit_curve) over the points that
+    have an expected τ, as the report's JSON; None with fewer than 2."""
+    from dspark.eval.planner import fit_curve
 
     pts = [(p["rollout_tokens"], p["expected_tau"]) for p in points if p.get("expected_tau")]
     if len(pts) < 2:
         return None
-    x, y = np.log([t for t, _ in pts]), np.array([v for _, v in pts])
-    b, a = np.polyfit(x, y, 1)
-    return {"form": "tau = a + b * ln(rollout_tokens)", "a": float(a), "b": float(b), "points": len(pts)}
+    curve = fit_curve([t for t, _ in pts], [v for _, v in pts])
+    return {"form": "tau = a + b * ln(rollout_tokens)", "a": curve.a, "b": curve.b, "points": len(pts)}
 
 
 def cmd_report(args, prof: dict) -> dict:
@@ -112,7 +112,7 @@ def cmd_report(args, prof: dict) -> dict:
         "training_sweep": json.loads((out / "sweep.json").read_text()) if (out / "sweep.json").exists() else None,
         "training_sweep_bf16": (json.loads((out / "sweep-bf16.json").read_text())
                                 if (out / "sweep-bf16.json").exists() else None),
-        "target_only": decode.get("target"), "fit": fit_curve(points),
+        "target_only": decode.get("target"), "fit": loglinear_fit(points),
         "decode": {"modes": {m: {"drafter": None if p is None else str(p.parent.relative_to(out)), "scheduler": sched}
                              for m, (p, sched) in decode_modes(out).items()},
                    "by_temperature": decode_by_temperature},

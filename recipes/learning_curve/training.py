@@ -26,16 +26,12 @@ def drafter_config(prof: dict, algo: str):
     return DrafterConfig(**cfg)
 
 
-def draft_ids_of(cache, n_rows: int, vocab: int, size: int | None, kept=None):
-    """(draft ids, coverage) of the first n_rows cached rows, as jobs.train plans them; (None, None) = full.
+def draft_vocab_of(cache, n_rows: int, vocab: int, size: int | None, kept=None):
+    """The draft vocabulary of the first n_rows cached rows, as jobs.train plans it (DraftVocabPlan.of_rows).
     kept: the draft ids of a drafter being continued (kept, with their coverage of these rows)."""
-    from dspark.drafters.draft_vocab import DraftVocabPlan, count_token_frequencies
+    from dspark.drafters.draft_vocab import DraftVocabPlan
 
-    if not size:
-        return None, None
-    counts = count_token_frequencies(zip(cache.input_ids[:n_rows], cache.loss_mask[:n_rows]), vocab, "cache")
-    plan = DraftVocabPlan.from_counts(counts, size, vocab, kept=kept)
-    return plan.ids(), plan.coverage
+    return DraftVocabPlan.of_rows(zip(cache.input_ids[:n_rows], cache.loss_mask[:n_rows]), size, vocab, kept=kept)
 
 
 def train_one(target, prof: dict, cache, n_rows: int, algo: str, folder: Path, init: Path | None = None,
@@ -67,7 +63,8 @@ def train_one(target, prof: dict, cache, n_rows: int, algo: str, folder: Path, i
 
         kept = saved_draft_ids(str(init))
     refresh = bool(prof.get("refresh_vocab")) and kept is not None  # recount the vocabulary on these rows
-    ids, cov = draft_ids_of(cache, n_rows, int(target.vocab_size), cfg.draft_vocab_size, None if refresh else kept)
+    plan = draft_vocab_of(cache, n_rows, int(target.vocab_size), cfg.draft_vocab_size, None if refresh else kept)
+    ids, cov = plan.ids(), plan.coverage
     torch.manual_seed(prof["seed"])
     drafter = build_drafter(cfg, target, draft_ids=kept if refresh else ids)
     if init is not None:  # continue a saved drafter (same config and draft vocabulary) with a new schedule
@@ -339,7 +336,7 @@ def cmd_sweep(args, prof: dict) -> None:
     settings_done = []
     for layers, anchors, setting in settings(args, prof):
         cfg = drafter_config(setting, "dspark")
-        ids, _ = draft_ids_of(cache, n, int(target.vocab_size), cfg.draft_vocab_size)
+        ids = draft_vocab_of(cache, n, int(target.vocab_size), cfg.draft_vocab_size).ids()
         torch.manual_seed(prof["seed"])
         drafter = build_drafter(cfg, target, draft_ids=ids)
         trainer = LocalTrainer("dspark", target, drafter, OptimSection(lr=prof["lr"]), precision=precision)

@@ -9,7 +9,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dspark.drafters import DrafterConfig, build_drafter, export_vllm, load_drafter, save_drafter
+from dspark.drafters import DrafterConfig, build_drafter, load_drafter, save_drafter
+from dspark.export.vllm import export_vllm
 from dspark.models.target import build_tiny_model
 
 VARIANTS = [("dflash", "markov"), ("dspark", "markov"), ("dspark", "rnn"), ("eagle3", "markov")]

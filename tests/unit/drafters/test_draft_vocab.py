@@ -12,7 +12,8 @@ import torch
 from safetensors.torch import load_file
 
 from dspark.drafters import draft_vocab as dv
-from dspark.drafters import DrafterConfig, build_drafter, export_vllm, load_drafter, save_drafter
+from dspark.drafters import DrafterConfig, build_drafter, load_drafter, save_drafter
+from dspark.export.vllm import export_vllm
 from dspark.training.losses import tv_l1
 from dspark.decoding.sampling import SamplingParams
 from dspark.models.target import build_tiny_model
@@ -352,3 +353,15 @@ def test_change_draft_vocab_refuses_a_full_vocabulary_drafter_and_a_wrong_size(t
         full.change_draft_vocab(torch.tensor(NEW_IDS))
     with pytest.raises(ValueError):
         make(target, "dspark").change_draft_vocab(torch.tensor(NEW_IDS[:-1]))
+
+
+def test_a_plan_of_in_memory_rows_holds_the_most_frequent_supervised_tokens():
+    """DraftVocabPlan.of_rows: what the GPU recipe, the learning curve and the training benchmarks plan from
+    the rows they hold, the same rule jobs.train applies to Parquet rollouts."""
+    from dspark.drafters.draft_vocab import DraftVocabPlan
+
+    rows = [([9, 9, 1, 1, 1, 2], [0, 0, 1, 1, 1, 1]),  # 9 is prompt only
+            ([3, 2, 1], [0, 1, 1])]
+    plan = DraftVocabPlan.of_rows(rows, 2, vocab_size=10)
+    assert plan.ids().tolist() == [1, 2] and plan.coverage == 1.0
+    assert DraftVocabPlan.of_rows(rows, None, vocab_size=10).ids() is None

@@ -71,25 +71,25 @@ class TokenConstraint:
         return self.matcher.is_stopped()
 
 
-def constrain(logits: Tensor, constraint: TokenConstraint | None, drafts: list[int] | None = None) -> Tensor:
+def constrain(logits: Tensor, constraint: TokenConstraint | None, drafts: Tensor | None = None) -> Tensor:
     """logits [n, V] with the tokens the grammar forbids at each row set to -inf (rows after drafts[:k]);
-    unchanged without a constraint."""
+    unchanged without a constraint (and then the drafts are never read back to the host)."""
     if constraint is None:
         return logits
-    masks = constraint.masks_along(list(drafts or []))[: logits.shape[0]]
+    masks = constraint.masks_along([] if drafts is None else drafts.tolist())[: logits.shape[0]]
     return logits.masked_fill(~masks.to(logits.device), float("-inf"))
 
 
 @functools.lru_cache(maxsize=4)
-def _cached_tokenizer(key: str, tokenizer, vocab_size: int):
+def _cached_tokenizer(tokenizer, vocab_size: int):
     import llguidance.hf
 
     return llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size)
 
 
 def _tokenizer(target):
-    """The llguidance view of the target's tokenizer (~0.5 s to build: cached per target)."""
-    return _cached_tokenizer(f"{target.name}@{target.revision}", target.tokenizer, target.vocab_size)
+    """The llguidance view of the target's tokenizer (~0.5 s to build: cached per loaded tokenizer)."""
+    return _cached_tokenizer(target.tokenizer, target.vocab_size)
 
 
 def response_format_constraint(target, response_format: dict[str, Any] | None) -> TokenConstraint | None:

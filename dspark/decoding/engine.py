@@ -375,7 +375,7 @@ class Engine(RequestBatch):
         if isinstance(req.proposal, DraftTree):
             return self._accept_tree(req, ids, logits, features, report)
         n = req.verify_len
-        target_probs = to_probs(constrain(logits, req.constraint, ids[1:].tolist()), req.sampling)  # row k: draft k+1
+        target_probs = to_probs(constrain(logits, req.constraint, ids[1:]), req.sampling)  # row k: draft k+1
         if req.noise is not None:  # row k is output position len(tokens) + k (tokens[-1], the anchor, is before)
             n_acc, next_token = accept_keyed(ids[1:], target_probs, req.noise, len(req.tokens))
         else:

@@ -85,8 +85,9 @@ class Flywheel:
 
 
 def pin_drafter(ref: str | None) -> tuple[str | None, str]:
-    """(the reference pinned to a concrete version, that version or ""): a replica resolves an alias
-    (`models:/x@serving`) once at start and serves that version until it is replaced."""
+    """(the reference pinned to a concrete version, that version or ""): the Serve app resolves an alias
+    (`models:/x@serving`) once when it is deployed (dspark.serve.deployment.pinned_config) and every replica
+    serves that version until the app is redeployed."""
     if not ref:
         return ref, ""
     from dspark.io.drafter_source import resolve_ref

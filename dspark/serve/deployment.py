@@ -126,13 +126,12 @@ def _deployment_class():
             import torch
 
             logging.basicConfig(level=logging.INFO)
-            from dspark.flywheel.observer import build_flywheel, pin_drafter
+            from dspark.flywheel.observer import build_flywheel
 
             self.cfg = ServeConfig.model_validate(config)
             threads = self.cfg.deployment.torch_threads or max(1, round(self.cfg.deployment.num_cpus))
             torch.set_num_threads(threads)
-            if self.cfg.engine.scheduler.mode != "off":  # an alias resolves once: this replica serves that version
-                self.cfg.model.drafter, _ = pin_drafter(self.cfg.model.drafter)
+            # model.drafter arrives pinned to one version (deployment_for resolved the alias once for all replicas)
             self.engine = build_engine(self.cfg, has_gpus=replica_has_gpus(self.cfg))
             metrics = ServeMetrics(self.engine)
             self.flywheel = build_flywheel(self.cfg, self.engine)

@@ -258,6 +258,19 @@ def gloo_world_of_one():
 
 
 
+def pair_batches(vocab: int, rows: int, length: int, prompt: int, seed: int):
+    """epoch -> micro batches of 2 raw rows (random ids, the first `prompt` tokens unsupervised), the same rows
+    every epoch: what a session's `run` takes."""
+    rng = np.random.default_rng(seed)
+    data = [{"input_ids": rng.integers(0, vocab, length), "loss_mask": np.r_[[0] * prompt, [1] * (length - prompt)]}
+            for _ in range(rows)]
+
+    def batches(epoch):
+        for i in range(0, len(data), 2):
+            yield {k: [r[k] for r in data[i:i + 2]] for k in ("input_ids", "loss_mask")}
+    return batches
+
+
 def test_session_zero3_checkpoint_resumes_exactly_and_exports(tmp_path, gloo_world_of_one):
     """The worker's DeepSpeed session without Ray: ZeRO-3, a checkpoint at step 2 of 4, and a fresh
     session restored from it reproduces steps 3-4 exactly; the export loads with load_drafter. The
@@ -275,13 +288,7 @@ def test_session_zero3_checkpoint_resumes_exactly_and_exports(tmp_path, gloo_wor
                      ds_config=deepspeed_config(cfg), draft_vocab=DraftVocabPlan(tuple(draft_ids)))
     plan = pickle.loads(pickle.dumps(plan))  # as it crosses into a Ray Train worker
     session = TrainSession(cfg, plan, 0, 1, torch.device("cpu")).setup()
-    rng = np.random.default_rng(0)
-    rows = [{"input_ids": rng.integers(0, session.target.vocab_size, 30), "loss_mask": np.r_[[0] * 6, [1] * 24]}
-            for _ in range(12)]
-
-    def batches(epoch):
-        for i in range(0, len(rows), 2):
-            yield {k: [r[k] for r in rows[i:i + 2]] for k in ("input_ids", "loss_mask")}
+    batches = pair_batches(session.target.vocab_size, rows=12, length=30, prompt=6, seed=0)
 
     losses, ckpt = [], str(tmp_path / "ckpt")
 
@@ -368,13 +375,7 @@ def test_session_reports_on_log_checkpoint_and_last_steps_and_reuses_target_outp
                              "tracking.log_every_steps": 4, "checkpoint.every_steps": 3})
     plan = TrainPlan(total_steps=6, steps_per_epoch=3, grad_accum=1, precision="fp32", ds_config=deepspeed_config(cfg))
     session = TrainSession(cfg, plan, 0, 1, torch.device("cpu")).setup()
-    rng = np.random.default_rng(1)
-    rows = [{"input_ids": rng.integers(0, session.target.vocab_size, 20), "loss_mask": np.r_[[0] * 4, [1] * 16]}
-            for _ in range(6)]
-
-    def batches(epoch):
-        for i in range(0, len(rows), 2):
-            yield {k: [r[k] for r in rows[i:i + 2]] for k in ("input_ids", "loss_mask")}
+    batches = pair_batches(session.target.vocab_size, rows=6, length=20, prompt=4, seed=1)
 
     results = []
     session.run(batches, results.append)

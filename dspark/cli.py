@@ -1,7 +1,8 @@
 """`dspark` command line: `dspark stack up|down|status`, `dspark target prepare NAME`,
 `dspark export --format speculators|vllm|sglang REF OUT`,
 `dspark runtime-env` (a Ray runtime env that records the submitting commit),
-`dspark plan` (rollout tokens and device-hours for a target τ, from the measured learning curve).
+`dspark plan` (rollout tokens and device-hours for a target τ, from the measured learning curve),
+`dspark memory TARGET --shards 1 2 4` (the frozen target's bytes per training worker, whole or sharded).
 
 Each command group is a subparser whose handler returns an exit code; errors the user can fix
 are printed as one line (`error: cause; fix`) instead of a traceback.
@@ -91,6 +92,30 @@ def _plan(args) -> int:
     return 0
 
 
+def _memory(args) -> int:
+    from transformers import AutoConfig
+
+    from dspark.io import storage
+    from dspark.models.sharded_target import target_memory_plan
+    from dspark.models.target import resolve_model_path
+
+    config = AutoConfig.from_pretrained(resolve_model_path(args.target, storage.local_copy))
+    dtype_bytes = {"bf16": 2, "fp16": 2, "fp32": 4}[args.dtype]
+    rows = [target_memory_plan(config, dtype_bytes, shards) for shards in args.shards]
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return 0
+    gib = 2**30
+    print(f"{args.target}: {rows[0]['params'] / 1e9:.3g} B parameters ({args.dtype}), "
+          f"{rows[0]['decoder_layer_params'] / rows[0]['params']:.0%} of them in decoder layers")
+    for row in rows:
+        fits = "" if args.device_gib is None else (
+            "  fits" if row["bytes_per_worker"] <= args.device_gib * gib else "  does not fit")
+        print(f"  target_shards={row['shards']:<3d} {row['bytes_per_worker'] / gib:8.2f} GiB per worker "
+              f"({row['ratio']:.2f} of a whole copy){fits}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dspark", description="DSpark speculative-decoding toolkit")
     groups = parser.add_subparsers(dest="group", required=True)
@@ -154,6 +179,18 @@ def build_parser() -> argparse.ArgumentParser:
                       help="generated tokens per prompt for the paper row (default: from the curve's rollouts)")
     plan.add_argument("--json", action="store_true", help="print JSON instead of a table")
     plan.set_defaults(func=_plan)
+
+    memory = groups.add_parser("memory", help="the frozen target's memory per training worker, whole or sharded",
+                               description="From the target's config alone (nothing is loaded): bytes per worker "
+                                           "for scaling.target_shards = each --shards value (decoder layers / N + "
+                                           "the embedding, norm and LM head every worker keeps + one gathered "
+                                           "layer; dspark/models/sharded_target.py)")
+    memory.add_argument("target", help='"tiny", "smollm2-135m", a local model dir or an s3:// dir')
+    memory.add_argument("--shards", type=int, nargs="+", default=[1, 2, 4, 8], help="target_shards value(s)")
+    memory.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16", help="the target's dtype")
+    memory.add_argument("--device-gib", type=float, default=None, help="say whether each fits a device of this size")
+    memory.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    memory.set_defaults(func=_memory)
     return parser
 
 

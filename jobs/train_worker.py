@@ -112,6 +112,9 @@ def train_loop_per_worker(loop_config: dict) -> None:
     from dspark.io import storage
 
     ctx = ray.train.get_context()
+    if ctx.get_local_world_size() % cfg.scaling.target_shards:  # a shard group never spans nodes
+        raise ValueError(f"scaling.target_shards={cfg.scaling.target_shards} must divide the "
+                         f"{ctx.get_local_world_size()} workers on this node")
     session = TrainSession(cfg, plan, ctx.get_world_rank(), ctx.get_world_size(), ray.train.torch.get_device(),
                            local_copy=storage.local_copy)
     session.setup()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -45,6 +46,8 @@ def spread_layer_ids(num_layers: int, m: int) -> list[int]:
 
 class Target:
     """A frozen causal LM with the accessors drafters need."""
+
+    shards = 1  # > 1: its decoder layers are partitioned across that many ranks (dspark.models.sharded_target)
 
     def __init__(self, model, tokenizer, name: str, revision: str = ""):
         self.model = model.eval()
@@ -270,18 +273,28 @@ def load_target(spec: str, *, dtype: torch.dtype = torch.float32, device: str = 
                 local_copy: Callable[[str], str] | None = None) -> Target:
     """Load a target by built-in name ("tiny", "smollm2-135m"), local dir, s3:// dir (needs
     `local_copy`, see resolve_model_path) or hub name."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     name = spec
     path = resolve_model_path(spec, local_copy)
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        tokenizer = tokenizer_of(path)
     except OSError as err:
         raise ValueError(f"cannot load target {spec!r}: {err}. Use 'tiny', 'smollm2-135m', a local "
                          f"model directory, an s3:// URI, or a hub name reachable from this machine.") from None
     revision = getattr(model.config, "_commit_hash", None) or models_builtin.revision_of(spec)
     return Target(model.to(device), tokenizer, name=name, revision=revision or "")
+
+
+def tokenizer_of(path: str):
+    """The tokenizer saved with a model; None for a local directory that holds none (a random test target)."""
+    from transformers import AutoTokenizer
+
+    files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+    if os.path.isdir(path) and not any(os.path.exists(os.path.join(path, f)) for f in files):
+        return None
+    return AutoTokenizer.from_pretrained(path)
 
 
 def build_tiny_model(vocab_size: int = 16, seed: int = 0, num_layers: int = 4, hidden_size: int = 32,

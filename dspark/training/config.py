@@ -58,6 +58,11 @@ class ScalingSection(StrictModel):
                                       "benchmarks/train_throughput.py --workers/--torch-threads: on 2 cores two one-thread "
                                       "workers ran 105 tok/s, one two-thread worker 96")
     gpus_per_worker: float = Field(1.0, ge=0, description="used when use_gpu")
+    target_shards: int = Field(1, ge=1, description="split the frozen target's decoder layers across this many "
+                               "workers of a node (FSDP2, gathered layer by layer: dspark/models/sharded_target.py), so "
+                               "each holds ~1/N of them; for targets that do not fit one device beside the drafter. "
+                               "Must divide num_workers and be at most the workers per node; the target memo is off. "
+                               "1 = a whole copy per worker")
     resources_per_worker: dict[str, float] = Field(default_factory=dict, description="extra custom Ray resources per worker")
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field("PACK", description="Ray placement of the worker group")
 
@@ -123,6 +128,9 @@ class TrainJobConfig(StrictModel):
         if self.optim.global_batch_size % per_step:
             raise ValueError(f"optim.global_batch_size={self.optim.global_batch_size} must be a multiple of "
                              f"optim.micro_batch_size x scaling.num_workers = {per_step}")
+        if self.scaling.num_workers % self.scaling.target_shards:
+            raise ValueError(f"scaling.target_shards={self.scaling.target_shards} must divide "
+                             f"scaling.num_workers={self.scaling.num_workers}")
         if "/" in self.run_name or not self.run_name.strip():
             raise ValueError(f"run_name {self.run_name!r} must be a non-empty name without '/'")
         return self

@@ -188,16 +188,14 @@ class TrainSession:
     _steps_here: int = 0  # optimizer steps taken since this process started (or resumed)
     _timed: tuple = (0.0, 0)  # (time of this launch's first step, tokens since then)
     _flops_model: object = None
+    _mesh: object = None  # the target's device mesh when cfg.scaling.target_shards > 1
 
     def setup(self) -> "TrainSession":
-        from dspark.models.target import load_target
-
         self.plan = plan_precision(self.plan, self.cfg.deepspeed.precision, self.device)
         precision = self.plan.precision
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        self.target = load_target(self.cfg.target, dtype=precision_dtype(precision), device=str(self.device),
-                                  local_copy=self.local_copy)
+        self.target = self.load_frozen_target(precision_dtype(precision))
         forward_target = self.forward_target_of(precision)
         self.engine = init_engine(self.cfg, self.plan, self.target, forward_target)
         self._step = DrafterStep(DeepSpeedUpdate(self.engine, self.plan), self.device, precision, self.memo())
@@ -206,21 +204,36 @@ class TrainSession:
         self._flops_model = FlopsModel.of(self.target, drafter_of(self.engine))
         return self
 
+    def load_frozen_target(self, dtype: torch.dtype):
+        """The target in `dtype`: whole, or with its decoder layers split over cfg.scaling.target_shards
+        workers of a node (dspark.models.sharded_target; collective: every rank loads its part)."""
+        from dspark.models.target import load_target
+
+        shards = self.cfg.scaling.target_shards
+        if shards == 1:
+            return load_target(self.cfg.target, dtype=dtype, device=str(self.device), local_copy=self.local_copy)
+        from dspark.models.sharded_target import load_sharded_target, shard_mesh
+
+        if self._mesh is None:
+            self._mesh = shard_mesh(shards, self.device.type)
+        return load_sharded_target(self.cfg.target, self._mesh, dtype=dtype, device=str(self.device),
+                                   local_copy=self.local_copy)
+
     def memo(self):
-        """The target memo (cfg.target_memo_gb) when a later epoch can reuse it, else None."""
+        """The target memo (cfg.target_memo_gb) when a later epoch can reuse it, else None. Off for a sharded
+        target: its ranks must run the target together on every micro batch, hit or miss."""
         from dspark.training.target_memo import TargetMemo
 
+        if self.cfg.scaling.target_shards > 1:
+            return None
         repeats = self.plan.total_steps > self.plan.steps_per_epoch
         return TargetMemo.of_gb(self.cfg.target_memo_gb) if repeats else None
 
     def forward_target_of(self, precision: str):
         """A bf16 copy of the target for the frozen forward (cfg.target_forward_dtype), or None."""
-        from dspark.models.target import load_target
-
         if not bf16_forward(self.cfg.target_forward_dtype, precision, self.device.type):
             return None
-        return load_target(self.cfg.target, dtype=torch.bfloat16, device=str(self.device),
-                           local_copy=self.local_copy)
+        return self.load_frozen_target(torch.bfloat16)
 
     # ---- checkpoints ---------------------------------------------------------------------
     def save(self, out_dir: str) -> None:

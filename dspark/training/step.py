@@ -65,7 +65,8 @@ class LossModule(nn.Module):
         """target_out: the frozen target's outputs for this batch when the caller has them (TargetMemo)."""
         from dspark.training.loss import drafter_loss
 
-        if target_out is None and self.forward_target is not None:
+        # a sharded target runs here, before drafter_loss can return early: its ranks gather layers together
+        if target_out is None and (self.forward_target is not None or self.target.shards > 1):
             target_out = self.frozen_forward(input_ids, attention_mask)
         out = drafter_loss(self.drafter, self.target, input_ids, loss_mask, attention_mask, generator,
                            target_out=target_out, read_metrics=self.read_metrics)

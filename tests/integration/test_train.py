@@ -222,3 +222,19 @@ def test_relaunch_resumes_run_and_drafter_decodes_losslessly(local_stack, tiny_r
         spec = speculative_generate(target, drafter, prompt, sp, max_new_tokens=24)
         plain = target_generate(target, prompt, sp, max_new_tokens=24)
         assert spec.token_ids == plain.token_ids
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.timeout(900)
+def test_sharded_target_trains_like_a_whole_copy_through_ray_train(local_stack, tiny_rollouts, tmp_path_factory):
+    """2 Ray Train workers that each hold half of the target's decoder layers (scaling.target_shards=2, FSDP2
+    over gloo) take the same steps as 2 workers that each hold a whole copy: the same final loss."""
+    summaries = {}
+    for shards in (1, 2):
+        tmp_path = tmp_path_factory.mktemp(f"shards{shards}")
+        over = {"run_name": f"test-train-shards{shards}", "optim.max_steps": 4, "fault": None,
+                "tracking.enabled": False, "scaling.target_shards": shards}
+        summaries[shards] = run_train_job(stack_job(tiny_rollouts, tmp_path, **over), local_stack, tmp_path)
+    assert summaries[2]["metrics"]["step"] == 4
+    assert summaries[2]["metrics"]["loss"] == pytest.approx(summaries[1]["metrics"]["loss"], rel=1e-4)

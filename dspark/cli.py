@@ -108,6 +108,10 @@ def _memory(args) -> int:
     gib = 2**30
     print(f"{args.target}: {rows[0]['params'] / 1e9:.3g} B parameters ({args.dtype}), "
           f"{rows[0]['decoder_layer_params'] / rows[0]['params']:.0%} of them in decoder layers")
+    if moe := rows[0]["moe"]:
+        print(f"  MoE: {moe['blocks']} blocks of {moe['experts']} experts, top {moe['top_k']}: "
+              f"{moe['active_params'] / 1e9:.3g} B parameters per token; routers {moe['router_params'] / 1e6:.3g} M "
+              f"({moe['router_share']:.2%} of a token's FLOPs); every expert is held in memory")
     for row in rows:
         fits = "" if args.device_gib is None else (
             "  fits" if row["bytes_per_worker"] <= args.device_gib * gib else "  does not fit")

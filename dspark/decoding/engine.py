@@ -96,7 +96,8 @@ class Engine(RequestBatch):
         self.gamma = self._check_drafter()
         self.tree = self._check_tree()
         self.layer_ids = drafter_layer_ids(drafter) if self.drafting else None
-        self.max_model_len = min(cfg.max_model_len, getattr(target, "max_positions", cfg.max_model_len))
+        self.max_model_len = min(cfg.max_model_len, getattr(target, "max_positions", cfg.max_model_len),
+                                 getattr(target, "sliding_window", None) or cfg.max_model_len)  # exact within it
         # Device invariant: KV slots, request RNGs and every tensor a step creates live on target.device (so
         # does the drafter); sampling moves probabilities to the generator's device, never back.
         kv = open_slots(target, cfg.max_batch, engine_core_mode(cfg.decode_core, target), self.max_model_len)

@@ -115,9 +115,12 @@ def _step(model, keys: list[Tensor], values: list[Tensor], layer_ids: tuple[int,
     mask = torch.zeros((), dtype=dtype, device=ids.device).masked_fill(~visible, torch.finfo(dtype).min)
     writer = _StaticWriter(keys, values, slice(first, first + rows), columns, window)
     hidden = base.embed_tokens(ids)
-    rope = base.rotary_emb(hidden, position_ids=position_ids)
+    per_type = getattr(base.rotary_emb, "layer_types", None)  # Gemma 3: one rotary table per kind of layer
+    ropes = ({kind: base.rotary_emb(hidden, position_ids, kind) for kind in per_type} if per_type
+             else base.rotary_emb(hidden, position_ids=position_ids))
     captured = []
     for i, layer in enumerate(base.layers[: model.config.num_hidden_layers]):
+        rope = ropes[model.config.layer_types[i]] if per_type else ropes
         hidden = layer(hidden, attention_mask=mask, position_ids=position_ids, use_cache=True,
                        position_embeddings=rope, **{cache_kw: writer})
         hidden = hidden[0] if isinstance(hidden, tuple) else hidden

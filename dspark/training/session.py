@@ -33,7 +33,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from dspark.training.batching import collate
+from dspark.training.batching import collate, sequence_limit
 from dspark.training.loop import flops_rates
 from dspark.training.plan import TrainPlan
 from dspark.training.step import DrafterStep, LossModule, precision_dtype, resolve_precision
@@ -326,7 +326,7 @@ class TrainSession:
         """Train from `self.step` to plan.total_steps. `epoch_batches(epoch)` yields raw row batches
         (dict of columns); `on_step` is called after every optimizer step on every rank."""
         total, per_epoch, accum = self.plan.total_steps, self.plan.steps_per_epoch, self.plan.grad_accum
-        pad_id, max_len = self.target.pad_token_id, self.cfg.data.max_seq_len
+        pad_id, max_len = self.target.pad_token_id, sequence_limit(self.cfg.data.max_seq_len, self.target)
         self._t_last = time.perf_counter()
         while self.step < total:
             epoch, done_in_epoch = divmod(self.step, per_epoch)

@@ -1,7 +1,8 @@
 """dspark/models/sharded_target.py: a target whose decoder layers are split over 2 gloo ranks gives each rank,
 on its own differently shaped batch, the features and final states of the whole target, and trains a drafter
 to the same losses; each rank holds about half of the layers; a checkpoint that lacks a tensor is refused
-by name; the planner's per-worker bytes match what a rank holds."""
+by name; the planner's per-worker bytes match what a rank holds. An MoE target (fused experts in the model,
+one tensor per expert in the checkpoint) is split by experts, 3 over 2 ranks, with the whole target's features."""
 import json
 import os
 import socket
@@ -73,11 +74,30 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def reports(target_dir, tmp_path_factory):
-    out = tmp_path_factory.mktemp("ranks")
+def run_ranks(target_dir: str, out) -> list[dict]:
     torch.multiprocessing.spawn(rank_main, args=(2, free_port(), target_dir, str(out)), nprocs=2)
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+@pytest.fixture(scope="module")
+def reports(target_dir, tmp_path_factory):
+    return run_ranks(target_dir, tmp_path_factory.mktemp("ranks"))
+
+
+def test_sharded_moe_target_splits_its_experts(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from dspark.models.architectures import tiny_config
+
+    config = tiny_config("qwen3-moe", vocab_size=V)
+    config.num_experts = 3  # 2 + 1 experts on 2 ranks (FSDP's uneven last chunk)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "moe")
+    reports = run_ranks(str(tmp_path / "moe"), tmp_path)
+    for r in reports:
+        assert r["features_diff"] == 0.0 and r["final_diff"] == 0.0
+        assert r["losses_sharded"] == pytest.approx(r["losses_whole"], rel=1e-6, abs=1e-7)
+        assert r["bytes_sharded"] < 0.8 * r["bytes_whole"]
 
 
 def test_sharded_target_gives_each_rank_the_whole_targets_features(reports):

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from dspark.training.batching import bucketed_batches, collate, padding_fraction, regroup_by_length, reshuffled_epoch
+from dspark.training.batching import (bucketed_batches, collate, padding_fraction, regroup_by_length, reshuffled_epoch,
+                                     sequence_limit)
 from dspark.drafters import DrafterConfig, build_drafter
 from dspark.training.loop import FlopsModel, LocalTrainer, Throughput, autocast, resolve_precision
 from dspark.models.target import build_tiny_model
@@ -173,3 +174,14 @@ def test_measured_matmul_peak_is_the_mfu_basis():
     rates = flops_rates(2e9, 1.0, "cpu", "fp32", peak=4e9)
     assert rates["model_tflops_per_s"] == pytest.approx(2e-3) and rates["mfu"] == pytest.approx(0.5)
     assert flops_rates(2e9, 1.0, "cpu", "fp32")["mfu"] is None  # no data-sheet peak for a CPU
+
+
+def test_long_context_rows_are_cut_to_the_targets_context(capsys):
+    class ShortTarget:
+        max_positions = 64
+
+    assert sequence_limit(32768, ShortTarget()) == 64
+    assert "exceeds the target's context (64 positions)" in capsys.readouterr().out
+    assert sequence_limit(32, ShortTarget()) == 32 and not capsys.readouterr().out
+    ids = collate({"input_ids": [list(range(100))], "loss_mask": [[1] * 100]}, sequence_limit(4096, ShortTarget()), 0)
+    assert ids["input_ids"].shape[-1] == 64

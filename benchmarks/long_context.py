@@ -2,6 +2,8 @@
 
     python benchmarks/long_context.py                                  # 4k, 8k, 16k, 32k tokens
     python benchmarks/long_context.py --lengths 1024 2048 --steps 1    # a smoke run
+    python benchmarks/long_context.py --lengths 4096 32768 --context-window 1024 \
+        --out benchmarks/results/scale/long_context_window1024.json     # the drafter's sliding window
 
 Each length runs in its own process (so one length's peak cannot hide another's): a random Llama target
 (`--hidden`, `--layers`, 32 k positions, seed 0) and a DSpark drafter (block 8, `--anchors` anchors sampled over
@@ -32,6 +34,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--anchors", type=int, default=256)
     ap.add_argument("--steps", type=int, default=2, help="timed steps after one warm-up step")
+    ap.add_argument("--context-window", type=int, default=None, help="the drafter's context_window (None: whole)")
     ap.add_argument("--measure", type=int, default=None, help=argparse.SUPPRESS)  # one length, in a child
     ap.add_argument("--out", default=str(REPO_ROOT / "benchmarks/results/scale/long_context.json"))
     return ap.parse_args(argv)
@@ -50,7 +53,7 @@ def build(args):
                          num_key_value_heads=max(1, args.hidden // 128), max_position_embeddings=32768)
     target = Target(LlamaForCausalLM(config), None, name="random-long", revision="")
     drafter = build_drafter(DrafterConfig(algo="dspark", block_size=8, num_layers=1, num_context_layers=2,
-                                          anchors_per_seq=args.anchors), target)
+                                          anchors_per_seq=args.anchors, context_window=args.context_window), target)
     return target, drafter
 
 
@@ -93,6 +96,7 @@ def main(argv=None) -> dict:
     for length in args.lengths:
         cmd = [sys.executable, __file__, "--measure", str(length), "--hidden", str(args.hidden), "--layers",
                str(args.layers), "--anchors", str(args.anchors), "--steps", str(args.steps)]
+        cmd += ["--context-window", str(args.context_window)] if args.context_window else []
         out = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=str(REPO_ROOT)).stdout
         rows.append(json.loads(out.strip().splitlines()[-1]))
         print(json.dumps(rows[-1]), file=sys.stderr)
@@ -100,7 +104,8 @@ def main(argv=None) -> dict:
     length_growth = last["seq_len"] / first["seq_len"]
     peak_growth = last["peak_bytes"] / max(first["peak_bytes"], 1)
     result = {"target": f"random Llama hidden {args.hidden}, {args.layers} layers, vocab 2048",
-              "drafter": f"dspark block 8, {args.anchors} anchors per row", "long_context": rows,
+              "drafter": f"dspark block 8, {args.anchors} anchors per row", "context_window": args.context_window,
+              "long_context": rows,
               "length_growth": length_growth, "peak_growth": round(peak_growth, 3),
               "meets_goal": peak_growth <= length_growth}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

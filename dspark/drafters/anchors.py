@@ -4,6 +4,7 @@ Training packs every anchor block of a sequence into one dense query batch: the 
 context positions followed by all blocks' own positions, and who-sees-whom is decided from indices:
 
   query in block a (anchor t_a) sees context key p   iff p < t_a and p is a real (non-pad) token
+                                                     (and p >= t_a - W with a context window W)
   query in block a sees block key (a', j)            iff a' == a  (and j <= its own slot if causal)
 
 so blocks never see each other and never see the anchor's own target state (position t_a), exactly
@@ -81,12 +82,17 @@ def block_positions(anchors: Tensor, block_len: int, offset: int = 0) -> Tensor:
 
 
 def packed_mask(anchors: Tensor, ctx_valid: Tensor, q_block: Tensor, q_slot: Tensor,
-                k_block: Tensor, k_slot: Tensor, causal: bool = False) -> Tensor:
+                k_block: Tensor, k_slot: Tensor, causal: bool = False, window: int | None = None,
+                ctx_start: int = 0) -> Tensor:
     """bool [B, 1, Sq, T + Sk] (True = may attend) for queries (q_block, q_slot) over the T context keys
-    followed by block keys (k_block, k_slot); see the module docstring for the rule."""
+    (positions ctx_start .. ctx_start+T-1) followed by block keys (k_block, k_slot); see the module docstring
+    for the rule. `window`: a block anchored at t sees only the context t-window .. t-1."""
     T = ctx_valid.shape[1]
-    q_anchor = anchors[:, q_block]  # [B, Sq]
-    ctx = torch.arange(T, device=anchors.device) < q_anchor.unsqueeze(-1)  # strictly before the anchor
+    q_anchor = anchors[:, q_block].unsqueeze(-1)  # [B, Sq, 1]
+    pos = torch.arange(ctx_start, ctx_start + T, device=anchors.device)
+    ctx = pos < q_anchor  # strictly before the anchor
+    if window is not None:
+        ctx = ctx & (pos >= q_anchor - window)
     ctx = ctx & ctx_valid.bool().unsqueeze(1)
     own = q_block.unsqueeze(-1) == k_block.unsqueeze(0)  # [Sq, Sk]: same block only
     if causal:

@@ -59,6 +59,11 @@ class DrafterConfig(StrictModel):
     loss_tv: float = Field(0.9, description="weight of the L1/TV term ||p_d - p_t||_1 (paper: 0.9; 0 for DFlash/Eagle3 references)")
     loss_conf: float = Field(1.0, description="weight of the confidence BCE (dspark with a confidence head)")
     anchors_per_seq: int = Field(16, description="anchor blocks sampled per training sequence")
+    context_window: int | None = Field(
+        None, ge=1, description="dflash / dspark: a block anchored at t attends only to the target context "
+        "t-W .. t-1 (a sliding window; the block itself stays bidirectional: speculators' sliding_window with "
+        "sliding_window_non_causal). Training and drafting cost O(W) per block at any context length. None = "
+        "the whole context")
     draft_vocab_size: int | None = Field(
         None, ge=1, description="Eagle3-style draft vocabulary: the drafter's LM head (and DSpark's Markov W2) "
         "predict over this many of the target's most frequent rollout tokens (d2t/t2d maps, built by the "
@@ -70,6 +75,9 @@ class DrafterConfig(StrictModel):
         if ids is not None and len(ids) != self.num_context_layers:
             raise ValueError(f"target_layer_ids has {len(ids)} ids but num_context_layers="
                              f"{self.num_context_layers}; make them agree (or leave target_layer_ids unset)")
+        if self.context_window is not None and self.algo == "eagle3":
+            raise ValueError("context_window is a dflash / dspark option (eagle3 attends to its own causal "
+                             "context); leave it unset for eagle3")
         if self.num_heads and self.num_kv_heads and self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
         return self

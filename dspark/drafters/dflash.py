@@ -92,7 +92,8 @@ class DFlashDrafter(Drafter):
         N, L, gamma = anchors.shape[1], self.block_len, self.config.block_size
         kv = self.context_kv(self.context_states(features), torch.arange(T, device=self.device))
         x = self.block_inputs(input_ids.gather(1, anchors)).flatten(1, 2)  # [B, N*L, d]
-        h = self.run_blocks(x, block_positions(anchors, L), kv, BlockLayout.build(anchors, ctx_valid, L, L))
+        h = self.run_blocks(x, block_positions(anchors, L), kv,
+                           BlockLayout.build(anchors, ctx_valid, L, L, window=self.config.context_window))
         h = h.view(B, N, L, -1)[:, :, self.first_pred_slot:self.first_pred_slot + gamma]
         return self.predict_train(h, input_ids, anchors, select)
 
@@ -140,23 +141,25 @@ class DFlashDrafter(Drafter):
         positions = torch.arange(state.length, state.length + self.block_len, device=self.device)
         c = self.config
         empty = x.new_empty(c.num_kv_heads, 0, c.head_dim)
-        ctx = [tuple(t.unsqueeze(0) for t in buf.view(empty)) for buf in state.kv]
-        return self.run_blocks(x, positions, ctx, None)[0]  # no mask: all held context precedes the anchor
+        ctx = [tuple(t.unsqueeze(0) for t in buf.view(empty, c.context_window)) for buf in state.kv]
+        return self.run_blocks(x, positions, ctx, None)[0]  # no mask: all held context (window) precedes the anchor
 
     @torch.no_grad()
     def blocks_hidden(self, states: list[DraftState], anchors: Tensor) -> Tensor:
         """Final-normed hidden states [R, L, d] of R blocks in ONE backbone pass; block r is anchored at
         position states[r].length (its own RoPE positions) and attends to its own cached context only.
 
-        Invariant: row r equals block_hidden(states[r], anchors[r]): the contexts are right-padded to
-        the longest and the padded key columns are masked out of every query row."""
-        c, L = self.config, self.block_len
+        Invariant: row r equals block_hidden(states[r], anchors[r]): the contexts (their last
+        context_window positions, with a window) are right-padded to the longest and the padded key
+        columns are masked out of every query row."""
+        c, L, window = self.config, self.block_len, self.config.context_window
         x = self.block_inputs(anchors)  # [R, L, d]
         lengths = [s.length for s in states]
         positions = torch.tensor(lengths, device=self.device).unsqueeze(-1) + torch.arange(L, device=self.device)
         empty = x.new_empty(c.num_kv_heads, 0, c.head_dim)
-        ctx = [batch_kv([s.kv[i] for s in states], empty) for i in range(len(self.layers))]
-        return self.run_blocks(x, positions, ctx, padding_mask(lengths, L, self.device))
+        ctx = [batch_kv([s.kv[i] for s in states], empty, window) for i in range(len(self.layers))]
+        held = [min(n, window) if window else n for n in lengths]
+        return self.run_blocks(x, positions, ctx, padding_mask(held, L, self.device))
 
     def draft_batch(self, states: list[DraftState], anchors: Tensor, gammas: list[int], rows: RowSampling,
                     generator: Generators) -> list[DraftProposal]:

@@ -185,12 +185,14 @@ class KVBuffer:
         self.v[..., self.length:self.length + n, :] = v
         self.length += n
 
-    def view(self, like: Tensor) -> tuple[Tensor, Tensor]:
-        """(k, v) [KV, n, hd]; empty tensors shaped/typed like `like` when nothing is held yet."""
+    def view(self, like: Tensor, last: int | None = None) -> tuple[Tensor, Tensor]:
+        """(k, v) [KV, n, hd] (the `last` positions only, when given); empty tensors shaped/typed like
+        `like` when nothing is held yet."""
         if self.k is None:
             empty = like.new_empty(*like.shape[:-2], 0, like.shape[-1])
             return empty, empty
-        return self.k[..., :self.length, :], self.v[..., :self.length, :]
+        first = max(0, self.length - last) if last else 0
+        return self.k[..., first:self.length, :], self.v[..., first:self.length, :]
 
     def crop(self, length: int) -> None:
         if not 0 <= length <= self.length:
@@ -198,18 +200,19 @@ class KVBuffer:
         self.length = length
 
 
-def batch_kv(buffers: list[KVBuffer], like: Tensor) -> tuple[Tensor, Tensor]:
-    """R per-request contexts as one right-padded batch (k, v) [R, KV, N, hd], N = the longest held
-    context; columns past a request's length are zeros that `padding_mask` hides from attention.
-    `like` [KV, 0, hd] gives the shape/dtype of an empty context. One request: a view, no copy."""
+def batch_kv(buffers: list[KVBuffer], like: Tensor, last: int | None = None) -> tuple[Tensor, Tensor]:
+    """R per-request contexts (each its `last` positions, when given) as one right-padded batch (k, v)
+    [R, KV, N, hd], N = the longest; columns past a request's context are zeros that `padding_mask` hides
+    from attention. `like` [KV, 0, hd] gives the shape/dtype of an empty context. One request: a view."""
     if len(buffers) == 1:
-        k, v = buffers[0].view(like)
+        k, v = buffers[0].view(like, last)
         return k.unsqueeze(0), v.unsqueeze(0)
-    n = max(buf.length for buf in buffers)
+    views = [buf.view(like, last) for buf in buffers]
+    n = max(k.shape[-2] for k, _ in views)
     k = like.new_zeros(len(buffers), *like.shape[:-2], n, like.shape[-1])
     v = torch.zeros_like(k)
-    for r, buf in enumerate(buffers):
-        k[r, ..., :buf.length, :], v[r, ..., :buf.length, :] = buf.view(like)
+    for r, (held_k, held_v) in enumerate(views):
+        k[r, ..., :held_k.shape[-2], :], v[r, ..., :held_v.shape[-2], :] = held_k, held_v
     return k, v
 
 

@@ -21,6 +21,9 @@ dspark_draft_temperature (Drafter.draft_sampling; dspark serving only), dspark_e
   markov_head_type ("vanilla" = our head="markov", "rnn" = ours), enable_confidence_head,
   confidence_head_with_markov.
 - eagle3: eagle_aux_hidden_state_layer_ids, norm_before_residual = true.
+- a context window (DrafterConfig.context_window W): transformer_layer_config.sliding_window = W and
+  layer_types = ["sliding_attention"] * layers, sliding_window_non_causal = true (speculators' DFlash
+  fields: a block anchored at t sees the context t-W .. t-1, bidirectional inside the block).
 
 Layer indexing: our layer id i is the output of target decoder layer i (HF hidden_states[i+1]).
 speculators and vLLM count hidden_states index 0 as the embeddings (aux id a = the input of decoder
@@ -213,7 +216,15 @@ def layer_config(drafter: Drafter, algo: str, vocab_size: int) -> dict:
             "num_key_value_heads": c.num_kv_heads, "head_dim": c.head_dim, "rms_norm_eps": c.rms_norm_eps,
             "vocab_size": vocab_size, "max_position_embeddings": max_positions(drafter),
             "rope_parameters": {"rope_theta": c.rope_theta, "rope_type": "default"}, "rope_theta": c.rope_theta,
-            "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False}
+            "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False,
+            **window_fields(c)}
+
+
+def window_fields(c) -> dict:
+    """A context window as speculators writes one: every layer a sliding_attention layer of that window."""
+    if c.context_window is None:
+        return {}
+    return {"sliding_window": c.context_window, "layer_types": ["sliding_attention"] * c.depth}
 
 
 def max_positions(drafter: Drafter) -> int:
@@ -284,6 +295,8 @@ def layout_fields(drafter: Drafter, algo: str, aux: list[int], mask: tuple[int, 
         return {"eagle_aux_hidden_state_layer_ids": aux, "norm_before_residual": True}
     fields = {"aux_hidden_state_layer_ids": aux, "mask_token_id": mask[0],
               "sample_from_anchor": spec.sample_from_anchor, "block_size": spec.block_size(drafter.config.block_size)}
+    if drafter.config.context_window is not None:
+        fields["sliding_window_non_causal"] = True  # bidirectional inside the block, as it was trained
     if spec.markov_head_fields:
         fields.update(speculators_head_fields(drafter))
     return fields

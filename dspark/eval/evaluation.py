@@ -75,6 +75,7 @@ class TurnResult:
     prefill_s: float
     finish_reason: str
     answer: str
+    clipped: bool = False  # max_new_tokens was cut to what the target's context left after the prompt
 
 
 @dataclass
@@ -86,21 +87,37 @@ class ConversationResult:
     error: str | None = None
 
 
-Decode = Callable[[list[int]], GenerationResult]
+Decode = Callable[[list[int], int], GenerationResult]  # (prompt ids, max new tokens) -> the answer
+
+
+def answer_budget(target, prompt_len: int, max_new_tokens: int, lookahead: int = 1) -> int:
+    """max_new_tokens, cut so prompt + answer + lookahead (the verify block past the last token) fit the
+    target's context; a prompt that leaves no room is refused (ValueError: the prompt is recorded as failed)."""
+    limit = getattr(target, "max_positions", None)
+    if not limit:
+        return max_new_tokens
+    room = limit - prompt_len - lookahead
+    if room < 1:
+        raise ValueError(f"prompt_too_long: the prompt has {prompt_len} tokens; the target's context holds {limit} "
+                         f"(with {lookahead} lookahead): skipped")
+    return min(max_new_tokens, room)
 
 
 def run_conversation(target, turns: Sequence[str], decode: Decode, benchmark: str = "", index: int = 0,
-                     mode: str = "", system: str | None = None) -> ConversationResult:
-    """Ask each turn after the model's own earlier answers; `decode(prompt_ids)` answers one turn."""
+                     mode: str = "", system: str | None = None, max_new_tokens: int = 256,
+                     lookahead: int = 1) -> ConversationResult:
+    """Ask each turn after the model's own earlier answers; `decode(prompt_ids, n)` answers one turn with at
+    most n tokens: max_new_tokens, clipped to the target's context (`answer_budget`; the turn says so)."""
     result = ConversationResult(benchmark, index, mode)
     messages: list[dict] = [{"role": "system", "content": system}] if system else []
     for text in turns:
         messages.append({"role": "user", "content": text})
         ids = target.chat_ids(messages)
-        gen = decode(ids)
+        budget = answer_budget(target, len(ids), max_new_tokens, lookahead)
+        gen = decode(ids, budget)
         answer = target.tokenizer.decode(gen.token_ids, skip_special_tokens=True)
         result.turns.append(TurnResult(len(ids), gen.token_ids, gen.rounds, gen.wall_s, gen.prefill_s,
-                                       gen.finish_reason, answer))
+                                       gen.finish_reason, answer, clipped=budget < max_new_tokens))
         messages.append({"role": "assistant", "content": answer})
     return result
 
@@ -134,11 +151,15 @@ def decode_fn(target, drafter, mode: Mode, settings: DecodeSettings, generator: 
               threshold_on: str = "prefix") -> Decode:
     sp = settings.sampling()
     if drafter is None:
-        return lambda ids: target_generate(target, ids, sp, settings.max_new_tokens, generator=generator,
-                                           core_mode=settings.decode_core)
+        return lambda ids, n: target_generate(target, ids, sp, n, generator=generator, core_mode=settings.decode_core)
     hook = None if mode.threshold is None else threshold_verify_len(mode.threshold, threshold_on)
-    return lambda ids: speculative_generate(target, drafter, ids, sp, settings.max_new_tokens, verify_len=hook,
-                                            generator=generator, gamma=settings.gamma, core_mode=settings.decode_core)
+    return lambda ids, n: speculative_generate(target, drafter, ids, sp, n, verify_len=hook, generator=generator,
+                                               gamma=settings.gamma, core_mode=settings.decode_core)
+
+
+def lookahead_of(drafter, settings: DecodeSettings) -> int:
+    """Positions past the last token a decoding step may write: 1, or a draft block and its bonus token."""
+    return 1 if drafter is None else (settings.gamma or drafter.config.block_size) + 1
 
 
 def evaluate_prompt(target, drafters: dict, benchmark: str, index: int, turns: Sequence[str],
@@ -152,7 +173,8 @@ def evaluate_prompt(target, drafters: dict, benchmark: str, index: int, turns: S
         drafter = None if mode.drafter is None else drafters[mode.drafter]
         decode = decode_fn(target, drafter, mode, settings, generator, threshold_on)
         try:
-            results.append(run_conversation(target, turns, decode, benchmark, index, mode.key, system))
+            results.append(run_conversation(target, turns, decode, benchmark, index, mode.key, system,
+                                            settings.max_new_tokens, lookahead_of(drafter, settings)))
         except ValueError as err:
             error = f"{benchmark}[{index}] {mode.key}: {err}"
             results.append(ConversationResult(benchmark, index, mode.key, error=error))
@@ -230,7 +252,8 @@ def summarize_conversations(convs: Sequence[ConversationResult]) -> dict:
     out = metrics.summarize([r for t in turns for r in t.rounds])
     decode_tokens = sum(max(len(t.tokens) - 1, 0) for t in turns)
     decode_s = sum(t.wall_s - t.prefill_s for t in turns)
-    out.update(prompts=len(ok), errors=len(convs) - len(ok), turns=len(turns), tokens=sum(len(t.tokens) for t in turns),
+    out.update(prompts=len(ok), errors=len(convs) - len(ok), turns=len(turns), clipped_turns=sum(t.clipped for t in turns),
+               tokens=sum(len(t.tokens) for t in turns),
                wall_s=sum(t.wall_s for t in turns), decode_s=decode_s,
                decode_tokens_per_s=decode_tokens / decode_s if decode_s > 0 else None)
     return out
@@ -286,6 +309,9 @@ def aggregate(convs: Sequence[ConversationResult], benchmarks: Sequence[Benchmar
     for c in sorted(convs, key=lambda c: (c.benchmark, c.index, c.mode)):
         by_key.setdefault((c.mode, c.benchmark), []).append(c)
     warnings = [c.error for c in convs if c.error]
+    clipped = sum(t.clipped for c in convs for t in c.turns)
+    if clipped:
+        warnings.append(f"{clipped} answers had max_new_tokens cut to what the target's context left after the prompt")
     domains: dict[str, list[str]] = {}
     for b in benchmarks:
         domains.setdefault(b.domain, []).append(b.name)

@@ -137,11 +137,11 @@ def test_second_turn_is_asked_after_the_targets_own_first_answer(tiny):
     sp = SamplingParams(temperature=1.0)
     gen = torch.Generator().manual_seed(0)
 
-    def decode(ids):
+    def decode(ids, max_new_tokens):
         seen.append(list(ids))
-        return target_generate(tiny, ids, sp, 8, generator=gen)
+        return target_generate(tiny, ids, sp, max_new_tokens, generator=gen)
 
-    conv = ev.run_conversation(tiny, ["what is 2 + 3?", "and 4 + 5?"], decode)
+    conv = ev.run_conversation(tiny, ["what is 2 + 3?", "and 4 + 5?"], decode, max_new_tokens=8)
     first = conv.turns[0].answer
     assert first == tiny.tokenizer.decode(conv.turns[0].tokens, skip_special_tokens=True)
     assert seen[1] == tiny.chat_ids([{"role": "user", "content": "what is 2 + 3?"},
@@ -418,3 +418,22 @@ def test_a_speedup_above_tau_is_reported_as_a_broken_baseline_not_quoted():
     assert broken["speedup"] is None and broken["speedup_above_tau"] == 1.9
     assert fine == {"tau": 1.4, "speedup": 1.3}
     assert len(warnings) == 1 and "broken target-only baseline" in warnings[0] and "'b'" in warnings[0]
+
+
+def test_oversized_prompts_and_answer_budgets_are_clipped_or_skipped_and_counted(tiny):
+    """A prompt near the context end gets max_new_tokens cut to what is left (the turn says so, the results
+    count it); a prompt past the context is skipped as prompt_too_long and counted, never a crash in a forward."""
+    limit, settings = tiny.max_positions, ev.DecodeSettings(greedy=True, max_new_tokens=64)
+    overhead = len(tiny.chat_ids([{"role": "user", "content": "x " * 100}])) - 100  # "x " is one token
+    near_end = "x " * (limit - 30 - overhead)
+    prompt_len = len(tiny.chat_ids([{"role": "user", "content": near_end}]))
+    assert prompt_len + 1 < limit < prompt_len + 64 + 1  # the answer budget must be cut
+    (clipped,) = ev.evaluate_prompt(tiny, {}, "long", 0, [near_end], [ev.Mode()], settings, seed=0)
+    assert clipped.error is None and clipped.turns[0].clipped
+    assert len(clipped.turns[0].tokens) <= limit - prompt_len - 1
+    (skipped,) = ev.evaluate_prompt(tiny, {}, "long", 1, ["x " * 25_000], [ev.Mode()], settings, seed=0)
+    assert "prompt_too_long" in skipped.error
+    summary = ev.summarize_conversations([clipped, skipped])
+    assert (summary["clipped_turns"], summary["errors"], summary["prompts"]) == (1, 1, 1)
+    results = ev.aggregate([clipped, skipped], [ev.Benchmark("long", "chat", "x", [[near_end]])], {})
+    assert any("max_new_tokens cut" in w for w in results["warnings"])

@@ -39,6 +39,9 @@ class Settings(BaseSettings):
     aws_access_key_id: str | None = Field(None, validation_alias="AWS_ACCESS_KEY_ID", description="S3 access key")
     aws_secret_access_key: str | None = Field(None, validation_alias="AWS_SECRET_ACCESS_KEY",
                                               description="S3 secret key")
+    s3_retry_s: float = Field(60.0, ge=0, description=(
+        "how long an unreachable S3 endpoint is retried (exponential backoff, a warning each time) before a "
+        "read or write fails; 0 = fail at once. A job's start-up write check never waits"))
     aws_region: str = Field("us-east-1", validation_alias=AliasChoices("AWS_REGION", "AWS_DEFAULT_REGION"),
                             description="S3 region")
 

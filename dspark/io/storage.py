@@ -16,6 +16,7 @@ import fcntl
 import functools
 import hashlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -26,10 +27,12 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 import pyarrow.fs as pafs
+import tenacity
 from tqdm.auto import tqdm
 
 from dspark.settings import settings
 
+log = logging.getLogger("dspark.io.storage")
 S3_SCHEME = "s3://"
 FILE, NOT_FOUND = pafs.FileType.File, pafs.FileType.NotFound
 AUTH_ERRORS = ("ACCESS_DENIED", "SIGNATURE_DOES_NOT_MATCH", "INVALID_ACCESS_KEY_ID")  # pyarrow's names
@@ -37,6 +40,34 @@ AUTH_ERRORS = ("ACCESS_DENIED", "SIGNATURE_DOES_NOT_MATCH", "INVALID_ACCESS_KEY_
 
 class StorageError(RuntimeError):
     """The storage backend cannot be used (unreachable endpoint, missing bucket, bad credentials)."""
+
+
+class StorageUnavailable(StorageError):
+    """The S3 endpoint did not answer (connection refused, reset or timed out): worth retrying."""
+
+
+TRANSIENT_ERRORS = ("NETWORK_CONNECTION", "SERVICE_UNAVAILABLE", "SLOW_DOWN", "INTERNAL_FAILURE")  # pyarrow's names
+
+
+def retried(fn):
+    """Retry `fn` while the S3 endpoint is unavailable, with exponential backoff (0.5 s doubling to 8 s) for
+    up to DSPARK_S3_RETRY_S seconds, then raise its StorageUnavailable. Safe because every retried call is
+    whole: an S3 put is all-or-nothing (an object appears only when its upload completes), a local write
+    goes through a temp file, and a retry starts the call again from the beginning."""
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        budget = settings().s3_retry_s
+        if budget <= 0:
+            return fn(*args, **kwargs)
+        for attempt in tenacity.Retrying(
+                retry=tenacity.retry_if_exception_type(StorageUnavailable), reraise=True,
+                stop=tenacity.stop_after_delay(budget), wait=tenacity.wait_exponential(multiplier=0.5, max=8),
+                before_sleep=lambda state: log.warning(
+                    "%s; retrying %s for up to %.0f s (DSPARK_S3_RETRY_S)", state.outcome.exception(),
+                    fn.__name__, budget)):
+            with attempt:
+                return fn(*args, **kwargs)
+    return call
 
 
 # ---------------------------------------------------------------------------- URIs
@@ -122,8 +153,8 @@ def aws_error_code(message: str) -> str:
 
 def _storage_error(uri: str, message: str) -> StorageError:
     code = aws_error_code(message)
-    if code == "NETWORK_CONNECTION":
-        return StorageError(f"S3 endpoint {_endpoint()} is unreachable for {uri}; {_endpoint_hint()}")
+    if code in TRANSIENT_ERRORS:
+        return StorageUnavailable(f"S3 endpoint {_endpoint()} is unreachable for {uri} ({code}); {_endpoint_hint()}")
     if code == "NO_SUCH_BUCKET":
         return _no_bucket(uri)
     if code in AUTH_ERRORS and not s3_settings()["key"]:
@@ -153,6 +184,7 @@ def _require_bucket(uri: str) -> None:
 
 
 # ---------------------------------------------------------------------------- bytes / text
+@retried
 def read_bytes(uri: str | os.PathLike) -> bytes:
     uri = str(uri)
     if not is_s3(uri):
@@ -162,6 +194,7 @@ def read_bytes(uri: str | os.PathLike) -> bytes:
         return stream.read()
 
 
+@retried
 def write_bytes(uri: str | os.PathLike, data: bytes) -> None:
     """Write a whole object/file (local writes are atomic: temp file + rename)."""
     uri = str(uri)
@@ -196,6 +229,7 @@ def _atomic_path(path: Path):
 
 
 # ---------------------------------------------------------------------------- listing
+@retried
 def exists(uri: str | os.PathLike) -> bool:
     """True for an existing file/object, or a directory/prefix with something in it."""
     uri = str(uri)
@@ -210,6 +244,7 @@ def exists(uri: str | os.PathLike) -> bool:
     return kind == FILE or not split_s3(uri)[1].strip("/") or bool(_s3_files(uri))
 
 
+@retried
 def _s3_files(uri: str) -> dict[str, pafs.FileInfo]:
     """URI -> FileInfo (size, mtime) of the object at `uri` and of every object below it as a prefix."""
     fs, path = pyarrow_fs(uri)
@@ -235,6 +270,7 @@ def list_files(uri_prefix: str | os.PathLike) -> list[str]:
     return sorted(_s3_files(uri))
 
 
+@retried
 def delete(uri: str | os.PathLike, missing_ok: bool = False) -> None:
     """Delete a file/object, or a whole directory/prefix."""
     uri = str(uri)
@@ -273,6 +309,7 @@ def upload_dir(local_dir: str | os.PathLike, uri: str | os.PathLike) -> list[str
     return written
 
 
+@retried
 def put_file(local_path: str | os.PathLike, uri: str | os.PathLike) -> None:
     """Copy one local file to a path or URI (pyarrow uploads large files in parts)."""
     uri = str(uri)
@@ -287,6 +324,7 @@ def put_file(local_path: str | os.PathLike, uri: str | os.PathLike) -> None:
                         destination_filesystem=fs)
 
 
+@retried
 def get_file(uri: str | os.PathLike, local_path: str | os.PathLike) -> None:
     """Copy one file/object to a local path (atomically: temp file + rename)."""
     uri = str(uri)
@@ -377,7 +415,7 @@ def check_writable(uri: str | os.PathLike) -> None:
             raise StorageError(f"cannot write to {uri} ({err.strerror or err}); choose a writable directory") from None
         return
     try:
-        write_bytes(probe, b"ok")
+        write_bytes.__wrapped__(probe, b"ok")  # not retried: a wrong endpoint fails the job at once
         delete(probe)
     except (StorageError, FileNotFoundError) as err:
         raise StorageError(str(err).replace(probe, uri)) from None

@@ -93,5 +93,45 @@ def test_unreachable_endpoint_is_one_clear_error(monkeypatch):
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s")
     with pytest.raises(storage.StorageError, match=rf"127.0.0.1:{port} is unreachable.*s3://dspark/x.*dspark stack up"):
         storage.check_writable("s3://dspark/x")
-    with pytest.raises(storage.StorageError, match="unreachable"):
+    monkeypatch.setenv("DSPARK_S3_RETRY_S", "0.2")  # retried briefly, then the same clear error
+    with pytest.raises(storage.StorageUnavailable, match="unreachable"):
         storage.read_bytes("s3://dspark/x/y")
+
+
+class FlakyStore:
+    """A pyarrow filesystem stand-in whose first `failures` writes fail as an unreachable S3 endpoint does."""
+
+    def __init__(self, root, failures: int):
+        import pyarrow.fs as pafs
+
+        self.local, self.root, self.failures, self.calls = pafs.LocalFileSystem(), root, failures, 0
+
+    def open_output_stream(self, path):
+        self.calls += 1
+        if self.calls <= self.failures:
+            raise OSError("When uploading: AWS Error NETWORK_CONNECTION during PutObject operation: curlCode: 7")
+        return self.local.open_output_stream(str(self.root / path))
+
+
+def test_store_down_writes_are_retried_until_the_store_returns(tmp_path, monkeypatch, caplog):
+    store = FlakyStore(tmp_path, failures=2)
+    monkeypatch.setattr(storage, "pyarrow_fs", lambda uri: (store, storage.split_s3(str(uri))[1].replace("/", "_")))
+    monkeypatch.setenv("DSPARK_S3_RETRY_S", "30")
+    with caplog.at_level("WARNING", logger="dspark.io.storage"):
+        storage.write_bytes("s3://dspark/rollouts/shard-0.parquet", b"rows")
+    assert store.calls == 3 and (tmp_path / "rollouts_shard-0.parquet").read_bytes() == b"rows"
+    assert sum("retrying write_bytes" in r.message for r in caplog.records) == 2
+
+
+def test_store_down_for_longer_than_the_budget_fails_the_write_cleanly(tmp_path, monkeypatch):
+    store = FlakyStore(tmp_path, failures=10**6)
+    monkeypatch.setattr(storage, "pyarrow_fs", lambda uri: (store, "shard.parquet"))
+    monkeypatch.setenv("DSPARK_S3_RETRY_S", "1")
+    with pytest.raises(storage.StorageUnavailable, match="NETWORK_CONNECTION"):
+        storage.write_bytes("s3://dspark/rollouts/shard.parquet", b"rows")
+    assert store.calls >= 2 and not (tmp_path / "shard.parquet").exists()  # nothing half-written
+    monkeypatch.setenv("DSPARK_S3_RETRY_S", "0")
+    calls = store.calls
+    with pytest.raises(storage.StorageUnavailable):
+        storage.write_bytes("s3://dspark/rollouts/shard.parquet", b"rows")
+    assert store.calls == calls + 1  # 0: no retry

@@ -12,51 +12,20 @@ import time
 import httpx
 import pytest
 
-from tests.unit.serve.test_serve import CHAT, KEY_ENV, _free_port, _serve_config, drafter_dir, tiny  # noqa: F401
+from tests.integration.serve_deployment import HEADERS, replica_pids, serve_tiny
+from tests.unit.serve.test_serve import CHAT, drafter_dir, tiny  # noqa: F401 (fixtures)
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 STREAMS = 8
 STREAM_END_S = 30  # after the kill, every stream has ended within this
 RECOVERY_S = 120  # after the kill, a new request succeeds within this
+APP = "dspark-kill"
 
 
 @pytest.fixture
 def deployment(drafter_dir):
-    import ray
-    from ray import serve
-
-    from dspark.config import RayConfig
-    from dspark.serve.deployment import deployment_for
-    from jobs.serve import wait_ready
-    from pipelines.ray_cluster import init_ray
-
-    os.environ[KEY_ENV] = "test-key"
-    cfg = _serve_config(drafter_dir)
-    cfg.api.max_tokens_limit = 400
-    cfg.deployment.num_cpus = 1
-    port = _free_port()
-    init_ray(RayConfig(num_cpus=2))
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(deployment_for(cfg), name="dspark-kill", route_prefix="/")
-        url = f"http://127.0.0.1:{port}"
-        wait_ready(url, timeout_s=120)
-        yield url, {"authorization": "Bearer test-key"}
-    finally:
-        os.environ.pop(KEY_ENV, None)
-        serve.shutdown()
-        ray.shutdown()
-
-
-def replica_pids() -> list[int]:
-    """Ray titles an actor's worker process `ray::ServeReplica:<app>:<deployment>`."""
-    import psutil
-
-    found = []
-    for proc in psutil.process_iter(["pid", "cmdline"]):
-        if "ServeReplica:dspark-kill" in " ".join(proc.info["cmdline"] or []):
-            found.append(proc.info["pid"])
-    return found
+    with serve_tiny(drafter_dir, APP) as url:
+        yield url, HEADERS
 
 
 def stream(url: str, headers: dict, outcome: dict, first_token: threading.Event) -> None:
@@ -87,7 +56,7 @@ def stream(url: str, headers: dict, outcome: dict, first_token: threading.Event)
 
 def test_replica_kill_ends_every_stream_and_serve_recovers(deployment):
     url, headers = deployment
-    (pid,) = replica_pids()
+    (pid,) = replica_pids(APP)
     outcomes = [{} for _ in range(STREAMS)]
     started = [threading.Event() for _ in range(STREAMS)]
     clients = [threading.Thread(target=stream, args=(url, headers, o, e), daemon=True)
@@ -115,7 +84,7 @@ def test_replica_kill_ends_every_stream_and_serve_recovers(deployment):
             pass
         time.sleep(1)
     assert recovered_at is not None, f"no successful request within {RECOVERY_S} s of the kill"
-    new_pids = replica_pids()
+    new_pids = replica_pids(APP)
     assert new_pids and pid not in new_pids, "Serve replaced the killed replica"
     print(json.dumps({"stream_ends": sorted(o["end"] for o in outcomes),
                       "slowest_stream_end_s": round(max(o["at"] for o in outcomes) - killed_at, 2),

@@ -2,7 +2,8 @@
 on its own differently shaped batch, the features and final states of the whole target, and trains a drafter
 to the same losses; each rank holds about half of the layers; a checkpoint that lacks a tensor is refused
 by name; the planner's per-worker bytes match what a rank holds. An MoE target (fused experts in the model,
-one tensor per expert in the checkpoint) is split by experts, 3 over 2 ranks, with the whole target's features."""
+one tensor per expert in the checkpoint) is split by experts, 3 over 2 ranks, with the whole target's features.
+Across nodes (4 ranks, 2 shards) the mesh is replicate x shard, with the same results."""
 import json
 import os
 import socket
@@ -48,12 +49,12 @@ def train_losses(target, batch, steps=3):
     return [trainer.step(batch, seed=i)["loss"] for i in range(steps)]
 
 
-def rank_main(rank: int, world: int, port: int, target_dir: str, out_dir: str) -> None:
+def rank_main(rank: int, world: int, port: int, target_dir: str, out_dir: str, shards: int | None = None) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        sharded = load_sharded_target(target_dir, shard_mesh(world, "cpu"))
+        sharded = load_sharded_target(target_dir, shard_mesh(shards or world, "cpu"))
         whole = load_target(target_dir)
         b = rank_batch(rank)
         got = sharded.forward(b["input_ids"], attention_mask=b["attention_mask"], layer_ids=LAYERS, logits_at=None)
@@ -74,9 +75,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(target_dir: str, out) -> list[dict]:
-    torch.multiprocessing.spawn(rank_main, args=(2, free_port(), target_dir, str(out)), nprocs=2)
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+def run_ranks(target_dir: str, out, world: int = 2, shards: int | None = None) -> list[dict]:
+    torch.multiprocessing.spawn(rank_main, args=(world, free_port(), target_dir, str(out), shards), nprocs=world)
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
 
 
 @pytest.fixture(scope="module")
@@ -150,3 +151,14 @@ def test_shards_must_divide_the_workers():
         TrainJobConfig.model_validate({"run_name": "r", "data": {"rollouts": "x.parquet"},
                                        "optim": {"micro_batch_size": 1, "global_batch_size": 3},
                                        "scaling": {"num_workers": 3, "target_shards": 2}})
+
+
+def test_sharded_target_across_two_nodes_is_one_copy_per_node(target_dir, tmp_path):
+    """4 ranks, target_shards 2 (two "nodes" of two workers): a 2-D mesh, replicate x shard; every rank gets the
+    whole target's features and losses on its own batch and holds half of the layers, as on one node."""
+    reports = run_ranks(target_dir, tmp_path, world=4, shards=2)
+    for r in reports:
+        assert r["features_diff"] == 0.0 and r["final_diff"] == 0.0
+        assert r["losses_sharded"] == pytest.approx(r["losses_whole"], rel=1e-6, abs=1e-7)
+        assert r["bytes_sharded"] < 0.8 * r["bytes_whole"]
+    assert reports[0]["bytes_sharded"] == reports[2]["bytes_sharded"]  # the same half on both nodes

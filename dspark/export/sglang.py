@@ -112,6 +112,10 @@ def sglang_weights(drafter: Drafter) -> tuple[dict[str, torch.Tensor], int | Non
 
 def sglang_config(drafter: Drafter, draft_vocab_size: int | None) -> dict:
     spec = ALGORITHMS[drafter.algo]
+    if drafter.config.context_window is not None:
+        raise ExportError(f"context_window={drafter.config.context_window}: SGLang's DFlash/DSpark loaders were not "
+                          "checked for a windowed, block-bidirectional drafter (it would silently attend to the whole "
+                          "context); export --format vllm or speculators, which name the window")
     cfg = layer_config(drafter, drafter.algo, drafter.vocab_size)
     ids = draft_token_ids(drafter)
     meta = {"algo": drafter.algo, "target_layer_ids": drafter.layer_ids, "calibration": drafter.calibration,

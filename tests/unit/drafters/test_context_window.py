@@ -93,6 +93,16 @@ def test_the_export_names_the_window(target, tmp_path):
     assert "sliding_window" not in json.loads((tmp_path / "whole" / "config.json").read_text())["transformer_layer_config"]
 
 
+def test_sglang_export_of_a_windowed_drafter_is_refused_by_name(target, tmp_path):
+    from dspark.export import export_drafter
+    from dspark.export.vllm import ExportError
+
+    drafter = build_drafter(DrafterConfig(algo="dspark", rank=8, block_size=4, num_layers=2, context_window=W,
+                                          mask_token_id=1), target)  # a MASK row SGLang can embed
+    with pytest.raises(ExportError, match="context_window=3: SGLang"):
+        export_drafter(drafter, str(tmp_path / "sgl"), "sglang", verifier="org/tiny")
+
+
 def test_eagle3_refuses_a_context_window():
     with pytest.raises(ValueError, match="context_window is a dflash / dspark option"):
         DrafterConfig(algo="eagle3", context_window=64)

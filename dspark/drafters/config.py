@@ -34,10 +34,11 @@ class DrafterConfig(StrictModel):
     intermediate_size: int | None = Field(None, description="MLP width; None -> from the target config")
     rms_norm_eps: float | None = Field(None, description="None -> target's")
     rope_theta: float | None = Field(None, description="None -> target's")
-    mask_token_id: int | Literal["reserved"] | None = Field(
-        None, description="MASK input of the γ-1 slots after the anchor: a (frozen) target vocab row id; 'reserved' -> "
+    mask_token_id: int | Literal["reserved", "auto"] | None = Field(
+        "auto", description="MASK input of the γ-1 slots after the anchor: a (frozen) target vocab row id; 'reserved' -> "
         "the row the target's tokenizer reserves (mask token, first padding row, else an unused special token; "
-        "dspark.drafters.mask_token), which every engine can load; None -> a learned MASK vector (vLLM only)")
+        "dspark.drafters.mask_token), which every engine can load; None -> a learned MASK vector (vLLM only); "
+        "'auto' (default) -> 'reserved' where the target reserves a row, else a learned MASK (with a warning)")
     init_std: float = Field(0.02, description="std of the normal init of new drafter weights")
     position_weight: Literal["paper", "reference", "geometric"] = Field(
         "paper", description="per-position loss weight w_k: 'paper' exp(-(k-1)/γ), 'reference' exp(-(k-1)/4) "
@@ -112,6 +113,18 @@ def _reserved_mask(target) -> int:
     return token
 
 
+def _auto_mask(cfg: DrafterConfig, target) -> int | None:
+    """The reserved row where the target has one (every engine loads the drafter), else a learned MASK."""
+    from dspark.drafters.mask_token import reserved_token_id
+
+    token = reserved_token_id(target) if cfg.algo != "eagle3" else None  # eagle3 has no MASK slots
+    if token is None and cfg.algo != "eagle3" and getattr(target, "tokenizer", None) is not None:
+        warnings.warn(f"target {target.name!r} reserves no token for the MASK: this drafter learns its own MASK "
+                      "vector, which only vLLM's export carries (set mask_token_id to a row id for SGLang)",
+                      stacklevel=3)
+    return token
+
+
 def resolve_config(cfg: DrafterConfig, target) -> DrafterConfig:
     """Fill every `None` architecture field from the target; check the layer ids fit the target."""
     hf = target.model.config
@@ -132,6 +145,8 @@ def resolve_config(cfg: DrafterConfig, target) -> DrafterConfig:
         update["num_layers"] = 1
     if cfg.mask_token_id == "reserved":
         update["mask_token_id"] = _reserved_mask(target)
+    elif cfg.mask_token_id == "auto":
+        update["mask_token_id"] = _auto_mask(cfg, target)
     ids = update["target_layer_ids"]
     if len(ids) != cfg.num_context_layers:  # default_layer_ids dedups on shallow targets
         update["num_context_layers"] = len(ids)

@@ -33,6 +33,7 @@ def tiny():
 def make(target, algo, draft_ids=None, **kw):
     torch.manual_seed(0)
     base = dict(algo=algo, block_size=4, rank=8, ttt_steps=3) if "block_size" not in kw else dict(algo=algo)
+    base["mask_token_id"] = None  # these tests place a learned MASK; the library default (auto) is tested below
     if algo != "eagle3":
         base["num_layers"] = 2
     return build_drafter(DrafterConfig(**{**base, **kw}), target, draft_ids=draft_ids)
@@ -154,6 +155,20 @@ def test_sglang_refuses_what_its_loaders_cannot_express(tmp_path, tiny, micro):
     with pytest.raises(ExportError, match="^head='none': SGLang's Qwen3DSparkModel requires a Markov head"):
         export_drafter(make(tiny, "dspark", head="none", mask_token_id=0), str(tmp_path / "c"), "sglang")
     assert not any((tmp_path / x).exists() for x in "abc")
+
+
+def test_a_drafter_with_the_library_defaults_exports_to_every_engine(tmp_path, tiny, micro):
+    """DrafterConfig's default MASK ('auto') is the row the target reserves, which every engine embeds; a target
+    without a tokenizer (a test model) falls back to a learned MASK."""
+    from dspark.drafters.mask_token import reserved_token_id
+
+    torch.manual_seed(0)
+    drafter = build_drafter(DrafterConfig(algo="dspark", block_size=4, rank=8, num_layers=1), tiny)
+    assert drafter.config.mask_token_id == reserved_token_id(tiny) is not None
+    for fmt in ("vllm", "speculators", "sglang"):
+        export_drafter(drafter, str(tmp_path / fmt), fmt, verifier="org/tiny")
+        assert (tmp_path / fmt / "config.json").exists()
+    assert build_drafter(DrafterConfig(algo="dflash", block_size=4, num_layers=1), micro).config.mask_token_id is None
 
 
 # ---------------------------------------------------------------- shapes a format cannot express

@@ -123,12 +123,13 @@ def test_calibration_job_writes_a_new_registered_version(tiny, tmp_path, monkeyp
     assert {"report.json", "report.md", "drafter", "config.yaml"} <= artifacts
     assert {"reliability/reliability_k1.png", "reliability/reliability_k3.png"} <= {
         a.path for a in client.list_artifacts(run_id, "reliability")}
-    # engine exports ride along: vLLM layout logged and tagged on version 2, the others skipped with the field
-    assert {a.path for a in client.list_artifacts(run_id, "exports")} == {"exports/vllm"}
+    # engine exports ride along, logged and tagged on version 2: the library's default MASK is the row the
+    # target reserves, so every engine's layout is written (a learned MASK would skip speculators and SGLang)
+    assert {a.path for a in client.list_artifacts(run_id, "exports")} == {"exports/vllm", "exports/speculators",
+                                                                           "exports/sglang"}
     tags = client.get_model_version("tiny-d", "2").tags
-    assert tags["dspark.export.vllm"] == f"runs:/{run_id}/exports/vllm"
-    assert "mask_token_id" in tags["dspark.export.speculators.skipped"]
-    assert "mask_token_id" in tags["dspark.export.sglang.skipped"]  # a learned MASK: SGLang embeds a vocab row
+    for fmt in ("vllm", "speculators", "sglang"):
+        assert tags[f"dspark.export.{fmt}"] == f"runs:/{run_id}/exports/{fmt}"
     version = client.get_model_version("tiny-d", "2")  # an MLflow model, tagged
     assert version.source.startswith("models:/m-") and tags["dspark.algo"] == "dspark"
     assert float(tags["dspark.tau"]) >= 1.0 and tags["dspark.calibrated"] == "True"

@@ -90,7 +90,9 @@ def link_run_metrics(run_id: str, model_id: str) -> None:
     Metric = tracking.mlflow_module().entities.Metric
     tracking.flush()
     client = tracking.client()
-    latest = client.get_run(run_id).data._metric_objs  # the latest point of every metric
+    keys = client.get_run(run_id).data.metrics  # key -> the latest value (MLflow's rule: largest step, then time)
+    latest = [max(client.get_metric_history(run_id, key), key=lambda m: (m.step, m.timestamp, m.value))
+              for key in keys]
     points = [Metric(m.key, m.value, m.timestamp, m.step, model_id=model_id, run_id=run_id) for m in latest]
     for batch in tracking.batches(points, 1000):
         client.log_batch(run_id, metrics=batch)

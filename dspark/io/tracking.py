@@ -31,12 +31,14 @@ work is done.
 """
 from __future__ import annotations
 
+import getpass
+import json
 import logging
 import os
 import signal
+import sys
 import threading
 import time
-import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -193,13 +195,14 @@ def attach_run(run_id: str, system_metrics: bool = False, node_id: str | None = 
 
 
 def _default_tags() -> dict[str, str]:
-    """MLflow's usual source/user tags, with our commit as the source version."""
+    """MLflow's documented system tags for who ran what (mlflow.user, mlflow.source.name / .type), with our
+    commit as the source version."""
     try:
-        from mlflow.tracking.context.registry import resolve_tags
-
-        tags = dict(resolve_tags({}))
-    except Exception:  # noqa: BLE001 - context providers are best-effort
-        tags = {}
+        user = getpass.getuser()
+    except (KeyError, OSError):  # no passwd entry (some containers)
+        user = "unknown"
+    tags = {"mlflow.user": user, "mlflow.source.name": os.path.basename(sys.argv[0] or "") or "python",
+            "mlflow.source.type": "LOCAL"}
     commit = git_commit()
     if commit:
         tags[GIT_COMMIT_TAG] = commit
@@ -380,16 +383,13 @@ def log_dataset_input(name: str, source_uri: str, digest: str | None, context: s
 
 
 def _dataset_input(name: str, uri: str, digest: str, context: str):
-    from mlflow.data.dataset_source_registry import resolve_dataset_source
-    from mlflow.data.meta_dataset import MetaDataset
-    from mlflow.entities import DatasetInput, InputTag
-    from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
+    """The public entities MLflow's UI reads: a Dataset whose source is MLflow's artifact source for the URI
+    ("s3" or "local", source JSON {"uri": ...}) and the `mlflow.data.context` input tag."""
+    from mlflow.entities import Dataset, DatasetInput, InputTag
 
-    with warnings.catch_warnings():  # "can be interpreted in multiple ways": local paths match twice
-        warnings.simplefilter("ignore")
-        source = resolve_dataset_source(uri)
-    dataset = MetaDataset(source, name=name, digest=digest)._to_mlflow_entity()
-    return DatasetInput(dataset, tags=[InputTag(MLFLOW_DATASET_CONTEXT, context)])
+    source_type = "s3" if uri.startswith("s3://") else "local"
+    dataset = Dataset(name=name, digest=digest, source_type=source_type, source=json.dumps({"uri": uri}))
+    return DatasetInput(dataset, tags=[InputTag("mlflow.data.context", context)])
 
 
 def last_logged_step(run_id: str, key: str) -> int | None:

@@ -1,0 +1,36 @@
+"""The three Ray names outside its public API that pipelines/ use, each because no public one does the job,
+still exist in the pinned Ray (this test fails loudly on a Ray upgrade that moves one, instead of the code
+silently skipping what it did):
+- ray._private.ray_constants.ENABLE_RAY_CLUSTER: read at import; a driver imported before the loopback env
+  was set would rewrite 127.0.0.1 (pipelines/ray_cluster.init_ray);
+- ray._private.authentication...: Ray caches its auth token per process, with no public reset
+  (pipelines/ray_cluster._refresh_ray_auth);
+- ray._private.state.actors: the actor table without a dashboard (ray.util.state needs one), to name what
+  holds a cluster's CPUs (pipelines/actor_pool.resource_holders).
+MLflow is used through public APIs only (dspark/io)."""
+import importlib
+import re
+
+from tests.paths import REPO
+
+
+def test_the_private_ray_names_pipelines_use_still_exist():
+    import ray._private.ray_constants as ray_constants
+    from ray._private import state
+    from ray._private.authentication.authentication_token_setup import AuthenticationTokenLoader, Config
+
+    assert isinstance(ray_constants.ENABLE_RAY_CLUSTER, bool)
+    assert callable(state.actors)
+    assert callable(Config.initialize) and callable(AuthenticationTokenLoader.instance().reset_cache)
+
+
+def test_no_other_private_ray_or_mlflow_name_is_used():
+    private = re.compile(r"ray\._private[\w.]*|mlflow\.tracking\.context|\._(?:metric_objs|to_mlflow_entity)\b")
+    found = {}
+    for root in ("dspark", "pipelines", "jobs"):
+        for path in (REPO / root).rglob("*.py"):
+            for name in private.findall(path.read_text()):
+                found.setdefault(name, set()).add(path.relative_to(REPO).as_posix())
+    assert set(found) <= {"ray._private.ray_constants", "ray._private.authentication.authentication_token_setup",
+                          "ray._private"}, found
+    importlib.import_module("ray._private.authentication.authentication_token_setup")

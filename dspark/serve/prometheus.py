@@ -1,8 +1,8 @@
 """Prometheus metrics at the HTTP port (GET /metrics), as vLLM serves them: one CollectorRegistry per
 app (so several apps in one process never share or clash), HTTP request counters and latencies by
 route and status (`HttpMetrics` ASGI middleware), and the engine's queue, health and token totals read
-at scrape time (`EngineCollector`). More collectors (e.g. speculative-decoding statistics) register on
-`PrometheusMetrics.registry`. With several Serve replicas, each scrape reaches one replica: scrape
+at scrape time (`EngineCollector`), and speculative-decoding counters under vLLM's names
+(`SpecDecodeMetrics`). More collectors register on `PrometheusMetrics.registry`. With several Serve replicas, each scrape reaches one replica: scrape
 the replicas (or Ray's own metrics export), not the load-balanced URL, for fleet totals."""
 from __future__ import annotations
 
@@ -60,8 +60,60 @@ class PrometheusMetrics:
         if engine is not None:
             self.registry.register(EngineCollector(engine, model_name))
 
+        self.spec_decode = SpecDecodeMetrics(self.registry, model_name)
+
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class SpecDecodeMetrics:
+    """Speculative-decoding counters under the names vLLM serves them, so vLLM's dashboards read this endpoint
+    as is: `vllm:spec_decode_num_drafts` (request-rounds that verified at least one draft),
+    `vllm:spec_decode_num_draft_tokens` (drafts verified), `vllm:spec_decode_num_accepted_tokens` and
+    `vllm:spec_decode_num_accepted_tokens_per_pos{position}`; acceptance rate = accepted / draft tokens, mean
+    acceptance length = 1 + accepted / drafts. Rounds the load-aware scheduler verified no draft in are plain
+    target steps and count in none. By domain (with the flywheel): `dspark_spec_decode_num_*{domain}`."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str):
+        self.model_name = model_name
+        labels = ["model_name"]
+        self.drafts = Counter("vllm:spec_decode_num_drafts", "request-rounds that verified a draft", labels,
+                              registry=registry)
+        self.draft_tokens = Counter("vllm:spec_decode_num_draft_tokens", "draft tokens verified", labels,
+                                    registry=registry)
+        self.accepted = Counter("vllm:spec_decode_num_accepted_tokens", "draft tokens accepted", labels,
+                                registry=registry)
+        self.per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos", "drafts accepted at each position",
+                               labels + ["position"], registry=registry)
+        by_domain = ["model_name", "domain"]
+        self.domain_drafts = Counter(f"{PREFIX}_spec_decode_num_drafts", "request-rounds that verified a draft, "
+                                     "by domain", by_domain, registry=registry)
+        self.domain_draft_tokens = Counter(f"{PREFIX}_spec_decode_num_draft_tokens", "draft tokens verified, by "
+                                           "domain", by_domain, registry=registry)
+        self.domain_accepted = Counter(f"{PREFIX}_spec_decode_num_accepted_tokens", "draft tokens accepted, by "
+                                       "domain", by_domain, registry=registry)
+
+    def record(self, stats) -> None:
+        """One finished request's RequestStats (dspark.decoding.request)."""
+        name = self.model_name
+        for counter, value in ((self.drafts, _drafting_rounds(stats)), (self.draft_tokens, stats.verified),
+                               (self.accepted, stats.accepted)):
+            if value:
+                counter.labels(name).inc(value)
+        for position, value in enumerate(stats.accepted_per_pos):
+            if value:
+                self.per_pos.labels(name, str(position)).inc(value)
+
+    def record_domain(self, domain: str, stats) -> None:
+        """A flywheel listener: the same request's counts under its domain."""
+        for counter, value in ((self.domain_drafts, _drafting_rounds(stats)),
+                               (self.domain_draft_tokens, stats.verified), (self.domain_accepted, stats.accepted)):
+            if value:
+                counter.labels(self.model_name, domain).inc(value)
+
+
+def _drafting_rounds(stats) -> int:
+    return stats.verified_per_pos[0] if stats.verified_per_pos else 0
 
 
 class HttpMetrics:

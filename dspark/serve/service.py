@@ -61,6 +61,8 @@ class OpenAIService:
         self.created = int(time.time())
         self.max_prompt_chars = cfg.api.max_prompt_chars or PROMPT_CHARS_PER_TOKEN * engine.max_model_len
         self.prometheus = PrometheusMetrics(engine, self.model_name)  # GET /metrics; more collectors register here
+        if flywheel is not None:
+            flywheel.listeners.append(self.prometheus.spec_decode.record_domain)
 
     @property
     def api_key(self) -> str | None:
@@ -257,6 +259,8 @@ class OpenAIService:
     def _done(self, req: Request) -> Request:
         if self.metrics:
             self.metrics.request_done(req)
+        if req.finish_reason != "error":
+            self.prometheus.spec_decode.record(req.stats)
         if self.flywheel is not None:
             self.flywheel.finished(req)
         return req

@@ -103,12 +103,17 @@ def test_capture_stores_each_opted_in_request_once_and_never_the_api_key(tiny, t
                 body = {"messages": [{"role": "user", "content": CODE}], "max_tokens": 12, "user": "code"}
                 assert client.post("/v1/chat/completions", json=body, headers=auth).status_code == 200
             stats = client.get("/v1/stats", headers=auth).json()
+            metrics = client.get("/metrics").text
     finally:
         engine.stop()
         flywheel.close()
     by_domain = stats["acceptance_by_domain"]
     assert by_domain["math"]["requests"] == 6 and by_domain["code"]["requests"] == 4
     assert by_domain["math"]["draft_tokens"] > 0 and by_domain["math"]["expected_accept_len"] >= 1.0
+    for domain in ("math", "code"):  # per-domain acceptance on the endpoint's /metrics too
+        line = next(ln for ln in metrics.splitlines() if ln.startswith("dspark_spec_decode_num_draft_tokens_total{")
+                    and f'domain="{domain}"' in ln)
+        assert float(line.rsplit(" ", 1)[1]) == by_domain[domain]["draft_tokens"]
 
     rows = read_captures(str(out)).to_pylist()
     assert len(ids) == 6 and sorted(r["messages"][0]["content"] for r in rows) == [f"{MATH} {i}" for i in range(6)], \

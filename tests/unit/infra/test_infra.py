@@ -465,6 +465,23 @@ def test_rayservice_autoscaling_fits_the_gpu_worker_groups():
         assert auto.get_target_ongoing_requests() < dep["max_ongoing_requests"]
 
 
+def test_podmonitor_scrapes_the_metrics_port_every_serving_ray_container_names():
+    monitor = load_yaml("infra/services/k8s-podmonitor.yaml")
+    assert monitor["kind"] == "PodMonitor" and monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    service = load_yaml("infra/kuberay/rayservice.yaml")
+    assert monitor["metadata"]["namespace"] == service["metadata"]["namespace"]
+    assert monitor["spec"]["namespaceSelector"]["matchNames"] == [service["metadata"]["namespace"]]
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    cluster = service["spec"]["rayClusterConfig"]
+    groups = [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]
+    for group in groups:
+        (container,) = group["template"]["spec"]["containers"]
+        ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+        assert ports.get(endpoint["port"]) == 8080, container["name"]  # Ray's default metrics export port
+    (selector,) = monitor["spec"]["selector"]["matchExpressions"]
+    assert selector["key"] == "ray.io/node-type" and set(selector["values"]) == {"head", "worker"}
+
+
 def test_api_key_comes_from_a_secret_on_the_serving_containers():
     services = {d["metadata"]["name"]: d for d in load_all(SECRETS_EXAMPLE) if d["kind"] == "Secret"}
     doc = load_yaml("infra/kuberay/rayservice.yaml")

@@ -276,6 +276,32 @@ def test_health_and_prometheus_metrics(served):
     assert 'route="other"' in again and "/no/such/path" not in again
 
 
+def test_spec_decode_counters_carry_vllms_names_on_metrics(served):
+    """/metrics counts what the responses' spec_decode objects report, under vLLM's metric names."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def counters() -> dict:
+        text = served.http.get("/metrics").text
+        return {(s.name, s.labels.get("position")): s.value for f in text_string_to_metric_families(text)
+                for s in f.samples if s.name.startswith("vllm:spec_decode") and s.name.endswith("_total")}
+
+    before = counters()
+    accepted = verified = 0
+    for i in range(3):
+        body = served.http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": f"sum {i}"}],
+                                                              "max_tokens": 16, "temperature": 0}).json()
+        accepted += body["spec_decode"]["draft_tokens_accepted"]
+        verified += body["spec_decode"]["draft_tokens_verified"]
+    after = counters()
+    delta = {key: after[key] - before.get(key, 0.0) for key in after}
+    assert verified > 0, "the drafter drafted"
+    assert delta[("vllm:spec_decode_num_draft_tokens_total", None)] == verified
+    assert delta[("vllm:spec_decode_num_accepted_tokens_total", None)] == accepted
+    assert 0 < delta[("vllm:spec_decode_num_drafts_total", None)] <= verified
+    per_pos = sum(v for (name, pos), v in delta.items() if name.endswith("_per_pos_total"))
+    assert per_pos == accepted  # every accepted draft counted at its position
+
+
 def test_health_is_503_when_the_engine_is_unhealthy(tiny):
     s = Served(tiny[0], None, _config(None, mode="off"))
     try:

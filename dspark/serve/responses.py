@@ -13,7 +13,7 @@ from openai.types.chat import ChatCompletionMessage, ChatCompletionTokenLogprob
 from openai.types.chat.chat_completion import Choice as ChatChoice
 from openai.types.chat.chat_completion import ChoiceLogprobs as ChatChoiceLogprobs
 from openai.types.chat.chat_completion_chunk import Choice as ChunkChoice
-from openai.types.chat.chat_completion_chunk import ChoiceDelta
+from openai.types.chat.chat_completion_chunk import ChoiceDelta, ChoiceDeltaToolCall, ChoiceDeltaToolCallFunction
 from openai.types.chat.chat_completion_chunk import ChoiceLogprobs as ChunkChoiceLogprobs
 from openai.types.chat.chat_completion_token_logprob import TopLogprob
 from openai.types.completion_choice import Logprobs as CompletionLogprobs
@@ -87,7 +87,8 @@ class ChatStream:
     """SSE chunks of /v1/chat/completions: per choice a first chunk with the role, content deltas (with
     their tokens' logprobs when asked), a finish chunk."""
 
-    def __init__(self, rid: str, created: int, model: str, include_usage: bool, logprobs: Logprobs):
+    def __init__(self, rid: str, created: int, model: str, include_usage: bool, logprobs: Logprobs,
+                 tool_names: list[str] | None = None):
         self.base = {"id": rid, "created": created, "model": model, "object": "chat.completion.chunk",
                      **({"usage": None} if include_usage else {})}
         self.logprobs = logprobs
@@ -108,6 +109,31 @@ class ChatStream:
         logprobs = self.logprobs.chat(entries, ChunkChoiceLogprobs) if entries else None
         choice = ChunkChoice(index=index, delta=delta, finish_reason=reason, logprobs=logprobs)
         return DSparkChatCompletionChunk(**self.base, choices=[choice], **extra)
+
+
+class ToolCallStream(ChatStream):
+    """A streamed answer when tools are offered: each choice's text is held until it finishes (a call is only
+    known to be one when it is whole), then sent in its finish chunk as `delta.tool_calls` (finish_reason
+    "tool_calls") when it is exactly a call of an offered tool, else as `delta.content`."""
+
+    def __init__(self, rid: str, created: int, model: str, include_usage: bool, logprobs: Logprobs,
+                 tool_names: list[str] | None = None):
+        super().__init__(rid, created, model, include_usage, logprobs)
+        self.names, self.held = tool_names, {}
+
+    def delta(self, index: int, text: str, entries: list[TokenLogprob] | None) -> None:
+        self.held[index] = self.held.get(index, "") + text
+        return None
+
+    def finish(self, index: int, reason: str, spec: SpecDecode, entries: list[TokenLogprob] | None) -> BaseModel:
+        text = self.held.pop(index, "")
+        calls = tool_calls_of(text, self.names) if reason == "stop" else None
+        if calls is None:
+            return self._chunk(index, ChoiceDelta(content=text), reason, spec_decode=spec)
+        deltas = [ChoiceDeltaToolCall(index=i, id=c["id"], type="function",
+                                      function=ChoiceDeltaToolCallFunction(**c["function"]))
+                  for i, c in enumerate(calls)]
+        return self._chunk(index, ChoiceDelta(tool_calls=deltas), "tool_calls", spec_decode=spec)
 
 
 class CompletionStream:
@@ -163,12 +189,12 @@ def spec_decode(reqs: list[Request]) -> SpecDecode:
 
 
 def chat_completion(rid: str, created: int, model: str, outs: list[Outcome], n: int,
-                    logprobs: Logprobs | None, tool_call: bool = False) -> DSparkChatCompletion:
-    """The non-streaming /v1/chat/completions answer (logprobs None: not asked for; tool_call: each answer is
-    a constrained call, returned as `tool_calls` when it is whole)."""
+                    logprobs: Logprobs | None, tool_names: list[str] | None = None) -> DSparkChatCompletion:
+    """The non-streaming /v1/chat/completions answer (logprobs None: not asked for; tool_names: the tools
+    offered: an answer that is exactly a call of one of them is returned as `tool_calls`)."""
     choices = []
     for o in outs:
-        calls = tool_calls_of(o.text) if tool_call and o.finish_reason == "stop" else None
+        calls = tool_calls_of(o.text, tool_names) if tool_names and o.finish_reason == "stop" else None
         message = (ChatCompletionMessage(role="assistant", content=None, tool_calls=calls) if calls else
                    ChatCompletionMessage(role="assistant", content=o.text))
         choices.append(ChatChoice(index=o.index, message=message, finish_reason="tool_calls" if calls else o.finish_reason,

@@ -16,11 +16,11 @@ from dspark.decoding.sampling import derive_seed
 from dspark.serve.config import PROMPT_CHARS_PER_TOKEN, ServeConfig, served_name
 from dspark.serve.protocol import ApiError, ChatBody, CompletionBody, ModelList, RequestBody, ServedModel
 from dspark.serve.prometheus import PrometheusMetrics
-from dspark.serve.responses import (ChatStream, CompletionStream, Logprobs, Outcome, chat_completion, not_generated,
-                                    request_usage, spec_decode, sse, text_completion)
+from dspark.serve.responses import (ChatStream, CompletionStream, Logprobs, Outcome, ToolCallStream, chat_completion,
+                                    not_generated, request_usage, spec_decode, sse, text_completion)
 from dspark.serve.templates import RESERVED_TEMPLATE_VARIABLES, template_variables
 from dspark.serve.text import TextAssembler
-from dspark.serve.tools import active_tools, call_schema, tools_message
+from dspark.serve.tools import active_tools, call_schema, tool_plan, tools_message
 
 
 class MetricsSink(Protocol):
@@ -295,12 +295,12 @@ class OpenAIService:
                     delta, complete = self.advance(choice, final)
                     entries = choice.new_logprobs()
                     if complete:
-                        if delta:
-                            yield sse(fmt.delta(index, delta, None))
+                        if delta and (chunk := fmt.delta(index, delta, None)) is not None:
+                            yield sse(chunk)
                         reason = "stop" if choice.assembler.stopped else choice.req.finish_reason
                         yield sse(fmt.finish(index, reason, spec_decode([choice.req]), entries))
-                    elif delta or entries:
-                        yield sse(fmt.delta(index, delta, entries))
+                    elif (delta or entries) and (chunk := fmt.delta(index, delta, entries)) is not None:
+                        yield sse(chunk)
             if body.include_usage:
                 yield sse(fmt.usage(request_usage([c.req for c in choices],
                                                   sum(c.assembler.n_tokens for c in choices), body.n)))
@@ -324,24 +324,25 @@ class OpenAIService:
         self.check_choices(body, 1)
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         try:
-            tools = active_tools(body.tools_dicts, body.tool_choice)
+            tools, constrained = tool_plan(body.tools_dicts, body.tool_choice)
         except ValueError as err:
             raise ApiError(400, str(err), "tool_choice") from None
-        if tools and (body.stream or (body.response_format or {}).get("type", "text") != "text"):
-            raise ApiError(400, "tool calls are answered with stream=false and no response_format here",
-                           "stream" if body.stream else "response_format")
-        messages = ([tools_message(tools)] if tools else []) + messages
+        if tools and (body.response_format or {}).get("type", "text") != "text":
+            raise ApiError(400, "tools and a response_format cannot be combined here", "response_format")
+        messages = ([tools_message(tools, constrained)] if tools else []) + messages
+        names = [t["function"]["name"] for t in tools] or None  # answers that call one become tool_calls
         kwargs = self.template_kwargs(body)
         (ids,) = await self.tokenize([(messages, kwargs)], "messages")
         jobs = [(ids, self.max_tokens(body, len(ids), "messages"))] * body.n
         rid, created = f"chatcmpl-{request_id or uuid.uuid4().hex}", int(time.time())
         logprobs = Logprobs(self.target.tokenizer)
         if body.stream:
-            return self.stream(jobs, body, ChatStream(rid, created, self.model_name, body.include_usage, logprobs),
-                               request_id)
+            fmt = (ToolCallStream if names else ChatStream)(rid, created, self.model_name, body.include_usage,
+                                                            logprobs, names)
+            return self.stream(jobs, body, fmt, request_id)
         outs = await self.run_to_end(jobs, body, request_id)
         want = body.top_logprobs_count() is not None
-        return chat_completion(rid, created, self.model_name, outs, body.n, logprobs if want else None, bool(tools))
+        return chat_completion(rid, created, self.model_name, outs, body.n, logprobs if want else None, names)
 
     async def completions(self, body: CompletionBody, request_id: str | None = None):
         self.check_request(body, "prompt")

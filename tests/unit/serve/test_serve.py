@@ -519,10 +519,9 @@ def test_openai_client_sync_and_streaming(client):
     with pytest.raises(openai.NotFoundError) as e:
         api.chat.completions.create(model="gpt-4", messages=CHAT["messages"])
     assert e.value.code == "model_not_found" and e.value.param == "model"
-    with pytest.raises(openai.BadRequestError) as e:
-        api.chat.completions.create(model="dspark-tiny", messages=CHAT["messages"], tools=[
-            {"type": "function", "function": {"name": "f"}}])  # tool_choice auto (the default): not served yet
-    assert e.value.param == "tool_choice"
+    auto = api.chat.completions.create(model="dspark-tiny", messages=CHAT["messages"], max_tokens=4, tools=[
+        {"type": "function", "function": {"name": "f"}}])  # tool_choice auto (the default): a free answer
+    assert auto.choices[0].message.tool_calls is None and auto.choices[0].message.content is not None
 
 
 
@@ -565,10 +564,23 @@ def long_client(tiny, drafter_dir):
     engine.stop()
 
 
+def test_tool_choice_auto_returns_a_call_only_when_the_answer_is_exactly_one():
+    from dspark.serve.tools import tool_calls_of, tool_plan
+
+    tools = [{"type": "function", "function": {"name": "w"}}]
+    assert tool_plan(tools, None) == (tools, False) and tool_plan(tools, "auto") == (tools, False)
+    assert tool_plan(tools, "required") == (tools, True) and tool_plan(tools, "none") == ([], False)
+    (call,) = tool_calls_of('{"name": "w", "arguments": {"x": 1}}', ["w"])
+    assert call["function"] == {"name": "w", "arguments": '{"x": 1}'}
+    for text in ("the weather is fine", '{"name": "v", "arguments": {}}', '{"name": "w"}', "[1]",
+                 '{"name": "w", "arguments": 3}'):
+        assert tool_calls_of(text, ["w"]) is None, text
+
+
 def test_tool_calls_required_or_named_are_decoded_under_the_arguments_schema(long_client):
     """tool_choice required / a named function: the answer is one call whose arguments follow that tool's
-    schema, returned as tool_calls with finish_reason tool_calls, drafted and verified as usual; auto (the
-    default), a choice naming no tool and streaming are 400s naming the field."""
+    schema, returned as tool_calls with finish_reason tool_calls, drafted and verified as usual, streamed too (one
+    tool_calls delta in the finish chunk); a choice naming no tool is a 400 naming the field."""
     import openai
 
     pytest.importorskip("llguidance")
@@ -593,11 +605,18 @@ def test_tool_calls_required_or_named_are_decoded_under_the_arguments_schema(lon
                 assert choice == "required" and set(args) == {"n"} and isinstance(args["n"], bool)
             assert call.type == "function" and call.id.startswith("call_")
             assert chat.model_extra["spec_decode"]["rounds"] >= 1
-    for bad in ({"tool_choice": "auto"}, {"tool_choice": {"type": "function", "function": {"name": "nope"}}},
-                {"tool_choice": "required", "stream": True}):
-        with pytest.raises(openai.BadRequestError) as e:
-            api.chat.completions.create(model="dspark-tiny", messages=CHAT["messages"], tools=tools, **bad)
-        assert e.value.param in ("tool_choice", "stream")
+    chunks = list(api.chat.completions.create(model="dspark-tiny", messages=CHAT["messages"], max_tokens=64,
+                                              temperature=1.0, seed=0, tools=tools, tool_choice="required",
+                                              stream=True))
+    (last,) = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert last.choices[0].finish_reason == "tool_calls" and not any(c.choices[0].delta.content for c in chunks)
+    (streamed,) = last.choices[0].delta.tool_calls
+    assert streamed.index == 0 and streamed.id.startswith("call_") and streamed.function.name in ("w", "s")
+    assert set(json.loads(streamed.function.arguments)) in ({"c"}, {"n"})
+    with pytest.raises(openai.BadRequestError) as e:
+        api.chat.completions.create(model="dspark-tiny", messages=CHAT["messages"], tools=tools,
+                                    tool_choice={"type": "function", "function": {"name": "nope"}})
+    assert e.value.param == "tool_choice"
     plain = api.chat.completions.create(model="dspark-tiny", messages=CHAT["messages"], max_tokens=4, tools=tools,
                                         tool_choice="none")
     assert plain.choices[0].message.tool_calls is None

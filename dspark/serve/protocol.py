@@ -15,6 +15,7 @@ Errors have OpenAI's shape {"error": {"message", "type", "param", "code"}} (`Api
 """
 from __future__ import annotations
 
+import json
 import re
 from typing import Annotated, Any, Literal
 
@@ -215,23 +216,43 @@ class TextPart(BaseModel):
     text: str
 
 
+class CalledFunction(BaseModel):
+    name: str = Field(description="the function called")
+    arguments: str = Field(description="its arguments: a JSON object, as a string (OpenAI's shape)")
+
+    @field_validator("arguments")
+    @classmethod
+    def _json_object(cls, value: str) -> str:
+        try:
+            parsed = json.loads(value)
+        except ValueError:
+            parsed = None
+        if not isinstance(parsed, dict):
+            raise ValueError("arguments must be a JSON object written as a string")
+        return value
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    id: str | None = Field(None, description="the call's id (a later `tool` message names it)")
+    type: Literal["function"] = Field("function", description="only function calls")
+    function: CalledFunction
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")  # e.g. `name`: rendered only where the chat template reads it
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[TextPart] | None = Field(None, description="a string or a list of text parts")
-    tool_calls: list | None = Field(None, description="not supported (tool calling)")
-
-    @field_validator("tool_calls")
-    @classmethod
-    def _no_tool_calls(cls, value):
-        if value:
-            raise ValueError("tool calls are not supported by this server")
-        return value
+    tool_calls: list[ToolCall] | None = Field(None, description=(
+        "an assistant's earlier calls: shown to the model as the call JSON it writes ({\"name\", \"arguments\"})"))
+    tool_call_id: str | None = Field(None, description="a `tool` message: the call whose result it holds")
 
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(part.text for part in self.content)
-        return self.content or ""
+        calls = [json.dumps({"name": c.function.name, "arguments": json.loads(c.function.arguments)})
+                 for c in self.tool_calls or []]
+        return "\n".join(([self.content] if self.content else []) + calls)
 
 
 class FunctionSpec(BaseModel):

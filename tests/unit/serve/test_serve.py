@@ -84,7 +84,9 @@ BAD_INPUTS = [  # (route, body, param named in the error)
     ("chat", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "messages.0.content.0.type"),
     ("chat", {"messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}]},
-     "messages.0.tool_calls"),
+     "messages.0.tool_calls.0.function"),
+    ("chat", {"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "[1"}}]}]},
+     "messages.0.tool_calls.0.function.arguments"),
     ("completions", {"prompt": [[1, 2], []]}, "prompt.1"),
 ]
 
@@ -564,6 +566,14 @@ def long_client(tiny, drafter_dir):
     engine.stop()
 
 
+def test_an_earlier_call_is_shown_to_the_model_as_the_call_json_it_writes():
+    from dspark.serve.protocol import ChatMessage
+
+    message = ChatMessage.model_validate({"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "w", "arguments": '{"c": "P"}'}}]})
+    assert json.loads(message.text()) == {"name": "w", "arguments": {"c": "P"}}
+
+
 def test_tool_choice_auto_returns_a_call_only_when_the_answer_is_exactly_one():
     from dspark.serve.tools import tool_calls_of, tool_plan
 
@@ -617,6 +627,11 @@ def test_tool_calls_required_or_named_are_decoded_under_the_arguments_schema(lon
         api.chat.completions.create(model="dspark-tiny", messages=CHAT["messages"], tools=tools,
                                     tool_choice={"type": "function", "function": {"name": "nope"}})
     assert e.value.param == "tool_choice"
+    # the call's result goes back in the conversation (assistant tool_calls, then a `tool` message): answered
+    history = CHAT["messages"] + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                                  {"role": "tool", "tool_call_id": call.id, "content": "P"}]
+    after = api.chat.completions.create(model="dspark-tiny", messages=history, max_tokens=4, tools=tools)
+    assert after.choices[0].finish_reason in ("stop", "length", "tool_calls")
     plain = api.chat.completions.create(model="dspark-tiny", messages=CHAT["messages"], max_tokens=4, tools=tools,
                                         tool_choice="none")
     assert plain.choices[0].message.tool_calls is None

@@ -42,7 +42,7 @@ log = logging.getLogger("dspark.flywheel")
 
 CAPTURE_SOURCE = "capture"
 CAPTURE_SCHEMA = pa.schema(list(schema.ROLLOUT_SCHEMA) + [
-    ("domain_source", pa.string()),        # metadata | user | classifier
+    ("domain_source", pa.string()),        # metadata | user | request | classifier
     ("drafter", pa.string()),              # the served drafter reference, pinned (models:/<name>/<version>)
     ("drafter_version", pa.string()),
     ("rounds", pa.int32()),

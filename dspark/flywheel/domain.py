@@ -2,14 +2,16 @@
 
 Order: the request's `metadata.domain` (OpenAI chat/completions accept a `metadata` map), else its
 `user` field when it names a known domain (`user: "math"` or `user: "team-a:code"`: the part after the
-last ':'), else a keyword classifier over the prompt text (math / code / chat). The classifier is a
-cheap fallback, not a model: a few regexes counted over the last user turn, ties -> "chat".
+last ':'), else what the request asks for: "tools" when it offers tools, "json" with a JSON response_format
+(the traffic where acceptance collapses most), else a keyword classifier over the prompt text (math / code /
+chat). The classifier is a cheap fallback, not a model: a few regexes counted over the last user turn, ties
+-> "chat".
 """
 from __future__ import annotations
 
 import re
 
-DOMAINS = ("math", "code", "chat")
+DOMAINS = ("math", "code", "chat", "tools", "json")
 MAX_DOMAIN_CHARS = 32  # a label, not free text: longer values (and odd characters) fall back to "other"
 _LABEL = re.compile(r"^[a-z0-9][a-z0-9_.-]*$")
 
@@ -36,8 +38,9 @@ def classify(text: str) -> str:
     return best if scores[best] > 0 and scores["math"] != scores["code"] else "chat"
 
 
-def resolve(metadata: dict | None, user: str | None, prompt_text: str) -> tuple[str, str]:
-    """(domain, how it was found: "metadata" | "user" | "classifier")."""
+def resolve(metadata: dict | None, user: str | None, prompt_text: str, shape: str | None = None) -> tuple[str, str]:
+    """(domain, how it was found: "metadata" | "user" | "request" | "classifier"); `shape`: "tools" or "json"
+    when the request offers tools or asks for JSON output."""
     tagged = normalise((metadata or {}).get("domain"))
     if tagged:
         return tagged, "metadata"
@@ -45,4 +48,15 @@ def resolve(metadata: dict | None, user: str | None, prompt_text: str) -> tuple[
         named = normalise(user.rsplit(":", 1)[-1])
         if named in DOMAINS:
             return named, "user"
+    if shape:
+        return shape, "request"
     return classify(prompt_text), "classifier"
+
+
+def request_shape(body) -> str | None:
+    """"tools" for a chat request offering tools (tool_choice not "none"), "json" for a JSON response_format."""
+    if getattr(body, "tools", None) and getattr(body, "tool_choice", None) != "none":
+        return "tools"
+    if (getattr(body, "response_format", None) or {}).get("type") in ("json_object", "json_schema"):
+        return "json"
+    return None

@@ -47,7 +47,7 @@ class Flywheel:
             text = next((m["content"] for m in reversed(messages) if m["role"] == "user"), "")
         else:
             text = " ".join(p for p in body.prompts() if isinstance(p, str))
-        name, source = domains.resolve(body.metadata, body.user, text)
+        name, source = domains.resolve(body.metadata, body.user, text, domains.request_shape(body))
         self._pending[req] = RequestContext(name, source, messages)
 
     def finished(self, req) -> None:

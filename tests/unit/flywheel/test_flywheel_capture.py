@@ -52,6 +52,21 @@ def test_domain_from_metadata_then_user_then_classifier():
     assert domain.resolve({"domain": "x" * 100}, None, "")[0] == "other", "labels stay short (metric cardinality)"
 
 
+def test_tool_and_json_requests_get_their_own_domains():
+    """Agent and JSON traffic (where acceptance collapses most) is measured and captured apart from chat."""
+    from dspark.serve.protocol import ChatBody
+
+    def shape(**extra):
+        return domain.request_shape(ChatBody.model_validate({"messages": [{"role": "user", "content": "x"}], **extra}))
+
+    tools = [{"type": "function", "function": {"name": "w"}}]
+    assert shape(tools=tools) == "tools" and shape(tools=tools, tool_choice="none") is None
+    assert shape(response_format={"type": "json_object"}) == "json" and shape() is None
+    assert domain.resolve(None, None, MATH, "tools") == ("tools", "request")
+    assert domain.resolve({"domain": "math"}, None, MATH, "json") == ("math", "metadata"), "a tag still wins"
+    assert domain.resolve(None, "code", MATH, "json") == ("code", "user")
+
+
 def test_expected_accept_len_is_one_plus_prefix_survival():
     assert expected_accept_len({1: 0.5, 2: 0.25, 3: 0.25}) == pytest.approx(2.0)
     assert expected_accept_len({2: 0.9}) is None and expected_accept_len({}) is None

@@ -545,6 +545,12 @@ def test_structured_output_over_http_with_speculative_decoding(client):
         value = json.loads(chat.choices[0].message.content)
         assert set(value) == {"ok", "unit"} and isinstance(value["ok"], bool) and value["unit"] in ("m", "s")
         assert chat.model_extra["spec_decode"]["rounds"] >= 1
+    streamed = api.chat.completions.create(
+        model="dspark-tiny", messages=CHAT["messages"], max_tokens=40, temperature=1.0, seed=0, stream=True,
+        response_format={"type": "json_schema", "json_schema": {"name": "reply", "schema": schema}})
+    chunks = list(streamed)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert chunks[-1].choices[0].finish_reason == "stop" and set(json.loads(text)) == {"ok", "unit"}  # streamed too
     obj = api.chat.completions.create(model="dspark-tiny", messages=CHAT["messages"], max_tokens=12,
                                       response_format={"type": "json_object"}, temperature=0)
     assert obj.choices[0].message.content.startswith("{")

@@ -40,8 +40,13 @@ def run(cfg: RetrainDataConfig) -> dict:
     original = mix.read_original(cfg.original_rollouts) if cfg.original_rollouts else ROLLOUT_SCHEMA.empty_table()
     table, counts = mix.mix(captured, original, cfg.capture_fraction, cfg.seed)
     heldout = mix.write_heldout_benchmarks(storage.join(cfg.output, "heldout"), captured, cfg.max_heldout_per_domain)
+    unclosed = mix.unclosed_writers(cfg.flywheel_output)  # replicas still serving, or killed with rows queued
+    if unclosed:
+        print(f"capture writers never closed (still serving, or killed): {sum(w['pending'] for w in unclosed.values())} "
+              f"rows were pending at their last window and may be lost: {unclosed}", flush=True)
     info = {"source": "flywheel", "flywheel_output": cfg.flywheel_output, "original_rollouts": cfg.original_rollouts,
-            **counts, "captured_total": captured.num_rows, "heldout": heldout}
+            **counts, "captured_total": captured.num_rows, "heldout": heldout,
+            "capture_pending_unclosed": sum(w["pending"] for w in unclosed.values())}
     mix.write_training_set(cfg.output, table, info)
     with tracked_run(cfg.tracking, cfg, "retrain-data", tags={"dspark.stage": "retrain_data"}) as run_id:
         if run_id:

@@ -3,13 +3,17 @@ into the rollout store format (jobs.train reads it like jobs.generate's output).
 
     <flywheel.output>/capture/<writer>/data/part-<k>.parquet   CAPTURE_SCHEMA (rollout columns + acceptance)
     <flywheel.output>/capture/<writer>/_commits/part-<k>.json  the commit marker (a shard counts only with it)
-    <flywheel.output>/capture/<writer>/manifest.json           rewritten after every commit
+    <flywheel.output>/capture/<writer>/manifest.json           rewritten after every commit and every window
     <flywheel.output>/acceptance/<writer>/<window_end_ms>.json  per-domain acceptance windows (drift job)
 
 <writer> names one replica process (host, pid, random suffix), so replicas never write the same key.
 Exactly once: a row enters the bounded queue once (`offer`, from the event loop, never blocking; a
 full queue drops and counts it), lands in exactly one shard, and the shard counts only after its data
 file is written and its marker names it; a failed write is retried under the same name.
+Nothing lost unseen: the manifest counts the rows queued and not yet committed (`pending`) at every commit
+and window; a writer that was closed says `closed: true`. A replica killed with rows in its queue loses
+those rows only, and its manifest (never closed) still holds how many were pending at its last window
+(`unclosed_writers`: what the retraining job reports).
 
 What is stored: the request's messages (the operator opted the domain in), the target's answer, token
 ids, domain, sampling, served drafter version and acceptance figures. Never headers: the API key and
@@ -94,8 +98,14 @@ class CaptureCounts:
     offered: int = 0      # finished requests seen
     sampled_out: int = 0  # not in the allow-list, not sampled, or over the rate
     dropped: int = 0      # the queue was full
+    queued: int = 0       # rows handed to the writer thread
     written: int = 0      # rows committed
     failed: int = 0       # rows of shards that could not be written after retries
+
+    @property
+    def pending(self) -> int:
+        """Rows queued and not yet committed (or failed): what a killed replica would lose."""
+        return self.queued - self.written - self.failed
 
 
 class FlywheelWriter:
@@ -131,6 +141,7 @@ class FlywheelWriter:
     def offer(self, row: dict) -> bool:
         try:
             self._queue.put_nowait(row)
+            self.counts.queued += 1
             return True
         except queue.Full:
             self.counts.dropped += 1
@@ -158,6 +169,7 @@ class FlywheelWriter:
                 rows = []
             if now - window_at >= self.cfg.summary_every_s or drained:
                 self._write_window()
+                self._write_manifest(closed=drained)
                 window_at = now
             if drained:
                 return
@@ -180,9 +192,12 @@ class FlywheelWriter:
         else:
             self.counts.failed += len(rows)
 
-    def _write_manifest(self) -> None:
+    def _write_manifest(self, closed: bool = False) -> None:
+        if not (self.counts.queued or self._chunk or closed):
+            return  # nothing captured yet: no manifest to keep current
         manifest = {"writer": self.writer, "source": CAPTURE_SOURCE, "shards": self._chunk,
-                    "counts": vars(self.counts), **self.served, "updated_at": time.time()}
+                    "counts": vars(self.counts), "pending": self.counts.pending, "closed": closed,
+                    **self.served, "updated_at": time.time()}
         _retry(lambda: storage.write_text(path_in(self.capture_dir, "manifest.json"), json.dumps(manifest, indent=2)),
                "capture manifest")
 
@@ -243,6 +258,20 @@ def capture_files(output: str) -> list[str]:
         out = storage.join(output, "capture", writer)
         files += [path_in(out, m["files"]["data"]) for _, m in sorted(read_commits(out).items())]
     return files
+
+
+def unclosed_writers(output: str) -> dict[str, dict]:
+    """Writers whose manifest was never closed, {writer: {"pending", "updated_at"}}: replicas still serving, or
+    killed with `pending` rows queued at their last window (those rows are lost; nothing else is)."""
+    found = {}
+    for writer in writer_dirs(output):
+        try:
+            manifest = json.loads(storage.read_text(storage.join(output, "capture", writer, "manifest.json")))
+        except (FileNotFoundError, ValueError):
+            continue
+        if not manifest.get("closed"):
+            found[writer] = {"pending": int(manifest.get("pending", 0)), "updated_at": manifest.get("updated_at")}
+    return found
 
 
 def read_captures(output: str) -> pa.Table:

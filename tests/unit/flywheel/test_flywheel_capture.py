@@ -165,6 +165,26 @@ def test_full_queue_drops_and_counts_without_blocking(tmp_path):
     assert results[:2] == [True, True] and not any(results[2:]) and writer.counts.dropped == 48
 
 
+def test_replica_kill_loses_only_the_pending_rows_and_its_manifest_counts_them(tmp_path):
+    """The manifest is kept current at every window with the rows queued and not yet committed; a writer that
+    is never closed (its replica killed) leaves that count behind, a closed one says so."""
+    from dspark.flywheel.capture import unclosed_writers
+
+    cfg = FlywheelConfig(output=str(tmp_path), summary_every_s=0.2, capture=CaptureConfig(
+        enabled=True, sample_rate=1.0, domains=["m"], shard_rows=100, flush_every_s=3600))
+    killed = FlywheelWriter(cfg, AcceptanceStats(), {}, writer="replica-a").start()
+    for i in range(3):
+        assert killed.offer({"n": i})
+    deadline = time.monotonic() + 10
+    while unclosed_writers(str(tmp_path)).get("replica-a", {}).get("pending") != 3 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert unclosed_writers(str(tmp_path))["replica-a"]["pending"] == 3  # what a kill -9 now would lose
+    closed = FlywheelWriter(cfg, AcceptanceStats(), {}, writer="replica-b").start()
+    closed.close()
+    assert set(unclosed_writers(str(tmp_path))) == {"replica-a"}, "a closed writer is not reported"
+    killed._stop.set()  # let the stand-in replica's thread end (its rows are not real captures)
+
+
 def test_capture_policy_sample_rate_rate_limit_and_allow_list(tmp_path):
     cfg = FlywheelConfig(output=str(tmp_path), capture=CaptureConfig(enabled=True, sample_rate=1.0, max_per_s=3,
                                                                      domains=["math"]))

@@ -70,8 +70,8 @@ def overfit(target, rows: list[dict], steps: int):
     from dspark.training.loss import drafter_loss
 
     torch.manual_seed(0)
-    drafter = build_drafter(DrafterConfig(algo="dspark", block_size=4, num_layers=1, rank=32, anchors_per_seq=32),
-                            target)
+    drafter = build_drafter(DrafterConfig(algo="dspark", block_size=4, num_layers=1, rank=32, anchors_per_seq=32,
+                                          mask_token_id=None), target)  # a learned MASK: this scenario's drafter
     batch = collate({k: [r[k] for r in rows] for k in ("input_ids", "loss_mask")}, 128, target.pad_token_id)
     opt = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=1e-2)
     gen = torch.Generator().manual_seed(0)

@@ -27,7 +27,6 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 import pyarrow.fs as pafs
-import tenacity
 from tqdm.auto import tqdm
 
 from dspark.settings import settings
@@ -56,9 +55,13 @@ def retried(fn):
     goes through a temp file, and a retry starts the call again from the beginning."""
     @functools.wraps(fn)
     def call(*args, **kwargs):
+        if not any(is_s3(a) for a in args[:2] if isinstance(a, str)):
+            return fn(*args, **kwargs)  # local paths: nothing to wait for
         budget = settings().s3_retry_s
         if budget <= 0:
             return fn(*args, **kwargs)
+        import tenacity  # here, not at import: the GPU recipe's image has no tenacity and reads local paths
+
         for attempt in tenacity.Retrying(
                 retry=tenacity.retry_if_exception_type(StorageUnavailable), reraise=True,
                 stop=tenacity.stop_after_delay(budget), wait=tenacity.wait_exponential(multiplier=0.5, max=8),

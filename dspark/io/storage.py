@@ -50,8 +50,8 @@ TRANSIENT_ERRORS = ("NETWORK_CONNECTION", "SERVICE_UNAVAILABLE", "SLOW_DOWN", "I
 
 def retried(fn):
     """Retry `fn` while the S3 endpoint is unavailable, with exponential backoff (0.5 s doubling to 8 s) for
-    up to DSPARK_S3_RETRY_S seconds, then raise its StorageUnavailable. Safe because every retried call is
-    whole: an S3 put is all-or-nothing (an object appears only when its upload completes), a local write
+    up to DSPARK_S3_RETRY_S seconds, then raise its StorageUnavailable. Only the public calls are wrapped, and
+    none calls another wrapped one (budgets never stack). Safe because every retried call is whole: an S3 put is all-or-nothing (an object appears only when its upload completes), a local write
     goes through a temp file, and a retry starts the call again from the beginning."""
     @functools.wraps(fn)
     def call(*args, **kwargs):
@@ -247,7 +247,6 @@ def exists(uri: str | os.PathLike) -> bool:
     return kind == FILE or not split_s3(uri)[1].strip("/") or bool(_s3_files(uri))
 
 
-@retried
 def _s3_files(uri: str) -> dict[str, pafs.FileInfo]:
     """URI -> FileInfo (size, mtime) of the object at `uri` and of every object below it as a prefix."""
     fs, path = pyarrow_fs(uri)
@@ -261,6 +260,7 @@ def _s3_files(uri: str) -> dict[str, pafs.FileInfo]:
     return files
 
 
+@retried
 def list_files(uri_prefix: str | os.PathLike) -> list[str]:
     """Every file under a directory/prefix, recursively, as full URIs (sorted). A file URI lists
     itself; a missing one gives []."""
@@ -286,7 +286,7 @@ def delete(uri: str | os.PathLike, missing_ok: bool = False) -> None:
         elif not missing_ok:
             raise FileNotFoundError(f"no such file or directory: {uri}")
         return
-    targets = list_files(uri)
+    targets = sorted(_s3_files(uri))  # (delete is retried as a whole: not list_files, which retries too)
     if not targets and not missing_ok:
         raise FileNotFoundError(f"no such object or prefix: {uri}")
     fs, path = pyarrow_fs(uri)

@@ -42,6 +42,11 @@ class RequestStats:
             for k in range(n):
                 counts[k] += 1
 
+    @property
+    def drafting_rounds(self) -> int:
+        """Rounds that verified at least one draft (vLLM's num_drafts): position 0 was verified in them."""
+        return self.verified_per_pos[0] if self.verified_per_pos else 0
+
     def spec_decode(self) -> dict:
         """OpenAI-response `spec_decode` object; mean_accepted_length = τ = (accepted + rounds) / rounds."""
         tau = (self.accepted + self.rounds) / self.rounds if self.rounds else None

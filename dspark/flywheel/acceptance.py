@@ -42,7 +42,7 @@ class DomainAcceptance:
         """One finished request's engine RequestStats."""
         self.requests += 1
         self.rounds += stats.rounds
-        self.drafts += stats.verified_per_pos[0] if stats.verified_per_pos else 0
+        self.drafts += stats.drafting_rounds
         self.proposed += stats.proposed
         self.draft_tokens += stats.verified
         self.accepted += stats.accepted

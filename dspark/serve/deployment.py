@@ -97,7 +97,7 @@ class ServeMetrics:
     def on_request(self, domain: str, stats) -> None:
         tags = {"domain": domain}
         self.sd_requests.inc(tags=tags)
-        for counter, value in ((self.sd_drafts, stats.verified_per_pos[0] if stats.verified_per_pos else 0),
+        for counter, value in ((self.sd_drafts, stats.drafting_rounds),
                                (self.sd_draft_tokens, stats.verified), (self.sd_proposed, stats.proposed),
                                (self.sd_accepted, stats.accepted), (self.sd_rounds, stats.rounds)):
             if value:

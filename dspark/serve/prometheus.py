@@ -96,7 +96,7 @@ class SpecDecodeMetrics:
     def record(self, stats) -> None:
         """One finished request's RequestStats (dspark.decoding.request)."""
         name = self.model_name
-        for counter, value in ((self.drafts, _drafting_rounds(stats)), (self.draft_tokens, stats.verified),
+        for counter, value in ((self.drafts, stats.drafting_rounds), (self.draft_tokens, stats.verified),
                                (self.accepted, stats.accepted)):
             if value:
                 counter.labels(name).inc(value)
@@ -106,14 +106,10 @@ class SpecDecodeMetrics:
 
     def record_domain(self, domain: str, stats) -> None:
         """A flywheel listener: the same request's counts under its domain."""
-        for counter, value in ((self.domain_drafts, _drafting_rounds(stats)),
+        for counter, value in ((self.domain_drafts, stats.drafting_rounds),
                                (self.domain_draft_tokens, stats.verified), (self.domain_accepted, stats.accepted)):
             if value:
                 counter.labels(self.model_name, domain).inc(value)
-
-
-def _drafting_rounds(stats) -> int:
-    return stats.verified_per_pos[0] if stats.verified_per_pos else 0
 
 
 class HttpMetrics:

@@ -29,6 +29,7 @@ class RetrainDataConfig(StrictModel):
 
 def run(cfg: RetrainDataConfig) -> dict:
     from dspark.flywheel import mix
+    from dspark.flywheel.capture import unclosed_writers
     from dspark.data.schema import ROLLOUT_SCHEMA
     from dspark.io import storage
 
@@ -40,7 +41,7 @@ def run(cfg: RetrainDataConfig) -> dict:
     original = mix.read_original(cfg.original_rollouts) if cfg.original_rollouts else ROLLOUT_SCHEMA.empty_table()
     table, counts = mix.mix(captured, original, cfg.capture_fraction, cfg.seed)
     heldout = mix.write_heldout_benchmarks(storage.join(cfg.output, "heldout"), captured, cfg.max_heldout_per_domain)
-    unclosed = mix.unclosed_writers(cfg.flywheel_output)  # replicas still serving, or killed with rows queued
+    unclosed = unclosed_writers(cfg.flywheel_output)  # replicas still serving, or killed with rows queued
     if unclosed:
         print(f"capture writers never closed (still serving, or killed): {sum(w['pending'] for w in unclosed.values())} "
               f"rows were pending at their last window and may be lost: {unclosed}", flush=True)

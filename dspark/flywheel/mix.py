@@ -15,7 +15,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from dspark.flywheel.capture import read_captures, unclosed_writers  # noqa: F401 (unclosed_writers: the job's)
+from dspark.flywheel.capture import read_captures
 from dspark.io import storage
 from dspark.data import schema
 from dspark.io.rollout_store import path_in, rollout_files, write_parquet

@@ -87,8 +87,7 @@ class ChatStream:
     """SSE chunks of /v1/chat/completions: per choice a first chunk with the role, content deltas (with
     their tokens' logprobs when asked), a finish chunk."""
 
-    def __init__(self, rid: str, created: int, model: str, include_usage: bool, logprobs: Logprobs,
-                 tool_names: list[str] | None = None):
+    def __init__(self, rid: str, created: int, model: str, include_usage: bool, logprobs: Logprobs):
         self.base = {"id": rid, "created": created, "model": model, "object": "chat.completion.chunk",
                      **({"usage": None} if include_usage else {})}
         self.logprobs = logprobs
@@ -117,7 +116,7 @@ class ToolCallStream(ChatStream):
     "tool_calls") when it is exactly a call of an offered tool, else as `delta.content`."""
 
     def __init__(self, rid: str, created: int, model: str, include_usage: bool, logprobs: Logprobs,
-                 tool_names: list[str] | None = None):
+                 tool_names: list[str]):
         super().__init__(rid, created, model, include_usage, logprobs)
         self.names, self.held = tool_names, {}
 

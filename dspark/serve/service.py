@@ -337,8 +337,8 @@ class OpenAIService:
         rid, created = f"chatcmpl-{request_id or uuid.uuid4().hex}", int(time.time())
         logprobs = Logprobs(self.target.tokenizer)
         if body.stream:
-            fmt = (ToolCallStream if names else ChatStream)(rid, created, self.model_name, body.include_usage,
-                                                            logprobs, names)
+            args = (rid, created, self.model_name, body.include_usage, logprobs)
+            fmt = ToolCallStream(*args, names) if names else ChatStream(*args)  # tools: answers held until whole
             return self.stream(jobs, body, fmt, request_id)
         outs = await self.run_to_end(jobs, body, request_id)
         want = body.top_logprobs_count() is not None

@@ -4,15 +4,11 @@ in the MLflow run's params, tags or metrics names, or in any text artifact the r
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from dspark.config import dump_config
-from tests.integration.test_train import stack_job, tiny_rollouts  # noqa: F401 (fixture)
-from tests.paths import REPO
+from tests.integration.test_train import finish_train_job, stack_job, start_train_job, tiny_rollouts  # noqa: F401
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 API_KEY = "sk-dspark-test-5e7c1d0b9a"
@@ -24,14 +20,7 @@ def test_secret_credentials_never_reach_logs_params_tags_or_artifacts(local_stac
 
     cfg = stack_job(tiny_rollouts, tmp_path, **{"run_name": "test-secrets", "fault": None, "optim.max_steps": 4,
                                                 "tracking.registered_model": "test-secrets"})
-    path = tmp_path / "train.yaml"
-    path.write_text(dump_config(cfg))
-    env = {**os.environ, "RAY_AUTH_MODE": "token", "DS_ACCELERATOR": "cpu", "TOKENIZERS_PARALLELISM": "false",
-           "DSPARK_API_KEY": API_KEY}
-    proc = subprocess.run([sys.executable, "-m", "jobs.train", "--config", str(path),
-                           "--set", f"ray.address={local_stack.ray_gcs_address}"],
-                          env=env, cwd=str(REPO), capture_output=True, text=True, timeout=540)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    _, out, err = finish_train_job(start_train_job(cfg, local_stack, tmp_path, DSPARK_API_KEY=API_KEY), 540)
     secrets = {name: os.environ[name] for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}
     secrets["DSPARK_API_KEY"] = API_KEY
     assert all(len(value) >= 8 for value in secrets.values()), "the stack's credentials are real strings"
@@ -39,7 +28,7 @@ def test_secret_credentials_never_reach_logs_params_tags_or_artifacts(local_stac
     def leaks(text: str) -> list[str]:
         return [name for name, value in secrets.items() if value in text]
 
-    assert not leaks(proc.stdout + proc.stderr), "a credential is in the job's log"
+    assert not leaks(out + err), "a credential is in the job's log"
     client = MlflowClient(tracking_uri=os.environ["MLFLOW_TRACKING_URI"])
     exp = client.get_experiment_by_name("test-train")
     (run,) = client.search_runs([exp.experiment_id], "tags.mlflow.runName = 'test-secrets'")

@@ -7,16 +7,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import time
 
 import pytest
 
-from dspark.config import dump_config
 from tests.integration.test_tracking_down import wait_for_loss_step
-from tests.integration.test_train import stack_job, tiny_rollouts  # noqa: F401 (fixture)
-from tests.paths import REPO
+from tests.integration.test_train import finish_train_job, stack_job, start_train_job, tiny_rollouts  # noqa: F401
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 STEPS = 400
@@ -34,12 +30,7 @@ def test_store_down_under_training_checkpoints_stay_whole_and_the_run_finishes(l
     cfg = stack_job(tiny_rollouts, tmp_path, **{"run_name": "test-store-down", "fault": None,
                                                 "optim.max_steps": STEPS, "checkpoint.every_steps": 50,
                                                 "tracking.registered_model": "test-store-down"})
-    path = tmp_path / "train.yaml"
-    path.write_text(dump_config(cfg))
-    env = {**os.environ, "RAY_AUTH_MODE": "token", "DS_ACCELERATOR": "cpu", "TOKENIZERS_PARALLELISM": "false"}
-    job = subprocess.Popen([sys.executable, "-m", "jobs.train", "--config", str(path),
-                            "--set", f"ray.address={local_stack.ray_gcs_address}"],
-                           env=env, cwd=str(REPO), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    job = start_train_job(cfg, local_stack, tmp_path)
     try:
         client = MlflowClient(tracking_uri=os.environ["MLFLOW_TRACKING_URI"])
         run_id = wait_for_loss_step(client, "test-train", "test-store-down", at_least=3)
@@ -49,13 +40,10 @@ def test_store_down_under_training_checkpoints_stay_whole_and_the_run_finishes(l
         time.sleep(20)
         up_wall = time.time()
         stack.up(stack_cfg, say=lambda msg: None, services=("s3", "mlflow"))
-        out, err = job.communicate(timeout=800)
-    finally:
-        if job.poll() is None:
-            job.kill()
-    lines = [line for line in out.splitlines() if line.startswith("{")]
-    assert job.returncode == 0 and lines, f"jobs.train failed ({job.returncode}):\n{err[-5000:]}"
-    summary = json.loads(lines[-1])
+    except BaseException:
+        job.kill()
+        raise
+    summary = finish_train_job(job, 800)[0]
     state = json.loads(storage.read_text(storage.join(summary["checkpoint"], "train_state.json")))
     steps = {m.step: m.timestamp for m in client.get_metric_history(run_id, "loss")}
     last_before = max((s for s, t in steps.items() if t < down_wall * 1000), default=0)

@@ -4,15 +4,11 @@ metrics, and the drafter registered after the outage loads."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import time
 
 import pytest
 
-from dspark.config import dump_config
-from tests.integration.test_train import stack_job, tiny_rollouts  # noqa: F401 (fixture)
-from tests.paths import REPO
+from tests.integration.test_train import finish_train_job, stack_job, start_train_job, tiny_rollouts  # noqa: F401
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 STEPS = 400  # ~9 steps/s here: training outlasts the ~25 s outage
@@ -41,12 +37,7 @@ def test_tracking_down_training_keeps_stepping_and_the_run_finishes(local_stack,
     cfg = stack_job(tiny_rollouts, tmp_path, **{"run_name": "test-tracking-down", "fault": None,
                                                 "optim.max_steps": STEPS, "checkpoint.every_steps": STEPS,
                                                 "tracking.registered_model": "test-tracking-down"})
-    path = tmp_path / "train.yaml"
-    path.write_text(dump_config(cfg))
-    env = {**os.environ, "RAY_AUTH_MODE": "token", "DS_ACCELERATOR": "cpu", "TOKENIZERS_PARALLELISM": "false"}
-    job = subprocess.Popen([sys.executable, "-m", "jobs.train", "--config", str(path),
-                            "--set", f"ray.address={local_stack.ray_gcs_address}"],
-                           env=env, cwd=str(REPO), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    job = start_train_job(cfg, local_stack, tmp_path)
     try:
         client = MlflowClient(tracking_uri=os.environ["MLFLOW_TRACKING_URI"])
         run_id = wait_for_loss_step(client, "test-train", "test-tracking-down", at_least=3)
@@ -58,11 +49,10 @@ def test_tracking_down_training_keeps_stepping_and_the_run_finishes(local_stack,
         up_wall = time.time()
         stack.up(stack_cfg, say=lambda msg: None, services=("s3", "mlflow"))
         outage_s = time.monotonic() - down_at
-        out, err = job.communicate(timeout=600)
-    finally:
-        if job.poll() is None:
-            job.kill()
-    assert job.returncode == 0, f"jobs.train failed:\n{err[-4000:]}"
+    except BaseException:
+        job.kill()
+        raise
+    finish_train_job(job, 600)  # asserts it succeeded (killed if it hangs)
     assert outage_s >= 20
     run = client.get_run(run_id)
     assert run.info.status == "FINISHED"

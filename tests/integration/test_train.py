@@ -87,9 +87,9 @@ def stack_job(rollouts: str, tmp_path, **over) -> TrainJobConfig:
 
 
 
-def run_train_job(cfg: TrainJobConfig, local_stack, tmp_path) -> dict:
-    """`python -m jobs.train --config ...` against the stack's Ray (a fresh driver process, as a user
-    runs it); returns the summary JSON of its last stdout line."""
+def start_train_job(cfg: TrainJobConfig, local_stack, tmp_path, **env_vars: str):
+    """`python -m jobs.train --config ...` against the stack's Ray, started (a fresh driver process, as a user
+    runs it): the Popen, its stdout and stderr piped as text. `env_vars` go into its environment."""
     import subprocess
     import sys
 
@@ -98,14 +98,32 @@ def run_train_job(cfg: TrainJobConfig, local_stack, tmp_path) -> dict:
     path = tmp_path / "train.yaml"
     path.write_text(dump_config(cfg))
     env = {**os.environ, "RAY_AUTH_MODE": "token", "DS_ACCELERATOR": "cpu", "TOKENIZERS_PARALLELISM": "false",
-           "MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL": "1"}  # (default 10 s) a sample within this short run
-    cmd = [sys.executable, "-m", "jobs.train", "--config", str(path),
-           "--set", f"ray.address={local_stack.ray_gcs_address}"]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=540,
-                          cwd=str(REPO))
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert proc.returncode == 0 and lines, f"jobs.train failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
-    return json.loads(lines[-1])
+           **env_vars}
+    return subprocess.Popen([sys.executable, "-m", "jobs.train", "--config", str(path),
+                             "--set", f"ray.address={local_stack.ray_gcs_address}"],
+                            env=env, cwd=str(REPO), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finish_train_job(job, timeout_s: float) -> tuple[dict, str, str]:
+    """Wait for a started job (killed past `timeout_s`); (the summary JSON of its last stdout line, stdout,
+    stderr), asserting it succeeded."""
+    import subprocess
+
+    try:
+        out, err = job.communicate(timeout=timeout_s)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    lines = [line for line in out.splitlines() if line.startswith("{")]
+    assert job.returncode == 0 and lines, f"jobs.train failed ({job.returncode}):\n{err[-5000:]}"
+    return json.loads(lines[-1]), out, err
+
+
+def run_train_job(cfg: TrainJobConfig, local_stack, tmp_path) -> dict:
+    """`python -m jobs.train --config ...` against the stack's Ray, to its end; its summary JSON."""
+    job = start_train_job(cfg, local_stack, tmp_path,  # (default 10 s) a system-metrics sample within this short run
+                          MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL="1")
+    return finish_train_job(job, 540)[0]
 
 
 

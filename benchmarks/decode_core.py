@@ -137,7 +137,7 @@ def measure_steps(target, rows: int, context: int, repeats: int, compile_s: dict
 
 
 # ---- whole decodes -----------------------------------------------------------------------------
-def decode_interleaved(prompts, modes: dict, max_new_tokens: int) -> dict:
+def tok_per_s_interleaved(prompts, modes: dict, max_new_tokens: int) -> dict:
     """tok/s per mode; modes take turns per prompt, in an order that rotates."""
     from tqdm.auto import tqdm
 
@@ -172,16 +172,16 @@ def decode_rows(target, drafter, prompts, sp, max_new_tokens: int, compile_s: di
     target_modes = {m: (lambda mm: lambda ids, g: target_generate(target, ids, sp, max_new_tokens, generator=g,
                                                                  core_mode=mm))(m) for m in ("dynamic", *CORE_MODES)}
     compile_s["target_batch1_warmup"] = warm_up(prompts, target_modes)
-    rows["target_batch1"] = decode_interleaved(prompts, target_modes, max_new_tokens)
+    rows["target_batch1"] = tok_per_s_interleaved(prompts, target_modes, max_new_tokens)
     if drafter is not None:
         spec_modes = {m: (lambda mm: lambda ids, g: speculative_generate(
             target, drafter, ids, sp, max_new_tokens, generator=g, core_mode=mm))(m) for m in ("dynamic", *CORE_MODES)}
         compile_s["speculative_batch1_warmup"] = warm_up(prompts, spec_modes)
-        rows["speculative_batch1"] = decode_interleaved(prompts, spec_modes, max_new_tokens)
+        rows["speculative_batch1"] = tok_per_s_interleaved(prompts, spec_modes, max_new_tokens)
     return rows
 
 
-def load_drafter(ref: str, target):
+def drafter_or_untrained(ref: str, target):
     """The drafter reference, or with "untrained" a fresh DSpark drafter (a speed smoke run, τ ≈ 1)."""
     from dspark.drafters import DrafterConfig, build_drafter
     from dspark.io.drafter_source import load_drafter_ref
@@ -222,7 +222,7 @@ def main(argv=None) -> dict:
 
     dtype = torch_dtype(args.dtype, args.device)
     target = load_target(args.target, device=args.device, dtype=dtype, local_copy=storage.local_copy)
-    drafter = None if args.quick else load_drafter(args.drafter, target).to(dtype)
+    drafter = None if args.quick else drafter_or_untrained(args.drafter, target).to(dtype)
     prompts = eval_prompt_ids(target, args.data_dir, args.datasets, args.prompts)
     context = max(len(ids) for _, ids in prompts)
     print(f"target {target.name} {dtype} on {args.device}; {len(prompts)} prompts x {args.max_new_tokens} tokens; "

@@ -40,7 +40,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def build(args):
+def build_llama(args):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -66,7 +66,7 @@ def measure(args, length: int) -> dict:
     from dspark.training.loop import LocalTrainer
     from dspark.training.step import resolve_precision
 
-    target, drafter = build(args)
+    target, drafter = build_llama(args)
     trainer = LocalTrainer("dspark", target, drafter, OptimSection(lr=1e-4), resolve_precision("cpu"))
     g = torch.Generator().manual_seed(length)
     ids = torch.randint(0, 2048, (2, length), generator=g)

@@ -79,7 +79,7 @@ def _dtype(args) -> str:
     return resolve_dtype(args.dtype, args.device)
 
 
-def _load(args):
+def _load_measured_target(args):
     import torch
 
     from dspark.models.target import load_target
@@ -92,7 +92,7 @@ def _load(args):
 
 
 def run_sequential(args, prompts) -> dict:
-    target, load_s, _ = _load(args)
+    target, load_s, _ = _load_measured_target(args)
     prompts = prompts[: args.sequential_prompts] if args.sequential_prompts else prompts
     tokens, start = 0, time.perf_counter()
     for i, p in enumerate(prompts):
@@ -107,7 +107,7 @@ def run_rollout_engine(args, prompts, backend: str) -> dict:
     from dspark.decoding.generator import GeneratorConfig
     from dspark.data.rollout_engine import RolloutEngine, SamplingConfig
 
-    target, load_s, _ = _load(args)
+    target, load_s, _ = _load_measured_target(args)
     sampling = SamplingConfig(temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
                               seed=args.seed)
     engine = RolloutEngine(target, sampling, backend=backend, engine=GeneratorConfig(max_batch=args.max_batch))

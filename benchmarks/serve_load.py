@@ -278,7 +278,7 @@ def summarize(records: list[dict], errors: list[str], wall: float, before: dict,
 
 
 # ---- plot ------------------------------------------------------------------------------------------------------
-def plot(results: list[dict], path: Path, title: str) -> str:
+def plot_load(results: list[dict], path: Path, title: str) -> str:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -377,7 +377,7 @@ def main(argv=None) -> int:
 
         ray.shutdown()
     out = Path(args.out)
-    png = plot(results, out / "serve_load.png",
+    png = plot_load(results, out / "serve_load.png",
                f"{args.target} + {drafter_label}: closed-loop load, {args.max_tokens} tokens/request")
     best_other, vs_off, vs_fastest_off = {}, {}, {}
     for users in levels:

@@ -196,11 +196,11 @@ def publish_drafter(drafter, new_uri: str, tmp: str, run_id: str | None, model_n
     tracking.log_artifact(saved, DRAFTER_NAME)
     version = None
     if model_name:
-        from dspark.io.drafter_model import version_tags
+        from dspark.io.drafter_model import drafter_version_tags
 
         version = registry.publish_drafter(run_id, model_name, saved, aliases,
                                            description=f"STS-calibrated from {source}",
-                                           tags=version_tags(saved, tau, "calibration decode (mean accepted + 1)"))
+                                           tags=drafter_version_tags(saved, tau, "calibration decode (mean accepted + 1)"))
     export.attach_exports(drafter, run_id, model_name, version)  # engine layouts, tagged on the version
     return {"name": model_name, "aliases": aliases, "version": version} if model_name else None
 

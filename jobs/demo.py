@@ -34,7 +34,7 @@ from dspark.io.lineage import write_runtime_env
 from dspark.settings import settings
 from jobs.demo_runner import (JOB_PREFIX, PROFILES, REPO, RUNTIME_ENV, SERVE_PORT, Demo, DemoError, banner,
                               endpoint_url, fmt_s)
-from jobs.demo_stages import calibrate, evaluate, generate, serve, train
+from jobs.demo_stages import calibrate_stage, evaluate_stage, generate_stage, serve_stage, train_stage
 
 CHAT_PROMPTS = [
     "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
@@ -245,18 +245,18 @@ def run(profile, until: str = "chat") -> dict:
         stack_up(demo, cfg, was_healthy=all(info["healthy"] for info in report.values()))
         stop_leftover_jobs(demo)
         prepare_target(demo)
-        gen = generate(demo)
+        gen = generate_stage(demo)
         done("generate")
-        trained = {algo: train(demo, algo, gen["key"], gen["outputs"]["rollouts"]) for algo in profile.algos}
+        trained = {algo: train_stage(demo, algo, gen["key"], gen["outputs"]["rollouts"]) for algo in profile.algos}
         done("train")
         served = profile.algos[0]
-        cal = calibrate(demo, trained[served]["outputs"]["drafter"], trained[served]["key"], gen["outputs"]["rollouts"])
+        cal = calibrate_stage(demo, trained[served]["outputs"]["drafter"], trained[served]["key"], gen["outputs"]["rollouts"])
         done("calibrate")
         drafters = {served: cal["outputs"]["drafter"]}  # the calibrated one, then the baselines as trained
         drafters |= {a: trained[a]["outputs"]["drafter"] for a in profile.algos[1:]}
-        evaluation = evaluate(demo, drafters, [cal["key"], *(trained[a]["key"] for a in profile.algos[1:])])
+        evaluation = evaluate_stage(demo, drafters, [cal["key"], *(trained[a]["key"] for a in profile.algos[1:])])
         done("evaluate")
-        serve(demo, cal["outputs"]["drafter"], cal["key"])
+        serve_stage(demo, cal["outputs"]["drafter"], cal["key"])
         done("serve")
         chats = chat(demo)
     except StopHere:

@@ -7,7 +7,7 @@ import json
 import math
 from pathlib import Path
 
-from dspark.eval.planner import (Throughput, curve_from_report, plan_row, rollout_shape, rollout_tok_s_of,
+from dspark.eval.planner import (DeviceThroughput, curve_from_report, plan_row, rollout_shape, rollout_tok_s_of,
                                  train_tok_s_of)
 
 CPU_CURVE = "benchmarks/results/learning_curve/cpu-5k.json"
@@ -25,7 +25,7 @@ def next_step(repo: Path, tau: float = 3.0, workers: int = 8, epochs: float = 2.
     device, rollout = rollout_tok_s_of(str(rollout_path))
     _, train = train_tok_s_of(str(curve_path))
     ratio, _ = rollout_shape(report)
-    row = plan_row(f"tau {tau:g}", tau, curve.tokens_for(tau), Throughput(device, rollout, train), workers,
+    row = plan_row(f"tau {tau:g}", tau, curve.tokens_for(tau), DeviceThroughput(device, rollout, train), workers,
                    epochs, ratio, curve)
     if math.isinf(row.rollout_tokens):
         where = f"the measured CPU curve does not reach τ {tau:g} (it is flat or falling)"

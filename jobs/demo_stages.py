@@ -18,7 +18,7 @@ def stage_args(stage: str, demo: Demo, **names) -> tuple[str, list[str]]:
     return config, demo.profile.budget(stage)
 
 
-def generate(demo: Demo) -> dict:
+def generate_stage(demo: Demo) -> dict:
     from dspark.io import storage
 
     config, budget = stage_args("generate", demo)
@@ -33,7 +33,7 @@ def generate(demo: Demo) -> dict:
     return done
 
 
-def train(demo: Demo, algo: str, rollouts_key: str, rollouts: str) -> dict:
+def train_stage(demo: Demo, algo: str, rollouts_key: str, rollouts: str) -> dict:
     config, budget = stage_args("train", demo, algo=algo)
     key = stage_key("jobs.train", config, budget, [rollouts_key])
     names = {"run_name": f"demo-{demo.profile.name}-{algo}-{key[:8]}", "rollouts": rollouts,
@@ -63,7 +63,7 @@ def registered_version(stage: dict) -> str | None:
     return f"models:/{reg['name']}/{reg['version']}"
 
 
-def calibrate(demo: Demo, drafter: str, upstream_key: str, rollouts: str) -> dict:
+def calibrate_stage(demo: Demo, drafter: str, upstream_key: str, rollouts: str) -> dict:
     from dspark.io import storage
 
     config, budget = stage_args("calibrate", demo)
@@ -80,7 +80,7 @@ def calibrate(demo: Demo, drafter: str, upstream_key: str, rollouts: str) -> dic
     return done
 
 
-def evaluate(demo: Demo, drafters: dict[str, str], upstream_keys: list[str]) -> dict:
+def evaluate_stage(demo: Demo, drafters: dict[str, str], upstream_keys: list[str]) -> dict:
     from dspark.io import storage
 
     config, budget = stage_args("evaluate", demo)
@@ -98,7 +98,7 @@ def evaluate(demo: Demo, drafters: dict[str, str], upstream_keys: list[str]) -> 
     return done
 
 
-def serve(demo: Demo, drafter: str, upstream_key: str) -> dict:
+def serve_stage(demo: Demo, drafter: str, upstream_key: str) -> dict:
     config, budget = stage_args("serve", demo)
     key = stage_key("jobs.serve", config, budget, [upstream_key])
     deployed_file = demo.state_dir / "demo" / "serving.json"  # what the demo last deployed on this head

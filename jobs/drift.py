@@ -61,12 +61,12 @@ def run(cfg: DriftConfig, now: float | None = None) -> dict:
             log.warning("drift on %s v%s, domain %r: expected accepted length %.3f over the last %.0f s "
                         "(%d draft tokens, %d requests) vs baseline τ %.3f: %s", name, version, r.domain, r.live,
                         cfg.window_s, r.draft_tokens, r.requests, r.baseline, r.reason)
-            registry.tag_version(name, version, {f"dspark.drift.{r.domain}":
+            registry.set_model_version_tags(name, version, {f"dspark.drift.{r.domain}":
                                                  f"live {r.live:.3f} baseline {r.baseline:.3f} at {stamp}"})
         else:
             log.info("domain %r: %s", r.domain, r.reason)
     if drifted:
-        registry.tag_version(name, version, {"dspark.drift": ",".join(drifted), "dspark.drift.checked_at": stamp})
+        registry.set_model_version_tags(name, version, {"dspark.drift": ",".join(drifted), "dspark.drift.checked_at": stamp})
     return {"model": f"{name}/{version}", "drifted": drifted, "domains": [r.to_dict() for r in results],
             "mlflow_run_id": run_id}
 

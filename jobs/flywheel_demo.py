@@ -201,7 +201,7 @@ def judge(args, state: dict) -> dict:
     return {"decision": result["decision"], "tau": result["tau"]}
 
 
-def plot(args, state: dict) -> dict:
+def plot_rounds(args, state: dict) -> dict:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -234,7 +234,7 @@ def plot(args, state: dict) -> dict:
     return {"plotted": True}
 
 
-STEPS = [("register", register), ("traffic", traffic), ("retrain", retrain), ("promote", judge), ("plot", plot)]
+STEPS = [("register", register), ("traffic", traffic), ("retrain", retrain), ("promote", judge), ("plot", plot_rounds)]
 
 
 def main(argv=None) -> None:

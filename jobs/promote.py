@@ -77,7 +77,7 @@ def benchmarks(cfg: PromoteConfig) -> list[ev.BenchmarkSpec]:
     return specs
 
 
-def evaluate(cfg: PromoteConfig, drafters: dict[str, str]) -> tuple[dict, list[dict]]:
+def evaluate_candidates(cfg: PromoteConfig, drafters: dict[str, str]) -> tuple[dict, list[dict]]:
     """jobs.evaluate on the given {name: pinned ref}; (results, samples.jsonl rows)."""
     from dspark.io import storage
     from jobs import evaluate as evaluate_job
@@ -106,7 +106,7 @@ def run(cfg: PromoteConfig) -> dict:
     serving_version = registry.version_of(cfg.model, cfg.serving_alias)
     serving = f"models:/{cfg.model}/{serving_version}"
     if cfg.candidate is None:  # baseline of the serving version
-        results, _ = evaluate(cfg, {"serving": serving})
+        results, _ = evaluate_candidates(cfg, {"serving": serving})
         taus = domain_tau(results, "serving")
         registry.record_baseline(cfg.model, serving_version, taus, source=f"jobs.promote eval {cfg.eval.output}")
         log.info("baseline of %s: %s", serving, taus)
@@ -117,7 +117,7 @@ def run(cfg: PromoteConfig) -> dict:
     drifted = cfg.drifted_domains
     if drifted is None:
         drifted = [d for d in registry.version_tags(cfg.model, serving_version).get("dspark.drift", "").split(",") if d]
-    results, samples = evaluate(cfg, {"serving": serving, "candidate": candidate.uri})
+    results, samples = evaluate_candidates(cfg, {"serving": serving, "candidate": candidate.uri})
     domain_of = {b: info["domain"] for b, info in results["benchmarks"].items()}
     deltas = promotion.paired_deltas(samples, domain_of, "serving", "candidate")
     decision = promotion.decide(deltas, drifted, cfg.tolerance, cfg.confidence, cfg.bootstrap_samples, cfg.eval.seed)
@@ -133,7 +133,7 @@ def run(cfg: PromoteConfig) -> dict:
             tracking.log_metrics({**metrics, "promoted": float(decision.promote)})
             tracking.log_dict(summary, "decision.json")
     note = f"{verdict} over v{serving_version}: " + "; ".join(decision.reasons)
-    registry.tag_version(cfg.model, candidate.model_version, {"dspark.promotion": note[:4900],
+    registry.set_model_version_tags(cfg.model, candidate.model_version, {"dspark.promotion": note[:4900],
                                                              "dspark.promotion.run": run_id or ""})
     log.info("candidate v%s %s", candidate.model_version, note)
     if decision.promote:

@@ -241,9 +241,9 @@ def register_drafter(run_id: str, name: str, alias: str, drafter_dir: str, metri
     never moves the serving alias itself), tagged with what it is and its training-time expected τ; a failure
     keeps the trained drafter (checkpoint and run artifacts) and says how to register it."""
     from dspark.io import registry
-    from dspark.io.drafter_model import version_tags
+    from dspark.io.drafter_model import drafter_version_tags
 
-    tags = version_tags(drafter_dir, metrics.get("expected_accept_len"), "training expected_accept_len (teacher-forced)")
+    tags = drafter_version_tags(drafter_dir, metrics.get("expected_accept_len"), "training expected_accept_len (teacher-forced)")
     try:
         return registry.publish_drafter(run_id, name, drafter_dir, [alias], description="dspark drafter (jobs.train)",
                                         tags=tags)

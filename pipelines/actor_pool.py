@@ -61,7 +61,16 @@ def fit_count(per_worker: dict[str, float], free: dict[str, float]) -> int:
     return min(counts) if counts else 1 << 30
 
 
-def _fmt(resources: dict[str, float], keys: Iterable[str] | None = None) -> str:
+def target_actor_spec(cfg, sampling, **extra) -> dict:
+    """What a target-loading actor is built from (rollouts and Magpie synthesis): the stage config's target,
+    its compute section (dtype "auto" is resolved by the actor, on its own device), `sampling` and `extra`."""
+    c = cfg.compute
+    return {"target": cfg.target, "dtype": c.dtype, "device": c.device,
+            "threads": c.torch_threads or max(1, int(c.num_cpus)), "sampling": sampling.model_dump(),
+            "max_context_tokens": cfg.max_context_tokens, **extra}
+
+
+def _fmt_resources(resources: dict[str, float], keys: Iterable[str] | None = None) -> str:
     """CPUs and GPUs (the resources workers ask for; memory and node labels are left out).
     `keys`: show these even when zero."""
     keys = list(keys) if keys is not None else [k for k in ("CPU", "GPU") if resources.get(k)]
@@ -74,15 +83,16 @@ def shortage_message(ask: WorkerAsk, free: dict, total: dict, holders: list[str]
     asked = {k: v * ask.count for k, v in keys.items()}
     held = "; ".join(holders) if holders else "no live actor holds any (tasks or placement groups may)"
     hint = f"lower {ask.config_hint}, " if ask.config_hint else "ask for fewer resources, "
-    return (f"cannot start {ask.what}: asked for {ask.count} x ({_fmt(ask.per_worker())}) = {_fmt(asked)}; "
-            f"the cluster has {_fmt(total, keys)}, of which {_fmt(free, keys)} free. Held by: {held}. {detail}"
+    fmt = _fmt_resources
+    return (f"cannot start {ask.what}: asked for {ask.count} x ({fmt(ask.per_worker())}) = {fmt(asked)}; "
+            f"the cluster has {fmt(total, keys)}, of which {fmt(free, keys)} free. Held by: {held}. {detail}"
             f"Free those resources (e.g. `serve shutdown` for a Serve deployment), {hint}"
             f"or raise the start timeout.").replace("  ", " ")
 
 
 def _holder_line(name: str, klass: str, resources: dict | None, job: str | None) -> str:
     label = f"{klass} {name!r}" if name else klass
-    held = f" holding {_fmt(resources)}" if resources else ""
+    held = f" holding {_fmt_resources(resources)}" if resources else ""
     return f"{label}{held}" + (f" (job {job})" if job else "")
 
 
@@ -132,7 +142,7 @@ def check_fit(ask: WorkerAsk) -> int:
         detail = "Even an empty cluster could not place one. " if never else ""
         raise WorkersUnavailable(shortage_message(ask, free, total, resource_holders(), detail))
     log.warning("starting %d of %d %s: only that many fit the free resources (%s free); held by: %s",
-                fits, ask.count, ask.what, _fmt(free), "; ".join(resource_holders()) or "-")
+                fits, ask.count, ask.what, _fmt_resources(free), "; ".join(resource_holders()) or "-")
     return fits
 
 

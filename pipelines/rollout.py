@@ -40,7 +40,8 @@ from dspark.io import storage
 from dspark.data import schema
 from dspark.models.precision import AUTO_DESCRIPTION, DtypeSetting
 from pipelines import rollout_vllm
-from pipelines.actor_pool import DEFAULT_START_TIMEOUT_S, START_TIMEOUT_DESCRIPTION, WorkerAsk, data_pool
+from pipelines.actor_pool import (DEFAULT_START_TIMEOUT_S, START_TIMEOUT_DESCRIPTION, WorkerAsk, data_pool,
+                                  target_actor_spec)
 from dspark.data.prompts import LoadResult, PromptSource, load_prompts
 from dspark.data.rollout_engine import RolloutActor, SamplingConfig
 from dspark.data.schema import Plan, add_counts
@@ -172,11 +173,8 @@ class RunStats:
                 "generated_tokens": self.generated_tokens, "tokens_per_s": self.tokens_per_s}
 
 
-def actor_spec(cfg: RolloutConfig) -> dict:
-    c = cfg.compute
-    return {"target": cfg.target, "dtype": c.dtype, "device": c.device,  # the actor resolves "auto" on its device
-            "threads": c.torch_threads or max(1, int(c.num_cpus)), "sampling": cfg.sampling.model_dump(),
-            "max_context_tokens": cfg.max_context_tokens, "backend": cfg.backend, "engine": cfg.engine.model_dump()}
+def rollout_actor_spec(cfg: RolloutConfig) -> dict:
+    return target_actor_spec(cfg, cfg.sampling, backend=cfg.backend, engine=cfg.engine.model_dump())
 
 
 def _fail_after() -> int | None:
@@ -195,7 +193,7 @@ def generation_stage(cfg: RolloutConfig, ds, rows: list[dict], actor: type, spec
     if uses_vllm(cfg, actor):
         return rollout_vllm.vllm_stage(cfg, ds, max(len(r["turns"]) for r in rows))
     return ds.map_batches(  # every actor takes (spec, local_copy): an s3:// target is copied to its node
-        actor, fn_constructor_kwargs={"spec": spec or actor_spec(cfg), "local_copy": storage.local_copy},
+        actor, fn_constructor_kwargs={"spec": spec or rollout_actor_spec(cfg), "local_copy": storage.local_copy},
         batch_size=cfg.compute.batch_size,
         batch_format="pyarrow", **pool, num_cpus=cfg.compute.num_cpus, num_gpus=cfg.compute.num_gpus or None)
 

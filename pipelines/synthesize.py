@@ -68,6 +68,7 @@ from dspark.io.rollout_store import (
     read_commits,
     write_parquet,
 )
+from pipelines.actor_pool import target_actor_spec
 from pipelines.rollout import ComputeConfig, RunStats, generate_chunks
 
 
@@ -115,13 +116,6 @@ class MagpieActor:
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         return pa.Table.from_pylist(self.engine.run(batch.to_pylist()), schema=RAW_SCHEMA)
-
-
-def actor_spec(cfg: SynthesizeConfig) -> dict:
-    c = cfg.compute
-    return {"target": cfg.target, "dtype": c.dtype, "device": c.device,  # the actor resolves "auto" on its device
-            "threads": c.torch_threads or max(1, int(c.num_cpus)), "sampling": cfg.magpie.sampling.model_dump(),
-            "max_context_tokens": cfg.max_context_tokens}
 
 
 def commit_raw(out: str, chunk: int, results: list[dict]) -> dict:
@@ -305,7 +299,7 @@ def run_synthesis(cfg: SynthesizeConfig, on_chunk: Callable[[RunStats], None] | 
     stats = RunStats(chunks_total=len(plan.chunks), chunks_skipped=len(plan.chunks) - len(pending))
     if pending:
         generate_chunks(cfg, plan, pending, out, stats, on_chunk, progress, actor=MagpieActor,
-                        spec=actor_spec(cfg), commit=commit_raw, desc="magpie")
+                        spec=target_actor_spec(cfg, cfg.magpie.sampling), commit=commit_raw, desc="magpie")
     raw = read_raw(out)
     magpie, pre_dropped = magpie_candidates(raw, cfg.target)
     outcome = apply_filters(corpus_candidates(loaded) + magpie, pre_dropped, cfg.filters, eval_index)

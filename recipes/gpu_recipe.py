@@ -46,7 +46,7 @@ from dspark.data.rollout_engine import SamplingConfig
 MiB = 2**20
 
 
-class DrafterEntry(StrictModel):
+class RecipeDrafter(StrictModel):
     train_config: str = Field(description="training config (configs/train/*.yaml) whose drafter/optim sections are used")
     drafter: dict = Field(default_factory=dict, description="overrides of its drafter section")
     optim: dict = Field(default_factory=dict, description="overrides of its optim section")
@@ -56,7 +56,7 @@ class DrafterEntry(StrictModel):
                                   "`drafter` may change only training-only fields (anchors, loss weights)")
 
 
-class RolloutSection(StrictModel):
+class RecipeRollouts(StrictModel):
     seconds: float = Field(150, gt=0, description="wall-clock budget of the rollout phase")
     tokens: int = Field(5_000_000, ge=1, description="stop once this many tokens are generated")
     sampling: SamplingConfig = Field(default_factory=lambda: SamplingConfig(temperature=1.0, top_p=1.0, max_new_tokens=320),
@@ -68,7 +68,7 @@ class RolloutSection(StrictModel):
     max_context_tokens: int = Field(2048, ge=8, description="prompt + answer limit")
 
 
-class TrainSection(StrictModel):
+class RecipeTrain(StrictModel):
     batch_size: int = Field(32, ge=1, description="sequences per optimizer step")
     max_seq_len: int = Field(1024, ge=8, description="sequences are cut to this many tokens")
     bucket_window: int = Field(16, ge=0, description="length-bucketing window in batches")
@@ -79,7 +79,7 @@ class TrainSection(StrictModel):
                                   "(dspark/training/target_memo.py); 0 = run the target every step")
 
 
-class EvalSection(StrictModel):
+class RecipeEval(StrictModel):
     dir: str = Field("data/eval", description="benchmark JSONL folder (also the decontamination reference)")
     benchmarks: list[str] = Field(["gsm8k", "math500", "humaneval", "mbpp", "mt-bench"], description="file stems")
     prompts_per_benchmark: int = Field(8, ge=1, description="first-turn prompts per benchmark at most")
@@ -101,10 +101,10 @@ class RecipeConfig(StrictModel):
     output_reserve_s: float = Field(20, ge=0, description="seconds kept for writing drafters and the plot")
     prompts: list[PromptSource] = Field(description="training prompt sources (decontaminated against eval.dir)")
     decontam_ngram: int = Field(13, ge=1, description="word n-gram size of the decontamination rule")
-    rollout: RolloutSection = Field(default_factory=RolloutSection, description="rollout phase")
-    train: TrainSection = Field(default_factory=TrainSection, description="training phase")
-    eval: EvalSection = Field(default_factory=EvalSection, description="evaluation phase")
-    drafters: dict[str, DrafterEntry] = Field(description="name -> training config (+ overrides), in bundle priority order")
+    rollout: RecipeRollouts = Field(default_factory=RecipeRollouts, description="rollout phase")
+    train: RecipeTrain = Field(default_factory=RecipeTrain, description="training phase")
+    eval: RecipeEval = Field(default_factory=RecipeEval, description="evaluation phase")
+    drafters: dict[str, RecipeDrafter] = Field(description="name -> training config (+ overrides), in bundle priority order")
     max_files: int = Field(8, ge=4, description="files the run may write (a device run brings back 8)")
     max_file_mib: float = Field(16, gt=0, description="size of one output file at most")
     max_total_mib: float = Field(64, gt=0, description="all output files together at most")
@@ -125,7 +125,7 @@ class Recipe:
                         "tau_engine": {}, "eval_prompts_engine": 0,
                         "train_share": "equal wall-clock per drafter", "train": {}, "phases": {}, "errors": {}}
         self.results: dict = {"config": json.loads(cfg.model_dump_json())}
-        self.target_memo = None  # the frozen target's outputs, shared by the drafters trained (train_one)
+        self.target_memo = None  # the frozen target's outputs, shared by the drafters trained (train_phase)
         out.mkdir(parents=True, exist_ok=True)
 
     def phase(self, name: str, fn, fatal: bool = True) -> bool:
@@ -160,7 +160,7 @@ def _json_default(x):
 
 
 # ---------------------------------------------------------------- phases
-def load(r: Recipe) -> None:
+def load_phase(r: Recipe) -> None:
     import torch
 
     from dspark.io import storage
@@ -177,7 +177,7 @@ def load(r: Recipe) -> None:
                      precision=r.precision, torch=torch.__version__)
 
 
-def prompts(r: Recipe) -> None:
+def prompts_phase(r: Recipe) -> None:
     from dspark.eval.benchmark_files import BenchmarkSpec, load_benchmark
     from dspark.data.prompt_filters import build_eval_index
     from dspark.data.prompts import load_prompts
@@ -193,7 +193,7 @@ def prompts(r: Recipe) -> None:
     r.results["prompts"] = {"loaded": len(loaded), "kept": len(r.prompts), "contaminated": len(loaded) - len(r.prompts)}
 
 
-def decode_core(r: Recipe) -> None:
+def decode_core_phase(r: Recipe) -> None:
     """The batch-1 decoding core evaluation runs on (eval.decode.decode_core; auto: compiled on CUDA, eager on a
     CPU), tried on one prompt first: a failed compile falls back to eager and says so in recipe.json. Then
     target-only batch-1 milliseconds per token on it (decoding only, the prefill left out)."""
@@ -227,7 +227,7 @@ def decode_core(r: Recipe) -> None:
         1000 * (res.wall_s - res.prefill_s) / max(1, len(res.token_ids) - 1), 3))
 
 
-def rollouts(r: Recipe) -> None:
+def rollouts_phase(r: Recipe) -> None:
     from dspark.data.rollout_engine import stream_rollouts
 
     cfg = r.cfg
@@ -248,7 +248,7 @@ def rollouts(r: Recipe) -> None:
                      rollout_sequences=len(r.rows), rollout_batch=gen.max_batch)
 
 
-def profile(r: Recipe) -> None:
+def profile_phase(r: Recipe) -> None:
     """Where a decoding step's time goes on this device (the first H200 run decoded target-only at batch 1
     slower than 2 CPU cores, and its rollouts made 5.1 k tok/s from 768 rows: host-bound, by the look of
     it). torch.profiler over the ragged forward of rollouts and evaluation, at batch 1 (16 tokens) and at the
@@ -303,7 +303,7 @@ def device_us(event) -> float:
     return getattr(event, "self_device_time_total", 0.0) or getattr(event, "self_cuda_time_total", 0.0)
 
 
-def train_one(r: Recipe, name: str, share_s: float) -> None:
+def train_phase(r: Recipe, name: str, share_s: float) -> None:
     import torch
 
     from dspark.drafters.draft_vocab import DraftVocabPlan
@@ -350,7 +350,7 @@ def memo_gb(requested: float, device) -> float:
     return min(requested, free / 4 / 2**30)
 
 
-def continued_drafter(entry: DrafterEntry, target):
+def continued_drafter(entry: RecipeDrafter, target):
     """(config, drafter) of a saved drafter to continue: its own config with the entry's training-only
     overrides, its draft vocabulary, its weights (dspark.training.session.load_initial_weights)."""
     from dspark.drafters import build_drafter
@@ -369,7 +369,7 @@ def continued_drafter(entry: DrafterEntry, target):
     return cfg, drafter
 
 
-def save(r: Recipe) -> None:
+def save_phase(r: Recipe) -> None:
     """Drafters in priority order while they fit the file budget; the rest are named in the summary."""
     from dspark.drafters.checkpoint import save_bundle
 
@@ -391,7 +391,7 @@ def save(r: Recipe) -> None:
                      drafter_parts=[os.path.basename(p) for p in parts])
 
 
-def evaluate(r: Recipe) -> None:
+def eval_phase(r: Recipe) -> None:
     from dspark.eval.evaluation import aggregate, evaluate_round_robin, tau_ci95
 
     if r.cfg.eval.engine_tau:
@@ -426,7 +426,7 @@ def engine_taus(r: Recipe) -> None:
     r.summary["eval_prompts_engine"] = max(counts, default=0)
 
 
-def plot(r: Recipe) -> None:
+def plot_phase(r: Recipe) -> None:
     from dspark.eval.report import plot_recipe
 
     plot_recipe(r.results.get("eval"), r.curves, str(r.out / "recipe.png"))
@@ -441,17 +441,17 @@ def main(argv=None) -> int:
     cfg = load_config(RecipeConfig, args.profile, args.overrides)
     r = Recipe(cfg, Path(args.out or f"benchmarks/results/{cfg.run}"))
     r.drafters, r.curves = {}, {}
-    ok = r.phase("load", lambda: load(r)) and r.phase("prompts", lambda: prompts(r)) \
-        and r.phase("rollouts", lambda: rollouts(r))
+    ok = r.phase("load", lambda: load_phase(r)) and r.phase("prompts", lambda: prompts_phase(r)) \
+        and r.phase("rollouts", lambda: rollouts_phase(r))
     if ok:
-        r.phase("profile", lambda: profile(r), fatal=False)
-        r.phase("decode_core", lambda: decode_core(r), fatal=False)
+        r.phase("profile", lambda: profile_phase(r), fatal=False)
+        r.phase("decode_core", lambda: decode_core_phase(r), fatal=False)
         share = max(0.0, r.deadline.left() - cfg.eval.reserve_s - cfg.output_reserve_s) / len(cfg.drafters)
         for name in cfg.drafters:  # each drafter its own share and failure scope
-            ok &= r.phase(f"train:{name}", lambda name=name: train_one(r, name, share), fatal=False)
-        ok &= r.phase("save", lambda: save(r), fatal=False)
-        ok &= r.phase("eval", lambda: evaluate(r), fatal=False)
-        ok &= r.phase("plot", lambda: plot(r), fatal=False)
+            ok &= r.phase(f"train:{name}", lambda name=name: train_phase(r, name, share), fatal=False)
+        ok &= r.phase("save", lambda: save_phase(r), fatal=False)
+        ok &= r.phase("eval", lambda: eval_phase(r), fatal=False)
+        ok &= r.phase("plot", lambda: plot_phase(r), fatal=False)
     ok &= not r.summary["errors"]
     print(json.dumps(r.summary, default=_json_default))
     return 0 if ok else 1

@@ -77,7 +77,7 @@ def check(folder: Path, stage_root: Path | None = None, bundle: Path | None = No
     return problems
 
 
-def join(stage_root: Path, bundle: Path, dest: Path) -> Path:
+def join_parts(stage_root: Path, bundle: Path, dest: Path) -> Path:
     """Check every part and write the whole file to dest/<file> (kept: a second join returns at once)."""
     manifest = json.loads((bundle / MANIFEST).read_text())
     out = dest / manifest["file"]
@@ -110,7 +110,7 @@ def main(argv: list[str]) -> int:
         return 1 if problems else 0
     if argv[:1] == ["join"] and len(argv) == 4:
         try:
-            print(join(Path(argv[1]), Path(argv[2]), Path(argv[3])))
+            print(join_parts(Path(argv[1]), Path(argv[2]), Path(argv[3])))
         except RuntimeError as err:
             print(f"gpu_transfer: {err}", file=sys.stderr)
             return 3

@@ -21,7 +21,7 @@ def engine_sps_table(cfg: EngineConfig, slots, target, gamma: int, layer_ids: li
     KV `slots` (left empty again)."""
     if cfg.sps_table:
         table = SPSTable(dict(cfg.sps_table))
-        log.info("SPS table (given): %s", format_table(table))
+        log.info("SPS table (given): %s", format_sps(table))
         return table
     t0 = time.perf_counter()
     forward = verify_forward(slots, target, gamma, cfg.sps_context, layer_ids)
@@ -30,7 +30,7 @@ def engine_sps_table(cfg: EngineConfig, slots, target, gamma: int, layer_ids: li
     finally:
         while slots.used:
             slots.release(slots.used - 1)
-    log.info("SPS table profiled in %.1f s (B: verify steps/s): %s", time.perf_counter() - t0, format_table(table))
+    log.info("SPS table profiled in %.1f s (B: verify steps/s): %s", time.perf_counter() - t0, format_sps(table))
     return table
 
 
@@ -59,5 +59,5 @@ def device_sync(device: torch.device) -> Callable[[], None] | None:
     return (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None
 
 
-def format_table(table: SPSTable) -> str:
+def format_sps(table: SPSTable) -> str:
     return ", ".join(f"{b}: {v:.1f}" for b, v in table.points.items())

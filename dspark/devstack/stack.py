@@ -126,7 +126,7 @@ HEALTH = {"s3": s3_healthy, "mlflow": mlflow_healthy, "ray": ray_healthy}
 START_TIMEOUT_S = {"s3": 60.0, "mlflow": 120.0, "ray": 120.0}
 
 
-def wait_healthy(cfg: StackConfig, creds: dict, record: ServiceRecord, timeout_s: float) -> None:
+def wait_service_up(cfg: StackConfig, creds: dict, record: ServiceRecord, timeout_s: float) -> None:
     """Poll the service's health check every 0.5 s; StackError at once when its process exits, or
     once `timeout_s` has passed."""
     def healthy() -> bool:
@@ -282,7 +282,7 @@ def _reuse_or_start(cfg: StackConfig, creds: dict, service: str, say) -> tuple[S
         if record.ports != cfg.service_ports(service):
             raise StackError(f"{service} is already running on other ports ({record.url}); "
                              f"run `dspark stack down` first to change ports")
-        wait_healthy(cfg, creds, record, timeout_s=START_TIMEOUT_S[service])
+        wait_service_up(cfg, creds, record, timeout_s=START_TIMEOUT_S[service])
         say(f"{service}: already running (pid {record.pid}) at {record.url}")
         return record, False
     if record:
@@ -293,7 +293,7 @@ def _reuse_or_start(cfg: StackConfig, creds: dict, service: str, say) -> tuple[S
     record = STARTERS[service](cfg, creds)
     write_record(cfg, record)
     try:
-        wait_healthy(cfg, creds, record, timeout_s=START_TIMEOUT_S[service])
+        wait_service_up(cfg, creds, record, timeout_s=START_TIMEOUT_S[service])
     except BaseException:
         stop_record(cfg, record)
         raise

@@ -78,7 +78,7 @@ def fit_curve(tokens: Sequence[float], taus: Sequence[float], form: str = "logli
 
 
 @dataclass(frozen=True)
-class Throughput:
+class DeviceThroughput:
     device: str
     rollout_tok_s: float  # generated tokens/s of one worker
     train_tok_s: float  # training tokens/s (prompt + answer tokens) of one worker
@@ -99,7 +99,7 @@ class PlanRow:
     extrapolated: bool
 
 
-def plan_row(label: str, tau: float, rollout_tokens: float, tp: Throughput, workers: int, epochs: float,
+def plan_row(label: str, tau: float, rollout_tokens: float, tp: DeviceThroughput, workers: int, epochs: float,
              prompt_per_generated: float, curve: Curve) -> PlanRow:
     train_tokens = rollout_tokens * (1.0 + prompt_per_generated) * epochs
     r_h = rollout_tokens / tp.rollout_tok_s / 3600.0

@@ -10,7 +10,7 @@ from dspark.eval.evaluation import macro_average
 
 
 # ---- evaluation report ----------------------------------------------------------------------
-def _columns(results: dict) -> tuple[list[str], list[str]]:
+def _benchmarks_and_domains(results: dict) -> tuple[list[str], list[str]]:
     return list(results["benchmarks"]), list(results["domains"])
 
 
@@ -24,7 +24,7 @@ def _metric_row(label: str, block: dict, metric: str, benches: list[str], domain
 
 def markdown_report(results: dict, title: str = "") -> str:
     """Paper-Table-1 style Markdown: τ and speedup per benchmark and domain, ratios, acceptance by position."""
-    benches, domains = _columns(results)
+    benches, domains = _benchmarks_and_domains(results)
     drafters, ratios = results["drafters"], results["ratios"]
     parts = [f"## {title}" if title else ""]
     for metric, label in (("tau", "τ (accepted + bonus per verify round)"),

@@ -115,7 +115,7 @@ def attach_exports(drafter: Drafter | str, run_id: str | None, model_name: str |
     try:  # the drafter is already logged and registered: a failed export warns, never fails the job
         results = log_exports(drafter, run_id, target, formats)
         if model_name and version:
-            tag_version(model_name, str(version), results)
+            tag_exports(model_name, str(version), results)
     except Exception as err:  # noqa: BLE001 - target loading, storage and MLflow raise many types
         log.warning("engine exports were not attached to run %s: %s", run_id, err, exc_info=True)
         return {"error": f"{type(err).__name__}: {err}"}
@@ -140,7 +140,7 @@ def log_exports(drafter: Drafter | str, run_id: str, target: str | None, formats
     return results
 
 
-def tag_version(name: str, version: str, results: dict[str, str]) -> None:
+def tag_exports(name: str, version: str, results: dict[str, str]) -> None:
     from dspark.io import registry
 
     registry.set_model_version_tags(name, version, {

@@ -185,7 +185,7 @@ class FlywheelWriter:
             write_parquet(path_in(self.capture_dir, files["data"]), rows, CAPTURE_SCHEMA)
             storage.write_text(path_in(self.capture_dir, "_commits", f"{name}.json"), json.dumps(marker))
 
-        if _retry(write, f"capture shard {name}"):
+        if _retry_write(write, f"capture shard {name}"):
             self._chunk += 1
             self.counts.written += len(rows)
             self._write_manifest()
@@ -198,7 +198,7 @@ class FlywheelWriter:
         manifest = {"writer": self.writer, "source": CAPTURE_SOURCE, "shards": self._chunk,
                     "counts": vars(self.counts), "pending": self.counts.pending, "closed": closed,
                     **self.served, "updated_at": time.time()}
-        _retry(lambda: storage.write_text(path_in(self.capture_dir, "manifest.json"), json.dumps(manifest, indent=2)),
+        _retry_write(lambda: storage.write_text(path_in(self.capture_dir, "manifest.json"), json.dumps(manifest, indent=2)),
                "capture manifest")
 
     def _write_window(self) -> None:
@@ -208,7 +208,7 @@ class FlywheelWriter:
         end = time.time()
         record = {"writer": self.writer, "window_end": end, **self.served,
                   "domains": {d: a.to_dict() for d, a in window.items()}}
-        _retry(lambda: storage.write_text(storage.join(self.acceptance_dir, f"{int(end * 1000)}.json"),
+        _retry_write(lambda: storage.write_text(storage.join(self.acceptance_dir, f"{int(end * 1000)}.json"),
                                           json.dumps(record)), "acceptance window")
 
     def close(self, timeout_s: float = 30.0) -> None:
@@ -291,7 +291,7 @@ def _count(rows: list[dict], key: str) -> dict:
     return out
 
 
-def _retry(fn, what: str) -> bool:
+def _retry_write(fn, what: str) -> bool:
     """Call fn up to WRITE_ATTEMPTS times (0.5 s, 1 s, ... between); False (and an error logged) when
     every attempt failed: a storage error of any kind costs that write, never the serving path."""
     retrying = tenacity.Retrying(stop=tenacity.stop_after_attempt(WRITE_ATTEMPTS),

@@ -85,7 +85,7 @@ def code_paths() -> list[str]:
     return [os.path.dirname(os.path.abspath(dspark.__file__))]
 
 
-def version_tags(checkpoint_dir: str, tau: float | None, tau_source: str) -> dict[str, str]:
+def drafter_version_tags(checkpoint_dir: str, tau: float | None, tau_source: str) -> dict[str, str]:
     """Registered-version tags: what the drafter is (algo, target, γ, draft vocabulary, MASK) and its
     acceptance τ (mean accepted length per round) with where that number comes from."""
     from dspark.drafters.checkpoint import read_checkpoint_config

@@ -39,10 +39,6 @@ def record_baseline(name: str, version: str, tau_by_domain: dict[str, float], so
     set_model_version_tags(name, version, {**tags, "dspark.baseline.source": source})
 
 
-def tag_version(name: str, version: str, tags: dict[str, str]) -> None:
-    set_model_version_tags(name, version, tags)
-
-
 def set_model_version_tags(name: str, version: str, tags: dict[str, str]) -> None:
     """Tag one registered model version (values cut to MLflow's 5000-character limit). Raises on failure."""
     client = tracking.client()

@@ -136,7 +136,7 @@ def cmd_report(args, prof: dict) -> dict:
     plot_path.unlink(missing_ok=True)  # never leave a plot of an earlier report beside this JSON
     report["plot"] = plot_path.name if has_curve(report) else None
     if report["plot"]:
-        plot(report, plot_path)
+        plot_curve(report, plot_path)
     else:
         log("report: no curve points and no decoded baselines in this run: no plot (the JSON holds its series)")
     (results / f"{args.name}.json").write_text(json.dumps(report, indent=1))
@@ -220,7 +220,7 @@ def export_bf16(src: Path, dest: Path) -> dict:
             "params": sum(p.numel() for p in drafter.parameters())}
 
 
-def plot(report: dict, path: Path) -> None:
+def plot_curve(report: dict, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")

@@ -286,7 +286,7 @@ def capacity_folder(out: Path, layers: int, anchors: int, minutes: float, prof: 
     return out / "capacity" / f"L{layers}-a{anchors}-m{minutes:g}{precision_suffix(prof)}" / "dspark"
 
 
-def settings(args, prof: dict):
+def setting_grid(args, prof: dict):
     """(layers, anchors, the profile with them) for every --layers x --anchors pair (default: the profile's)."""
     for layers in args.layers or [prof["drafter"]["num_layers"]]:
         for anchors in args.anchors or [prof["drafter"]["anchors_per_seq"]]:
@@ -298,7 +298,7 @@ def one_setting(args, prof: dict, phase: str) -> dict:
     """The profile with the one --layers / --anchors value given (phases that train a single shape)."""
     if not (args.layers or args.anchors):
         return prof
-    (_, _, setting), *more = list(settings(args, prof))
+    (_, _, setting), *more = list(setting_grid(args, prof))
     if more:
         raise SystemExit(f"{phase}: give one --layers and one --anchors value")
     return setting
@@ -312,7 +312,7 @@ def cmd_capacity(args, prof: dict) -> None:
     if not args.minutes:
         raise SystemExit("capacity: --minutes is required (the equal wall-clock budget of every setting)")
     out, target, cache, _, n = largest_point(args, prof)
-    for layers, anchors, setting in settings(args, prof):
+    for layers, anchors, setting in setting_grid(args, prof):
         train_one(target, setting, cache, n, "dspark", capacity_folder(out, layers, anchors, args.minutes, prof),
                   minutes=args.minutes)
     estimate_folders(target, prof, out, capacity_drafters(out))
@@ -334,7 +334,7 @@ def cmd_sweep(args, prof: dict) -> None:
     precision = precision_of(prof)
     peak = matmul_peak(str(target.device), precision)
     settings_done = []
-    for layers, anchors, setting in settings(args, prof):
+    for layers, anchors, setting in setting_grid(args, prof):
         cfg = drafter_config(setting, "dspark")
         ids = draft_vocab_of(cache, n, int(target.vocab_size), cfg.draft_vocab_size).ids()
         torch.manual_seed(prof["seed"])

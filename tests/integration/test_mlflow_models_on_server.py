@@ -17,7 +17,7 @@ def test_drafter_model_round_trip_through_the_tracking_server(local_stack, tmp_p
     from dspark.drafters import DrafterConfig, build_drafter, save_drafter
     from dspark.io import tracking
     from dspark.io import registry
-    from dspark.io.drafter_model import version_tags
+    from dspark.io.drafter_model import drafter_version_tags
     from dspark.io.drafter_source import load_drafter_ref
     from dspark.models.target import load_target
 
@@ -32,7 +32,7 @@ def test_drafter_model_round_trip_through_the_tracking_server(local_stack, tmp_p
     tracking.log_metrics({"loss": 1.25, "expected_accept_len": 2.0}, step=1)
     time.sleep(1.0)  # a few system-metrics samples
     version = registry.publish_drafter(run_id, "server-tiny-drafter", ckpt, ["trained"],
-                                       tags=version_tags(ckpt, 2.0, "test"))
+                                       tags=drafter_version_tags(ckpt, 2.0, "test"))
     tracking.end_run()
     registry.promote("server-tiny-drafter", version, registry.SERVING_ALIAS, "test: first version")
 

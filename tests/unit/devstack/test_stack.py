@@ -279,7 +279,7 @@ def test_tracking_check_reachable_fails_fast(monkeypatch):
     assert time.monotonic() - started < 10
 
 
-def test_wait_healthy_polls_then_fails_fast_on_exit_or_on_its_deadline(tmp_path, monkeypatch):
+def test_wait_service_up_polls_then_fails_fast_on_exit_or_on_its_deadline(tmp_path, monkeypatch):
     cfg = stack.StackConfig(state_dir=tmp_path)
     log = tmp_path / "s3.log"
     log.write_text("starting\nbind: address already in use\n")
@@ -290,16 +290,16 @@ def test_wait_healthy_polls_then_fails_fast_on_exit_or_on_its_deadline(tmp_path,
         record = stack.ServiceRecord(start_time=started, sid_start_time=started, **fields)
         answers = iter([False, False, True])
         monkeypatch.setitem(stack.HEALTH, "s3", lambda cfg, creds: next(answers))
-        stack.wait_healthy(cfg, {}, record, timeout_s=10)  # healthy on the third poll
+        stack.wait_service_up(cfg, {}, record, timeout_s=10)  # healthy on the third poll
         monkeypatch.setitem(stack.HEALTH, "s3", lambda cfg, creds: False)
         t0 = time.monotonic()
         with pytest.raises(stack.StackError, match="did not become healthy within 1 s"):
-            stack.wait_healthy(cfg, {}, record, timeout_s=1)
+            stack.wait_service_up(cfg, {}, record, timeout_s=1)
         assert 1.0 <= time.monotonic() - t0 < 5.0
         exited = stack.ServiceRecord(start_time=started + 1, sid_start_time=started + 1, **fields)
         t0 = time.monotonic()
         with pytest.raises(stack.StackError, match="exited during start-up: bind: address already in use"):
-            stack.wait_healthy(cfg, {}, exited, timeout_s=60)
+            stack.wait_service_up(cfg, {}, exited, timeout_s=60)
         assert time.monotonic() - t0 < 1.0
     finally:
         leader.kill()

@@ -212,12 +212,12 @@ def test_capture_writes_retry_then_give_up_with_an_error_logged(monkeypatch, cap
         if len(calls) < capture.WRITE_ATTEMPTS:
             raise OSError("bucket unreachable")
 
-    assert capture._retry(flaky, "shard a") is True and len(calls) == capture.WRITE_ATTEMPTS
+    assert capture._retry_write(flaky, "shard a") is True and len(calls) == capture.WRITE_ATTEMPTS
 
     def broken():
         calls.append(1)
         raise OSError("bucket gone")
 
     calls.clear()
-    assert capture._retry(broken, "shard b") is False and len(calls) == capture.WRITE_ATTEMPTS
+    assert capture._retry_write(broken, "shard b") is False and len(calls) == capture.WRITE_ATTEMPTS
     assert "shard b not written after 3 attempts: bucket gone" in caplog.text

@@ -51,10 +51,10 @@ def trained_run(tiny, tmp_path, tau: float):
 
 
 def test_a_registered_drafter_is_an_mlflow_model_with_linked_metrics_and_tags(store, tiny, tmp_path):
-    from dspark.io.drafter_model import version_tags
+    from dspark.io.drafter_model import drafter_version_tags
 
     drafter, ckpt, run_id = trained_run(tiny, tmp_path, tau=2.75)
-    tags = version_tags(ckpt, 2.75, "training expected_accept_len")
+    tags = drafter_version_tags(ckpt, 2.75, "training expected_accept_len")
     version = registry.publish_drafter(run_id, "tiny-dspark-drafter", ckpt, ["trained"], tags=tags)
     tracking.end_run()
     mv = store.get_model_version("tiny-dspark-drafter", version)

@@ -57,11 +57,11 @@ def test_the_old_import_places_use_the_one_resolver():
 def test_a_rollout_replica_resolves_auto_on_its_own_device(native):
     """The driver ships "auto" in the actor spec; the actor, where the device is, picks the dtype."""
     from dspark.data.rollout_engine import RolloutActor
-    from pipelines.rollout import RolloutConfig, actor_spec
+    from pipelines.rollout import RolloutConfig, rollout_actor_spec
 
     cfg = RolloutConfig.model_validate({"target": "tiny", "sources": [{"uri": "data/train/chat.jsonl"}],
                                         "output": "/tmp/unused", "compute": {"torch_threads": 1}})
-    spec = actor_spec(cfg)
+    spec = rollout_actor_spec(cfg)
     assert spec["dtype"] == "auto" and spec["device"] == "cpu"
     threads = torch.get_num_threads()
     try:

@@ -80,11 +80,11 @@ def _rows(target, n=12, seed=0):
 
 
 def test_the_profile_phase_times_decoding_steps_at_batch_1_and_the_rollout_batch(tiny, tmp_path):
-    from recipes.gpu_recipe import profile
+    from recipes.gpu_recipe import profile_phase
 
     r = Recipe(recipe_config(), tmp_path)
     r.target, r.rows, r.summary["rollout_batch"] = tiny, _rows(tiny, n=5), 6  # fewer rows than the batch: reused
-    profile(r)
+    profile_phase(r)
     for name, steps in (("batch1", 16), ("batch6", 4)):
         got = r.results["profile"][name]
         assert got["steps"] == steps and got["wall_ms"] > 0 and got["host_ms"] > 0 and got["device_ms"] == 0.0
@@ -98,7 +98,7 @@ def test_the_decode_core_phase_times_batch_1_and_falls_back_to_eager_saying_why(
     from types import SimpleNamespace
 
     from dspark.decoding.static_core import DecodeCore
-    from recipes.gpu_recipe import decode_core
+    from recipes.gpu_recipe import decode_core_phase
 
     r = Recipe(recipe_config(), tmp_path)
     r.target, r.prompts = tiny, [SimpleNamespace(turns=["What is 2 + 2?"])]
@@ -107,7 +107,7 @@ def test_the_decode_core_phase_times_batch_1_and_falls_back_to_eager_saying_why(
         def no_compiler(self):
             raise RuntimeError("no C++ compiler")
         monkeypatch.setattr(DecodeCore, "_compiled_step", no_compiler)
-    decode_core(r)
+    decode_core_phase(r)
     info = r.summary["decode_core"]
     assert info["mode"] == "eager" and r.cfg.eval.decode.decode_core == "eager"  # what evaluation then decodes with
     assert ("no C++ compiler" in info["fallback"]) if compile_fails else "fallback" not in info
@@ -149,13 +149,13 @@ def test_drafter_bundle_round_trips_in_bf16_parts(tiny, tmp_path):
 def test_init_from_continues_a_saved_drafter_with_its_draft_vocabulary_and_refuses_architecture_changes(tiny, tmp_path):
     from dspark.drafters import save_drafter
     from dspark.drafters.checkpoint import saved_draft_ids
-    from recipes.gpu_recipe import DrafterEntry, continued_drafter
+    from recipes.gpu_recipe import RecipeDrafter, continued_drafter
 
     ids = torch.arange(0, tiny.vocab_size, 2)
     cfg = DrafterConfig(algo="dspark", block_size=3, num_layers=1, rank=8, anchors_per_seq=4, draft_vocab_size=len(ids))
     saved = build_drafter(cfg, tiny, draft_ids=ids)
     save_drafter(saved, str(tmp_path / "d"))
-    entry = DrafterEntry(train_config="configs/train/tiny-dspark.yaml", init_from=str(tmp_path / "d"),
+    entry = RecipeDrafter(train_config="configs/train/tiny-dspark.yaml", init_from=str(tmp_path / "d"),
                          drafter={"anchors_per_seq": 16, "loss_tv": 0.5})
     got_cfg, got = continued_drafter(entry, tiny)
     assert got_cfg.anchors_per_seq == 16 and got_cfg.loss_tv == 0.5 and got_cfg.num_layers == 1 and got_cfg.rank == 8
@@ -176,17 +176,17 @@ def test_target_split_over_two_calls_joins_exactly_and_names_a_missing_stage_par
     assert [(p["where"], p["bytes"]) for p in manifest["parts"]] == [
         ("stage/00", 100_000), ("stage/01", 100_000), ("bundle", 50_000)]
     assert gpu_transfer.check(stage / "00") == [] and gpu_transfer.check(stage / "01") == []
-    out = gpu_transfer.join(stage, bundle, tmp_path / "dest")
+    out = gpu_transfer.join_parts(stage, bundle, tmp_path / "dest")
     assert out.read_bytes() == src.read_bytes()
 
     out.unlink()
     (stage / "01" / "model.whl.part01").write_bytes(b"x")  # damaged in transfer
     assert "damaged" in gpu_transfer.check(stage / "01")[0]
     with pytest.raises(RuntimeError, match="part01 is damaged"):
-        gpu_transfer.join(stage, bundle, tmp_path / "dest")
+        gpu_transfer.join_parts(stage, bundle, tmp_path / "dest")
     (stage / "01" / "model.whl.part01").unlink()  # the machine was given back between two calls
     with pytest.raises(RuntimeError, match="part01 is missing.*Make the stage calls first.*gpu-stage/01/stage.sh"):
-        gpu_transfer.join(stage, bundle, tmp_path / "dest")
+        gpu_transfer.join_parts(stage, bundle, tmp_path / "dest")
     assert not (tmp_path / "dest" / "model.whl").exists()
 
 

@@ -73,7 +73,7 @@ def _plan(args) -> int:
     curve, report = planner.curve_from_report(args.curve, args.form)
     rollout = dict(planner.rollout_tok_s_of(p) for p in args.rollout_bench)
     train = dict(planner.train_tok_s_of(p) for p in args.train_bench)
-    kinds = [planner.Throughput(d, rollout[d], train[d]) for d in rollout if d in train]
+    kinds = [planner.DeviceThroughput(d, rollout[d], train[d]) for d in rollout if d in train]
     if not kinds:
         raise ValueError(f"no device kind has both a rollout ({sorted(rollout)}) and a training ({sorted(train)}) "
                          f"throughput; pass matching --rollout-bench / --train-bench files")

@@ -5,7 +5,7 @@
 1. Decode held-out prompts (rows with split == "holdout" of a jobs.generate output, or a
    {"turns": [...]} JSONL file) with real speculative decoding, every draft verified, the drafter's
    calibration switched off: each round gives raw confidences c_1..c_γ and its accepted length.
-2. Fit T_1..T_γ left to right (dspark.eval.calibration.fit_sts: ECE of the cumulative product).
+2. Fit T_1..T_γ left to right (dspark.eval.calibrate.fit_sts: ECE of the cumulative product).
 3. Save a NEW drafter checkpoint with the temperatures under `output`/drafter (the source is never
    written), log it to MLflow and, when the source is a registered model (or `registered_model` is
    set), register it as a new version with `aliases`.
@@ -23,8 +23,8 @@ import tempfile
 import numpy as np
 from pydantic import Field, field_validator, model_validator
 
-from dspark.eval import calibration as cal
-from dspark.eval import evaluation as ev
+from dspark.eval import calibrate as cal
+from dspark.eval import evaluate as ev
 from dspark.eval import metrics
 from dspark.config import ModelAlias, ModelRef, StrictModel
 from pipelines.ray_cluster import init_ray

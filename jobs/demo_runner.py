@@ -36,7 +36,7 @@ STAGE_CONFIG = {
     "generate": "configs/generate/{target}.yaml",
     "train": "configs/train/{target}-{algo}.yaml",
     "calibrate": "configs/calibrate/{target}.yaml",
-    "evaluate": "configs/eval/{target}.yaml",
+    "evaluate": "configs/evaluate/{target}.yaml",
     "serve": "configs/serve/{target}.yaml",
 }
 

@@ -1,7 +1,7 @@
 """Evaluate drafters with real speculative decoding on benchmark prompts (paper §4.1, Table 1, Fig. 5).
 
-    python -m jobs.evaluate --config configs/eval/tiny.yaml [--set decode.max_new_tokens=64 ...]
-    python -m jobs.evaluate --config configs/eval/smollm2-135m.yaml \
+    python -m jobs.evaluate --config configs/evaluate/tiny.yaml [--set decode.max_new_tokens=64 ...]
+    python -m jobs.evaluate --config configs/evaluate/smollm2-135m.yaml \
         --set 'drafters=[{ref: "models:/drafter-dspark@champion"}, {ref: "runs:/<id>/drafter", name: dflash}]'
 
 Each prompt is decoded target-only (the speedup baseline) and with every drafter, on the same worker
@@ -23,7 +23,7 @@ from typing import Literal, Sequence
 
 from pydantic import Field, field_validator
 
-from dspark.eval import evaluation as ev
+from dspark.eval import evaluate as ev
 from dspark.eval import report
 from dspark.config import ModelRef, StrictModel, config_to_dict
 from pipelines.ray_cluster import init_ray

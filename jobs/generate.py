@@ -22,7 +22,7 @@ from dspark.config import RayConfig, TrackingConfig
 from dspark.io.storage import StorageError
 from dspark.io.tracking import TrackingError
 from jobs.common import load_job_config, resumable_stage_run
-from pipelines.rollout import RolloutConfig, RolloutResult, run_rollouts
+from pipelines.generate import RolloutConfig, RolloutResult, run_rollouts
 from dspark.io.rollout_store import read_rollouts
 
 

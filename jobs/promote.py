@@ -23,7 +23,7 @@ import time
 
 from pydantic import Field
 
-from dspark.eval import evaluation as ev
+from dspark.eval import evaluate as ev
 from dspark.config import ModelAlias, RayConfig, StrictModel, TrackingConfig
 from jobs.common import load_job_config, tracked_run
 from pipelines.eval_decode import WorkersConfig

@@ -28,7 +28,7 @@ class RetrainDataConfig(StrictModel):
 
 
 def run(cfg: RetrainDataConfig) -> dict:
-    from dspark.flywheel import mix
+    from dspark.flywheel import retrain_data as mix
     from dspark.flywheel.capture import unclosed_writers
     from dspark.data.schema import ROLLOUT_SCHEMA
     from dspark.io import storage

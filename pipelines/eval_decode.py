@@ -11,7 +11,7 @@ import sys
 
 from pydantic import Field
 
-from dspark.eval import evaluation as ev
+from dspark.eval import evaluate as ev
 from dspark.config import StrictModel
 from dspark.models.precision import AUTO_DESCRIPTION, DtypeSetting
 from pipelines.actor_pool import DEFAULT_START_TIMEOUT_S, START_TIMEOUT_DESCRIPTION

@@ -8,7 +8,7 @@ Pipeline (driver side in `run_synthesis`):
 1. plan: `magpie.num_prompts` slots, each with a domain (largest-remainder shares of the mix,
    interleaved), a topic and a seed, all pure functions of the slot index and `magpie.sampling.seed`;
    slots are cut into chunks, fingerprinted in `_plan.json` (as rollouts);
-2. generate the uncommitted chunks on an actor pool of target replicas (pipelines/rollout.py's
+2. generate the uncommitted chunks on an actor pool of target replicas (pipelines/generate.py's
    `generate_chunks`): raw shards `raw/part-*.parquet` + commit markers `_commits/part-*.json`;
    a kill loses at most the chunks in flight;
 3. finalize (cheap, deterministic, redone on every run): candidates = the real-corpus prompts (in
@@ -69,7 +69,7 @@ from dspark.io.rollout_store import (
     write_parquet,
 )
 from pipelines.actor_pool import target_actor_spec
-from pipelines.rollout import ComputeConfig, RunStats, generate_chunks
+from pipelines.generate import ComputeConfig, RunStats, generate_chunks
 
 
 class SynthesizeConfig(StrictModel):

@@ -8,7 +8,7 @@ decontamination rule); rollouts dspark.data.rollout_engine.stream_rollouts (cont
 dspark.decoding.generator, sized per device, the stop check before every decoding step, prompts cycled with
 fresh seeds); training dspark.training.budget.train_for over LocalTrainer (the shared step
 dspark.training.step, as the Ray Train workers run it, without DeepSpeed); evaluation
-dspark.eval.evaluation (round robin, each drafter its own failure scope); plot dspark.eval.report.plot_recipe;
+dspark.eval.evaluate (round robin, each drafter its own failure scope); plot dspark.eval.report.plot_recipe;
 drafters dspark.drafters.checkpoint.save_bundle. The profile (configs/recipes/*.yaml, `RecipeConfig`)
 names the target and, per drafter, the training config whose `drafter:` / `optim:` sections it uses.
 
@@ -37,7 +37,7 @@ from pydantic import Field
 
 from dspark.config import StrictModel, load_config, read_yaml
 from dspark.drafters import DrafterConfig
-from dspark.eval.evaluation import DecodeSettings
+from dspark.eval.evaluate import DecodeSettings
 from dspark.decoding.generator import GeneratorConfig
 from dspark.training.config import OptimSection
 from dspark.data.prompts import PromptSource
@@ -392,7 +392,7 @@ def save_phase(r: Recipe) -> None:
 
 
 def eval_phase(r: Recipe) -> None:
-    from dspark.eval.evaluation import aggregate, evaluate_round_robin, tau_ci95
+    from dspark.eval.evaluate import aggregate, evaluate_round_robin, tau_ci95
 
     if r.cfg.eval.engine_tau:
         engine_taus(r)

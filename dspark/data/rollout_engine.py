@@ -288,7 +288,7 @@ def results_table(results: list[dict]) -> pa.Table:
 
 class RolloutActor:
     """A Ray Data actor: one target replica generating for whole batches. `local_copy` copies an
-    s3:// target here (pipelines.rollout passes dspark.io.storage.local_copy)."""
+    s3:// target here (pipelines.generate passes dspark.io.storage.local_copy)."""
 
     def __init__(self, spec: dict, local_copy: Callable[[str], str] | None = None):
         from dspark.models.precision import torch_dtype

@@ -2,7 +2,7 @@
 drafter in continuous batches (dspark.decoding.engine, scheduler `fixed`: every round verifies γ drafts, so τ is
 the acceptance the drafter earns, not a scheduler's choice), with a prompt-bootstrap 95 % interval.
 
-Why. Batch-1 evaluation (dspark.eval.evaluation) times every prompt alone, which is what a speedup needs but
+Why. Batch-1 evaluation (dspark.eval.evaluate) times every prompt alone, which is what a speedup needs but
 costs a whole decode per prompt and mode; on a GPU budget it fitted 4 prompts. τ does not depend on the batch
 (each request is batch-1 speculative decoding over its own KV slot), so here all prompts decode together and
 40+ held-out prompts cost about one batched decode. Speedups stay with the batch-1 evaluation.
@@ -26,7 +26,7 @@ def engine_tau(target, drafter, benchmarks, settings, seed: int, max_batch: int 
     `benchmarks` (dspark.eval.benchmark_files.Benchmark), sampled with `settings` (evaluation.DecodeSettings).
     decode_core: the engine's target step; eager by default — τ does not depend on the step's speed, and a
     compiled engine would spend minutes of a GPU budget compiling one graph per (rows, window) bucket."""
-    from dspark.eval.evaluation import prompt_seed
+    from dspark.eval.evaluate import prompt_seed
 
     engine = Engine(target, drafter, EngineConfig(
         scheduler=SchedulerConfig(mode="fixed"), gamma=settings.gamma, decode_core=decode_core,

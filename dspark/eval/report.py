@@ -1,12 +1,12 @@
 """Reports: Markdown tables and plots of evaluation results, and the plain-text tables the demo prints.
 
-Pure rendering: every function takes the JSON-able result dicts that `dspark.eval.evaluation.aggregate`
+Pure rendering: every function takes the JSON-able result dicts that `dspark.eval.evaluate.aggregate`
 (or the demo summary) produces and returns text or writes a PNG; nothing here computes a metric.
 """
 from __future__ import annotations
 
 from dspark.eval import metrics
-from dspark.eval.evaluation import macro_average
+from dspark.eval.evaluate import macro_average
 
 
 # ---- evaluation report ----------------------------------------------------------------------
@@ -128,7 +128,7 @@ def _save(fig, path: str) -> str:
 def plot_recipe(results: dict | None, curves: dict[str, list[dict]], path: str) -> str:
     """One figure for a recipe run: τ by benchmark (bars per drafter), conditional acceptance by draft
     position (pooled over benchmarks) and the training curves (E[accept length] on the training batches
-    against training seconds). `results` is dspark.eval.evaluation.aggregate's dict, or None before evaluation."""
+    against training seconds). `results` is dspark.eval.evaluate.aggregate's dict, or None before evaluation."""
     plt = _pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(15, 3.8))
     drafters = (results or {}).get("drafters") or {}

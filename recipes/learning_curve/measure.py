@@ -295,7 +295,7 @@ def cmd_decode(args, prof: dict) -> None:
 
     from dspark.drafters import load_drafter
     from dspark.decoding.engine import Engine, EngineConfig
-    from dspark.eval.evaluation import prompt_seed
+    from dspark.eval.evaluate import prompt_seed
     from dspark.decoding.sampling import SamplingParams
     from dspark.decoding.scheduler import SchedulerConfig
 

@@ -1,4 +1,4 @@
-"""Evaluation core (dspark/eval/evaluation.py), drafter references (dspark/drafter_source.py) and the
+"""Evaluation core (dspark/eval/evaluate.py), drafter references (dspark/drafter_source.py) and the
 evaluation job (jobs/evaluate.py) on the tiny target."""
 
 from __future__ import annotations

@@ -121,7 +121,7 @@ def test_rollouts_fail_fast_naming_what_holds_the_cpus(cpu_hog, tmp_path, monkey
 
     from pipelines import actor_pool
     from pipelines.actor_pool import WorkersUnavailable
-    from pipelines.rollout import RolloutConfig, run_rollouts
+    from pipelines.generate import RolloutConfig, run_rollouts
 
     (tmp_path / "p.jsonl").write_text('{"turns": ["hello there"]}\n')
     cfg = RolloutConfig.model_validate({

@@ -26,7 +26,7 @@ FORCED = {"bf16", "bfloat16", "float16", "fp16", "half", "torch.bfloat16", "torc
 JOB_OF_FILE = {f"configs/{name}": job for name, job in committed_configs.JOB_OF_FILE.items()}
 JOB_OF_FOLDER_EXTRA = {"recipes": ("recipes.gpu_recipe", "RecipeConfig")}  # precision: auto by default
 STAGE_MODEL = {"generate": JOB_OF_FOLDER["generate"], "train": JOB_OF_FOLDER["train"],
-               "calibrate": JOB_OF_FOLDER["calibrate"], "evaluate": JOB_OF_FOLDER["eval"],
+               "calibrate": JOB_OF_FOLDER["calibrate"], "evaluate": JOB_OF_FOLDER["evaluate"],
                "serve": JOB_OF_FOLDER["serve"]}
 
 
@@ -92,7 +92,7 @@ def test_the_config_models_default_to_auto():
     from dspark.serve.config import ModelSection
     from dspark.training.config import DeepSpeedSection, TrainJobConfig
     from pipelines.eval_decode import WorkersConfig
-    from pipelines.rollout import ComputeConfig
+    from pipelines.generate import ComputeConfig
 
     assert ComputeConfig().dtype == WorkersConfig().dtype == ModelSection().dtype == "auto"
     assert ComputeConfig(dtype=None).dtype == "auto"  # the old default, null, still reads

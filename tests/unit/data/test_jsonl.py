@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 
-from dspark.eval import evaluation as ev
+from dspark.eval import evaluate as ev
 from dspark.data.jsonl import jsonl_lines
 from dspark.data.prompts import PromptSource, load_prompts
 

@@ -20,7 +20,7 @@ from dspark.data import schema
 
 from dspark.data.prompts import load_prompts, prompt_id_of, write_jsonl
 
-from pipelines.rollout import RolloutConfig, make_plan
+from pipelines.generate import RolloutConfig, make_plan
 
 from dspark.data.rollout_engine import RolloutEngine, SamplingConfig, row_seed
 

@@ -9,7 +9,7 @@ from dspark.decoding.specdec import speculative_generate
 from dspark.drafters import DrafterConfig, build_drafter
 from dspark.eval.benchmark_files import Benchmark
 from dspark.eval.engine_tau import bootstrap_ci95, engine_tau
-from dspark.eval.evaluation import DecodeSettings
+from dspark.eval.evaluate import DecodeSettings
 from dspark.models.target import load_target
 
 

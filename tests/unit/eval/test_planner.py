@@ -30,7 +30,7 @@ def test_power_fit_and_ceiling():
 
 def test_plan_row_arithmetic():
     curve = planner.Curve("loglinear", 0.0, 1.0, t_min=1.0, t_max=1e9)
-    tp = planner.Throughput("cpu", rollout_tok_s=100.0, train_tok_s=400.0)
+    tp = planner.DeviceThroughput("cpu", rollout_tok_s=100.0, train_tok_s=400.0)
     row = planner.plan_row("x", 2.0, 3.6e5, tp, workers=4, epochs=2, prompt_per_generated=0.5, curve=curve)
     assert row.training_tokens == pytest.approx(3.6e5 * 1.5 * 2)  # prompt + answer tokens, 2 epochs
     assert row.rollout_hours == pytest.approx(1.0)  # 3.6e5 / 100 / 3600

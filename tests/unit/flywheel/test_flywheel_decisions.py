@@ -12,7 +12,7 @@ from dspark.config import ConfigError
 from dspark.flywheel import drift, promotion
 from dspark.flywheel.acceptance import DomainAcceptance
 from dspark.flywheel.capture import CAPTURE_SCHEMA
-from dspark.flywheel.mix import mix, write_heldout_benchmarks
+from dspark.flywheel.retrain_data import mix, write_heldout_benchmarks
 from dspark.data.schema import ROLLOUT_SCHEMA
 
 

@@ -28,7 +28,7 @@ INFRA = ROOT / "infra"
 IMAGE_DIR = "/app"  # where infra/docker/Dockerfile puts the repo inside the image
 KUBERAY_FILES = ["raycluster.yaml", "rayjob-generate.yaml", "rayjob-train.yaml", "rayjob-calibrate.yaml",
                  "rayjob-evaluate.yaml", "rayservice.yaml"]
-RAYJOB_STAGES = {"generate": "generate", "train": "train", "calibrate": "calibrate", "evaluate": "eval"}  # -> configs/<dir>
+RAYJOB_STAGES = {"generate": "generate", "train": "train", "calibrate": "calibrate", "evaluate": "evaluate"}  # -> configs/<dir>
 SERVICES = "infra/services/k8s-mlflow-s3.yaml"
 SECRETS_EXAMPLE = "infra/services/k8s-secrets.example.yaml"
 CRD_SCHEMAS = ROOT / "tests" / "fixtures" / "kuberay"

@@ -16,7 +16,7 @@ JOB_OF_FOLDER = {
     "generate": ("jobs.generate", "GenerateConfig"),
     "train": ("jobs.train", "TrainJobConfig"),
     "calibrate": ("jobs.calibrate", "CalibrateConfig"),
-    "eval": ("jobs.evaluate", "EvalConfig"),
+    "evaluate": ("jobs.evaluate", "EvalConfig"),
     "serve": ("jobs.serve", "ServeJobConfig"),
     "flywheel": ("jobs.flywheel_demo", "FlywheelDemoConfig"),
 }

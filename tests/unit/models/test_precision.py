@@ -57,7 +57,7 @@ def test_the_old_import_places_use_the_one_resolver():
 def test_a_rollout_replica_resolves_auto_on_its_own_device(native):
     """The driver ships "auto" in the actor spec; the actor, where the device is, picks the dtype."""
     from dspark.data.rollout_engine import RolloutActor
-    from pipelines.rollout import RolloutConfig, rollout_actor_spec
+    from pipelines.generate import RolloutConfig, rollout_actor_spec
 
     cfg = RolloutConfig.model_validate({"target": "tiny", "sources": [{"uri": "data/train/chat.jsonl"}],
                                         "output": "/tmp/unused", "compute": {"torch_threads": 1}})
@@ -74,7 +74,7 @@ def test_a_rollout_replica_resolves_auto_on_its_own_device(native):
 
 
 def test_an_eval_worker_resolves_auto_on_its_own_device(native):
-    from dspark.eval.evaluation import DecodeSettings
+    from dspark.eval.evaluate import DecodeSettings
     from pipelines.eval_decode import EvalWorker, WorkersConfig, worker_spec
 
     spec = worker_spec("tiny", {}, DecodeSettings(), 0, WorkersConfig(num_workers=0))

@@ -1,4 +1,4 @@
-"""backend: vllm (pipelines/rollout_vllm.py) without vLLM: the config translation checked against Ray
+"""backend: vllm (pipelines/generate_vllm.py) without vLLM: the config translation checked against Ray
 Data's real `vLLMEngineProcessorConfig`, the per-turn row chain with the processor mocked (its
 output rows must satisfy the rollout schema), and the clear error when vllm is missing."""
 from __future__ import annotations
@@ -9,8 +9,8 @@ import pyarrow as pa
 import pytest
 
 from dspark.data import schema
-from pipelines import rollout_vllm
-from pipelines.rollout import RolloutConfig, run_rollouts
+from pipelines import generate_vllm
+from pipelines.generate import RolloutConfig, run_rollouts
 from tests.unit.data.test_rollouts import check_row, engine_row
 
 SOURCES = [{"uri": "data/train/chat.jsonl"}]
@@ -26,20 +26,20 @@ def test_config_translates_to_ray_data_vllm_processor_config():
     cfg = _cfg(compute={"replicas": 3, "num_gpus": 1}, vllm={"batch_size": 32, "accelerator_type": "H100",
                                                               "engine_kwargs": {"tensor_parallel_size": 2,
                                                                                 "seed": 9}})
-    kwargs = rollout_vllm.processor_kwargs(cfg)
+    kwargs = generate_vllm.processor_kwargs(cfg)
     # compute.dtype auto (the default) is vLLM's own dtype auto, resolved on its GPU workers
     assert kwargs["engine_kwargs"] == {"dtype": "auto", "seed": 9, "max_model_len": 256, "tensor_parallel_size": 2}
-    pinned = rollout_vllm.processor_kwargs(_cfg(compute={"num_gpus": 1, "dtype": "float16"}))
+    pinned = generate_vllm.processor_kwargs(_cfg(compute={"num_gpus": 1, "dtype": "float16"}))
     assert pinned["engine_kwargs"]["dtype"] == "float16"
     assert kwargs["concurrency"] == 3 and kwargs["batch_size"] == 32 and kwargs["accelerator_type"] == "H100"
     from ray.data.llm import vLLMEngineProcessorConfig
 
     config = vLLMEngineProcessorConfig(**kwargs)  # Ray's own validation of every translated field
     assert config.model_source == kwargs["model_source"] and config.batch_size == 32
-    params = rollout_vllm.sampling_params(cfg.sampling, 6, 11, [2])
+    params = generate_vllm.sampling_params(cfg.sampling, 6, 11, [2])
     assert params["top_k"] == -1 and params["max_tokens"] == 6 and params["stop_token_ids"] == [2]
     with pytest.raises(ValueError, match="S3"):
-        rollout_vllm.processor_kwargs(_cfg(target="s3://bucket/model"))
+        generate_vllm.processor_kwargs(_cfg(target="s3://bucket/model"))
 
 
 def fake_vllm(target, rec: dict) -> dict:
@@ -58,14 +58,14 @@ def test_turn_chain_with_a_mocked_processor_yields_schema_rows():
 
     tiny = load_target("tiny")
     cfg = _cfg()
-    spec = rollout_vllm.chat_spec(cfg)
+    spec = generate_vllm.chat_spec(cfg)
     rows = [engine_row(["what is 2 + 3"]), engine_row(["def f(x): return", "and again"], "be short"),
             engine_row(["the a of " * 120])]  # too long for 256 tokens: an error row, no request
-    recs = [rollout_vllm.start_row(spec, r) for r in rows]
+    recs = [generate_vllm.start_row(spec, r) for r in rows]
     for turn in range(2):
-        opened = [rollout_vllm.open_row(spec, turn, r) for r in recs]
-        recs = [rollout_vllm.absorb_row(spec, fake_vllm(tiny, r)) for r in opened]
-    table = rollout_vllm.finish_batch(spec, pa.Table.from_pylist(recs))
+        opened = [generate_vllm.open_row(spec, turn, r) for r in recs]
+        recs = [generate_vllm.absorb_row(spec, fake_vllm(tiny, r)) for r in opened]
+    table = generate_vllm.finish_batch(spec, pa.Table.from_pylist(recs))
     assert table.schema.equals(schema.RESULT_SCHEMA)
     results = table.to_pylist()
     assert [r["error_reason"] for r in results] == [None, None, "prompt_too_long"]
@@ -98,10 +98,10 @@ def test_stage_builds_one_processor_per_turn(monkeypatch):
 
     import ray.data.llm
 
-    monkeypatch.setattr(rollout_vllm, "require_vllm", lambda: None)
+    monkeypatch.setattr(generate_vllm, "require_vllm", lambda: None)
     monkeypatch.setattr(ray.data.llm, "build_processor", build_processor)
     rows = [engine_row(["hi", "more", "again"]), engine_row(["x"])]
-    table = rollout_vllm.vllm_stage(_cfg(), Rows(rows), max_turns=3)
+    table = generate_vllm.vllm_stage(_cfg(), Rows(rows), max_turns=3)
     assert len(built) == 3 and [r["num_turns"] for r in table.to_pylist()] == [3, 1]
 
 

@@ -19,7 +19,7 @@ the on-disk format is dspark/data/schema.py, written and read by dspark/io/rollo
 Backends (`backend`): `engine` (default) generates with dspark.decoding.generator.BatchGenerator, continuous
 batching over the serving engine's ragged KV store; `transformers` runs HF `generate` on fixed
 left-padded batches (kept for comparison); `vllm` hands generation to Ray Data's vLLM processor
-(pipelines/rollout_vllm.py; GPU clusters only, untested here).
+(pipelines/generate_vllm.py; GPU clusters only, untested here).
 """
 from __future__ import annotations
 
@@ -39,14 +39,14 @@ from dspark.decoding.generator import GeneratorConfig
 from dspark.io import storage
 from dspark.data import schema
 from dspark.models.precision import AUTO_DESCRIPTION, DtypeSetting
-from pipelines import rollout_vllm
+from pipelines import generate_vllm
 from pipelines.actor_pool import (DEFAULT_START_TIMEOUT_S, START_TIMEOUT_DESCRIPTION, WorkerAsk, data_pool,
                                   target_actor_spec)
 from dspark.data.prompts import LoadResult, PromptSource, load_prompts
 from dspark.data.rollout_engine import RolloutActor, SamplingConfig
 from dspark.data.schema import Plan, add_counts
 from dspark.io.rollout_store import commit_chunk, path_in, prepare_output, read_commits, write_parquet
-from pipelines.rollout_vllm import VllmConfig
+from pipelines.generate_vllm import VllmConfig
 
 FAIL_AFTER_ENV = "DSPARK_FAIL_AFTER_CHUNKS"  # test hook: raise after this many chunk commits
 
@@ -191,7 +191,7 @@ def generation_stage(cfg: RolloutConfig, ds, rows: list[dict], actor: type, spec
     transformers backend; jobs.synthesize: its Magpie actor) in the reserved `pool`, or Ray Data's
     vLLM processor (rollouts with backend vllm)."""
     if uses_vllm(cfg, actor):
-        return rollout_vllm.vllm_stage(cfg, ds, max(len(r["turns"]) for r in rows))
+        return generate_vllm.vllm_stage(cfg, ds, max(len(r["turns"]) for r in rows))
     return ds.map_batches(  # every actor takes (spec, local_copy): an s3:// target is copied to its node
         actor, fn_constructor_kwargs={"spec": spec or rollout_actor_spec(cfg), "local_copy": storage.local_copy},
         batch_size=cfg.compute.batch_size,
@@ -272,7 +272,7 @@ def run_rollouts(cfg: RolloutConfig, on_chunk: Callable[[RunStats], None] | None
     out = cfg.output.rstrip("/")
     storage.check_writable(out)  # fail fast, before reading or generating anything
     if cfg.backend == "vllm":
-        rollout_vllm.require_vllm()
+        generate_vllm.require_vllm()
     loaded = load_prompts(cfg.sources, cfg.holdout_fraction, files=storage)
     plan = make_plan(cfg, loaded)
     prepare_output(out, plan, cfg.overwrite)

@@ -1,4 +1,4 @@
-"""Evaluation core (dspark/eval/evaluation.py), drafter references (dspark/drafter_source.py) and the
+"""Evaluation core (dspark/eval/evaluate.py), drafter references (dspark/drafter_source.py) and the
 evaluation job (jobs/evaluate.py) on the tiny target."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 
 import torch
 
-from dspark.eval import evaluation as ev
+from dspark.eval import evaluate as ev
 
 from dspark.eval import report
 
@@ -409,7 +409,7 @@ def test_evaluate_job_refuses_a_drafter_for_another_target(tmp_path, two_drafter
 
 
 def test_a_speedup_above_tau_is_reported_as_a_broken_baseline_not_quoted():
-    from dspark.eval.evaluation import _guard_speedup
+    from dspark.eval.evaluate import _guard_speedup
 
     warnings: list[str] = []
     broken, fine = {"tau": 1.4, "speedup": 1.9}, {"tau": 1.4, "speedup": 1.3}

@@ -1,7 +1,7 @@
 """backend: vllm — rollouts through Ray Data's own LLM batch processor (`ray.data.llm`, vLLM engine).
 
 For GPU clusters whose users already trust vLLM at scale. UNTESTED in this project: there is no GPU
-in CI and no vLLM on the project's GPU machine; tests/test_rollout_vllm.py checks the config
+in CI and no vLLM on the project's GPU machine; tests/test_generate_vllm.py checks the config
 translation and the row plumbing with the processor mocked.
 """
 from __future__ import annotations
@@ -78,7 +78,7 @@ def sampling_params(sampling, max_tokens: int, seed: int, stop_ids: list[int]) -
 
 # ---------------------------------------------------------------- the conversation side (tokenizer only)
 class TokenizerTarget:
-    """The tokenizer side of a target (what pipelines.rollout.ChatRollout needs), without weights."""
+    """The tokenizer side of a target (what pipelines.generate.ChatRollout needs), without weights."""
 
     def __init__(self, spec: str):
         from transformers import AutoConfig, AutoTokenizer, GenerationConfig

@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from dspark.eval.calibration import (apply_sts, brier, ece, fit_sts, reliability_curve, roc_auc, rounds_to_arrays,
+from dspark.eval.calibrate import (apply_sts, brier, ece, fit_sts, reliability_curve, roc_auc, rounds_to_arrays,
                                 to_logits, write_reliability_diagram)
 from dspark.decoding.specdec import RoundStats
 

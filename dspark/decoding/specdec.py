@@ -190,8 +190,3 @@ def target_generate(target, prompt_ids, sp: SamplingParams, max_new_tokens: int,
         rounds.append(RoundStats(0, 0, 0, [], None, emitted=1, verify_s=time.perf_counter() - t0))
         finish = "stop" if token in stops else ("length" if len(tokens) >= max_new_tokens else None)
     return GenerationResult(tokens, rounds, finish, time.perf_counter() - start, len(ids), prefill_s)
-
-
-def fixed_verify_len(n: int) -> VerifyLen:
-    """verify_len hook that always verifies min(n, proposed) drafts."""
-    return lambda _round_idx, proposal: min(n, int(proposal.tokens.shape[0]))

@@ -211,10 +211,6 @@ def _default_tags() -> dict[str, str]:
     return tags
 
 
-def active_run_id() -> str | None:
-    return _current.run_id if _current else None
-
-
 def end_run(status: str = "FINISHED", flush_timeout_s: float | None = None) -> None:
     """status: FINISHED, FAILED or KILLED. Waits (bounded) for queued logging calls first. An
     attached run is only detached: its owner ends it."""

@@ -28,12 +28,17 @@ from dspark.drafters import DraftProposal, DrafterConfig, build_drafter
 from dspark.eval.metrics import summarize_results
 from dspark.decoding.sampling import SamplingParams, accept_drafts, sample, to_probs
 from dspark.decoding.scheduler import PrefixScheduler, SchedulerConfig, SPSTable
-from dspark.decoding.specdec import drafter_layer_ids, fixed_verify_len, speculative_generate, target_generate
+from dspark.decoding.specdec import drafter_layer_ids, speculative_generate, target_generate
 from dspark.models.target import build_tiny_model
 from tests.lossless_stats import chi2_pvalue, exact_joint
 
 VOCAB, PROMPT, N_TOKENS, RUNS, GAMMA = 6, [1, 5, 2, 4, 3], 3, 4000, 3
 ALGOS = ["dspark", "dflash", "eagle3"]
+
+
+def fixed_verify_len(n: int):
+    """verify_len hook that always verifies min(n, proposed) drafts."""
+    return lambda _round_idx, proposal: min(n, int(proposal.tokens.shape[0]))
 
 
 @pytest.fixture(scope="module")

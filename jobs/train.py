@@ -178,7 +178,7 @@ def prepare_run(cfg: TrainJobConfig, init_from: str | None = None) -> TrainPlan 
 
     check_cpus_left(cfg.scaling.num_workers, cfg.scaling.cpus_per_worker, "training workers",
                     "Ray Data to read the rollouts", "scaling.cpus_per_worker")
-    run_dir = RunDir.of(cfg)
+    run_dir = RunDir.of(cfg.checkpoint.storage_path, cfg.run_name)
     storage.check_writable(run_dir.uri)
     if cfg.tracking.enabled:
         tracking.check_reachable()
@@ -212,7 +212,7 @@ def finish_run(cfg: TrainJobConfig, plan: TrainPlan, result) -> dict:
     from dspark import export
     from dspark.io import registry, tracking
 
-    summary = {"run_name": cfg.run_name, "checkpoint": checkpoint_uri(cfg, result.checkpoint),
+    summary = {"run_name": cfg.run_name, "checkpoint": checkpoint_uri(cfg.checkpoint.storage_path, result.checkpoint),
                "metrics": dict(result.metrics or {}), "mlflow_run_id": plan.mlflow_run_id}
     if not cfg.tracking.enabled:
         return summary
@@ -277,7 +277,7 @@ def run(cfg: TrainJobConfig) -> dict:
             tracking.end_run("FAILED")
         raise
     summary = finish_run(cfg, plan, result)
-    run_dir = RunDir.of(cfg)
+    run_dir = RunDir.of(cfg.checkpoint.storage_path, cfg.run_name)
     run_dir.write_record({**run_dir.read_record(), "completed_steps": int(summary["metrics"].get("step", 0))})
     summary["wall_s"] = round(time.perf_counter() - start, 1)
     return summary

@@ -7,7 +7,6 @@ import os
 from dataclasses import dataclass
 
 from dspark.io import storage
-from dspark.training.config import TrainJobConfig
 
 
 @dataclass(frozen=True)
@@ -20,8 +19,9 @@ class RunDir:
     RECORD = "dspark_run.json"
 
     @classmethod
-    def of(cls, cfg: TrainJobConfig) -> "RunDir":
-        return cls(storage.join(cfg.checkpoint.storage_path, cfg.run_name))
+    def of(cls, storage_path: str, run_name: str) -> "RunDir":
+        """The run `run_name` under the job's `checkpoint.storage_path`."""
+        return cls(storage.join(storage_path, run_name))
 
     def path(self, name: str) -> str:
         return storage.join(self.uri, name)
@@ -37,11 +37,11 @@ class RunDir:
         storage.write_text(self.path(name), text)
 
 
-def checkpoint_uri(cfg: TrainJobConfig, checkpoint) -> str | None:
+def checkpoint_uri(storage_path: str, checkpoint) -> str | None:
     """The URI of a Ray Train checkpoint (s3:// when the run stores checkpoints there); None without one."""
     if checkpoint is None:
         return None
-    return f"s3://{checkpoint.path}" if storage.is_s3(cfg.checkpoint.storage_path) else checkpoint.path
+    return f"s3://{checkpoint.path}" if storage.is_s3(storage_path) else checkpoint.path
 
 
 def copy_checkpoint_subdir(checkpoint, subdir: str, local_dir: str) -> None:

@@ -33,7 +33,7 @@ from dspark.eval import report
 from dspark.io.lineage import write_runtime_env
 from dspark.settings import settings
 from jobs.demo_runner import (JOB_PREFIX, PROFILES, REPO, RUNTIME_ENV, SERVE_PORT, Demo, DemoError, banner,
-                              endpoint_url, fmt_s)
+                              endpoint_url, fmt_s, machine_profile)
 from jobs.demo_stages import calibrate_stage, evaluate_stage, generate_stage, serve_stage, train_stage
 
 CHAT_PROMPTS = [
@@ -239,6 +239,7 @@ def run(profile, until: str = "chat") -> dict:
             raise StopHere
 
     cfg = stack.StackConfig.from_env()
+    profile = machine_profile(profile)
     demo = Demo(profile=profile, state_dir=cfg.state_dir)
     try:
         report = preflight(demo, cfg)

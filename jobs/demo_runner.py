@@ -57,6 +57,16 @@ STAGE_WIRING: dict[str, list[str]] = {
 STAGE_FLAGS: dict[str, list[str]] = {"serve": ["--detach"]}
 
 
+class SlowCpuBudget(StrictModel):
+    """A profile's budget on a CPU that computes bf16 only by emulation (AVX2, no avx512_bf16/AMX): every
+    `auto` dtype resolves to float32 there, and the target's rollouts and frozen training forward run
+    several times slower than on a CPU with native bf16, so the same budget would overrun its time."""
+
+    description: str = Field(description="expected wall time on such a CPU, printed before the run")
+    overrides: dict[str, list[str]] = Field(default_factory=dict, description=(
+        "per-stage overrides applied after the profile's own (a later `--set` of the same key wins)"))
+
+
 class Profile(StrictModel):
     """One demo profile (configs/demo/<name>.yaml)."""
 
@@ -69,8 +79,34 @@ class Profile(StrictModel):
     overrides: dict[str, list[str]] = Field(default_factory=dict, description=(
         "budget overrides per stage (`key.path=value`); part of each stage's key: changing them reruns it"))
 
+    no_native_bf16: SlowCpuBudget | None = Field(None, description=(
+        "the budget used instead where the machine's CPU has no native bf16 (see SlowCpuBudget); "
+        "none: the same budget everywhere"))
+
     def budget(self, stage: str) -> list[str]:
         return list(self.overrides.get(stage, []))
+
+    def for_this_machine(self, native_bf16: bool) -> "Profile":
+        """The profile as this machine runs it: with `no_native_bf16`'s budget where bf16 is emulated."""
+        slow = self.no_native_bf16
+        if native_bf16 or slow is None:
+            return self
+        stages = set(self.overrides) | set(slow.overrides)
+        merged = {s: self.budget(s) + list(slow.overrides.get(s, [])) for s in stages}
+        return self.model_copy(update={"description": slow.description, "overrides": merged, "no_native_bf16": None})
+
+
+def machine_profile(profile):
+    """The profile's budget for this machine's CPU (the demo's stages run on it): the smaller one where
+    bf16 is only emulated, said so before anything runs."""
+    from dspark.models.precision import bf16_is_native
+
+    native = bf16_is_native("cpu")
+    chosen = profile.for_this_machine(native)
+    if chosen is not profile:
+        print(f"this CPU has no native bf16 (no avx512_bf16/AMX): the target runs in float32, so the "
+              f"{profile.name} profile uses its smaller budget for such CPUs ({chosen.description})", flush=True)
+    return chosen
 
 
 def load_profiles(directory: Path = PROFILE_DIR) -> dict[str, Profile]:
@@ -78,7 +114,8 @@ def load_profiles(directory: Path = PROFILE_DIR) -> dict[str, Profile]:
     for path in sorted(directory.glob("*.yaml")):
         profile = load_config(Profile, path, [])
         profiles[path.stem] = profile.model_copy(update={"name": path.stem})
-        unknown = set(profile.overrides) - set(STAGES)
+        unknown = (set(profile.overrides) | set(profile.no_native_bf16.overrides if profile.no_native_bf16 else {})) \
+            - set(STAGES)
         if unknown:
             raise ValueError(f"{path}: overrides for unknown stages {sorted(unknown)}; stages are {list(STAGES)}")
     return profiles

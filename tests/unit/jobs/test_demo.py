@@ -42,13 +42,34 @@ def test_every_stage_config_of_every_profile_exists(profile):
 
 
 
+def test_a_cpu_without_native_bf16_gets_the_smaller_budget_and_is_told(monkeypatch, capsys):
+    """The default profile's bf16 budget would overrun its time several-fold where bf16 is emulated: there
+    its no_native_bf16 budget is applied after the profile's own overrides (a later --set wins), said
+    before anything runs; with native bf16 (or a profile without such a budget) nothing changes."""
+    import dspark.models.precision as precision
+
+    default = runner.PROFILES["default"]
+    assert default.no_native_bf16 is not None and runner.PROFILES["smoke"].no_native_bf16 is None
+    monkeypatch.setattr(precision, "bf16_is_native", lambda device: True)
+    assert runner.machine_profile(default) is default and capsys.readouterr().out == ""
+    monkeypatch.setattr(precision, "bf16_is_native", lambda device: False)
+    slow = runner.machine_profile(default)
+    assert "no native bf16" in capsys.readouterr().out
+    assert slow.description == default.no_native_bf16.description and slow.no_native_bf16 is None
+    for stage, extra in default.no_native_bf16.overrides.items():
+        assert slow.budget(stage) == default.budget(stage) + extra  # applied last: its keys win
+    assert runner.machine_profile(runner.PROFILES["smoke"]) is runner.PROFILES["smoke"]
+
+
+@pytest.mark.parametrize("native_bf16", [True, False])
 @pytest.mark.parametrize("profile", sorted(runner.PROFILES))
-def test_stage_overrides_validate_against_each_job_config(profile):
+def test_stage_overrides_validate_against_each_job_config(profile, native_bf16):
     """Budget + wiring overrides (placeholders filled with dummy values) are accepted by each job's
-    config model, so the demo cannot die on an unknown key after minutes of earlier stages."""
+    config model, so the demo cannot die on an unknown key after minutes of earlier stages; also the
+    budget a CPU without native bf16 gets."""
     from dspark.config import load_config
 
-    prof = runner.PROFILES[profile]
+    prof = runner.PROFILES[profile].for_this_machine(native_bf16)
     dummy = {"rollouts": "s3://dspark/x/rollouts", "experiment": "e", "run_name": "r", "checkpoints": "s3://dspark/c",
              "drafter": "models:/m/1", "calibrated": "s3://dspark/x/cal", "eval_dir": "s3://dspark/e",
              "drafters": json.dumps([{"name": "dspark", "ref": "models:/m/1"}]), "serve_host": "127.0.0.1",

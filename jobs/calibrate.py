@@ -28,7 +28,7 @@ from dspark.eval import evaluate as ev
 from dspark.eval import metrics
 from dspark.config import ModelAlias, ModelRef, StrictModel
 from pipelines.ray_cluster import init_ray
-from jobs.common import load_job_config, tracked_run
+from jobs.common import job_main, tracked_run
 from dspark.config import RayConfig, TrackingConfig
 from pipelines.eval_decode import WorkersConfig, decode_items, worker_spec
 
@@ -266,19 +266,8 @@ def run(cfg: CalibrateConfig) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    cfg = load_job_config(CalibrateConfig, argv, "Fit STS temperatures of a DSpark drafter's confidence head.")
-    from dspark.io.storage import StorageError
-    from dspark.io.tracking import TrackingError
-    from pipelines.actor_pool import WorkersUnavailable
-
-    try:
-        run(cfg)
-    except (ValueError, FileNotFoundError, StorageError, TrackingError, WorkersUnavailable) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    return 0
-
+    return job_main(CalibrateConfig, run, argv, "Fit STS temperatures of a DSpark drafter's confidence head.",
+                    log_info=True)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -3,12 +3,13 @@ is pipelines.ray_cluster.init_ray).
 
     python -m jobs.X --config configs/x.yaml --set a.b=1 --set c=foo
 
-A job's config model embeds `ray: RayConfig` and `tracking: TrackingConfig`; a job's main is then
+A job's config model embeds `ray: RayConfig` and `tracking: TrackingConfig`; its `run(cfg)` is then
 
-    cfg = load_job_config(MyConfig, argv, "what the job does")
     init_ray(cfg.ray)
     with tracked_run(cfg.tracking, cfg, run_name="...") as run_id:
         ...
+
+and its `main` is `job_main(MyConfig, run, argv, "what the job does", summary=...)`.
 """
 from __future__ import annotations
 
@@ -41,6 +42,30 @@ def load_job_config(model: type[M], argv: list[str] | None, description: str) ->
         return load_config(model, args.config, args.overrides, read_text=storage.read_text)
     except ConfigError as err:
         sys.exit(f"error: {err}")
+
+
+def job_main(model: type[M], run: Callable[[M], object], argv: list[str] | None, description: str,
+             summary: Callable[[M, object], object] | None = None, log_info: bool = False) -> int:
+    """A job's `main`: load the config, `run(cfg)`, print `summary(cfg, result)` as one JSON line (when
+    given). An error the user can act on (bad input or config, storage or tracking unreachable, no
+    workers) is one `error: ...` line on stderr and exit status 2, without a traceback."""
+    from dspark.io.storage import StorageError
+    from dspark.io.tracking import TrackingError
+    from pipelines.actor_pool import WorkersUnavailable
+
+    if log_info:
+        import logging
+
+        logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    cfg = load_job_config(model, argv, description)
+    try:
+        result = run(cfg)
+    except (ValueError, FileNotFoundError, TimeoutError, StorageError, TrackingError, WorkersUnavailable) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if summary is not None:
+        print(json.dumps(summary(cfg, result), default=str), flush=True)
+    return 0
 
 
 def save_config(cfg: StrictModel, uri: str) -> None:

@@ -10,7 +10,6 @@ Prints a JSON summary as its last line; exit 0 whether or not something drifted.
 """
 from __future__ import annotations
 
-import json
 import logging
 import sys
 import time
@@ -19,7 +18,7 @@ from pydantic import Field
 
 from dspark.config import StrictModel, TrackingConfig
 from dspark.flywheel import drift
-from jobs.common import load_job_config, tracked_run
+from jobs.common import job_main, tracked_run
 
 log = logging.getLogger("dspark.drift")
 
@@ -72,16 +71,8 @@ def run(cfg: DriftConfig, now: float | None = None) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    cfg = load_job_config(DriftConfig, argv, "Flag domains whose live acceptance dropped below the drafter's baseline.")
-    try:
-        summary = run(cfg)
-    except (ValueError, FileNotFoundError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    print(json.dumps(summary))
-    return 0
-
+    return job_main(DriftConfig, run, argv, "Flag domains whose live acceptance dropped below the drafter's baseline.",
+                    summary=lambda cfg, result: result, log_info=True)
 
 if __name__ == "__main__":
     sys.exit(main())

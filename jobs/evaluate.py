@@ -27,9 +27,8 @@ from dspark.eval import evaluate as ev
 from dspark.eval import report
 from dspark.config import ModelRef, StrictModel, config_to_dict
 from pipelines.ray_cluster import init_ray
-from jobs.common import load_job_config, tracked_run
+from jobs.common import job_main, tracked_run
 from dspark.config import RayConfig, TrackingConfig
-from pipelines.actor_pool import WorkersUnavailable
 from pipelines.eval_decode import WorkersConfig, decode_items, worker_spec
 
 log = logging.getLogger("dspark.evaluate")
@@ -260,18 +259,8 @@ def run(cfg: EvalConfig) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    cfg = load_job_config(EvalConfig, argv, "Evaluate drafters by real speculative decoding on benchmark prompts.")
-    from dspark.io.storage import StorageError
-    from dspark.io.tracking import TrackingError
-
-    try:
-        run(cfg)
-    except (ValueError, FileNotFoundError, StorageError, TrackingError, WorkersUnavailable) as err:  # one line
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    return 0
-
+    return job_main(EvalConfig, run, argv, "Evaluate drafters by real speculative decoding on benchmark prompts.",
+                    log_info=True)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -9,7 +9,6 @@ The output layout and row schema are documented in dspark/data/schema.py.
 """
 from __future__ import annotations
 
-import json
 import sys
 import tempfile
 from collections import Counter
@@ -19,9 +18,7 @@ from pydantic import Field
 
 from dspark.eval import report
 from dspark.config import RayConfig, TrackingConfig
-from dspark.io.storage import StorageError
-from dspark.io.tracking import TrackingError
-from jobs.common import load_job_config, resumable_stage_run
+from jobs.common import job_main, resumable_stage_run
 from pipelines.generate import RolloutConfig, RolloutResult, run_rollouts
 from dspark.io.rollout_store import read_rollouts
 
@@ -90,20 +87,17 @@ def run(cfg: GenerateConfig) -> RolloutResult:
     return result
 
 
-def main(argv: list[str] | None = None) -> int:
-    cfg = load_job_config(GenerateConfig, argv, "Generate target rollouts for drafter training (Ray Data).")
-    try:
-        result = run(cfg)
-    except (ValueError, FileNotFoundError, StorageError, TrackingError) as err:  # one line, no traceback
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+def run_summary(cfg: GenerateConfig, result: RolloutResult) -> dict:
     m = result.manifest
-    print(json.dumps({"output": cfg.output, "rows_out": m["counts"]["rows_out"],
-                      "errors": m["counts"]["errors"], "errors_by_reason": m["errors_by_reason"],
-                      "tokens_generated": m["tokens"]["generated"], "tokens_per_s": round(result.stats.tokens_per_s, 2),
-                      "chunks_skipped": result.stats.chunks_skipped, "complete": m["complete"]}))
-    return 0
+    return {"output": cfg.output, "rows_out": m["counts"]["rows_out"], "errors": m["counts"]["errors"],
+            "errors_by_reason": m["errors_by_reason"], "tokens_generated": m["tokens"]["generated"],
+            "tokens_per_s": round(result.stats.tokens_per_s, 2), "chunks_skipped": result.stats.chunks_skipped,
+            "complete": m["complete"]}
 
+
+def main(argv: list[str] | None = None) -> int:
+    return job_main(GenerateConfig, run, argv, "Generate target rollouts for drafter training (Ray Data).",
+                    summary=run_summary)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -25,7 +25,7 @@ from pydantic import Field
 
 from dspark.eval import evaluate as ev
 from dspark.config import ModelAlias, RayConfig, StrictModel, TrackingConfig
-from jobs.common import load_job_config, tracked_run
+from jobs.common import job_main, tracked_run
 from pipelines.eval_decode import WorkersConfig
 
 log = logging.getLogger("dspark.promote")
@@ -182,16 +182,8 @@ def _serves(resp, drafter: str) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    cfg = load_job_config(PromoteConfig, argv, "Judge a retrained drafter against the serving one; promote it if it wins.")
-    try:
-        summary = run(cfg)
-    except (ValueError, FileNotFoundError, TimeoutError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    print(json.dumps(summary, default=str))
-    return 0
-
+    return job_main(PromoteConfig, run, argv, "Judge a retrained drafter against the serving one; promote it if it wins.",
+                    summary=lambda cfg, result: result, log_info=True)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -8,13 +8,12 @@ Prints a JSON summary as its last line.
 """
 from __future__ import annotations
 
-import json
 import sys
 
 from pydantic import Field
 
 from dspark.config import StrictModel, TrackingConfig
-from jobs.common import load_job_config, tracked_run
+from jobs.common import job_main, tracked_run
 
 
 class RetrainDataConfig(StrictModel):
@@ -59,15 +58,8 @@ def run(cfg: RetrainDataConfig) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    cfg = load_job_config(RetrainDataConfig, argv, "Mix captured traffic with the original rollouts for retraining.")
-    try:
-        summary = run(cfg)
-    except (ValueError, FileNotFoundError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    print(json.dumps(summary, default=str))
-    return 0
-
+    return job_main(RetrainDataConfig, run, argv, "Mix captured traffic with the original rollouts for retraining.",
+                    summary=lambda cfg, result: result)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -11,7 +11,6 @@ Layout and row schema: pipelines/synthesize.py.
 from __future__ import annotations
 
 import hashlib
-import json
 import sys
 import tempfile
 from pathlib import Path
@@ -20,9 +19,7 @@ from pydantic import Field
 
 from dspark.eval import report
 from dspark.config import RayConfig, TrackingConfig
-from dspark.io.storage import StorageError
-from dspark.io.tracking import TrackingError
-from jobs.common import load_job_config, resumable_stage_run
+from jobs.common import job_main, resumable_stage_run
 from dspark.data.magpie import DROP_REASONS
 from pipelines.synthesize import (SynthesisResult, SynthesizeConfig, eval_files_text, read_prompts,
                                   run_synthesis)
@@ -106,15 +103,8 @@ def summary(result: SynthesisResult, output: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    cfg = load_job_config(SynthesizeJobConfig, argv, "Build a filtered prompt corpus (Magpie and/or datasets).")
-    try:
-        result = run(cfg)
-    except (ValueError, FileNotFoundError, StorageError, TrackingError) as err:  # one line, no traceback
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    print(json.dumps(summary(result, cfg.output)))
-    return 0
-
+    return job_main(SynthesizeJobConfig, run, argv, "Build a filtered prompt corpus (Magpie and/or datasets).",
+                    summary=lambda cfg, result: summary(result, cfg.output))
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -56,7 +56,7 @@ def config_model_name(module_path: Path) -> str:
     tree = ast.parse(module_path.read_text())
     for node in ast.walk(tree):
         if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", "")) in (
-                "load_job_config", "load_config") and node.args and isinstance(node.args[0], ast.Name):
+                "job_main", "load_job_config", "load_config") and node.args and isinstance(node.args[0], ast.Name):
             return node.args[0].id
     raise AssertionError(f"{module_path}: no load_job_config(<Model>, ...) call found")
 

@@ -176,17 +176,12 @@ def publish_drafter(drafter, new_uri: str, tmp: str, run_id: str | None, model_n
                     aliases: list[str], source: str, tau: float | None = None) -> dict | None:
     """Save the calibrated drafter to `new_uri`, log it to the run and register it (with its engine
     exports attached); returns the registration."""
-    import shutil
-
     from dspark import export
     from dspark.io import storage
     from dspark.drafters import save_drafter
 
-    saved = save_drafter(drafter, os.path.join(tmp, DRAFTER_NAME))
-    if storage.is_s3(new_uri):
-        storage.upload_dir(saved, new_uri)
-    else:
-        shutil.copytree(saved, new_uri, dirs_exist_ok=True)
+    saved = save_drafter(drafter, os.path.join(tmp, DRAFTER_NAME))  # kept locally: the run logs it too
+    storage.upload_dir(saved, new_uri)  # local dir or s3://
     if not run_id:
         if model_name:
             log.warning("tracking is disabled: the calibrated drafter was not registered as %s", model_name)

@@ -264,5 +264,6 @@ def main(argv: list[str] | None = None) -> int:
     return job_main(CalibrateConfig, run, argv, "Fit STS temperatures of a DSpark drafter's confidence head.",
                     log_info=True)
 
+
 if __name__ == "__main__":
     sys.exit(main())

@@ -44,6 +44,11 @@ def load_job_config(model: type[M], argv: list[str] | None, description: str) ->
         sys.exit(f"error: {err}")
 
 
+def the_result(cfg, result):
+    """job_main's `summary` for a job whose `run` returns its summary already."""
+    return result
+
+
 def job_main(model: type[M], run: Callable[[M], object], argv: list[str] | None, description: str,
              summary: Callable[[M, object], object] | None = None, log_info: bool = False) -> int:
     """A job's `main`: load the config, `run(cfg)`, print `summary(cfg, result)` as one JSON line (when

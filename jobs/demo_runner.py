@@ -114,8 +114,8 @@ def load_profiles(directory: Path = PROFILE_DIR) -> dict[str, Profile]:
     for path in sorted(directory.glob("*.yaml")):
         profile = load_config(Profile, path, [])
         profiles[path.stem] = profile.model_copy(update={"name": path.stem})
-        unknown = (set(profile.overrides) | set(profile.no_native_bf16.overrides if profile.no_native_bf16 else {})) \
-            - set(STAGES)
+        slow_cpu = profile.no_native_bf16.overrides if profile.no_native_bf16 else {}
+        unknown = (set(profile.overrides) | set(slow_cpu)) - set(STAGES)
         if unknown:
             raise ValueError(f"{path}: overrides for unknown stages {sorted(unknown)}; stages are {list(STAGES)}")
     return profiles

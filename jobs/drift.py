@@ -18,7 +18,7 @@ from pydantic import Field
 
 from dspark.config import StrictModel, TrackingConfig
 from dspark.flywheel import drift
-from jobs.common import job_main, tracked_run
+from jobs.common import job_main, the_result, tracked_run
 
 log = logging.getLogger("dspark.drift")
 
@@ -72,7 +72,8 @@ def run(cfg: DriftConfig, now: float | None = None) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     return job_main(DriftConfig, run, argv, "Flag domains whose live acceptance dropped below the drafter's baseline.",
-                    summary=lambda cfg, result: result, log_info=True)
+                    summary=the_result, log_info=True)
+
 
 if __name__ == "__main__":
     sys.exit(main())

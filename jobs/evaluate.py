@@ -262,5 +262,6 @@ def main(argv: list[str] | None = None) -> int:
     return job_main(EvalConfig, run, argv, "Evaluate drafters by real speculative decoding on benchmark prompts.",
                     log_info=True)
 
+
 if __name__ == "__main__":
     sys.exit(main())

@@ -99,5 +99,6 @@ def main(argv: list[str] | None = None) -> int:
     return job_main(GenerateConfig, run, argv, "Generate target rollouts for drafter training (Ray Data).",
                     summary=run_summary)
 
+
 if __name__ == "__main__":
     sys.exit(main())

@@ -25,7 +25,7 @@ from pydantic import Field
 
 from dspark.eval import evaluate as ev
 from dspark.config import ModelAlias, RayConfig, StrictModel, TrackingConfig
-from jobs.common import job_main, tracked_run
+from jobs.common import job_main, the_result, tracked_run
 from pipelines.eval_decode import WorkersConfig
 
 log = logging.getLogger("dspark.promote")
@@ -183,7 +183,8 @@ def _serves(resp, drafter: str) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     return job_main(PromoteConfig, run, argv, "Judge a retrained drafter against the serving one; promote it if it wins.",
-                    summary=lambda cfg, result: result, log_info=True)
+                    summary=the_result, log_info=True)
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -13,7 +13,7 @@ import sys
 from pydantic import Field
 
 from dspark.config import StrictModel, TrackingConfig
-from jobs.common import job_main, tracked_run
+from jobs.common import job_main, the_result, tracked_run
 
 
 class RetrainDataConfig(StrictModel):
@@ -59,7 +59,8 @@ def run(cfg: RetrainDataConfig) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     return job_main(RetrainDataConfig, run, argv, "Mix captured traffic with the original rollouts for retraining.",
-                    summary=lambda cfg, result: result)
+                    summary=the_result)
+
 
 if __name__ == "__main__":
     sys.exit(main())

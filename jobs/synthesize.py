@@ -106,5 +106,6 @@ def main(argv: list[str] | None = None) -> int:
     return job_main(SynthesizeJobConfig, run, argv, "Build a filtered prompt corpus (Magpie and/or datasets).",
                     summary=lambda cfg, result: summary(result, cfg.output))
 
+
 if __name__ == "__main__":
     sys.exit(main())

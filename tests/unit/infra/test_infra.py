@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from tests.job_modules import config_model_name
 from tests.paths import REPO
 
 ROOT = REPO
@@ -49,16 +50,6 @@ def repo_path(path: str) -> Path:
         path = path[len(IMAGE_DIR) + 1:]
     assert not path.startswith("/"), f"{path}: configs must be repo-relative or under {IMAGE_DIR}/"
     return ROOT / path
-
-
-def config_model_name(module_path: Path) -> str:
-    """Name of the config class a job module passes to load_job_config/load_config."""
-    tree = ast.parse(module_path.read_text())
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", "")) in (
-                "job_main", "load_job_config", "load_config") and node.args and isinstance(node.args[0], ast.Name):
-            return node.args[0].id
-    raise AssertionError(f"{module_path}: no load_job_config(<Model>, ...) call found")
 
 
 def check_entrypoint(entrypoint: str) -> tuple[str, Path]:

@@ -4,7 +4,6 @@ on the `tiny` target (slow, integration: starts the local stack and submits ever
 
 from __future__ import annotations
 
-import ast
 
 import importlib
 
@@ -22,6 +21,7 @@ import pytest
 from jobs import demo
 
 from jobs import demo_runner as runner
+from tests.job_modules import config_model_name
 from tests.paths import REPO
 
 
@@ -84,13 +84,8 @@ def test_stage_overrides_validate_against_each_job_config(profile, native_bf16):
 
 
 def job_config_model(stage: str):
-    """The config class `jobs.<stage>` validates its --config with (found in its job_main or load_*config call)."""
-    source = ROOT / "jobs" / f"{stage}.py"
-    for node in ast.walk(ast.parse(source.read_text())):
-        if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", "")) in (
-                "job_main", "load_job_config", "load_config") and node.args and isinstance(node.args[0], ast.Name):
-            return getattr(importlib.import_module(f"jobs.{stage}"), node.args[0].id)
-    raise AssertionError(f"{source}: no job_main(<Model>, ...) or load_job_config(<Model>, ...) call")
+    """The config class `jobs.<stage>` validates its --config with."""
+    return getattr(importlib.import_module(f"jobs.{stage}"), config_model_name(ROOT / "jobs" / f"{stage}.py"))
 
 
 

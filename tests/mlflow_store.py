@@ -24,3 +24,21 @@ def new_sqlite_store(folder: Path) -> str:
     folder.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(_templates[cwd], folder / "mlflow.db")
     return f"sqlite:///{folder / 'mlflow.db'}"
+
+
+
+def register_drafter_dir(drafter_dir: str, artifact_dir: Path, experiment: str, model: str,
+                         tracking_uri: str | None = None) -> tuple[str, str]:
+    """Log `drafter_dir` as the `drafter` artifact of a run in a new experiment (artifacts under
+    `artifact_dir`) of `tracking_uri` (default $MLFLOW_TRACKING_URI) and register it as a new version of
+    `model` (MLflow 3: a plain artifact dir registers via create_model_version). Returns (run id, version)."""
+    import mlflow
+
+    mlflow.set_tracking_uri(tracking_uri or os.environ["MLFLOW_TRACKING_URI"])
+    client = mlflow.MlflowClient()
+    experiment_id = client.create_experiment(experiment, artifact_location=artifact_dir.as_uri())
+    with mlflow.start_run(experiment_id=experiment_id) as run:
+        mlflow.log_artifacts(drafter_dir, "drafter")
+    client.create_registered_model(model)
+    version = client.create_model_version(model, f"runs:/{run.info.run_id}/drafter", run.info.run_id).version
+    return run.info.run_id, str(version)

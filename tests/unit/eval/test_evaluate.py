@@ -27,7 +27,7 @@ from dspark.decoding.specdec import RoundStats, target_generate
 
 from dspark.models.target import build_tiny_model, load_target
 from tests.paths import REPO
-from tests.mlflow_store import new_sqlite_store
+from tests.mlflow_store import new_sqlite_store, register_drafter_dir
 
 
 
@@ -311,43 +311,23 @@ def test_drafter_references_resolve_through_mlflow(tiny, tmp_path, monkeypatch):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", new_sqlite_store(tmp_path))
     monkeypatch.setenv("DSPARK_CACHE", str(tmp_path / "cache"))
     saved = save_drafter(tiny_drafter(tiny), str(tmp_path / "drafter"))
-    mlflow.set_tracking_uri(os.environ["MLFLOW_TRACKING_URI"])
-    mlflow.create_experiment("t", artifact_location=(tmp_path / "artifacts").as_uri())
-    with mlflow.start_run(experiment_id=mlflow.get_experiment_by_name("t").experiment_id) as run:
-        mlflow.log_artifacts(saved, "drafter")
-    client = mlflow.MlflowClient()
-    client.create_registered_model("tiny-d")  # MLflow 3: a plain artifact dir registers via create_model_version
-    version = client.create_model_version("tiny-d", f"runs:/{run.info.run_id}/drafter", run.info.run_id).version
-    client.set_registered_model_alias("tiny-d", "best", version)
+    run_id, version = register_drafter_dir(saved, tmp_path / "artifacts", "t", "tiny-d")
+    mlflow.MlflowClient().set_registered_model_alias("tiny-d", "best", version)
     assert resolve_ref("models:/tiny-d@latest").uri == f"models:/tiny-d/{version}"  # no such alias: newest
     assert resolve_ref("models:/tiny-d@best").model_version == str(version)
     weights = None
-    for ref in (saved, f"runs:/{run.info.run_id}/drafter", "models:/tiny-d@best", f"models:/tiny-d/{version}"):
+    for ref in (saved, f"runs:/{run_id}/drafter", "models:/tiny-d@best", f"models:/tiny-d/{version}"):
         drafter = load_drafter_ref(ref, tiny)
         state = {k: v.clone() for k, v in drafter.state_dict().items()}
         weights = weights or state
         assert all(torch.equal(weights[k], state[k]) for k in weights)
-    assert os.path.isfile(os.path.join(local_dir(f"runs:/{run.info.run_id}/drafter"), "config.json"))
+    assert os.path.isfile(os.path.join(local_dir(f"runs:/{run_id}/drafter"), "config.json"))
     with pytest.raises(ValueError, match=r"drafter models:/tiny-d/1: .*another target"):
         load_drafter_ref("models:/tiny-d/1", build_tiny_model(vocab_size=16))
     with pytest.raises(FileNotFoundError, match="not found"):
         local_dir(str(tmp_path / "nope"))
     with pytest.raises(ValueError, match="nothere"):
         resolve_ref("models:/tiny-d@nothere")
-
-
-
-def _register(store: str, saved: str, name: str) -> str:
-    """Register the drafter dir `saved` as `name` in the tracking store `store`; returns its version."""
-    import mlflow
-
-    mlflow.set_tracking_uri(store)
-    client = mlflow.MlflowClient()
-    experiment = client.create_experiment("t", artifact_location=(Path(saved).parent / "artifacts").as_uri())
-    with mlflow.start_run(experiment_id=experiment) as run:
-        mlflow.log_artifacts(saved, "drafter")
-    client.create_registered_model(name)
-    return str(client.create_model_version(name, f"runs:/{run.info.run_id}/drafter", run.info.run_id).version)
 
 
 
@@ -361,7 +341,7 @@ def test_drafter_cache_is_keyed_by_tracking_server(tiny, tmp_path, monkeypatch):
         drafter = tiny_drafter(tiny, seed={"a": 1, "b": 2}[store])
         saved = save_drafter(drafter, str(tmp_path / store / "drafter"))
         uri = new_sqlite_store(tmp_path / store)
-        assert _register(uri, saved, "same-name") == "1"
+        assert register_drafter_dir(saved, Path(saved).parent / "artifacts", "t", "same-name", uri)[1] == "1"
         states[uri] = {k: v.clone() for k, v in drafter.state_dict().items()}
     assert not all(torch.equal(v, states[f"sqlite:///{tmp_path / 'b' / 'mlflow.db'}"][k])
                    for k, v in states[f"sqlite:///{tmp_path / 'a' / 'mlflow.db'}"].items())

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +12,7 @@ from dspark.drafters import DrafterConfig, build_drafter, load_drafter, save_dra
 from dspark.decoding.specdec import RoundStats
 from dspark.models.target import load_target
 from jobs import calibrate
-from tests.mlflow_store import new_sqlite_store
+from tests.mlflow_store import new_sqlite_store, register_drafter_dir
 
 
 @pytest.fixture(scope="module")
@@ -88,13 +87,8 @@ def test_calibration_job_writes_a_new_registered_version(tiny, tmp_path, monkeyp
     monkeypatch.setenv("DSPARK_STATE_DIR", str(tmp_path / "state"))
     monkeypatch.setenv("DSPARK_CACHE", str(tmp_path / "cache"))
     source = save_drafter(tiny_drafter(tiny), str(tmp_path / "source"))
-    mlflow.set_tracking_uri(os.environ["MLFLOW_TRACKING_URI"])
-    mlflow.create_experiment("src", artifact_location=(tmp_path / "artifacts").as_uri())
-    with mlflow.start_run(experiment_id=mlflow.get_experiment_by_name("src").experiment_id) as src_run:
-        mlflow.log_artifacts(source, "drafter")
+    register_drafter_dir(source, tmp_path / "artifacts", "src", "tiny-d")
     client = mlflow.MlflowClient()
-    client.create_registered_model("tiny-d")
-    client.create_model_version("tiny-d", f"runs:/{src_run.info.run_id}/drafter", src_run.info.run_id)
     prompts = tmp_path / "holdout.jsonl"
     prompts.write_text('{"turns": ["what is 2 + 3?"]}\n{"turns": ["def f(x):", "and g?"]}\n{"turns": ["one two"]}\n')
     cfg = calibrate.CalibrateConfig.model_validate({

@@ -9,7 +9,7 @@ export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 export DS_ACCELERATOR := cpu
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: venv demo test test-slow test-all test-fast test-cluster stack-up stack-down bench clean gpu-prepare gpu-sim
+.PHONY: venv demo test test-slow test-all test-fast test-cluster stack-up stack-down bench clean gpu-prepare gpu-sim gpu-jobs-prepare gpu-jobs-sim
 
 venv: $(STAMP)
 
@@ -74,6 +74,12 @@ gpu-prepare: $(STAMP)  ## .gpu-bundle/: wheels + compact target + launcher for a
 
 gpu-sim: gpu-prepare  ## the GPU recipe on a simulated GPU machine (Python 3.12 + the image's torch/transformers), tiny and smollm2-135m
 	$(PY) -m recipes.gpu_sim $(SIM)
+
+gpu-jobs-prepare: $(STAMP)  ## .gpu-jobs-stage/ + .gpu-jobs/: Ray/DeepSpeed/MLflow wheels + launcher of the product's jobs on a GPU machine
+	$(PY) -m recipes.gpu_jobs prepare
+
+gpu-jobs-sim: gpu-jobs-prepare  ## the jobs bundle on the simulated GPU machine (the whole chain on its CPU; a cuda run stops at the CUDA check)
+	$(PY) -m recipes.gpu_jobs sim
 
 clean:
 	-$(VENV)/bin/dspark stack down

@@ -50,15 +50,7 @@ NAME = re.compile(r"^[A-Za-z0-9._-]+$")
 
 def check_output(out: Path, last_line: str) -> list[str]:
     """Problems with an output folder as a device run would bring it back (empty list: none)."""
-    files = [f for f in out.rglob("*") if f.is_file()]
-    problems = [f"{len(files)} files (at most 8)"] if len(files) > 8 else []
-    problems += [f"{f.name}: {f.stat().st_size / MiB:.1f} MiB (at most 16)" for f in files if f.stat().st_size > 16 * MiB]
-    total = sum(f.stat().st_size for f in files)
-    problems += [f"{total / MiB:.1f} MiB in all (at most 64)"] if total > 64 * MiB else []
-    for f in files:
-        rel = f.relative_to(out)
-        if len(rel.parts) > 3 or not all(NAME.match(p) for p in rel.parts):
-            problems.append(f"{rel}: would not come back (depth or name)")
+    problems = check_files(out)
     try:
         summary = json.loads((out / "recipe.json").read_text())
     except (OSError, ValueError) as err:
@@ -80,19 +72,19 @@ def sim_env(root: Path, **extra: str) -> dict:
             "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"), **extra}
 
 
-def stage(root: Path, python: Path) -> None:
-    """Deliver into `root` what the device calls do, in order: the working tree, each .gpu-stage/NN/ with its
-    stage script run (it must pass), then .gpu-bundle/ (the last call's carry)."""
+def stage(root: Path, python: Path, stage_root: Path = STAGE, bundle: Path = BUNDLE) -> None:
+    """Deliver into `root` what the device calls do, in order: the working tree, each stage_root/NN/ with its
+    stage script run (it must pass), then `bundle` (the last call's carry)."""
     for rel in travelling_files():
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(rel, root / rel)
-    for folder in sorted(STAGE.iterdir()):  # one device call each, on the same machine
+    for folder in sorted(stage_root.iterdir()):  # one device call each, on the same machine
         shutil.copytree(folder, root / folder)
         proc = subprocess.run(["bash", str(folder / "stage.sh")], cwd=root, env=sim_env(root, PYTHON=str(python)),
                               capture_output=True, text=True, timeout=600)
         if proc.returncode:
             raise RuntimeError(f"the stage call {folder} failed: {proc.stdout[-400:]} {proc.stderr[-400:]}")
-    shutil.copytree(BUNDLE, root / BUNDLE)
+    shutil.copytree(bundle, root / bundle)
 
 
 def run_one(python: Path, root: Path, name: str, timeout: float) -> dict:
@@ -112,6 +104,21 @@ def run_one(python: Path, root: Path, name: str, timeout: float) -> dict:
     files = sorted(f"{f.relative_to(out)} ({f.stat().st_size / MiB:.2f} MiB)" for f in out.rglob("*") if f.is_file())
     return {"run": name, "wall_s": round(wall, 1), "ok": not problems, "problems": problems, "files": files,
             "summary": summary, "log": str(root / f"log-{name}.txt")}
+
+
+def check_files(out: Path) -> list[str]:
+    """What would not come back from a device run's $OUT: at most 8 plain files, each <= 16 MiB, <= 64 MiB in
+    all, no deeper than 2 folders, plain names."""
+    files = [f for f in out.rglob("*") if f.is_file()]
+    problems = [f"{len(files)} files (at most 8)"] if len(files) > 8 else []
+    problems += [f"{f.name}: {f.stat().st_size / MiB:.1f} MiB (at most 16)" for f in files if f.stat().st_size > 16 * MiB]
+    total = sum(f.stat().st_size for f in files)
+    problems += [f"{total / MiB:.1f} MiB in all (at most 64)"] if total > 64 * MiB else []
+    for f in files:
+        rel = f.relative_to(out)
+        if len(rel.parts) > 3 or not all(NAME.match(p) for p in rel.parts):
+            problems.append(f"{rel}: would not come back (depth or name)")
+    return problems
 
 
 def main(argv: list[str]) -> int:

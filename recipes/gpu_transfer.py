@@ -86,9 +86,10 @@ def join_parts(stage_root: Path, bundle: Path, dest: Path) -> Path:
     problems = check(bundle, stage_root, bundle)
     if problems:
         calls = [p["where"] for p in manifest["parts"] if p["where"] != "bundle"]
-        raise RuntimeError("the target's parts are not all here: " + "; ".join(problems) + ". Make the stage "
-                           "calls first, each right after the other on the same warm machine: " + ", ".join(
-                               f"run(command='bash .gpu-{w}/stage.sh', carry=['.gpu-{w}'])" for w in calls)
+        folders = [f"{stage_root.name}/{w.split('/', 1)[1]}" for w in calls]
+        raise RuntimeError(f"{manifest['file']}'s parts are not all here: " + "; ".join(problems) + ". Make the "
+                           "stage calls first, each right after the other on the same warm machine: " + ", ".join(
+                               f"run(command='bash {f}/stage.sh', carry=['{f}'])" for f in folders)
                            + ", then this one (README 'Running the GPU recipe')")
     dest.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")

@@ -171,7 +171,7 @@ def test_target_split_over_two_calls_joins_exactly_and_names_a_missing_stage_par
 
     src = tmp_path / "model.whl"
     src.write_bytes(np.random.default_rng(0).integers(0, 256, 250_000, dtype=np.uint8).tobytes())
-    stage, bundle = tmp_path / "stage", tmp_path / "bundle"
+    stage, bundle = tmp_path / ".gpu-stage", tmp_path / "bundle"
     manifest = gpu_transfer.split(src, stage, bundle, stage_part_bytes=100_000, bundle_part_bytes=60_000)
     assert [(p["where"], p["bytes"]) for p in manifest["parts"]] == [
         ("stage/00", 100_000), ("stage/01", 100_000), ("bundle", 50_000)]
@@ -185,7 +185,7 @@ def test_target_split_over_two_calls_joins_exactly_and_names_a_missing_stage_par
     with pytest.raises(RuntimeError, match="part01 is damaged"):
         gpu_transfer.join_parts(stage, bundle, tmp_path / "dest")
     (stage / "01" / "model.whl.part01").unlink()  # the machine was given back between two calls
-    with pytest.raises(RuntimeError, match="part01 is missing.*Make the stage calls first.*gpu-stage/01/stage.sh"):
+    with pytest.raises(RuntimeError, match=r"part01 is missing.*Make the stage calls first.*'bash \.gpu-stage/01/stage\.sh'"):
         gpu_transfer.join_parts(stage, bundle, tmp_path / "dest")
     assert not (tmp_path / "dest" / "model.whl").exists()
 

@@ -23,7 +23,7 @@ JOB_CONFIGS = [
     ("jobs.drift", "DriftConfig", "python -m jobs.drift"),
     ("jobs.retrain_data", "RetrainDataConfig", "python -m jobs.retrain_data"),
     ("jobs.promote", "PromoteConfig", "python -m jobs.promote"),
-    ("jobs.flywheel_demo", "FlywheelDemoConfig", "python -m jobs.flywheel_demo"),
+    ("jobs.demo.flywheel", "FlywheelDemoConfig", "python -m jobs.demo.flywheel"),
 ]
 
 

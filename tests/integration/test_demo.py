@@ -1,5 +1,6 @@
-"""The demo driver (jobs/demo.py): its checks and stage table (fast), and the smoke profile end to end
-on the `tiny` target (slow, integration: starts the local stack and submits every stage as a Ray job).
+"""The demo driver (jobs/demo/driver.py, `python -m jobs.demo`): its checks and stage table (fast), and the
+smoke profile end to end on the `tiny` target (slow, integration: starts the local stack and submits every
+stage as a Ray job).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import time
 import pytest
 
 
-from tests.unit.jobs.test_demo import ROOT  # noqa: F401 (shared helpers and fixtures)
+from tests.unit.jobs.demo.test_driver import ROOT  # noqa: F401 (shared helpers and fixtures)
 
 
 

@@ -18,7 +18,7 @@ JOB_OF_FOLDER = {
     "calibrate": ("jobs.calibrate", "CalibrateConfig"),
     "evaluate": ("jobs.evaluate", "EvalConfig"),
     "serve": ("jobs.serve", "ServeJobConfig"),
-    "flywheel": ("jobs.flywheel_demo", "FlywheelDemoConfig"),
+    "flywheel": ("jobs.demo.flywheel", "FlywheelDemoConfig"),
 }
 JOB_OF_FILE = {"flywheel/tiny-promote.yaml": ("jobs.promote", "PromoteConfig")}
 CONFIGS = sorted(str(p.relative_to(ROOT / "configs")) for folder in JOB_OF_FOLDER

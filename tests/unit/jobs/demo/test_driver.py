@@ -1,5 +1,6 @@
-"""The demo driver (jobs/demo.py): its checks and stage table (fast), and the smoke profile end to end
-on the `tiny` target (slow, integration: starts the local stack and submits every stage as a Ray job).
+"""The demo driver (jobs/demo/driver.py, `python -m jobs.demo`): its checks and stage table (fast), and the
+smoke profile end to end on the `tiny` target (slow, integration: starts the local stack and submits every
+stage as a Ray job).
 """
 
 from __future__ import annotations
@@ -18,9 +19,7 @@ import socket
 
 import pytest
 
-from jobs import demo
-
-from jobs import demo_runner as runner
+from jobs.demo import driver, runner
 from tests.job_modules import config_model_name
 from tests.paths import REPO
 
@@ -140,7 +139,7 @@ def test_busy_port_fails_early_with_recovery_hint(tmp_path, monkeypatch):
                             lambda self, service: {"server": port} if service == "mlflow" else {})
         cfg = stack.StackConfig(state_dir=tmp_path)
         with pytest.raises(runner.DemoError, match=rf"port {port} .*dspark stack down.*rerun"):
-            demo.check_stack_state(cfg)
+            driver.check_stack_state(cfg)
 
 
 
@@ -148,7 +147,7 @@ def test_short_disk_fails_early(tmp_path):
     prof = runner.PROFILES["smoke"]
     huge = prof.model_copy(update={"min_free_gb": 10**9})
     with pytest.raises(runner.DemoError, match="GiB free.*rerun"):
-        demo.check_disk(runner.Demo(profile=huge, state_dir=tmp_path / ".dspark"))
+        driver.check_disk(runner.Demo(profile=huge, state_dir=tmp_path / ".dspark"))
 
 
 
@@ -160,7 +159,7 @@ def test_unhealthy_stack_is_reported_as_bad_state(tmp_path, monkeypatch):
             for s in stack.SERVICES}
     monkeypatch.setattr(stack, "status", lambda _cfg=None: fake)
     with pytest.raises(runner.DemoError, match="bad state: mlflow.*dspark stack down"):
-        demo.check_stack_state(cfg)
+        driver.check_stack_state(cfg)
 
 
 
@@ -168,8 +167,8 @@ def test_main_prints_one_line_error_and_exit_code(monkeypatch, capsys):
     def fail(*_args):
         raise runner.DemoError("port 5000 is in use; run `dspark stack down`, then rerun the demo")
 
-    monkeypatch.setattr(demo, "run", fail)
-    assert demo.main(["--profile", "smoke"]) == 1
+    monkeypatch.setattr(driver, "run", fail)
+    assert driver.main(["--profile", "smoke"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["error: port 5000 is in use; run `dspark stack down`, then rerun the demo"]
 

@@ -1,4 +1,4 @@
-"""The demo's five stages, each one Ray job (`jobs.demo_runner.run_job_stage`): generate rollouts ->
+"""The demo's five stages, each one Ray job (`jobs.demo.runner.run_job_stage`): generate rollouts ->
 train drafter(s) -> calibrate -> evaluate vs target-only -> deploy the Serve endpoint. Each stage
 wires its inputs and outputs under s3://dspark/demo/<profile>/ and returns the runner's record with
 an `outputs` dict.
@@ -9,7 +9,7 @@ import json
 import os
 
 from dspark.io.http import wait_healthy
-from jobs.demo_runner import (SERVE_HOST, SERVE_PORT, STAGE_CONFIG, STAGE_WIRING, Demo, DemoError, endpoint_healthy,
+from jobs.demo.runner import (SERVE_HOST, SERVE_PORT, STAGE_CONFIG, STAGE_WIRING, Demo, DemoError, endpoint_healthy,
                               endpoint_url, fill, run_job_stage, stage_key)
 
 

@@ -2,7 +2,7 @@
 plot of acceptance on a shifted domain. One driver over the other jobs' APIs, against the local stack:
 
     .venv/bin/dspark stack up && source .dspark/env.sh
-    python -m jobs.flywheel_demo --config configs/flywheel/smollm2-demo.yaml \
+    python -m jobs.demo.flywheel --config configs/flywheel/smollm2-demo.yaml \
         [--set original_rollouts=/work/learn-runs/cpu/rollouts-train] [--set state_dir=...]
 
 Steps (each skipped when its result is in <out>/state.json, so a stopped run resumes):
@@ -35,7 +35,7 @@ from pydantic import Field
 from dspark.config import StrictModel
 from jobs.common import load_job_config
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 EXPERIMENT = "dspark-flywheel-demo"
 NAMES = ["Maria", "Kenji", "Amara", "Lukas", "Sofia", "Omar", "Priya", "Jonas", "Elena", "Tariq", "Chloe", "Mateo"]
 JOBS = ["nurse", "carpenter", "teacher", "pilot", "chemist", "baker", "lawyer", "farmer", "architect", "plumber"]
@@ -226,7 +226,7 @@ def plot_rounds(args, state: dict) -> dict:
     fig.tight_layout()
     fig.savefig(out / f"flywheel_{args.target}.png", dpi=120)
     report = {"benchmark": "flywheel_demo", "target": args.target, "drafter": args.drafter,
-              "command": "python -m jobs.flywheel_demo " + " ".join(sys.argv[1:]), "config": args.model_dump(),
+              "command": "python -m jobs.demo.flywheel " + " ".join(sys.argv[1:]), "config": args.model_dump(),
               **{k: state[k] for k in ("v1", "v2", "requests", "traffic_s", "served_acceptance", "retrain_data", "train_s",
                                        "train_metrics", "decision", "tau")}}
     (out / f"flywheel_{args.target}.json").write_text(json.dumps(report, indent=1))

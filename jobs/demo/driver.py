@@ -16,7 +16,7 @@ Profiles: `smoke` (tiny target, a few minutes; CI), `default` (smollm2-135m, ~25
 `full` (also trains DFlash and Eagle3 with the same budget and prints the comparison table).
 
 Profiles live in configs/demo/<name>.yaml. The stage runner (markers, job submission) is
-jobs/demo_runner.py, the five stages jobs/demo_stages.py. Rerunning reuses finished stages.
+jobs/demo/runner.py, the five stages jobs/demo/stages.py. Rerunning reuses finished stages.
 Outputs live under s3://dspark/demo/<profile>/ (rollouts/<key>, checkpoints/, eval/<key>, ...).
 """
 from __future__ import annotations
@@ -32,9 +32,9 @@ from pathlib import Path
 from dspark.eval import report
 from dspark.io.lineage import write_runtime_env
 from dspark.settings import settings
-from jobs.demo_runner import (JOB_PREFIX, PROFILES, REPO, RUNTIME_ENV, SERVE_PORT, Demo, DemoError, banner,
+from jobs.demo.runner import (JOB_PREFIX, PROFILES, REPO, RUNTIME_ENV, SERVE_PORT, Demo, DemoError, banner,
                               endpoint_url, fmt_s, machine_profile)
-from jobs.demo_stages import calibrate_stage, evaluate_stage, generate_stage, serve_stage, train_stage
+from jobs.demo.stages import calibrate_stage, evaluate_stage, generate_stage, serve_stage, train_stage
 
 CHAT_PROMPTS = [
     "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
@@ -185,10 +185,10 @@ def build_summary(demo: Demo, trained: dict, evaluation: dict, chats: list[dict]
 
 
 def next_step_text(target: str) -> str:
-    """Where the committed learning curve says to go next (jobs.demo_next.demo_next_steps)."""
-    from jobs.demo_next import demo_next_steps
+    """Where the committed learning curve says to go next (jobs.demo.next_steps.demo_next_steps)."""
+    from jobs.demo.next_steps import demo_next_steps
 
-    return demo_next_steps(Path(__file__).resolve().parents[1], target)
+    return demo_next_steps(REPO, target)
 
 
 def print_section(text: str) -> None:
@@ -272,7 +272,8 @@ def run(profile, until: str = "chat") -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description="Run the whole dspark lifecycle on the local stack as Ray jobs.")
+    ap = argparse.ArgumentParser(prog="python -m jobs.demo",
+                                 description="Run the whole dspark lifecycle on the local stack as Ray jobs.")
     ap.add_argument("--profile", choices=sorted(PROFILES), default="default",
                     help="smoke: tiny target, minutes (CI); default: smollm2-135m, ~25 min; full: + DFlash, Eagle3")
     ap.add_argument("--until", choices=STEPS, default="chat", help="stop after this step (default: run everything)")

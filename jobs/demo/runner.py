@@ -23,7 +23,7 @@ from dspark.config import StrictModel, load_config
 from dspark.devstack.processes import last_json_object
 from dspark.io.http import http_ok
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 PROFILE_DIR = REPO / "configs" / "demo"
 RUNTIME_ENV = "infra/runtime_env.yaml"
 BUCKET_ROOT = "s3://dspark/demo"

@@ -1,9 +1,9 @@
-"""jobs/flywheel_demo.py without the stack: its traffic, its split control and the serve config it deploys."""
+"""jobs/demo/flywheel.py without the stack: its traffic, its split control and the serve config it deploys."""
 from __future__ import annotations
 
 from dspark.config import load_config
 from dspark.flywheel.capture import row_id_in, split_of
-from jobs.flywheel_demo import REPO, FlywheelDemoConfig, json_prompts, math_prompts, serve_config
+from jobs.demo.flywheel import REPO, FlywheelDemoConfig, json_prompts, math_prompts, serve_config
 
 
 def test_traffic_is_deterministic_and_the_request_ids_fix_the_split():

@@ -38,7 +38,7 @@ from __future__ import annotations
 import argparse
 import re
 
-from recipes.learning_curve.profiles import PROFILES, REPO, log
+from recipes.learning_curve.profiles import PROFILES, REPO, CurveProfile, log
 from recipes.learning_curve.rollouts import cmd_rollouts
 from recipes.learning_curve.training import (cmd_baselines, cmd_capacity, cmd_epochs, cmd_sweep, cmd_train,
                                              one_setting)
@@ -150,25 +150,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def main(argv=None) -> None:
-    args = parse_args(argv)
-    prof = PROFILES[args.profile]
-    if args.threads:
-        prof = {**prof, "threads": args.threads}
-    if args.lr:
-        prof = {**prof, "lr": args.lr}
-    if args.dtype:
-        prof = {**prof, "dtype": args.dtype}
-    if args.data_dtype:
-        prof = {**prof, "data_dtype": args.data_dtype}
-    if args.precision:
-        prof = {**prof, "precision": args.precision}
-    if args.point_epochs:
-        prof = {**prof, "epochs": args.point_epochs}
+def profile_of(args: argparse.Namespace) -> CurveProfile:
+    """--profile's settings with the command line's overrides (each validated by CurveProfile)."""
+    given = {"threads": args.threads, "lr": args.lr, "dtype": args.dtype, "data_dtype": args.data_dtype,
+             "precision": args.precision, "epochs": args.point_epochs}
+    prof = PROFILES[args.profile].with_overrides({k: v for k, v in given.items() if v})
     if args.phase in ("train", "baselines", "after-rollouts", "all"):
         prof = one_setting(args, prof, args.phase)
     if args.chunk_prompts:
-        prof = {**prof, "chunk_prompts": args.chunk_prompts, "max_batch": args.chunk_prompts}
+        prof = prof.with_overrides({"chunk_prompts": args.chunk_prompts, "max_batch": args.chunk_prompts})
+    return prof
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    prof = profile_of(args)
     phases = {"all": ["rollouts", *AFTER_ROLLOUTS], "after-rollouts": AFTER_ROLLOUTS}.get(args.phase, [args.phase])
     for phase in phases:
         log(f"phase {phase}")

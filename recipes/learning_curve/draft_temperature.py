@@ -16,12 +16,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from recipes.learning_curve.profiles import log
+from recipes.learning_curve.profiles import CurveProfile, log
 
 DEFAULT_TEMPERATURES = (0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 
 
-def cmd_draft_temperature(args, prof: dict) -> dict:
+def cmd_draft_temperature(args, prof: CurveProfile) -> dict:
     from recipes.learning_curve.measure import (drafter_label, estimate_loaded, one_drafter_renewal_setting,
                                                 setting_file)
 

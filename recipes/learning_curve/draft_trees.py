@@ -31,7 +31,7 @@ import statistics
 import time
 from pathlib import Path
 
-from recipes.learning_curve.profiles import log
+from recipes.learning_curve.profiles import CurveProfile, log
 
 DEFAULT_TREES = ("2", "3", "4", "2x2", "3x2")
 COST_CONTEXT, COST_WARMUP = 256, 3  # a profile may set cost_reps (default 30) and cost_threads (default 2)
@@ -59,7 +59,7 @@ def tree_nodes(branching: tuple[int, ...], gamma: int) -> tuple[int, int]:
     return 1 + nodes, width
 
 
-def cmd_draft_trees(args, prof: dict) -> dict:
+def cmd_draft_trees(args, prof: CurveProfile) -> dict:
     from recipes.learning_curve.measure import (drafter_label, estimate_loaded, one_drafter_renewal_setting,
                                                 setting_file)
 
@@ -109,7 +109,7 @@ def tree_row(result: dict, chain: dict, is_chain: bool, name: str, shape: tuple[
             "projected_speedup_vs_target": tau * cost["target_step_ms"] / (draft_ms + verify_ms)}
 
 
-def measure_costs(prof: dict, source: Path, trees: dict[str, tuple[int, ...]], gamma: int) -> dict:
+def measure_costs(prof: CurveProfile, source: Path, trees: dict[str, tuple[int, ...]], gamma: int) -> dict:
     """Medians (ms) of one target step, the verify forward of each tree's size and drafting each tree (one
     backbone pass + `sample_tree`: `draft_tree`, what `tree_speculative_generate` runs), each measured once in every
     repetition (the module doc); the target cache is cropped back after each forward."""
@@ -120,12 +120,12 @@ def measure_costs(prof: dict, source: Path, trees: dict[str, tuple[int, ...]], g
     from dspark.models.precision import resolve_dtype
     from dspark.models.target import load_target
 
-    threads, reps = torch.get_num_threads(), prof.get("cost_reps", 30)
-    torch.set_num_threads(prof.get("cost_threads", 2))
+    threads, reps = torch.get_num_threads(), prof.cost_reps
+    torch.set_num_threads(prof.cost_threads)
     try:
         # the profile's dtype resolved on this CPU, where the costs are measured (auto: what serving runs here)
-        dtype = getattr(torch, resolve_dtype(prof["dtype"], "cpu"))
-        target = load_target(prof["target"], dtype=dtype)
+        dtype = getattr(torch, resolve_dtype(prof.dtype, "cpu"))
+        target = load_target(prof.target, dtype=dtype)
         drafter = load_drafter(str(source), target).to(dtype).eval()
         sizes = sorted({tree_nodes(b, gamma)[0] for b in trees.values()})
         ids = torch.randint(0, target.vocab_size, (COST_CONTEXT + max(sizes),), generator=torch.Generator().manual_seed(0))

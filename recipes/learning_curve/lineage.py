@@ -12,7 +12,7 @@ import json
 import math
 from pathlib import Path
 
-from recipes.learning_curve.profiles import REPO, log
+from recipes.learning_curve.profiles import REPO, CurveProfile, log
 from recipes.learning_curve.report import loglinear_fit
 
 
@@ -36,7 +36,7 @@ def tokens_for(fit: dict, tau: float) -> float | None:
     return math.exp((tau - fit["a"]) / fit["b"]) if fit and fit["b"] > 0 else None
 
 
-def cmd_lineage(args, prof: dict) -> dict:
+def cmd_lineage(args, prof: CurveProfile) -> dict:
     """<name>.json + <name>.png (default lineage.*) in --results from --spec, beside the curve of --curve."""
     results = Path(args.results)
     spec = json.loads(Path(args.spec).read_text())

@@ -6,26 +6,26 @@ import json
 import time
 from pathlib import Path
 
-from recipes.learning_curve.profiles import EVAL_DIR, REPO, log
+from recipes.learning_curve.profiles import EVAL_DIR, REPO, CurveProfile, log
 from recipes.learning_curve.shared import (
     ALGOS, capacity_drafters, committed_rows, ensure_cache, epoch_drafters, epoch_mode, load_target_of,
     owner_of, trained_drafters)
 
 
 # ---------------------------------------------------------------- expected τ (teacher-forced estimate)
-def cmd_evaluate(args, prof: dict) -> None:
+def cmd_evaluate(args, prof: CurveProfile) -> None:
     target = load_target_of(prof)
     estimate_folders(target, prof, Path(args.out), trained_drafters(Path(args.out)))
 
 
-def held_out(target, prof: dict, out: Path):
+def held_out(target, prof: CurveProfile, out: Path):
     """(rows, cached target outputs, sampling) of the held-out set every expected τ is measured on."""
     from dspark.decoding.sampling import SamplingParams
     from dspark.models.target import TargetOutput
 
     rows = committed_rows(out / "rollouts-eval")
-    rows = interleave(rows, "domain")[:prof.get("eval_rows") or len(rows)]
-    cache = ensure_cache(target, prof, rows, out / "features-eval", prof["eval_max_len"])
+    rows = interleave(rows, "domain")[:prof.eval_rows or len(rows)]
+    cache = ensure_cache(target, prof, rows, out / "features-eval", prof.eval_max_len)
     outs = [TargetOutput(features=f[None], final_hidden=h[None], logits=None, cache=None)
             for f, h in zip(cache.features, cache.final)]
     return rows, outs, SamplingParams(temperature=1.0, top_p=1.0, top_k=0)
@@ -57,7 +57,7 @@ def decode_setting(held: tuple, benchmarks: list[str] | None, answer_tokens: int
     return cut_rows, cut_outs, sp
 
 
-def one_drafter_renewal_setting(args, prof: dict, phase: str) -> tuple:
+def one_drafter_renewal_setting(args, prof: CurveProfile, phase: str) -> tuple:
     """(out, target, source folder, loaded drafter, held-out rows at the decode setting, p_cache, profile with
     every anchor) for a phase that sweeps one drafter with the renewal estimate (draft temperature, trees)."""
     from dspark.drafters import load_drafter
@@ -68,11 +68,11 @@ def one_drafter_renewal_setting(args, prof: dict, phase: str) -> tuple:
     held = held_out(target, prof, out)
     if args.benchmarks or args.answer_tokens:
         held = decode_setting(held, args.benchmarks, args.answer_tokens)
-    prof = {**prof, "anchor_stride": 1}  # the renewal estimate needs every anchor
+    prof = prof.model_copy(update={"anchor_stride": 1})  # the renewal estimate needs every anchor
     return out, target, source, load_drafter(str(source), target), held, {}, prof
 
 
-def estimate_drafter(drafter_dir: Path, target, prof: dict, held: tuple, p_cache: dict,
+def estimate_drafter(drafter_dir: Path, target, prof: CurveProfile, held: tuple, p_cache: dict,
                      gamma: int | None = None) -> dict:
     """Expected τ of one saved drafter on the held-out set (`held_out`), both estimators, at `gamma`
     drafts per round (default: the drafter's block size)."""
@@ -84,7 +84,7 @@ def estimate_drafter(drafter_dir: Path, target, prof: dict, held: tuple, p_cache
     return result
 
 
-def estimate_loaded(drafter, target, prof: dict, held: tuple, p_cache: dict, gamma: int | None = None,
+def estimate_loaded(drafter, target, prof: CurveProfile, held: tuple, p_cache: dict, gamma: int | None = None,
                     name: str = "the drafter", branching: tuple[int, ...] = ()) -> dict:
     """`estimate_drafter` for a drafter already loaded (e.g. one whose draft temperature is being swept);
     `branching`: rounds that verify a draft tree (dspark.eval.acceptance_estimate's module doc)."""
@@ -92,17 +92,17 @@ def estimate_loaded(drafter, target, prof: dict, held: tuple, p_cache: dict, gam
 
     rows, outs, sp = held
     t0 = time.perf_counter()
-    gamma, stride = gamma or drafter.config.block_size, prof.get("anchor_stride", 1)
+    gamma, stride = gamma or drafter.config.block_size, prof.anchor_stride
     most = min(drafter.config.block_size, drafter.config.train_steps)
     if gamma > most:
         raise SystemExit(f"--gamma {gamma}: {name} drafts (and is trained on) at most {most} per round")
-    result = estimate(drafter, target, rows, gamma, sp, max_len=prof["eval_max_len"], target_outs=outs,
+    result = estimate(drafter, target, rows, gamma, sp, max_len=prof.eval_max_len, target_outs=outs,
                       anchor_stride=stride, p_cache=p_cache, branching=branching)
     result["gamma"], result["wall_s"], result["anchor_stride"] = gamma, time.perf_counter() - t0, stride
     return result
 
 
-def estimate_folders(target, prof: dict, out: Path, folders: list[Path]) -> None:
+def estimate_folders(target, prof: CurveProfile, out: Path, folders: list[Path]) -> None:
     """Expected τ of each drafter folder on the held-out rollouts (estimate.json beside it; skipped if there)."""
     todo = [f for f in folders if not (f / "estimate.json").exists()]
     if not todo:
@@ -129,7 +129,7 @@ def setting_file(stem: str, args) -> str:
     return "-".join([stem, *filter(None, parts)]) + ".json"
 
 
-def cmd_compare(args, prof: dict) -> dict:
+def cmd_compare(args, prof: CurveProfile) -> dict:
     """Expected τ of saved drafters (--drafters PATH ...: any drafter folders, e.g. from other run folders)
     on this run's held-out rows, and each one's paired difference to the first (the same prompts resampled
     jointly: a far narrower interval than comparing two τ intervals); written to compare.json and drawn
@@ -149,7 +149,7 @@ def cmd_compare(args, prof: dict) -> dict:
     if args.benchmarks or args.answer_tokens:
         held = decode_setting(held, args.benchmarks, args.answer_tokens)
     if args.answer_tokens:  # every anchor of the cut answers, as a decode drafts at each: cheap at this length
-        prof = {**prof, "anchor_stride": 1}
+        prof = prof.model_copy(update={"anchor_stride": 1})
     for path in args.drafters:
         if not (Path(path) / "config.json").exists():
             raise SystemExit(f"compare: no saved drafter at {path}")
@@ -244,14 +244,14 @@ def interleave(rows: list[dict], key: str) -> list[dict]:
 
 
 # ---------------------------------------------------------------- real decoding: τ and batch-1 speed
-def decode_prompts(prof: dict) -> list[tuple[str, int, str]]:
+def decode_prompts(prof: CurveProfile) -> list[tuple[str, int, str]]:
     """(benchmark, index, first user turn): the first `decode_prompts` lines of each eval file."""
     from dspark.eval.benchmark_files import parse_benchmark
 
     picked = []
     for f in sorted((REPO / EVAL_DIR).glob("*.jsonl")):
         convs = parse_benchmark(f.read_text(), str(f))
-        picked += [(f.stem, i, turns[0]) for i, turns in enumerate(convs[:prof["decode_prompts"]])]
+        picked += [(f.stem, i, turns[0]) for i, turns in enumerate(convs[:prof.decode_prompts])]
     return picked
 
 
@@ -287,7 +287,7 @@ def largest_point_folder(out: Path) -> Path | None:
     return points[-1] if points else None
 
 
-def cmd_decode(args, prof: dict) -> None:
+def cmd_decode(args, prof: CurveProfile) -> None:
     """Batch-1 decoding through the engine (max_batch 1), at temperature 1 and 0, prompt-major: for each
     prompt every mode runs back to back, so load changes on a shared machine hit all modes alike.
     Results append to decode/results.jsonl; (prompt, mode, temperature) triples already there are skipped."""
@@ -331,7 +331,7 @@ def cmd_decode(args, prof: dict) -> None:
                 if (bench, index, mode, temperature) in done:
                     continue
                 t0 = time.perf_counter()
-                req = engine.generate([ids], sp, prof["decode_max_new_tokens"],
+                req = engine.generate([ids], sp, prof.decode_max_new_tokens,
                                       seeds=[prompt_seed(0, bench, index)])[0]
                 wall = time.perf_counter() - t0
                 st = req.stats

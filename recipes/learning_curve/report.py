@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from recipes.learning_curve.profiles import REPO, log
+from recipes.learning_curve.profiles import REPO, CurveProfile, log
 from recipes.learning_curve.shared import (capacity_drafters, epoch_drafters, epoch_mode, train_sets,
                                          trained_drafters)
 from recipes.learning_curve.measure import DECODE_TEMPERATURES, decode_modes
@@ -58,7 +58,7 @@ def loglinear_fit(points: list[dict]) -> dict | None:
     return {"form": "tau = a + b * ln(rollout_tokens)", "a": curve.a, "b": curve.b, "points": len(pts)}
 
 
-def cmd_report(args, prof: dict) -> dict:
+def cmd_report(args, prof: CurveProfile) -> dict:
     out = Path(args.out)
     points, baselines = [], {}
     folders = trained_drafters(out)
@@ -100,9 +100,9 @@ def cmd_report(args, prof: dict) -> dict:
             entry["decoded" + suffix] = {k: d.get(k) for k in ("tau", "tau_ci95", "speedup_batch1", "prompts")}
     rollout_manifest = out / "rollouts-train" / "manifest.json"
     report = {
-        "benchmark": "learning_curve", "profile": args.profile, "device": prof["device_label"],
-        "device_kind": prof["device"],  # what `dspark plan` matches against rollout-throughput JSONs
-        "target": prof["target"], "temperature": 1.0, "gamma": prof["drafter"]["block_size"],
+        "benchmark": "learning_curve", "profile": args.profile, "device": prof.device_label,
+        "device_kind": prof.device,  # what `dspark plan` matches against rollout-throughput JSONs
+        "target": prof.target, "temperature": 1.0, "gamma": prof.drafter["block_size"],
         "points_mode": points_mode(points),
         "estimator": "teacher-forced expected tau: 1 + sum_k prod_{j<=k} alpha_j, alpha = sum_x min(p, q) "
                      "(dspark/eval/acceptance_estimate.py); ci95 = prompt bootstrap",
@@ -120,9 +120,9 @@ def cmd_report(args, prof: dict) -> dict:
         "extra_rollouts": {folder.name: json.loads((folder / "manifest.json").read_text())  # rollouts --extra-prompts
                            for folder, _ in train_sets(out)[1:] if (folder / "manifest.json").exists()},
         "train_rows": json.loads((out / "train-rows.json").read_text()) if (out / "train-rows.json").exists() else None,
-        "rollout_log": prof.get("rollout_tokens_per_s_note"),
-        "decode_settings": {"prompts_per_benchmark": prof["decode_prompts"],
-                            "max_new_tokens": prof["decode_max_new_tokens"], "batch": 1,
+        "rollout_log": prof.rollout_tokens_per_s_note,
+        "decode_settings": {"prompts_per_benchmark": prof.decode_prompts,
+                            "max_new_tokens": prof.decode_max_new_tokens, "batch": 1,
                             "scheduler": "fixed (baselines); see decode.modes for the DSpark variants",
                             "temperatures": list(DECODE_TEMPERATURES)},
     }

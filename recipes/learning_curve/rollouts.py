@@ -8,7 +8,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from recipes.learning_curve.profiles import EVAL_DIR, REPO, TRAIN_FILES, log, target_dtype
+from recipes.learning_curve.profiles import EVAL_DIR, REPO, TRAIN_FILES, CurveProfile, log, target_dtype
 
 # ---------------------------------------------------------------- prompts
 def train_prompts(decontam_ngram: int = 13, max_ngram_prompts: int = 3, uri: str | None = None) -> tuple[list, list]:
@@ -64,7 +64,7 @@ def rollout_plan(prompts: list, passes: int, chunk_prompts: int, settings: dict,
     return Plan(chunks, fp)
 
 
-def generate_rollouts(out: str, prompts: list, prof: dict, passes: int, seed: int, dtype: str = "auto",
+def generate_rollouts(out: str, prompts: list, prof: CurveProfile, passes: int, seed: int, dtype: str = "auto",
                       first_pass: int = 0) -> dict:
     """Generate every uncommitted chunk of the plan into `out` (rollout-store format) with the target in
     `dtype` ("auto": resolved on the profile's device, `target_dtype`); returns the manifest. The resolved
@@ -79,22 +79,22 @@ def generate_rollouts(out: str, prompts: list, prof: dict, passes: int, seed: in
     from dspark.io.rollout_store import commit_chunk, prepare_output, read_commits
 
     dtype = target_dtype(prof, dtype)
-    sampling = SamplingConfig(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=prof["max_new_tokens"], seed=seed)
-    settings = {"target": prof["target"], "sampling": sampling.model_dump(),
+    sampling = SamplingConfig(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=prof.max_new_tokens, seed=seed)
+    settings = {"target": prof.target, "sampling": sampling.model_dump(),
                 **({"dtype": dtype} if dtype != "float32" else {})}
-    plan = rollout_plan(prompts, passes, prof["chunk_prompts"], settings, first_pass)
+    plan = rollout_plan(prompts, passes, prof.chunk_prompts, settings, first_pass)
     prepare_output(out, plan, overwrite=False)
     done = read_commits(out)
     todo = [k for k in range(len(plan.chunks)) if k not in done]
     log(f"{out}: {len(plan.chunks)} chunks ({plan.describe()['num_prompts']} rows), {len(done)} committed, "
         f"{len(todo)} to go")
     if todo:
-        torch.set_num_threads(prof["threads"])
-        if prof["target"] in models_builtin.BUILTIN:
-            models_builtin.prepare(prof["target"])
-        target = load_target(prof["target"], dtype=getattr(torch, dtype), device=prof["device"])
+        torch.set_num_threads(prof.threads)
+        if prof.target in models_builtin.BUILTIN:
+            models_builtin.prepare(prof.target)
+        target = load_target(prof.target, dtype=getattr(torch, dtype), device=prof.device)
         engine = RolloutEngine(target, sampling, backend="engine",
-                               engine=GeneratorConfig(max_batch=prof["max_batch"]))
+                               engine=GeneratorConfig(max_batch=prof.max_batch))
         total = sum(m["generated_tokens"] for m in done.values())
         for k in todo:
             t0 = time.perf_counter()
@@ -130,7 +130,7 @@ def extra_folder(out: Path, name: str) -> Path:
     return out / f"rollouts-train-{name}"
 
 
-def cmd_rollouts(args, prof: dict) -> None:
+def cmd_rollouts(args, prof: CurveProfile) -> None:
     """Held-out and train rollouts; with --extra-prompts URI --extra-name NAME, the train rollouts of another
     prompt set (a jobs.synthesize output, a JSONL file; decontaminated by the same rule) into
     rollouts-train-NAME, which every later training phase adds after rollouts-train."""
@@ -150,11 +150,11 @@ def cmd_rollouts(args, prof: dict) -> None:
     if args.which in ("eval", "both"):
         held_out = eval_prompts()
         held_out = held_out[:args.limit_prompts] if args.limit_prompts else held_out
-        log(f"held-out: {generate_rollouts(str(Path(args.out) / 'rollouts-eval'), held_out, prof, 1, 1, prof['dtype'])}")
+        log(f"held-out: {generate_rollouts(str(Path(args.out) / 'rollouts-eval'), held_out, prof, 1, 1, prof.dtype)}")
     if args.which in ("train", "both"):
-        passes = args.passes or prof["passes"]
+        passes = args.passes or prof.passes
         if not 0 <= args.first_pass < passes:
             raise SystemExit(f"--first-pass {args.first_pass}: must be in [0, passes={passes})")
-        dtype = prof.get("data_dtype") or prof["dtype"]
+        dtype = prof.data_dtype or prof.dtype
         folder = extra_folder(Path(args.out), args.extra_name) if args.extra_prompts else Path(args.out) / "rollouts-train"
         log(f"train: {generate_rollouts(str(folder), kept, prof, passes, 0, dtype, args.first_pass)}")

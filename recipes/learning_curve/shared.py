@@ -5,30 +5,30 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from recipes.learning_curve.profiles import log, target_dtype
+from recipes.learning_curve.profiles import CurveProfile, log, target_dtype
 
 # ---------------------------------------------------------------- shared: target, rows, caches
 _TARGETS: dict = {}  # one load per process (the after-rollouts run chains phases)
 
 
-def load_target_of(prof: dict):
+def load_target_of(prof: CurveProfile):
     """The profile's target in its dtype resolved on its device (`target_dtype`: "auto" is bf16 where native)."""
-    key = (prof["target"], prof["device"], target_dtype(prof))
+    key = (prof.target, prof.device, target_dtype(prof))
     if key not in _TARGETS:
         _TARGETS[key] = _load_target(prof)
     return _TARGETS[key]
 
 
-def _load_target(prof: dict):
+def _load_target(prof: CurveProfile):
     import torch
 
     from dspark.models import builtin as models_builtin
     from dspark.models.target import load_target
 
-    torch.set_num_threads(prof["threads"])
-    if prof["target"] in models_builtin.BUILTIN:
-        models_builtin.prepare(prof["target"])
-    return load_target(prof["target"], dtype=getattr(torch, target_dtype(prof)), device=prof["device"])
+    torch.set_num_threads(prof.threads)
+    if prof.target in models_builtin.BUILTIN:
+        models_builtin.prepare(prof.target)
+    return load_target(prof.target, dtype=getattr(torch, target_dtype(prof)), device=prof.device)
 
 
 def committed_rows(folder: Path) -> list[dict]:
@@ -40,17 +40,17 @@ def committed_rows(folder: Path) -> list[dict]:
     return table.select(cols).to_pylist() if table.num_rows else []
 
 
-def layer_ids_of(target, prof: dict) -> list[int]:
-    return list(target.default_layer_ids(prof["drafter"]["num_context_layers"]))
+def layer_ids_of(target, prof: CurveProfile) -> list[int]:
+    return list(target.default_layer_ids(prof.drafter["num_context_layers"]))
 
 
-def ensure_cache(target, prof: dict, rows: list[dict], folder: Path, max_len: int):
+def ensure_cache(target, prof: CurveProfile, rows: list[dict], folder: Path, max_len: int):
     """Build (resumably) and load the frozen-target feature cache of `rows`."""
     from dspark.training.feature_cache import build_cache, load_cache
 
     layers = layer_ids_of(target, prof)
-    build_cache(target, rows, layers, str(folder), max_len, rows_per_shard=prof["cache_rows_per_shard"],
-                batch_size=prof["cache_batch"], progress=log)
+    build_cache(target, rows, layers, str(folder), max_len, rows_per_shard=prof.cache_rows_per_shard,
+                batch_size=prof.cache_batch, progress=log)
     cache = load_cache(str(folder), target, layers, max_len)
     if len(cache) != len(rows):
         raise RuntimeError(f"{folder}: the cache holds {len(cache)} rows but the rollouts {len(rows)}; a cache built "
@@ -58,13 +58,13 @@ def ensure_cache(target, prof: dict, rows: list[dict], folder: Path, max_len: in
     return cache
 
 
-def data_target(target, prof: dict):
+def data_target(target, prof: CurveProfile):
     """The target that makes training data (train rollouts, the training feature cache): `target` itself, or
     the same model loaded in the profile's `data_dtype` (--data-dtype bfloat16: 2x the rollout and ~3x the
     feature tok/s on a CPU with avx512_bf16, measured 2026-12-02). Evaluation and decoding always use the
     profile's dtype, so the estimator and the speed figures measure the reference target."""
-    dtype = target_dtype(prof, prof.get("data_dtype"))
-    return target if dtype == target_dtype(prof) else load_target_of({**prof, "dtype": dtype})
+    dtype = target_dtype(prof, prof.data_dtype)
+    return target if dtype == target_dtype(prof) else load_target_of(prof.model_copy(update={"dtype": dtype}))
 
 
 def train_sets(out: Path) -> list[tuple[Path, Path]]:
@@ -75,7 +75,7 @@ def train_sets(out: Path) -> list[tuple[Path, Path]]:
             *((p, out / p.name.replace("rollouts-", "features-", 1)) for p in extras)]
 
 
-def train_cache(target, prof: dict, out: Path):
+def train_cache(target, prof: CurveProfile, out: Path):
     """(rows, feature cache) of the training set: every train set's committed rows, concatenated, cut to the
     row count frozen at the first training run (train-rows.json; nested points stay nested)."""
     sets = [(folder, cache_dir, committed_rows(folder)) for folder, cache_dir in train_sets(out)]
@@ -96,7 +96,7 @@ def train_cache(target, prof: dict, out: Path):
         take = part[:max(0, len(rows) - start)]
         start += len(part)
         if take:
-            caches.append(ensure_cache(data_target(target, prof), prof, take, cache_dir, prof["max_len"]))
+            caches.append(ensure_cache(data_target(target, prof), prof, take, cache_dir, prof.max_len))
     return rows, concat_caches(caches)
 
 
@@ -110,10 +110,10 @@ def concat_caches(caches: list):
                           for name in ("input_ids", "loss_mask", "features", "final")))
 
 
-def wanted_sizes(rows: list[dict], prof: dict) -> list[int]:
+def wanted_sizes(rows: list[dict], prof: CurveProfile) -> list[int]:
     """Point sizes in rollout tokens: the profile's fixed sizes, or fractions of what was committed."""
     total = sum(r["num_generated_tokens"] for r in rows)
-    return [int(f * total) for f in prof.get("point_fractions", [])] or list(prof["point_tokens"])
+    return [int(f * total) for f in prof.point_fractions] or list(prof.point_tokens)
 
 
 def point_sizes(rows: list[dict], wanted: list[int]) -> list[tuple[int, int]]:

@@ -7,17 +7,17 @@ import json
 import time
 from pathlib import Path
 
-from recipes.learning_curve.profiles import log
+from recipes.learning_curve.profiles import CurveProfile, log
 from recipes.learning_curve.shared import (
     ALGOS, capacity_drafters, epoch_drafters, load_target_of, owner_of, point_sizes, train_cache, wanted_sizes)
 from recipes.learning_curve.measure import estimate_folders
 
 
 # ---------------------------------------------------------------- training (resumable per point)
-def drafter_config(prof: dict, algo: str):
+def drafter_config(prof: CurveProfile, algo: str):
     from dspark.drafters import DrafterConfig
 
-    cfg = {**prof["drafter"], **ALGOS[algo]}
+    cfg = {**prof.drafter, **ALGOS[algo]}
     if ALGOS[algo]["algo"] != "dspark":
         cfg.pop("head", None), cfg.pop("rank", None), cfg.pop("confidence_head", None)
     if ALGOS[algo]["algo"] == "eagle3":
@@ -34,7 +34,7 @@ def draft_vocab_of(cache, n_rows: int, vocab: int, size: int | None, kept=None):
     return DraftVocabPlan.of_rows(zip(cache.input_ids[:n_rows], cache.loss_mask[:n_rows]), size, vocab, kept=kept)
 
 
-def train_one(target, prof: dict, cache, n_rows: int, algo: str, folder: Path, init: Path | None = None,
+def train_one(target, prof: CurveProfile, cache, n_rows: int, algo: str, folder: Path, init: Path | None = None,
               minutes: float | None = None) -> dict:
     """Train one drafter on the first n_rows cached rows (`epochs` passes, or with `minutes` a wall-clock
     budget: the cosine schedule is first sized from a probed step time, re-sized from the measured mean
@@ -62,10 +62,10 @@ def train_one(target, prof: dict, cache, n_rows: int, algo: str, folder: Path, i
         from dspark.drafters.checkpoint import saved_draft_ids
 
         kept = saved_draft_ids(str(init))
-    refresh = bool(prof.get("refresh_vocab")) and kept is not None  # recount the vocabulary on these rows
+    refresh = prof.refresh_vocab and kept is not None  # recount the vocabulary on these rows
     plan = draft_vocab_of(cache, n_rows, int(target.vocab_size), cfg.draft_vocab_size, None if refresh else kept)
     ids, cov = plan.ids(), plan.coverage
-    torch.manual_seed(prof["seed"])
+    torch.manual_seed(prof.seed)
     drafter = build_drafter(cfg, target, draft_ids=kept if refresh else ids)
     if init is not None:  # continue a saved drafter (same config and draft vocabulary) with a new schedule
         from dspark.training.session import load_initial_weights
@@ -76,32 +76,32 @@ def train_one(target, prof: dict, cache, n_rows: int, algo: str, folder: Path, i
         shared = len(set(kept.tolist()) & set(ids.tolist()))
         drafter.change_draft_vocab(ids)
         log(f"{folder.parent.name}: draft vocabulary recounted on these rows: {shared} of {len(ids)} tokens kept")
-    optim = OptimSection(lr=prof["lr"], warmup_ratio=0.04, schedule="cosine", grad_clip=1.0)
-    precision = precision_of(prof)
+    optim = OptimSection(lr=prof.lr, warmup_ratio=0.04, schedule="cosine", grad_clip=1.0)
+    precision = prof.precision
     trainer = LocalTrainer(algo, target, drafter, optim, precision=precision)
-    batch = min(prof["batch_size"], n_rows)
+    batch = min(prof.batch_size, n_rows)
     batches = cached_batches(cache, n_rows, batch, prof, target)
     probe_s = None
     if minutes:  # the first plan comes from a probe (weights untouched); StepBudget re-sizes it from real steps
         probe_s = probe_step(trainer, cache, n_rows, batch, target)["step_s"]
-    budget = StepBudget(int(minutes * 60 / probe_s) if minutes else n_rows // batch * prof["epochs"],
+    budget = StepBudget(int(minutes * 60 / probe_s) if minutes else n_rows // batch * prof.epochs,
                         minutes * 60 if minutes else None)
     trainer.set_schedule(budget.total)
-    plan = f"{minutes:g} min at {probe_s:.2f} s/step (probed)" if minutes else f"{prof['epochs']} epochs"
+    plan = f"{minutes:g} min at {probe_s:.2f} s/step (probed)" if minutes else f"{prof.epochs} epochs"
     log(f"{folder.parent.name}/{algo}: {n_rows} rows, {budget.total} steps of {batch} ({plan}), "
         f"{cfg.num_layers} layers, {cfg.anchors_per_seq} anchors/seq, draft vocab {cfg.draft_vocab_size} "
         f"(coverage {cov if cov is None else round(cov, 4)})")
     tokens, flops, curve, last = 0.0, 0.0, [], []
     while budget.more():
         step = budget.done + 1
-        m = cached_step(trainer, next(batches), seed=prof["seed"] * 1_000_003 + step - 1)
+        m = cached_step(trainer, next(batches), seed=prof.seed * 1_000_003 + step - 1)
         tokens, flops = tokens + m["tokens"], flops + m["flops"]
         last = (last + [m])[-20:]
         before = budget.stepped(trainer)
         if before is not None:
             log(f"  {algo} step {step}: {budget.elapsed() / step:.2f} s/step measured, schedule {before} -> "
                 f"{budget.total} steps")
-        if step % prof["log_every"] == 0 or step == budget.total:
+        if step % prof.log_every == 0 or step == budget.total:
             dt = budget.elapsed()
             row = {"step": step, "loss": m["loss"], "tokens_per_s": tokens / dt,
                    **{k: float(np.mean([x[k] for x in last if k in x])) for k in ("loss", "token_acc") if k in m}}
@@ -114,8 +114,8 @@ def train_one(target, prof: dict, cache, n_rows: int, algo: str, folder: Path, i
     peak = matmul_peak(str(target.device), precision)
     rates = flops_rates(flops, wall, target.device, precision, peak=peak)
     result = {"algo": algo, "rows": n_rows, "rollout_tokens": int(sum(m for m in cache.generated_tokens()[:n_rows])),
-              "trained_tokens": tokens, "steps": steps, "epochs": steps * batch / n_rows if minutes else prof["epochs"],
-              "batch_size": batch, "lr": prof["lr"], "budget_minutes": minutes, "probe_step_s": probe_s,
+              "trained_tokens": tokens, "steps": steps, "epochs": steps * batch / n_rows if minutes else prof.epochs,
+              "batch_size": batch, "lr": prof.lr, "budget_minutes": minutes, "probe_step_s": probe_s,
               "planned_steps": planned, "stopped_by": stopped_by,
               "threads": torch.get_num_threads(),
               "init_from": init_label(init, folder),
@@ -132,11 +132,11 @@ def train_one(target, prof: dict, cache, n_rows: int, algo: str, folder: Path, i
     return result
 
 
-def check_same_settings(saved: dict, cfg, prof: dict, minutes: float | None, folder: Path) -> None:
+def check_same_settings(saved: dict, cfg, prof: CurveProfile, minutes: float | None, folder: Path) -> None:
     """A resumed phase must not count a drafter trained with other settings as done (e.g. `train --layers 1`
     in a folder whose points were trained with 2 layers): stop and name the difference."""
-    wanted = {"num_layers": cfg.num_layers, "anchors_per_seq": cfg.anchors_per_seq, "lr": prof["lr"],
-              **({} if minutes else {"epochs": prof["epochs"]})}
+    wanted = {"num_layers": cfg.num_layers, "anchors_per_seq": cfg.anchors_per_seq, "lr": prof.lr,
+              **({} if minutes else {"epochs": prof.epochs})}
     differ = {k: (saved.get(k), v) for k, v in wanted.items() if k in saved and saved[k] != v}
     if differ:
         detail = ", ".join(f"{k} {old} (saved) vs {new} (asked)" for k, (old, new) in differ.items())
@@ -152,19 +152,19 @@ def matmul_peak(device: str, precision: str = "fp32") -> float:
     return measured_matmul_peak(device, dtype=precision_dtype(precision))
 
 
-def cached_batches(cache, n_rows: int, batch: int, prof: dict, target):
+def cached_batches(cache, n_rows: int, batch: int, prof: CurveProfile, target):
     """Endless collated batches of the first n_rows cached rows: a new shuffle per epoch, length-bucketed."""
     import random
 
     from dspark.training.batching import bucketed_batches
     from dspark.training.feature_cache import collate_cached
 
-    lengths = [min(len(x), prof["max_len"]) for x in cache.input_ids[:n_rows]]
+    lengths = [min(len(x), prof.max_len) for x in cache.input_ids[:n_rows]]
     epoch = 0
     while True:
         order = list(range(n_rows))
-        random.Random(prof["seed"] * 7919 + epoch).shuffle(order)
-        for rows in bucketed_batches(order, lengths, batch, window=8, seed=prof["seed"] + epoch):
+        random.Random(prof.seed * 7919 + epoch).shuffle(order)
+        for rows in bucketed_batches(order, lengths, batch, window=8, seed=prof.seed + epoch):
             yield collate_cached(cache, rows, target.pad_token_id, target.device)
         epoch += 1
 
@@ -189,7 +189,7 @@ def probe_step(trainer, cache, n_rows: int, batch: int, target, seed: int = 0) -
     return {"step_s": elapsed / len(batches), **{k: v / len(batches) for k, v in sums.items()}}
 
 
-def cmd_train(args, prof: dict) -> None:
+def cmd_train(args, prof: CurveProfile) -> None:
     out = Path(args.out)
     target = load_target_of(prof)
     rows, cache = train_cache(target, prof, out)
@@ -199,7 +199,7 @@ def cmd_train(args, prof: dict) -> None:
         train_one(target, prof, cache, n, "dspark", out / "points" / f"{tokens:09d}" / "dspark")
 
 
-def largest_point(args, prof: dict):
+def largest_point(args, prof: CurveProfile):
     """(output folder, target, feature cache, rollout tokens, rows) of the largest point: what every phase
     that trains beside the curve (baselines, epochs, capacity, sweep) works on."""
     out = Path(args.out)
@@ -209,7 +209,7 @@ def largest_point(args, prof: dict):
     return out, target, cache, tokens, n
 
 
-def cmd_baselines(args, prof: dict) -> None:
+def cmd_baselines(args, prof: CurveProfile) -> None:
     out, target, cache, tokens, n = largest_point(args, prof)
     for algo in ("dflash_tv", "dflash", "eagle3"):
         train_one(target, prof, cache, n, algo, out / "points" / f"{tokens:09d}" / algo)
@@ -237,15 +237,15 @@ def init_label(init: Path | None, folder: Path) -> str | None:
     return str(init.resolve())
 
 
-def epochs_folder_name(epochs: int, prof: dict, args) -> str:
+def epochs_folder_name(epochs: int, prof: CurveProfile, args) -> str:
     """e<N>, + -L<layers>-a<anchors> when --layers/--anchors changed the drafter, + -lr<lr> when --lr changed
     the profile's learning rate, + -from-<folder> when the run continues an earlier drafter (each a separate
     drafter; a capacity/<name> source is written capacity-<name>), + -vocab when it moves to a recounted
     draft vocabulary (--refresh-vocab)."""
-    shape = f"-L{prof['drafter']['num_layers']}-a{prof['drafter']['anchors_per_seq']}" if (args.layers or args.anchors) else ""
-    name = f"e{epochs:02d}{shape}" + (f"-lr{prof['lr']:g}" if args.lr else "") + precision_suffix(prof)
+    shape = f"-L{prof.drafter['num_layers']}-a{prof.drafter['anchors_per_seq']}" if (args.layers or args.anchors) else ""
+    name = f"e{epochs:02d}{shape}" + (f"-lr{prof.lr:g}" if args.lr else "") + precision_suffix(prof)
     name += f"-from-{init_name(args.init_from)}" if args.init_from else ""
-    return name + ("-vocab" if prof.get("refresh_vocab") else "")
+    return name + ("-vocab" if prof.refresh_vocab else "")
 
 
 def init_name(init_from: str) -> str:
@@ -257,44 +257,39 @@ def init_name(init_from: str) -> str:
     return (owner_of(path) or path.resolve()).name
 
 
-def cmd_epochs(args, prof: dict) -> None:
+def cmd_epochs(args, prof: CurveProfile) -> None:
     """DSpark at the largest point trained for each of `--epochs` passes over the same rows (each its own
     cosine schedule, from scratch or, with --init-from, from a saved drafter: an epochs folder name such as
     e05, or capacity/<name>; --layers/--anchors (one value each) set its shape), into
     epochs/<epochs_folder_name>/dspark, then its expected τ: what more passes over the same data buy,
     beside what more data buys (the points)."""
     out, target, cache, _, n = largest_point(args, prof)
-    prof = {**one_setting(args, prof, "epochs"), "refresh_vocab": args.refresh_vocab}
+    prof = one_setting(args, prof, "epochs").model_copy(update={"refresh_vocab": args.refresh_vocab})
     init = resolve_init(out, args.init_from) if args.init_from else None
     for epochs in args.epochs or []:
-        train_one(target, {**prof, "epochs": epochs}, cache, n, "dspark",
+        train_one(target, prof.model_copy(update={"epochs": epochs}), cache, n, "dspark",
                   out / "epochs" / epochs_folder_name(epochs, prof, args) / "dspark", init)
     estimate_folders(target, prof, out, epoch_drafters(out))
 
 
-def precision_of(prof: dict) -> str:
-    """The drafter's training precision: --precision, fp32 by default."""
-    return prof.get("precision", "fp32")
-
-
-def precision_suffix(prof: dict) -> str:
+def precision_suffix(prof: CurveProfile) -> str:
     """'' for the default fp32 training, '-bf16' otherwise (a folder name says what it holds)."""
-    return "" if precision_of(prof) == "fp32" else f"-{precision_of(prof)}"
+    return "" if prof.precision == "fp32" else f"-{prof.precision}"
 
 
-def capacity_folder(out: Path, layers: int, anchors: int, minutes: float, prof: dict) -> Path:
+def capacity_folder(out: Path, layers: int, anchors: int, minutes: float, prof: CurveProfile) -> Path:
     return out / "capacity" / f"L{layers}-a{anchors}-m{minutes:g}{precision_suffix(prof)}" / "dspark"
 
 
-def setting_grid(args, prof: dict):
+def setting_grid(args, prof: CurveProfile):
     """(layers, anchors, the profile with them) for every --layers x --anchors pair (default: the profile's)."""
-    for layers in args.layers or [prof["drafter"]["num_layers"]]:
-        for anchors in args.anchors or [prof["drafter"]["anchors_per_seq"]]:
-            yield layers, anchors, {**prof, "drafter": {**prof["drafter"], "num_layers": layers,
-                                                        "anchors_per_seq": anchors}}
+    for layers in args.layers or [prof.drafter["num_layers"]]:
+        for anchors in args.anchors or [prof.drafter["anchors_per_seq"]]:
+            yield layers, anchors, prof.model_copy(update={"drafter": {**prof.drafter, "num_layers": layers,
+                                                                       "anchors_per_seq": anchors}})
 
 
-def one_setting(args, prof: dict, phase: str) -> dict:
+def one_setting(args, prof: CurveProfile, phase: str) -> CurveProfile:
     """The profile with the one --layers / --anchors value given (phases that train a single shape)."""
     if not (args.layers or args.anchors):
         return prof
@@ -304,7 +299,7 @@ def one_setting(args, prof: dict, phase: str) -> dict:
     return setting
 
 
-def cmd_capacity(args, prof: dict) -> None:
+def cmd_capacity(args, prof: CurveProfile) -> None:
     """DSpark at the largest point, one drafter per (--layers, --anchors) setting, each trained from scratch
     for the same wall-clock budget (--minutes, schedule sized from the probed step time), into
     capacity/L<layers>-a<anchors>-m<minutes>/dspark, then its expected τ: what capacity and anchor density
@@ -318,7 +313,7 @@ def cmd_capacity(args, prof: dict) -> None:
     estimate_folders(target, prof, out, capacity_drafters(out))
 
 
-def cmd_sweep(args, prof: dict) -> None:
+def cmd_sweep(args, prof: CurveProfile) -> None:
     """Training throughput of DSpark on the cached features per (--layers, --anchors): tokens/s, anchor
     blocks/s, drafter TFLOP/s and MFU against this machine's measured matmul peak, each from the same
     three probe batches (short, median, long rows); written to sweep.json (sweep-bf16.json with --precision
@@ -330,16 +325,16 @@ def cmd_sweep(args, prof: dict) -> None:
     from dspark.training.loop import LocalTrainer, flops_rates, param_count
 
     out, target, cache, _, n = largest_point(args, prof)
-    batch = min(prof["batch_size"], n)
-    precision = precision_of(prof)
+    batch = min(prof.batch_size, n)
+    precision = prof.precision
     peak = matmul_peak(str(target.device), precision)
     settings_done = []
     for layers, anchors, setting in setting_grid(args, prof):
         cfg = drafter_config(setting, "dspark")
         ids = draft_vocab_of(cache, n, int(target.vocab_size), cfg.draft_vocab_size).ids()
-        torch.manual_seed(prof["seed"])
+        torch.manual_seed(prof.seed)
         drafter = build_drafter(cfg, target, draft_ids=ids)
-        trainer = LocalTrainer("dspark", target, drafter, OptimSection(lr=prof["lr"]), precision=precision)
+        trainer = LocalTrainer("dspark", target, drafter, OptimSection(lr=prof.lr), precision=precision)
         m = probe_step(trainer, cache, n, batch, target)
         rates = flops_rates(m["flops"], m["step_s"], target.device, precision, peak=peak)
         entry = {"num_layers": layers, "anchors_per_seq": anchors, "batch_size": batch, "precision": precision,
@@ -352,7 +347,7 @@ def cmd_sweep(args, prof: dict) -> None:
         settings_done.append(entry)
         log(f"sweep L{layers} a{anchors}: {entry['tokens_per_s']:.0f} tok/s, "
             f"{entry['anchor_blocks_per_s']:.0f} anchor blocks/s, MFU {entry['mfu']:.3f}")
-    result = {"device": prof["device_label"], "threads": torch.get_num_threads(), "rows": n,
+    result = {"device": prof.device_label, "threads": torch.get_num_threads(), "rows": n,
               "mfu_peak_tflops": peak / 1e12, "mfu_basis": f"measured {precision} 1024^3 matmul, same threads",
               "method": "mean of 3 timed cached steps (short, median, long batch) after a warm-up, no update",
               "settings": settings_done}

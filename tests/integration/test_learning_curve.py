@@ -215,7 +215,7 @@ def test_extra_prompt_set_joins_the_training_rows_and_a_drafter_path_continues(t
     assert 1.0 <= lo <= at["drafters"][other]["decoded_tau_estimate"] <= hi <= 3.0
     assert at["drafters"][other]["decoded_vs_baseline"]["prompts"] >= 1 and at["setting"]["anchor_stride"] == 1
     # without --answer-tokens the profile's anchor stride holds: renewal only where it keeps every anchor
-    assert ("decoded_tau_estimate" in rep["drafters"][other]) == (lc.PROFILES["tiny"].get("anchor_stride", 1) == 1)
+    assert ("decoded_tau_estimate" in rep["drafters"][other]) == (lc.PROFILES["tiny"].anchor_stride == 1)
 
     # draft temperature: swept with the renewal estimate (1 always in), the best value saved in a new folder
     dt = lc.cmd_draft_temperature(lc.parse_args(["draft-temperature", "--profile", "tiny", "--out", str(out),

@@ -102,7 +102,7 @@ def test_the_config_models_default_to_auto():
 
 def test_demo_profiles_stage_configs_say_auto_after_their_overrides():
     """What `make demo` runs: each stage's config file with the profile's overrides applied."""
-    from jobs.demo_runner import PROFILES, STAGE_CONFIG
+    from jobs.demo.runner import PROFILES, STAGE_CONFIG
 
     checked = 0
     for profile in PROFILES.values():
@@ -120,7 +120,7 @@ def test_learning_curve_profiles_resolve_the_dtype():
     from recipes.learning_curve.profiles import PROFILES
 
     for name, prof in PROFILES.items():
-        settings = precision_settings(prof)
+        settings = precision_settings(prof.model_dump(exclude_unset=True))  # the keys the profile sets
         assert settings.get("dtype") == "auto" and all(v == "auto" for v in settings.values()), (name, settings)
 
 
@@ -133,4 +133,4 @@ def test_learning_curve_target_dtype_follows_the_hardware(monkeypatch):
     assert target_dtype(PROFILES["cpu"], "bfloat16") == "bfloat16"  # --data-dtype bfloat16 still pins it
     monkeypatch.setattr(precision, "bf16_is_native", lambda device: True)  # avx512_bf16 / AMX, or a bf16 GPU
     assert target_dtype(PROFILES["cpu"]) == target_dtype(PROFILES["gpu"]) == "bfloat16"
-    assert target_dtype({**PROFILES["cpu"], "dtype": "float32"}) == "float32"  # --dtype float32
+    assert target_dtype(PROFILES["cpu"].model_copy(update={"dtype": "float32"})) == "float32"  # --dtype float32

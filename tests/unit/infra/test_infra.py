@@ -10,7 +10,6 @@ network is needed.
 from __future__ import annotations
 
 import ast
-import importlib
 import json
 import re
 import shlex
@@ -21,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from tests.job_modules import config_model_name
+from tests.job_modules import job_config_model
 from tests.paths import REPO
 
 ROOT = REPO
@@ -69,7 +68,7 @@ def check_entrypoint(entrypoint: str) -> tuple[str, Path]:
     overrides = [argv[i + 1] for i, arg in enumerate(argv) if arg == "--set"]
     from dspark.config import load_config
 
-    model = getattr(importlib.import_module(module), config_model_name(module_path))
+    model = job_config_model(module)
     load_config(model, config, overrides)  # raises ConfigError naming the bad key
     return module, config
 
@@ -517,7 +516,7 @@ def test_kuberay_decode_jobs_fit_their_configs(stage):
     module, config = check_entrypoint(spec["entrypoint"])
     from dspark.config import load_config
 
-    model = getattr(importlib.import_module(module), config_model_name(ROOT / (module.replace(".", "/") + ".py")))
+    model = job_config_model(module)
     workers = load_config(model, config).workers
     # dtype auto: bf16 on the GPU workers where it is native (dspark.models.precision), never forced
     assert workers.num_gpus > 0 and workers.dtype == "auto", f"{config}: decode on GPUs in the dtype auto picks"

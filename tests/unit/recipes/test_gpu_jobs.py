@@ -15,7 +15,7 @@ import torch
 from dspark.config import load_config
 from recipes import gpu_jobs
 from tests.paths import REPO
-from tests.unit.jobs.test_demo import job_config_model
+from tests.job_modules import job_config_model
 
 
 def test_what_travels_is_the_product_less_the_image_and_the_s3_stack():

@@ -6,7 +6,6 @@ stage as a Ray job).
 from __future__ import annotations
 
 
-import importlib
 
 import json
 
@@ -20,7 +19,7 @@ import socket
 import pytest
 
 from jobs.demo import driver, runner
-from tests.job_modules import config_model_name
+from tests.job_modules import job_config_model
 from tests.paths import REPO
 
 
@@ -80,11 +79,6 @@ def test_stage_overrides_validate_against_each_job_config(profile, native_bf16):
             overrides = prof.budget(stage) + runner.fill(runner.STAGE_WIRING[stage], dummy)
             load_config(model, ROOT / config, overrides)
 
-
-
-def job_config_model(stage: str):
-    """The config class `jobs.<stage>` validates its --config with."""
-    return getattr(importlib.import_module(f"jobs.{stage}"), config_model_name(ROOT / "jobs" / f"{stage}.py"))
 
 
 

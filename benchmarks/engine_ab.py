@@ -48,6 +48,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="target and drafter weights (bfloat16: what configs/serve's dtype auto picks on a CPU with bf16)")
     ap.add_argument("--gamma", type=int, default=None, help="drafts proposed per round (default: the drafter's block size)")
     ap.add_argument("--sps-table", default=None, help='JSON {"B": steps/s} for dynamic (default: profile at start)')
+    ap.add_argument("--gate-closed", action="store_true",
+                    help="the dynamic engines' draft gate skips every step (never explores): what a skipped step "
+                         "costs next to mode off's step, with nothing drafted at all")
     ap.add_argument("--out", default=None, help="write the JSON here too")
     return ap.parse_args(argv)
 
@@ -125,6 +128,8 @@ def main(argv=None) -> int:
                                draft_tree=tree,
                                tree_max_rows=args.tree_max_rows or c)
             engine = Engine(target, None if sched == "off" else drafter, cfg)
+            if args.gate_closed and engine.gate is not None:
+                close_gate(engine.gate)
             if engine.sps is not None:
                 tables[mode] = engine.sps.points
             loads[mode] = Load(engine, prompts, args.max_tokens)
@@ -155,6 +160,15 @@ def main(argv=None) -> int:
     return 0
 
 
+def close_gate(gate) -> None:
+    """Make this draft gate skip every step (--gate-closed): a measurement, not a serving setting."""
+    def never(n_active: int) -> bool:
+        gate.exploring = False
+        return gate._decide(False)
+
+    gate.should_draft = never
+
+
 def write(args, modes: list[str], levels: list[int], tables: dict, results: list[dict]) -> dict:
     ratio, skipped_ratio, over_off = {}, {}, {}
     for c in levels:
@@ -170,6 +184,7 @@ def write(args, modes: list[str], levels: list[int], tables: dict, results: list
     report = {"benchmark": "engine_ab", "target": args.target, "drafter": args.drafter, "modes": modes,
               "concurrency": levels, "steps": args.steps, "chunk": args.chunk, "max_tokens": args.max_tokens,
               "prompt_len": args.prompt_len, "gamma": args.gamma, "threads": args.threads, "dtype": args.dtype, "tree_max_rows": args.tree_max_rows, "gate_decay": args.gate_decay,
+              "gate_closed": args.gate_closed,
               "sps_tables": {m: {str(b): v for b, v in t.items()} for m, t in tables.items()},
               "results": results, "over_off": over_off, "dynamic_over_off": ratio, "dynamic_skipped_steps_over_off": skipped_ratio}
     if args.out:

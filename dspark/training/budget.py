@@ -8,11 +8,14 @@ mis-sizes the run by the length spread), sets the learning-rate schedule to the 
 it from the real step time as it goes (StepBudget, shared with the learning-curve recipe), and steps
 until the planned steps are done or `min(start + seconds, deadline)` passes — whichever is first,
 checked before every step, so a slow step overruns by at most one step.
+`run_steps(trainer, budget, batches, step)` is that loop alone, the one every single-process run trains with
+(train_for; the learning curve's steps on cached target features, with an epoch-sized or timed StepBudget).
 """
 from __future__ import annotations
 
 import random
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
 
@@ -169,6 +172,7 @@ class TrainReport:
     probe_s: float = 0.0
     stopped_by: str = ""  # "steps" (the plan) or "deadline"
     curve: list = field(default_factory=list)
+    final_metrics: dict = field(default_factory=dict)  # mean over the last 20 steps
 
 
 def train_for(trainer, batches: Iterator[dict], probe: Sequence[dict], seconds: float, deadline: Deadline,
@@ -181,26 +185,53 @@ def train_for(trainer, batches: Iterator[dict], probe: Sequence[dict], seconds: 
     report.step_s = measure_step_s(trainer, probe, chunks, stop)
     report.probe_s = time.time() - start
     budget = StepBudget(int(stop.left() / max(report.step_s, 1e-6)), max(0.0, stop.left()), max_steps, stop)
-    report.planned_steps = budget.planned
     trainer.set_schedule(budget.total)
+    return run_steps(trainer, budget, batches, lambda batch, s: trainer.step(batch, s, chunks=chunks), seed,
+                     log_every, on_log, report)
+
+
+def run_steps(trainer, budget: StepBudget, batches: Iterator[dict], step: Callable[[dict, int], dict], seed: int = 0,
+              log_every: int = 50, on_log: Callable[[dict], None] | None = None,
+              report: TrainReport | None = None) -> TrainReport:
+    """The training loop of every single-process run (the GPU recipe through `train_for`, the learning curve
+    on cached target features, benchmarks): `step(batch, seed)` (one optimiser step of `trainer`, returning its
+    metrics with "tokens" and "flops") while `budget` allows (invariant: no step starts past it), re-sizing
+    the schedule as the budget re-plans; step k gets seed `seed * 1_000_003 + k`. A curve point every
+    `log_every` steps and at the last: the metrics averaged over the steps since the previous point, tokens/s
+    so far and the current plan (`on_log` gets each); `final_metrics`: the mean over the last 20 steps."""
+    report = report or TrainReport()
+    report.planned_steps = budget.planned
+    since_point: list[dict] = []
+    last = deque(maxlen=20)
     t0 = time.time()
-    while budget.more():  # invariant: no step starts after the deadline
-        step = budget.done
+    while budget.more():
+        done = budget.done
         batch = next(batches)
         epoch = batch.pop("epoch", 0)
-        m = trainer.step(batch, seed * 1_000_003 + step, chunks=chunks)
-        report.steps, report.epochs = step + 1, epoch + 1
+        m = step(batch, seed * 1_000_003 + done)
+        report.steps, report.epochs = done + 1, epoch + 1
         report.tokens += m["tokens"]
         report.flops += m["flops"]
+        since_point.append(m)
+        last.append(m)
         budget.stepped(trainer)
-        if step % log_every == 0 or step + 1 == budget.total:
-            point = {"step": step + 1, "epoch": epoch, "seconds": round(time.time() - t0, 2),
-                     **{k: round(v, 5) for k, v in m.items() if k != "flops"}}
+        if (done + 1) % log_every == 0 or done + 1 == budget.total or done == 0:
+            point = {"step": done + 1, "planned_steps": budget.total, "epoch": epoch,
+                     "seconds": round(time.time() - t0, 2),
+                     "tokens_per_s": round(report.tokens / max(time.time() - t0, 1e-9), 1),
+                     **{k: round(v, 5) for k, v in mean_metrics(since_point).items() if k not in ("flops", "tokens")}}
             report.curve.append(point)
+            since_point = []
             if on_log:
                 on_log(point)
-    report.stopped_by = budget.stopped_by
+    report.stopped_by, report.final_metrics = budget.stopped_by, mean_metrics(list(last))
     sync(trainer.target.device)
     report.train_s = time.time() - t0
     trainer.drafter.eval()
     return report
+
+
+def mean_metrics(steps: Sequence[dict]) -> dict[str, float]:
+    """Per metric, its mean over the steps that report it (float metrics only)."""
+    keys = {k for m in steps for k, v in m.items() if isinstance(v, float)}
+    return {k: sum(m[k] for m in steps if k in m) / sum(k in m for m in steps) for k in sorted(keys)}

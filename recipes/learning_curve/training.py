@@ -41,12 +41,11 @@ def train_one(target, prof: CurveProfile, cache, n_rows: int, algo: str, folder:
     step time after 5 %, 25 % and 50 % of it, and no step starts past the budget); skip if already saved.
     `init`: a saved drafter (its folder holds config.json) of the same config to start from instead of a
     fresh initialisation; its draft vocabulary is kept."""
-    import numpy as np
     import torch
 
     from dspark.drafters import build_drafter, save_drafter
     from dspark.training.config import OptimSection
-    from dspark.training.budget import StepBudget
+    from dspark.training.budget import StepBudget, run_steps
     from dspark.training.feature_cache import cached_step
     from dspark.training.loop import LocalTrainer, flops_rates
 
@@ -91,24 +90,15 @@ def train_one(target, prof: CurveProfile, cache, n_rows: int, algo: str, folder:
     log(f"{folder.parent.name}/{algo}: {n_rows} rows, {budget.total} steps of {batch} ({plan}), "
         f"{cfg.num_layers} layers, {cfg.anchors_per_seq} anchors/seq, draft vocab {cfg.draft_vocab_size} "
         f"(coverage {cov if cov is None else round(cov, 4)})")
-    tokens, flops, curve, last = 0.0, 0.0, [], []
-    while budget.more():
-        step = budget.done + 1
-        m = cached_step(trainer, next(batches), seed=prof.seed * 1_000_003 + step - 1)
-        tokens, flops = tokens + m["tokens"], flops + m["flops"]
-        last = (last + [m])[-20:]
-        before = budget.stepped(trainer)
-        if before is not None:
-            log(f"  {algo} step {step}: {budget.elapsed() / step:.2f} s/step measured, schedule {before} -> "
-                f"{budget.total} steps")
-        if step % prof.log_every == 0 or step == budget.total:
-            dt = budget.elapsed()
-            row = {"step": step, "loss": m["loss"], "tokens_per_s": tokens / dt,
-                   **{k: float(np.mean([x[k] for x in last if k in x])) for k in ("loss", "token_acc") if k in m}}
-            curve.append(row)
-            log(f"  {algo} step {step}/{budget.total} loss {row['loss']:.3f} acc {row.get('token_acc', 0):.3f} "
-                f"{row['tokens_per_s']:.0f} tok/s, {dt:.0f} s")
-    steps, planned, stopped_by = budget.done, budget.planned, budget.stopped_by
+
+    def log_point(p: dict) -> None:
+        log(f"  {algo} step {p['step']}/{p['planned_steps']} loss {p['loss']:.3f} acc {p.get('token_acc', 0):.3f} "
+            f"{p['tokens_per_s']:.0f} tok/s, {p['seconds']:.0f} s")
+
+    rep = run_steps(trainer, budget, batches, lambda b, seed: cached_step(trainer, b, seed=seed), prof.seed,
+                    prof.log_every, log_point)
+    tokens, flops, curve = rep.tokens, rep.flops, rep.curve
+    steps, planned, stopped_by = rep.steps, rep.planned_steps, rep.stopped_by
     wall = budget.elapsed()
     save_drafter(drafter, str(folder / "drafter"))
     peak = matmul_peak(str(target.device), precision)
@@ -126,7 +116,7 @@ def train_one(target, prof: CurveProfile, cache, n_rows: int, algo: str, folder:
               "drafter_tflops_per_s": rates["model_tflops_per_s"], "mfu": rates["mfu"],
               "precision": precision, "mfu_peak_tflops": peak / 1e12,
               "mfu_basis": f"measured {precision} 1024^3 matmul, same threads",
-              "final_metrics": {k: float(np.mean([x[k] for x in last])) for k in last[-1] if isinstance(last[-1][k], float)},
+              "final_metrics": rep.final_metrics,
               "curve": curve, "drafter_config": cfg.model_dump()}
     done.write_text(json.dumps(result, indent=1))
     return result

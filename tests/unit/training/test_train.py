@@ -363,6 +363,34 @@ def test_step_budget_replans_from_the_steps_since_its_last_point_not_a_warm_up_h
     assert budget.done > 180  # 48 s of 0.25 s steps after the 12 s warm-up
 
 
+def test_run_steps_is_the_one_loop_seeds_each_step_and_logs_window_means():
+    """run_steps (train_for's loop and the learning curve's): step k gets seed seed*1_000_003 + k, the plan's
+    steps and no more, a point every log_every steps (and the first and last) with the metrics averaged since
+    the previous point, final_metrics over the last 20 steps, the drafter left in eval mode."""
+    from dspark.training import budget as budget_mod
+
+    class Trainer:
+        target = type("T", (), {"device": torch.device("cpu")})()
+        drafter = torch.nn.Linear(1, 1)
+
+        def set_schedule(self, total, done=0):
+            pass
+
+    seeds, points = [], []
+
+    def step(batch, seed):
+        seeds.append(seed)
+        return {"loss": float(len(seeds)), "tokens": 10.0, "flops": 1.0}
+
+    batches = ({"epoch": 0 if k < 3 else 1} for k in range(40))
+    rep = budget_mod.run_steps(Trainer(), budget_mod.StepBudget(25), batches, step, seed=2, log_every=10,
+                               on_log=points.append)
+    assert seeds == [2 * 1_000_003 + k for k in range(25)] and rep.steps == 25 and rep.epochs == 2
+    assert [p["step"] for p in points] == [1, 10, 20, 25] and [p["loss"] for p in points] == [1.0, 6.0, 15.5, 23.0]
+    assert rep.tokens == 250.0 and rep.curve == points and rep.final_metrics["loss"] == pytest.approx(15.5)
+    assert not Trainer.drafter.training and rep.stopped_by == "steps"
+
+
 def test_session_reports_on_log_checkpoint_and_last_steps_and_reuses_target_outputs(gloo_world_of_one):
     """Metrics are read back and gathered only on the steps that report them (log_every_steps, checkpoint
     steps, the last), averaged over the steps since the last report; from the second epoch on the frozen

@@ -319,8 +319,3 @@ def read_prompts(output_uri: str) -> pa.Table:
         fs, path = storage.pyarrow_fs(path_in(out, shard))
         tables.append(pq.read_table(path, filesystem=fs, schema=PROMPT_SCHEMA))
     return pa.concat_tables(tables) if tables else PROMPT_SCHEMA.empty_table()
-
-
-def read_dropped(output_uri: str) -> pa.Table:
-    fs, path = storage.pyarrow_fs(path_in(output_uri.rstrip("/"), "dropped", "filtered.parquet"))
-    return pq.read_table(path, filesystem=fs, schema=DROPPED_SCHEMA)

@@ -27,7 +27,6 @@ Sources are read through `files` (dspark/data/files.py): the jobs and pipelines 
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import os
 import unicodedata
@@ -374,12 +373,3 @@ def load_prompts(sources: list[PromptSource], holdout_fraction: float = 0.0, fil
             domain = src.domain or (record.get("domain") if isinstance(record.get("domain"), str) else "")
             result.prompts.append(Prompt(pid, label, domain, split_of(pid, holdout_fraction), system, turns, location))
     return result
-
-
-def write_jsonl(records: list, uri: str, files: Files = LOCAL) -> None:
-    """Small helper for tests and examples: records (dicts or raw strings) -> a JSONL file (or an
-    object, with files=dspark.io.storage)."""
-    buf = io.StringIO()
-    for r in records:
-        buf.write((r if isinstance(r, str) else json.dumps(r, ensure_ascii=False)) + "\n")
-    files.write_text(uri, buf.getvalue())

@@ -166,14 +166,6 @@ def prefix_schedule(confidences: Sequence[Sequence[float]], sps: Callable[[float
     return best_lengths
 
 
-def expected_throughput(confidences: Sequence[Sequence[float]], lengths: Sequence[int],
-                        sps: Callable[[float], float]) -> float:
-    """Θ = (Σ_r 1 + Σ_{j≤ℓ_r} a_{r,j}) · SPS(Σ_r (1 + ℓ_r))."""
-    survival = prefix_survival(confidences)
-    tau = sum(1 + float(a[:n].sum()) for a, n in zip(survival, lengths))
-    return tau * sps(sum(1 + n for n in lengths))
-
-
 def topk_schedule(confidences: Sequence[Sequence[float]], capacity: int) -> list[int]:
     """Verify the `capacity` candidates (r, j) with the highest a_{r,j} (prefix-closed by the ordering)."""
     lengths = [0] * len(confidences)

@@ -107,18 +107,6 @@ def read_rollouts(output_uri: str) -> pa.Table:
     return pa.concat_tables(tables) if tables else schema.ROLLOUT_SCHEMA.empty_table()
 
 
-def read_errors(output_uri: str) -> pa.Table:
-    out = output_uri.rstrip("/")
-    uris = [path_in(out, "errors", "load.parquet")] + [
-        path_in(out, m["files"]["errors"]) for _, m in sorted(read_commits(out).items()) if "errors" in m["files"]]
-    tables = []
-    for uri in uris:
-        if storage.exists(uri):
-            fs, path = storage.pyarrow_fs(uri)
-            tables.append(pq.read_table(path, filesystem=fs, schema=schema.ERROR_SCHEMA))
-    return pa.concat_tables(tables) if tables else schema.ERROR_SCHEMA.empty_table()
-
-
 ROLLOUT_COLUMNS = ("split", "input_ids", "loss_mask")  # what training reads from the rollouts Parquet
 
 

@@ -340,21 +340,6 @@ def get_file(uri: str | os.PathLike, local_path: str | os.PathLike) -> None:
             pafs.copy_files(path, tmp, source_filesystem=fs, destination_filesystem=pafs.LocalFileSystem())
 
 
-def download_dir(uri: str | os.PathLike, local_dir: str | os.PathLike) -> list[str]:
-    """Copy every file under `uri` into `local_dir` (keeping relative paths); returns local paths."""
-    uri = str(uri)
-    files = list_files(uri)
-    if not files:
-        raise FileNotFoundError(f"nothing to download under {uri}")
-    root = Path(local_dir)
-    written = []
-    for source in tqdm(files, desc=f"download {uri}", unit="file", disable=len(files) < 10 or None):
-        target = root / _relative(source, uri)
-        get_file(source, target)
-        written.append(str(target))
-    return written
-
-
 def _relative(file_uri: str, dir_uri: str) -> str:
     rel = file_uri[len(dir_uri.rstrip("/")):].lstrip("/")
     return rel or os.path.basename(file_uri)

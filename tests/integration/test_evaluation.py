@@ -16,7 +16,7 @@ import pytest
 
 
 
-from tests.unit.eval.test_evaluation import GAMMA, job_config, tiny, tiny_drafter, two_drafters, write_jsonl  # noqa: F401 (shared helpers and fixtures)
+from tests.unit.eval.test_evaluate import GAMMA, job_config, tiny, tiny_drafter, two_drafters, write_jsonl  # noqa: F401 (shared helpers and fixtures)
 
 
 

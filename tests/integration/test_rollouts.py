@@ -25,12 +25,13 @@ from dspark.config import load_config
 
 from dspark.data import schema
 
-from dspark.data.prompts import load_prompts, prompt_id_of, write_jsonl
+from dspark.data.prompts import load_prompts, prompt_id_of
 
 
 from dspark.data.rollout_engine import RolloutEngine
 
-from dspark.io.rollout_store import read_commits, read_errors, read_rollouts
+from dspark.io.rollout_store import read_commits, read_rollouts
+from tests.job_files import read_dropped, read_errors, write_jsonl
 from tests.unit.data.test_rollouts import check_row, mask_runs, tiny  # noqa: F401 (shared helpers and fixtures)
 from tests.paths import REPO
 
@@ -224,7 +225,7 @@ def test_unreachable_bucket_fails_fast_before_generation(local_stack, tmp_path, 
 def test_synthesize_then_generate_then_train_as_ray_jobs(stack_ray):
     import mlflow
 
-    from pipelines.synthesize import read_dropped, read_prompts
+    from pipelines.synthesize import read_prompts
 
     prefix = s3_prefix("synth")
     synth = ray_job(stack_ray, "jobs.synthesize", "configs/synthesize/tiny.yaml", f"output={prefix}/prompts",

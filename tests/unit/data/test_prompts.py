@@ -9,7 +9,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from dspark.data.prompts import (BadRecord, PromptSource, load_prompts, normalise_text, parse_record, prompt_id_of,
-                               split_of, write_jsonl)
+                               split_of)
+from tests.job_files import write_jsonl
 from tests.paths import FIXTURES, REPO
 
 

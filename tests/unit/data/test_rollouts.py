@@ -18,13 +18,14 @@ from dspark.io import storage
 
 from dspark.data import schema
 
-from dspark.data.prompts import load_prompts, prompt_id_of, write_jsonl
+from dspark.data.prompts import load_prompts, prompt_id_of
 
 from pipelines.generate import RolloutConfig, make_plan
 
 from dspark.data.rollout_engine import RolloutEngine, SamplingConfig, row_seed
 
 from dspark.io.rollout_store import commit_chunk, prepare_output, read_commits, read_rollouts
+from tests.job_files import write_jsonl
 
 
 

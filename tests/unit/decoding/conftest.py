@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from dspark.models.target import build_tiny_model
+from tests.tiny_models import build_tiny_model
 
 
 @pytest.fixture(scope="module")

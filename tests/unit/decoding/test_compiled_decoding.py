@@ -18,8 +18,8 @@ from dspark.decoding.scheduler import PrefixScheduler, SchedulerConfig, SPSTable
 from dspark.decoding.specdec import speculative_generate, target_generate
 from dspark.decoding.tree_specdec import tree_speculative_generate
 from dspark.drafters import DrafterConfig, build_drafter
-from dspark.models.target import build_tiny_model
 from tests.lossless_stats import chi2_pvalue, engine_three_token_pvalues, exact_joint
+from tests.tiny_models import build_tiny_model
 
 VOCAB, PROMPT, N_TOKENS, GAMMA, RUNS, TREE_RUNS = 6, [1, 5, 2, 4, 3], 3, 3, 3000, 2000
 SP = SamplingParams(temperature=1.0)

@@ -1,12 +1,11 @@
 """dspark/decoding/kv_budget.py: the KV bytes of a batch follow the target's shape, and long generations that would
 not fit the device are refused before the first token, naming the knobs and how many rows would fit."""
 import pytest
-import torch
 
 from dspark.decoding import kv_budget
 from dspark.decoding.generator import BatchGenerator, GeneratorConfig
 from dspark.decoding.sampling import SamplingParams
-from dspark.models.target import build_tiny_model
+from tests.tiny_models import build_tiny_model
 
 
 @pytest.fixture(scope="module")

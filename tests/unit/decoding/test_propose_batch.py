@@ -10,7 +10,7 @@ from scipy import stats
 import dspark.decoding.sampling
 from dspark.drafters import DrafterConfig, build_drafter
 from dspark.decoding.sampling import SamplingParams, to_probs
-from dspark.models.target import build_tiny_model
+from tests.tiny_models import build_tiny_model
 
 VARIANTS = [("dflash", "markov"), ("dspark", "markov"), ("dspark", "rnn"), ("dspark", "none"), ("eagle3", "markov")]
 CONTEXT_LENS = [0, 3, 9, 5, 9]

@@ -4,10 +4,18 @@ import pytest
 import torch
 
 from dspark.decoding.sampling import accept_drafts
-from dspark.decoding.scheduler import (PrefixScheduler, SchedulerConfig, SPSTable, expected_throughput, prefix_schedule,
+from dspark.decoding.scheduler import (PrefixScheduler, SchedulerConfig, SPSTable, prefix_schedule, prefix_survival,
                               profile_sps, threshold_schedule, topk_schedule)
 
 APPENDIX_A_SPS = SPSTable({1: 1.0, 2: 0.5, 3: 0.45})
+
+
+def expected_throughput(confidences, lengths, sps) -> float:
+    """Θ = (Σ_r 1 + Σ_{j≤ℓ_r} a_{r,j}) · SPS(Σ_r (1 + ℓ_r)), the objective prefix_schedule maximises:
+    checks the worked examples' arithmetic."""
+    survival = prefix_survival(confidences)
+    tau = sum(1 + float(a[:n].sum()) for a, n in zip(survival, lengths))
+    return tau * sps(sum(1 + n for n in lengths))
 
 
 def test_sps_table_interpolates_step_time_and_extrapolates():

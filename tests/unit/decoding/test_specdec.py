@@ -29,8 +29,8 @@ from dspark.eval.metrics import summarize_results
 from dspark.decoding.sampling import SamplingParams, accept_drafts, sample, to_probs
 from dspark.decoding.scheduler import PrefixScheduler, SchedulerConfig, SPSTable
 from dspark.decoding.specdec import drafter_layer_ids, speculative_generate, target_generate
-from dspark.models.target import build_tiny_model
 from tests.lossless_stats import chi2_pvalue, exact_joint
+from tests.tiny_models import build_tiny_model
 
 VOCAB, PROMPT, N_TOKENS, RUNS, GAMMA = 6, [1, 5, 2, 4, 3], 3, 4000, 3
 ALGOS = ["dspark", "dflash", "eagle3"]

@@ -14,8 +14,8 @@ from dspark.decoding.kv_sequence import additive_layout_mask
 from dspark.decoding.tree_specdec import (accept_tree, children_of, parse_branching, tree_speculative_generate,
                                           verify_parents)
 from dspark.drafters import DrafterConfig, build_drafter
-from dspark.models.target import build_tiny_model
 from tests.lossless_stats import chi2_pvalue, exact_joint
+from tests.tiny_models import build_tiny_model
 
 VOCAB, PROMPT, N_TOKENS, GAMMA = 6, [1, 5, 2, 4, 3], 3, 3
 SP = SamplingParams(temperature=1.0)

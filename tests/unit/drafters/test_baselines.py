@@ -9,8 +9,8 @@ import torch
 from dspark.drafters.anchors import all_anchors, is_dense
 from dspark.drafters import DrafterConfig, build_drafter
 from dspark.training.losses import loss_denominator, position_weights, soft_ce_loss
-from dspark.models.target import build_tiny_model
 from dspark.training.loss import drafter_loss, supervised_pairs
+from tests.tiny_models import build_tiny_model
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from dspark.drafters import DrafterConfig, build_drafter, load_drafter, save_drafter
 from dspark.export.vllm import export_vllm
-from dspark.models.target import build_tiny_model
+from tests.tiny_models import build_tiny_model
 
 VARIANTS = [("dflash", "markov"), ("dspark", "markov"), ("dspark", "rnn"), ("eagle3", "markov")]
 

@@ -11,7 +11,7 @@ from dspark.decoding.sampling import SamplingParams
 from dspark.drafters import DrafterConfig, build_drafter
 from dspark.drafters.anchors import block_layout, packed_mask, sample_anchors
 from dspark.drafters.block_attention import BlockLayout, attend_chunks
-from dspark.models.target import build_tiny_model
+from tests.tiny_models import build_tiny_model
 
 W = 3
 

@@ -5,8 +5,8 @@ import torch
 
 from dspark.drafters import DrafterConfig, build_drafter, save_drafter
 from dspark.drafters.deepen import deepen_from
-from dspark.models.target import build_tiny_model
 from dspark.training.session import load_initial_weights
+from tests.tiny_models import build_tiny_model
 
 V = 16
 

@@ -16,8 +16,8 @@ from dspark.drafters import DrafterConfig, build_drafter, load_drafter, save_dra
 from dspark.export.vllm import export_vllm
 from dspark.training.losses import tv_l1
 from dspark.decoding.sampling import SamplingParams
-from dspark.models.target import build_tiny_model
 from dspark.training.loss import drafter_loss
+from tests.tiny_models import build_tiny_model
 
 V = 16
 DRAFT_IDS = [0, 2, 3, 5, 8, 9, 12, 15]

@@ -6,8 +6,8 @@ import torch
 from dspark.drafters.anchors import block_mask, eligible_anchors, packed_mask, sample_anchors
 from dspark.drafters import DrafterConfig, build_drafter
 from dspark.decoding.sampling import SamplingParams, to_probs
-from dspark.models.target import build_tiny_model
 from dspark.training.loss import drafter_loss
+from tests.tiny_models import build_tiny_model
 
 VARIANTS = [("dflash", "markov"), ("dspark", "markov"), ("dspark", "rnn"), ("eagle3", "markov")]
 

@@ -14,7 +14,7 @@ from dspark.drafters import DrafterConfig, build_drafter
 from dspark.eval.acceptance_estimate import bootstrap_ratio, estimate, sequence_acceptance
 from dspark.decoding.sampling import SamplingParams
 from dspark.decoding.specdec import speculative_generate, target_generate
-from dspark.models.target import build_tiny_model
+from tests.tiny_models import build_tiny_model
 
 V = 8
 SP = SamplingParams(temperature=1.0, top_p=1.0, top_k=0)

@@ -25,9 +25,10 @@ from dspark.decoding.sampling import SamplingParams, sample, to_probs
 
 from dspark.decoding.specdec import RoundStats, target_generate
 
-from dspark.models.target import build_tiny_model, load_target
+from dspark.models.target import load_target
 from tests.paths import REPO
 from tests.mlflow_store import new_sqlite_store, register_drafter_dir
+from tests.tiny_models import build_tiny_model
 
 
 

@@ -6,7 +6,7 @@ from dspark.drafters import DrafterConfig, build_drafter
 from dspark.eval.metrics import markdown_table, merge_summaries, position_rows, summarize, summarize_results
 from dspark.decoding.sampling import SamplingParams
 from dspark.decoding.specdec import GenerationResult, RoundStats, speculative_generate
-from dspark.models.target import build_tiny_model
+from tests.tiny_models import build_tiny_model
 
 
 def _round(accepted: int, verified: int = 3, proposed: int = 3) -> RoundStats:

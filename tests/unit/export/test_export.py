@@ -15,9 +15,10 @@ from dspark.cli import main
 from dspark.drafters import DrafterConfig, build_drafter, save_drafter
 from dspark.export.vllm import ExportError, export_vllm
 from dspark.export import export_drafter
-from dspark.models.target import build_tiny_model, load_target
+from dspark.models.target import load_target
 from dspark.config import read_yaml
 from tests.mlflow_store import new_sqlite_store
+from tests.tiny_models import build_tiny_model
 
 
 @pytest.fixture(scope="module")

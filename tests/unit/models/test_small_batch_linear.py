@@ -9,7 +9,7 @@ import copy
 import pickle
 
 from dspark.models.small_batch_linear import MAX_ROWS, SmallBatchLinear, small_batch_linear, use_small_batch_linear
-from dspark.models.target import build_tiny_model
+from tests.tiny_models import build_tiny_model
 
 
 @pytest.mark.parametrize("shape", [(1, 16), (2, 16), (1, 5, 16), (3, 4, 16), (MAX_ROWS, 16), (MAX_ROWS + 1, 16), (0, 16)])

@@ -6,7 +6,8 @@ import sys
 import pytest
 import torch
 
-from dspark.models.target import build_tiny_model, load_target, spread_layer_ids
+from dspark.models.target import load_target, spread_layer_ids
+from tests.tiny_models import build_tiny_model
 
 
 @pytest.fixture(scope="module")

@@ -9,14 +9,15 @@ import pytest
 
 from dspark.data.prompt_filters import (EvalIndex, FilterConfig, PromptFilter, build_eval_index, normalised_key,
                                    repeated_ngram_share)
-from dspark.data.prompts import PromptSource, load_prompts, prompt_id_of, write_jsonl
+from dspark.data.prompts import PromptSource, load_prompts, prompt_id_of
 from dspark.data.schema import Plan
 from dspark.io.rollout_store import prepare_output
 from dspark.data.rollout_engine import SamplingConfig
 from dspark.data.magpie import (DEFAULT_DOMAINS, DomainSpec, MagpieConfig, MagpieEngine, domain_counts,
                                 domain_sequence, magpie_slots)
 from pipelines.synthesize import (SynthesizeConfig, apply_filters, commit_raw, corpus_candidates, magpie_candidates,
-                                  read_dropped, read_prompts, read_raw, write_final)
+                                  read_prompts, read_raw, write_final)
+from tests.job_files import read_dropped, write_jsonl
 
 LONG = ("Alice has three boxes of apples and each box holds twelve apples while her brother gives her "
         "five more apples every single day of the week")

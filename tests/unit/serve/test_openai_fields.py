@@ -20,12 +20,13 @@ from openai import AsyncOpenAI, OpenAI
 from dspark.decoding.engine import Engine
 from dspark.decoding.sampling import SamplingParams, to_logprobs
 from dspark.drafters import DrafterConfig, build_drafter
-from dspark.models.target import build_tiny_model, load_target
+from dspark.models.target import load_target
 from dspark.serve.app import make_app
 from dspark.serve.config import ServeConfig
 from dspark.serve.service import OpenAIService
 from dspark.serve.text import TextAssembler
 from tests.lossless_stats import chi2_pvalue, exact_joint
+from tests.tiny_models import build_tiny_model
 from tests.unit.serve.test_serve import drafter_dir, tiny  # noqa: F401 (shared module fixtures)
 
 MODEL = "dspark-tiny"

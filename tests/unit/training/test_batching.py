@@ -10,8 +10,8 @@ from dspark.training.batching import (bucketed_batches, collate, padding_fractio
                                      sequence_limit)
 from dspark.drafters import DrafterConfig, build_drafter
 from dspark.training.loop import FlopsModel, LocalTrainer, Throughput, autocast, resolve_precision
-from dspark.models.target import build_tiny_model
 from dspark.training.config import OptimSection
+from tests.tiny_models import build_tiny_model
 
 
 def lengths(n=256, seed=0):

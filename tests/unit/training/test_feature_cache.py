@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from dspark.drafters import DrafterConfig, build_drafter
-from dspark.models.target import build_tiny_model
 from dspark.training.feature_cache import build_cache, collate_cached, load_cache
 from dspark.training.loss import drafter_loss
+from tests.tiny_models import build_tiny_model
 
 V = 16
 

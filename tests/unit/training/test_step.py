@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from dspark.drafters import DrafterConfig, build_drafter
-from dspark.models.target import build_tiny_model
 from dspark.training.session import bf16_forward
 from dspark.training.step import LossModule
+from tests.tiny_models import build_tiny_model
 
 V = 16
 

@@ -5,10 +5,10 @@ import pytest
 import torch
 
 from dspark.drafters import DrafterConfig, build_drafter
-from dspark.models.target import build_tiny_model
 from dspark.training.config import OptimSection
 from dspark.training.loop import LocalTrainer
 from dspark.training.target_memo import TargetMemo
+from tests.tiny_models import build_tiny_model
 
 V = 16
 LAYERS = [0, 1]

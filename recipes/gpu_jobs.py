@@ -61,6 +61,7 @@ exec "$PY" -m recipes.gpu_jobs run --out "${OUT:-benchmarks/results/gpu-jobs}" "
 
 # ------------------------------------------------------------------ prepare (this machine, network)
 def requirement_name(requirement: str) -> str:
+    """The normalised project name of a requirement or distribution name ("Pydantic_Settings==2" -> pydantic-settings)."""
     return re.sub(r"[-_.]+", "-", re.split(r"[\[=<>~ ]", requirement, maxsplit=1)[0]).lower()
 
 
@@ -78,7 +79,7 @@ def project_name(wheel: Path) -> str:
 def image_packages(python: Path) -> dict[str, str]:
     """{normalised project name: version} installed in the (simulated) image."""
     out = subprocess.run([str(python), "-m", "pip", "list", "--format=json"], check=True, capture_output=True).stdout
-    return {re.sub(r"[-_.]+", "-", p["name"]).lower(): p["version"] for p in json.loads(out)}
+    return {requirement_name(p["name"]): p["version"] for p in json.loads(out)}
 
 
 def download_wheels(dest: Path, image: dict[str, str]) -> list[Path]:

@@ -48,6 +48,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="target and drafter weights (bfloat16: what configs/serve's dtype auto picks on a CPU with bf16)")
     ap.add_argument("--gamma", type=int, default=None, help="drafts proposed per round (default: the drafter's block size)")
     ap.add_argument("--sps-table", default=None, help='JSON {"B": steps/s} for dynamic (default: profile at start)')
+    ap.add_argument("--explore-rows", type=int, default=None,
+                    help="scheduler.draft_gate_explore_rows of the dynamic modes (default: the config's)")
     ap.add_argument("--gate-closed", action="store_true",
                     help="the dynamic engines' draft gate skips every step (never explores): what a skipped step "
                          "costs next to mode off's step, with nothing drafted at all")
@@ -122,8 +124,9 @@ def main(argv=None) -> int:
         loads = {}
         for mode in modes:  # fresh engines per level: every mode starts the level from the same state
             sched, tree = split_mode(mode)
+            explore = {} if args.explore_rows is None else {"draft_gate_explore_rows": args.explore_rows}
             cfg = EngineConfig(scheduler=SchedulerConfig(mode=sched, draft_gate=sched == "dynamic",
-                                                         draft_gate_decay=args.gate_decay),
+                                                         draft_gate_decay=args.gate_decay, **explore),
                                gamma=args.gamma, max_batch=c, max_waiting=4 * c, sps_table=sps or tables.get(mode),
                                draft_tree=tree,
                                tree_max_rows=args.tree_max_rows or c)
@@ -184,7 +187,7 @@ def write(args, modes: list[str], levels: list[int], tables: dict, results: list
     report = {"benchmark": "engine_ab", "target": args.target, "drafter": args.drafter, "modes": modes,
               "concurrency": levels, "steps": args.steps, "chunk": args.chunk, "max_tokens": args.max_tokens,
               "prompt_len": args.prompt_len, "gamma": args.gamma, "threads": args.threads, "dtype": args.dtype, "tree_max_rows": args.tree_max_rows, "gate_decay": args.gate_decay,
-              "gate_closed": args.gate_closed,
+              "gate_closed": args.gate_closed, "explore_rows": args.explore_rows,
               "sps_tables": {m: {str(b): v for b, v in t.items()} for m, t in tables.items()},
               "results": results, "over_off": over_off, "dynamic_over_off": ratio, "dynamic_skipped_steps_over_off": skipped_ratio}
     if args.out:

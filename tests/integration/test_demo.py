@@ -2,33 +2,21 @@
 smoke profile end to end on the `tiny` target (slow, integration: starts the local stack and submits every
 stage as a Ray job).
 """
-
 from __future__ import annotations
 
-
-
 import json
-
 import os
-
-
 import subprocess
-
 import sys
-
 import time
 
-
 import pytest
-
 
 from tests.unit.jobs.demo.test_driver import ROOT  # noqa: F401 (shared helpers and fixtures)
 
 
-
 def stage_of(run) -> str:
     return run.data.tags.get("dspark.stage") or run.data.tags.get("mlflow.runName", "").split("-")[0]
-
 
 
 @pytest.mark.slow

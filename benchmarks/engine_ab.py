@@ -6,7 +6,10 @@ Every mode gets its own engine in this one process (same target weights, same dr
 active requests (a finished request is replaced at once; closed loop, `--max-tokens` each, temperature
 1). The engines take turns `--chunk` steps at a time, the order of the modes reversed every turn
 (ABBA), until each has run `--steps` steps per level; a mode's figure is tokens emitted / seconds
-spent in its own steps. Background load that drifts over the run then hits every mode alike, which a
+spent in its own steps (`prefill_steps`/`prefill_s`: the steps that admitted requests, part of it). With
+`--max-tokens-spread 0` every request has the same budget, so mode off's requests finish and are prefilled
+together (a few large prefills) while a drafting mode's drift apart (more, smaller prefills): a closed-loop
+artefact that real traffic does not have; a spread scatters every mode's. Background load that drifts over the run then hits every mode alike, which a
 sequential HTTP benchmark (benchmarks/serve_load.py) cannot ensure on a busy machine. What it leaves
 out, HTTP and Ray Serve, is the same code for every mode.
 
@@ -39,6 +42,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--chunk", type=int, default=4, help="steps a mode runs before the next one takes its turn")
     ap.add_argument("--warmup", type=int, default=4, help="untimed steps per mode at the start of each level")
     ap.add_argument("--max-tokens", type=int, default=64, help="tokens per request")
+    ap.add_argument("--max-tokens-spread", type=float, default=0.0,
+                    help="each request's token budget drawn uniformly from max-tokens x [1 - s, 1 + s] (one seeded "
+                         "sequence, the same for every mode): requests finish at scattered steps in every mode, as "
+                         "with real traffic; 0: all the same, so mode off's requests finish and are prefilled together")
     ap.add_argument("--prompt-len", type=int, default=48, help="tokens per prompt (from the eval prompts)")
     ap.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
     ap.add_argument("--gate-decay", type=float, default=0.8, help="scheduler.draft_gate_decay of the dynamic modes")
@@ -73,17 +80,22 @@ def prompt_ids(target, n: int, length: int) -> list[list[int]]:
 class Load:
     """One engine kept at `c` active requests."""
 
-    def __init__(self, engine, prompts: list[list[int]], max_tokens: int):
+    def __init__(self, engine, prompts: list[list[int]], max_tokens: int, spread: float = 0.0):
+        import random
+
         from dspark.decoding.sampling import SamplingParams
 
         self.engine, self.prompts, self.max_tokens = engine, prompts, max_tokens
+        self.spread, self.budgets = spread, random.Random(0)  # the same budget sequence for every mode
         self.sampling, self.next = SamplingParams(temperature=1.0), 0
         self.busy_s, self.tokens, self.steps, self.skipped = 0.0, 0, 0, 0
         self.skipped_s, self.skipped_tokens = 0.0, 0  # the steps where the draft gate skipped drafting
+        self.prefill_steps, self.prefill_s = 0, 0.0  # steps that admitted (prefilled) new requests
 
     def top_up(self, c: int) -> None:
         while len(self.engine.active) + len(self.engine.waiting) < c:
-            self.engine.submit(self.prompts[self.next % len(self.prompts)], self.sampling, self.max_tokens, stop_ids=[])
+            budget = round(self.max_tokens * self.budgets.uniform(1 - self.spread, 1 + self.spread))
+            self.engine.submit(self.prompts[self.next % len(self.prompts)], self.sampling, max(1, budget), stop_ids=[])
             self.next += 1
 
     def run(self, c: int, steps: int, timed: bool) -> None:
@@ -96,6 +108,8 @@ class Load:
                 self.busy_s += dt
                 self.tokens += report.emitted
                 self.steps += 1
+                if report.admitted:
+                    self.prefill_steps, self.prefill_s = self.prefill_steps + 1, self.prefill_s + dt
                 if self.engine.drafting and not report.drafted:
                     self.skipped += 1
                     self.skipped_s += dt
@@ -135,7 +149,7 @@ def main(argv=None) -> int:
                 close_gate(engine.gate)
             if engine.sps is not None:
                 tables[mode] = engine.sps.points
-            loads[mode] = Load(engine, prompts, args.max_tokens)
+            loads[mode] = Load(engine, prompts, args.max_tokens, args.max_tokens_spread)
             loads[mode].run(c, args.warmup, timed=False)
         turn = 0
         while min(ld.steps for ld in loads.values()) < args.steps:
@@ -151,6 +165,7 @@ def main(argv=None) -> int:
                    "mean_drafted_step_s": ((ld.busy_s - ld.skipped_s) / (ld.steps - ld.skipped)
                                            if ld.engine.drafting and ld.steps > ld.skipped else None),
                    "mean_skipped_step_s": ld.skipped_s / ld.skipped if ld.skipped else None,
+                   "prefill_steps": ld.prefill_steps, "prefill_s": round(ld.prefill_s, 3),
                    "engine_totals": {k: ld.engine.totals[k] for k in ("proposed", "verified", "accepted")},
                    **{k: v for k, v in ld.engine.stats().items() if k in ("draft_gate", "tree_draft_gate")}}
             results.append(row)
@@ -185,7 +200,7 @@ def write(args, modes: list[str], levels: list[int], tables: dict, results: list
             if by["dynamic"]["skipped_steps_tokens_per_s"]:
                 skipped_ratio[str(c)] = by["dynamic"]["skipped_steps_tokens_per_s"] / off
     report = {"benchmark": "engine_ab", "target": args.target, "drafter": args.drafter, "modes": modes,
-              "concurrency": levels, "steps": args.steps, "chunk": args.chunk, "max_tokens": args.max_tokens,
+              "concurrency": levels, "steps": args.steps, "chunk": args.chunk, "max_tokens": args.max_tokens, "max_tokens_spread": args.max_tokens_spread,
               "prompt_len": args.prompt_len, "gamma": args.gamma, "threads": args.threads, "dtype": args.dtype, "tree_max_rows": args.tree_max_rows, "gate_decay": args.gate_decay,
               "gate_closed": args.gate_closed, "explore_rows": args.explore_rows,
               "sps_tables": {m: {str(b): v for b, v in t.items()} for m, t in tables.items()},

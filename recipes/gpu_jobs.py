@@ -156,6 +156,7 @@ SERVE_PORT = 8000
 TARGET = "tiny"  # built here from its config: no model to carry; the chain, not the drafter, is what is tried
 CHAT = ["What is 12 times 7?", "Write a Python function that reverses a string.", "Name three prime numbers."]
 STAGE_TIMEOUT_S = {"generate": 900, "train": 1200, "calibrate": 600, "evaluate": 900, "serve": 600}
+MIN_STAGE_S = 20  # a stage is not started with less of the run's budget left
 
 
 def device_overrides(device: str) -> dict[str, list[str]]:
@@ -206,22 +207,28 @@ def stage_config(name: str) -> str:
     return f"configs/{name}/{TARGET}{'-dspark' if name == 'train' else ''}.yaml"
 
 
-def run_stage(name: str, overrides: list[str], env: dict, work: Path, extra: list[str] = ()) -> dict:
-    """`python -m jobs.<name> --config configs/<name>/tiny-like.yaml --set ...` as a driver on the head."""
+def run_stage(name: str, overrides: list[str], env: dict, work: Path, extra: list[str] = (),
+              timeout_s: float | None = None) -> dict:
+    """`python -m jobs.<name> --config configs/<name>/<target>.yaml --set ...` as a driver on the head, for at
+    most `timeout_s` (default its STAGE_TIMEOUT_S): its status, seconds, summary line, and log tail if not ok."""
     from dspark.devstack.processes import last_json_object
 
-    config = stage_config(name)
-    cmd = [sys.executable, "-m", f"jobs.{name}", "--config", config, *extra]
+    cmd = [sys.executable, "-m", f"jobs.{name}", "--config", stage_config(name), *extra]
     cmd += [a for o in overrides for a in ("--set", o)]
-    log_path = work / f"{name}.log"
-    start = time.time()
+    log_path, start = work / f"{name}.log", time.time()
+    timeout_s = STAGE_TIMEOUT_S[name] if timeout_s is None else timeout_s
     with open(log_path, "w") as log_file:
-        proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=log_file, text=True,
-                              timeout=STAGE_TIMEOUT_S[name])
-    log_path.write_text(log_path.read_text() + "\n--- stdout ---\n" + proc.stdout)
-    record = {"status": "ok" if proc.returncode == 0 else f"failed (exit {proc.returncode})",
-              "seconds": round(time.time() - start, 1), "summary": last_json_object(proc.stdout.splitlines())[0]}
-    if proc.returncode:
+        try:
+            proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=log_file, text=True, timeout=timeout_s)
+            status, stdout = "ok" if proc.returncode == 0 else f"failed (exit {proc.returncode})", proc.stdout
+        except subprocess.TimeoutExpired as err:
+            out = err.stdout or b""  # bytes whatever text= says (subprocess docs)
+            status, stdout = f"timed out after {timeout_s:.0f} s", out.decode(errors="replace") if isinstance(
+                out, bytes) else out
+    log_path.write_text(log_path.read_text() + "\n--- stdout ---\n" + stdout)
+    record = {"status": status, "seconds": round(time.time() - start, 1),
+              "summary": last_json_object(stdout.splitlines())[0]}
+    if status != "ok":
         record["log_tail"] = log_path.read_text()[-2000:]
     return record
 
@@ -247,10 +254,16 @@ def chat(requests: list[str]) -> list[dict]:
     return answers
 
 
-def run(out: Path, device: str) -> dict:
-    """The chain, stopping at the first failed stage; jobs.json in `out` either way."""
+def run(out: Path, device: str, budget_s: float = 540.0) -> dict:
+    """The chain within `budget_s` (a device call is killed at 600 s), stopping at the first failed stage;
+    `out`/jobs.json is rewritten after every stage, so a killed run still says how far it got."""
     out.mkdir(parents=True, exist_ok=True)
-    summary = {"device": device, "target": TARGET, "stages": {}}
+    deadline = time.time() + budget_s
+    summary = {"device": device, "target": TARGET, "budget_s": budget_s, "stages": {}}
+
+    def save() -> None:
+        (out / "jobs.json").write_text(json.dumps(summary, indent=1))
+
     reason = no_cuda_reason(device)
     if reason:
         summary["stopped"] = reason
@@ -264,9 +277,10 @@ def run(out: Path, device: str) -> dict:
     env, per_stage = job_env(work, device), device_overrides(device)
     try:
         start_ray_head(env, device)
-        chain(work, env, per_stage, summary["stages"])
+        chain(work, env, per_stage, summary["stages"], deadline, save)
         if all(s["status"] == "ok" for s in summary["stages"].values()) and "serve" in summary["stages"]:
             summary["chat"] = chat(CHAT)
+            save()
     except Exception as err:  # jobs.json still says how far it got
         summary["error"] = f"{type(err).__name__}: {err}"[-2000:]
     finally:
@@ -287,12 +301,20 @@ def stage_wiring(name: str, work: Path, drafter: str = "") -> list[str]:
             "serve": [f"model.drafter={calibrated}", "http.host=127.0.0.1", f"http.port={SERVE_PORT}"]}[name]
 
 
-def chain(work: Path, env: dict, per_stage: dict[str, list[str]], stages: dict) -> None:
-    """generate -> train -> calibrate -> evaluate -> serve, each wired to the one before, into `stages`;
-    stops at a failure."""
+def chain(work: Path, env: dict, per_stage: dict[str, list[str]], stages: dict, deadline: float,
+          save=lambda: None) -> None:
+    """generate -> train -> calibrate -> evaluate -> serve, each wired to the one before, into `stages` (`save`
+    after each); stops at a failure, and starts no stage with under MIN_STAGE_S left before `deadline`."""
     for name in STAGES:
+        left = deadline - time.time()
+        if left < MIN_STAGE_S:
+            stages[name] = {"status": f"not started: {left:.0f} s of the run's budget left"}
+            save()
+            break
         overrides = stage_wiring(name, work, trained(stages) if name == "calibrate" else "") + per_stage[name]
-        stages[name] = run_stage(name, overrides, env, work, ["--detach"] if name == "serve" else [])
+        stages[name] = run_stage(name, overrides, env, work, ["--detach"] if name == "serve" else [],
+                                 min(STAGE_TIMEOUT_S[name], left))
+        save()
         if name == "evaluate" and stages[name]["status"] == "ok":  # it prints its report, not a JSON line
             stages[name]["summary"] = eval_summary(work / "eval" / "results.json")
         print(json.dumps({"stage": name, **{k: v for k, v in stages[name].items() if k != "log_tail"}}), flush=True)
@@ -356,13 +378,16 @@ def main(argv: list[str]) -> int:
     parser.add_argument("command", choices=["prepare", "run", "sim"])
     parser.add_argument("--out", default="benchmarks/results/gpu-jobs")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    parser.add_argument("--budget-s", type=float, default=540.0,
+                        help="seconds for the whole chain (a device call is killed at 600 s; jobs.json is "
+                             "rewritten after every stage either way)")
     args = parser.parse_args(argv)
     if args.command == "prepare":
         summary = prepare()
     elif args.command == "sim":
         summary = simulate()
     else:
-        summary = run(Path(args.out), args.device)
+        summary = run(Path(args.out), args.device, args.budget_s)
         (Path(args.out) / "jobs.json").write_text(json.dumps(summary, indent=1))
     print(json.dumps(summary))
     ok = not summary.get("problems") and all(s.get("status") == "ok" for s in summary.get("stages", {}).values())

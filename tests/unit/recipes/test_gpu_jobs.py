@@ -74,3 +74,37 @@ def test_the_jobs_bundle_runs_the_chain_on_the_simulated_gpu_machine():
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert proc.returncode == 0 and not result["problems"], result["problems"]
     assert [c["status"] for c in result["runs"]["cpu"]["summary"]["chat"]] == [200] * len(gpu_jobs.CHAT)
+
+
+def test_jobs_json_is_rewritten_after_every_stage_and_the_budget_stops_the_chain(tmp_path, monkeypatch):
+    """A device call is killed at 600 s: jobs.json must already say how far the chain got, and no stage starts
+    once the run's budget is (nearly) spent; a stage that overruns its share is recorded as timed out."""
+    clock = [0.0]
+    monkeypatch.setattr(gpu_jobs.time, "time", lambda: clock[0])
+    saved, started = [], []
+
+    def fake_stage(name, overrides, env, work, extra=(), timeout_s=None):
+        started.append((name, timeout_s))
+        clock[0] += 100.0
+        return {"status": "ok", "seconds": 100.0, "summary": {"registered_model": {"name": "d", "version": "1"}}}
+
+    monkeypatch.setattr(gpu_jobs, "run_stage", fake_stage)
+    stages = {}
+    gpu_jobs.chain(tmp_path, {}, gpu_jobs.device_overrides("cpu"), stages, deadline=250.0,
+                   save=lambda: saved.append(dict(stages)))
+    assert [n for n, _ in started] == ["generate", "train", "calibrate"]
+    assert [t for _, t in started] == [250.0, 150.0, 50.0]  # each capped by what is left of the budget
+    assert stages["evaluate"]["status"].startswith("not started") and "serve" not in stages
+    assert [list(s) for s in saved] == [["generate"], ["generate", "train"], ["generate", "train", "calibrate"],
+                                        ["generate", "train", "calibrate", "evaluate"]]
+
+
+def test_a_stage_past_its_timeout_is_recorded_with_its_log(tmp_path, monkeypatch):
+    def too_slow(cmd, stderr, timeout, **kw):
+        stderr.write("loading the target\n")
+        raise subprocess.TimeoutExpired(cmd, timeout, output=b'{"partial": 1}\nmore\n')
+
+    monkeypatch.setattr(gpu_jobs.subprocess, "run", too_slow)
+    record = gpu_jobs.run_stage("generate", [], {}, tmp_path, timeout_s=42.0)
+    assert record["status"] == "timed out after 42 s" and record["summary"] == {"partial": 1}
+    assert "loading the target" in record["log_tail"] and "more" in (tmp_path / "generate.log").read_text()

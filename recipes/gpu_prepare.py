@@ -36,7 +36,7 @@ WORKING_TREE_BUDGET = 28 * MiB
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
 
 STAGER = """#!/usr/bin/env bash
-# A stage call (carry [".gpu-stage/NN"]): one leading part of the target stays on the warm machine for the last call.
+# A stage call (carry [this folder]): one leading part of a split file (the target, the jobs' wheels) stays on the warm machine for the last call.
 set -euo pipefail; S="$(cd "$(dirname "$0")" && pwd)"; PY="${PYTHON:-python3}"
 (nvidia-smi -L || true) 2>&1 | head -4
 "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())"

@@ -1,7 +1,7 @@
 """MLflow metric logging from a training step loop: what a log call costs the step, and what a hung
 tracking server costs at exit. Three ways: `sync` (MlflowClient.log_batch, waiting), `queue` (dspark's
 bounded background queue, dspark.io.tracking.log_metrics) and `async` (MLflow's own async logging,
-log_batch(..., synchronous=False)). The reason dspark keeps its queue (dspark.io.background_logger).
+log_batch(..., synchronous=False)). The reason dspark keeps its queue (dspark.io.tracking.background_logger).
 
     python benchmarks/mlflow_logging.py                 # 1000 calls to a local SQLite store, 100 pending on a hung server
     python benchmarks/mlflow_logging.py --calls 200 --pending 30
@@ -31,7 +31,8 @@ HTTP_TIMEOUT_S = "3"
 
 def child(mode: str, uri: str, calls: int, live: bool) -> None:
     """One case: log `calls` steps in `mode`, print a JSON line, then exit normally."""
-    from dspark.io import tracking, tracking_store
+    from dspark.io import tracking
+    from dspark.io.tracking import store as tracking_store
 
     mlflow = tracking.mlflow_module()
     client = mlflow.MlflowClient(uri)

@@ -61,7 +61,7 @@ def _export(args) -> int:
 
 
 def _runtime_env(args) -> int:
-    from dspark.io.lineage import write_runtime_env
+    from dspark.io.tracking.lineage import write_runtime_env
 
     print(write_runtime_env(args.base, args.out))
     return 0

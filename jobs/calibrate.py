@@ -76,7 +76,7 @@ class CalibrateConfig(StrictModel):
 # ---- held-out prompts ------------------------------------------------------------------------------
 def rollout_prompts(uri: str, split: str) -> list[tuple[str | None, list[str]]]:
     """(system, user turns) of every rollout row in `split`."""
-    from dspark.io.rollout_store import read_rollouts
+    from dspark.io.storage.rollout_store import read_rollouts
 
     rows = read_rollouts(uri).to_pylist()
     if not rows:
@@ -186,12 +186,13 @@ def publish_drafter(drafter, new_uri: str, tmp: str, run_id: str | None, model_n
         if model_name:
             log.warning("tracking is disabled: the calibrated drafter was not registered as %s", model_name)
         return None
-    from dspark.io import registry, tracking
+    from dspark.io import tracking
+    from dspark.io.tracking import registry
 
     tracking.log_artifact(saved, DRAFTER_NAME)
     version = None
     if model_name:
-        from dspark.io.drafter_model import drafter_version_tags
+        from dspark.io.tracking.drafter_model import drafter_version_tags
 
         version = registry.publish_drafter(run_id, model_name, saved, aliases,
                                            description=f"STS-calibrated from {source}",
@@ -202,7 +203,8 @@ def publish_drafter(drafter, new_uri: str, tmp: str, run_id: str | None, model_n
 
 def log_calibration_data(data: CalibrationData) -> None:
     """The calibration set as an MLflow dataset input of the run (lineage)."""
-    from dspark.io import lineage, tracking
+    from dspark.io import tracking
+    from dspark.io.tracking import lineage
 
     if data.rollouts:
         lineage.log_rollouts(data.rollouts, lineage.CALIBRATION, name=f"rollouts[{data.split}]")

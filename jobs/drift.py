@@ -33,7 +33,8 @@ class DriftConfig(StrictModel):
 
 
 def run(cfg: DriftConfig, now: float | None = None) -> dict:
-    from dspark.io import registry, tracking
+    from dspark.io import tracking
+    from dspark.io.tracking import registry
     from dspark.io.drafter_source import resolve_ref
 
     ref = resolve_ref(cfg.model)

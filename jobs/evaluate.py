@@ -244,7 +244,8 @@ def run(cfg: EvalConfig) -> dict:
         with tempfile.TemporaryDirectory(prefix="dspark-eval-") as tmp:
             publish(write_outputs(results, convs, report_md, tmp), cfg.output, run_id)
         if run_id:
-            from dspark.io import lineage, tracking
+            from dspark.io import tracking
+            from dspark.io.tracking import lineage
 
             tracking.log_metrics(flat_metrics(results))
             for key, series in position_series(results).items():

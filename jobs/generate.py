@@ -20,7 +20,7 @@ from dspark.eval import report
 from dspark.config import RayConfig, TrackingConfig
 from jobs.common import job_main, resumable_stage_run
 from pipelines.generate import RolloutConfig, RolloutResult, run_rollouts
-from dspark.io.rollout_store import read_rollouts
+from dspark.io.storage.rollout_store import read_rollouts
 
 
 class GenerateConfig(RolloutConfig):
@@ -69,7 +69,8 @@ def final_metrics(result: RolloutResult) -> dict:
 
 def run(cfg: GenerateConfig) -> RolloutResult:
     out = cfg.output.rstrip("/")
-    from dspark.io import lineage, tracking
+    from dspark.io import tracking
+    from dspark.io.tracking import lineage
 
     with resumable_stage_run(cfg, "generate") as stage_run:
         run_id = stage_run.run_id

@@ -100,7 +100,8 @@ def domain_tau(results: dict, name: str) -> dict[str, float]:
 
 def run(cfg: PromoteConfig) -> dict:
     from dspark.flywheel import promotion
-    from dspark.io import registry, tracking
+    from dspark.io import tracking
+    from dspark.io.tracking import registry
     from dspark.io.drafter_source import resolve_ref
 
     serving_version = registry.version_of(cfg.model, cfg.serving_alias)

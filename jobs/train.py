@@ -2,7 +2,7 @@
 
 The driver validates everything that can fail before training (config, rollouts, storage, MLflow),
 creates the MLflow run once, saves the run record, config and DeepSpeed JSON beside the checkpoints
-(dspark.io.run_dir), runs a Ray Train `TorchTrainer` (workers: jobs.train_worker, DeepSpeed ZeRO, online target
+(dspark.io.storage.run_dir), runs a Ray Train `TorchTrainer` (workers: jobs.train_worker, DeepSpeed ZeRO, online target
 features), then logs the drafter and registers it as an MLflow model version (its own alias only: the serving one
 moves by `tracking.promote_to` or jobs.promote). Relaunching the same `run_name` + `checkpoint.storage_path`
 resumes the run (checkpoints, DeepSpeed state and the MLflow run id from `<storage_path>/<run_name>/`).
@@ -18,9 +18,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from dspark.config import ConfigError, config_to_dict, dump_config, flatten
-from dspark.io.rollout_store import check_rollouts, parquet_paths
-from dspark.io.run_dir import RunDir, checkpoint_uri, copy_checkpoint_subdir
+from dspark.io import tracking
 from dspark.io.storage import StorageError
+from dspark.io.storage.rollout_store import check_rollouts, parquet_paths
+from dspark.io.storage.run_dir import RunDir, checkpoint_uri, copy_checkpoint_subdir
 from dspark.io.tracking import TrackingError
 from dspark.training.config import TrainJobConfig
 from dspark.drafters.draft_vocab import DraftVocabPlan, count_parquet_frequencies
@@ -66,7 +67,7 @@ def resolve_init_from(cfg: TrainJobConfig) -> tuple[TrainJobConfig, str | None]:
 
 # ----------------------------------------------------------------------------- run record / MLflow
 def run_params(cfg: TrainJobConfig, num_rows: int, total_steps: int) -> dict:
-    from dspark.io import lineage, tracking
+    from dspark.io.tracking import lineage
 
     params = flatten(config_to_dict(cfg))
     params.update(lineage.package_versions())
@@ -79,7 +80,7 @@ def run_params(cfg: TrainJobConfig, num_rows: int, total_steps: int) -> dict:
 def open_mlflow_run(cfg: TrainJobConfig, record: dict | None, params: dict) -> str | None:
     """The MLflow run of this training run: the recorded one on resume, else a new one (params and the
     rollouts it trains on logged once). System metrics are sampled on the workers (RankZeroLogger)."""
-    from dspark.io import lineage, tracking
+    from dspark.io.tracking import lineage
 
     if not cfg.tracking.enabled:
         return None
@@ -172,7 +173,7 @@ class AlreadyComplete:
 
 def prepare_run(cfg: TrainJobConfig, init_from: str | None = None) -> TrainPlan | AlreadyComplete:
     """Every check that can fail before training; returns the plan handed to the workers."""
-    from dspark.io import storage, tracking
+    from dspark.io import storage
 
     from pipelines.ray_cluster import check_cpus_left
 
@@ -210,7 +211,7 @@ def finish_run(cfg: TrainJobConfig, plan: TrainPlan, result) -> dict:
     """Log the final drafter and the config, register the drafter with its engine exports attached
     (dspark.export.attach_exports), close the MLflow run."""
     from dspark import export
-    from dspark.io import registry, tracking
+    from dspark.io.tracking import registry
 
     summary = {"run_name": cfg.run_name, "checkpoint": checkpoint_uri(cfg.checkpoint.storage_path, result.checkpoint),
                "metrics": dict(result.metrics or {}), "mlflow_run_id": plan.mlflow_run_id}
@@ -240,8 +241,8 @@ def register_drafter(run_id: str, name: str, alias: str, drafter_dir: str, metri
     """Log the drafter as an MLflow model and register it as a new version of `name` with `alias` only (training
     never moves the serving alias itself), tagged with what it is and its training-time expected τ; a failure
     keeps the trained drafter (checkpoint and run artifacts) and says how to register it."""
-    from dspark.io import registry
-    from dspark.io.drafter_model import drafter_version_tags
+    from dspark.io.tracking import registry
+    from dspark.io.tracking.drafter_model import drafter_version_tags
 
     tags = drafter_version_tags(drafter_dir, metrics.get("expected_accept_len"), "training expected_accept_len (teacher-forced)")
     try:
@@ -254,7 +255,6 @@ def register_drafter(run_id: str, name: str, alias: str, drafter_dir: str, metri
 
 def run(cfg: TrainJobConfig) -> dict:
     """Train (or resume) one run; returns a summary (checkpoint URI, final metrics, MLflow ids)."""
-    from dspark.io import tracking
 
     cfg, init_from = resolve_init_from(cfg)
     plan = prepare_run(cfg, init_from)

@@ -14,7 +14,7 @@ Pipeline (driver side in `run_rollouts`):
 5. write `manifest.json` from the commit markers.
 
 The target side (chat template, generation, the Ray Data callable) is dspark/data/rollout_engine.py;
-the on-disk format is dspark/data/schema.py, written and read by dspark/io/rollout_store.py.
+the on-disk format is dspark/data/schema.py, written and read by dspark/io/storage/rollout_store.py.
 
 Backends (`backend`): `engine` (default) generates with dspark.decoding.generator.BatchGenerator, continuous
 batching over the serving engine's ragged KV store; `transformers` runs HF `generate` on fixed
@@ -45,7 +45,7 @@ from pipelines.actor_pool import (DEFAULT_START_TIMEOUT_S, START_TIMEOUT_DESCRIP
 from dspark.data.prompts import LoadResult, PromptSource, load_prompts
 from dspark.data.rollout_engine import RolloutActor, SamplingConfig
 from dspark.data.schema import Plan, add_counts
-from dspark.io.rollout_store import commit_chunk, path_in, prepare_output, read_commits, write_parquet
+from dspark.io.storage.rollout_store import commit_chunk, path_in, prepare_output, read_commits, write_parquet
 from pipelines.generate_vllm import VllmConfig
 
 FAIL_AFTER_ENV = "DSPARK_FAIL_AFTER_CHUNKS"  # test hook: raise after this many chunk commits

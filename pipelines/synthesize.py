@@ -62,7 +62,7 @@ from dspark.data.prompts import (
 from dspark.data.rollout_engine import SamplingConfig
 from dspark.data.schema import Plan
 from dspark.io import storage
-from dspark.io.rollout_store import (
+from dspark.io.storage.rollout_store import (
     path_in,
     prepare_output,
     read_commits,

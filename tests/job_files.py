@@ -13,7 +13,7 @@ from dspark.data import schema
 from dspark.data.files import LOCAL, Files
 from dspark.data.magpie import DROPPED_SCHEMA
 from dspark.io import storage
-from dspark.io.rollout_store import path_in, read_commits
+from dspark.io.storage.rollout_store import path_in, read_commits
 
 
 def write_jsonl(records: list, uri: str, files: Files = LOCAL) -> None:

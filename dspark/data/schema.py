@@ -12,7 +12,7 @@ Layout under the job's `output` (a local directory or an `s3://bucket/prefix`):
     manifest.json                written last: counts, token totals, errors by reason, config, shards
 
 Readers should take the shard list from `manifest.json` (or the commit markers), not from a listing.
-dspark/io/rollout_store.py writes and reads this layout on storage; this module stays storage-free.
+dspark/io/storage/rollout_store.py writes and reads this layout on storage; this module stays storage-free.
 
 Rollout rows (one per unique prompt):
 - prompt_id: 32 hex chars, sha256 of the normalised prompt (system + user turns); duplicates collapse.

@@ -141,7 +141,7 @@ def log_exports(drafter: Drafter | str, run_id: str, target: str | None, formats
 
 
 def tag_exports(name: str, version: str, results: dict[str, str]) -> None:
-    from dspark.io import registry
+    from dspark.io.tracking import registry
 
     registry.set_model_version_tags(name, version, {
         f"dspark.export.{fmt}" + (".skipped" if value.startswith("skipped") else ""): value

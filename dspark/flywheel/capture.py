@@ -40,7 +40,7 @@ from dspark.flywheel.acceptance import AcceptanceStats
 from dspark.flywheel.config import FlywheelConfig
 from dspark.io import storage
 from dspark.data import schema
-from dspark.io.rollout_store import path_in, read_commits, write_parquet
+from dspark.io.storage.rollout_store import path_in, read_commits, write_parquet
 
 log = logging.getLogger("dspark.flywheel")
 

@@ -18,7 +18,7 @@ import pyarrow.parquet as pq
 from dspark.flywheel.capture import read_captures
 from dspark.io import storage
 from dspark.data import schema
-from dspark.io.rollout_store import path_in, rollout_files, write_parquet
+from dspark.io.storage.rollout_store import path_in, rollout_files, write_parquet
 
 
 def read_original(uri: str) -> pa.Table:

@@ -7,7 +7,7 @@ Accepted references (the same everywhere a job or the server takes a drafter):
   models:/<name>/<version>         a registered model version
   models:/<name>@<alias>           a registered model alias (`@champion`: the serving one, moved by jobs.promote)
   models:/<name>/latest            MLflow's own keyword: the newest version
-A registered version is an MLflow model (dspark.io.drafter_model): its checkpoint is the model's
+A registered version is an MLflow model (dspark.io.tracking.drafter_model): its checkpoint is the model's
 artifacts/drafter/ folder. `models:/<name>@latest` (MLflow reserves "latest": no such alias can exist)
 still resolves to the newest version, with a DeprecationWarning; write `@champion` or `/latest`.
 
@@ -158,7 +158,7 @@ def _cache_root() -> Path:
 
 
 def _mlflow_client():
-    from dspark.io import registry
+    from dspark.io.tracking import registry
 
     return registry.registry_client()  # of MLFLOW_TRACKING_URI or the local default store
 
@@ -166,7 +166,7 @@ def _mlflow_client():
 def _download_mlflow(uri: str, dest: Path, source: dict[str, str]) -> None:
     """Download into a temp dir next to `dest`, then rename (a half-downloaded dir is never visible).
     `source` is kept beside the files as _source.json (which server and run they came from)."""
-    from dspark.io import registry
+    from dspark.io.tracking import registry
 
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = tempfile.mkdtemp(dir=dest.parent, prefix=".download-")

@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 from dspark.eval import report
-from dspark.io.lineage import write_runtime_env
+from dspark.io.tracking.lineage import write_runtime_env
 from dspark.settings import settings
 from jobs.demo.runner import (JOB_PREFIX, PROFILES, REPO, RUNTIME_ENV, SERVE_PORT, Demo, DemoError, banner,
                               endpoint_url, fmt_s, machine_profile)

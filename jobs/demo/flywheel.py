@@ -91,7 +91,8 @@ def math_prompts(n: int) -> list[str]:
 
 # ---------------------------------------------------------------- steps
 def register(args, state: dict) -> dict:
-    from dspark.io import registry, tracking
+    from dspark.io import tracking
+    from dspark.io.tracking import registry
 
     run_id = tracking.start_run(EXPERIMENT, "first-drafter")
     tracking.log_artifact(args.drafter, "drafter")
@@ -162,7 +163,7 @@ def traffic(args, state: dict) -> dict:
 
 def retrain(args, state: dict) -> dict:
     from jobs import retrain_data
-    from dspark.io import registry
+    from dspark.io.tracking import registry
 
     data = retrain_data.run(retrain_data.RetrainDataConfig(
         flywheel_output=f"{root_of(args)}/live", original_rollouts=args.original_rollouts, capture_fraction=0.5,

@@ -56,7 +56,7 @@ def registered_version(stage: dict) -> str | None:
     reg = (stage.get("summary") or {}).get("registered_model") or {}
     if not reg.get("name") or not reg.get("version"):
         return None
-    from dspark.io import registry
+    from dspark.io.tracking import registry
 
     if not registry.model_version_exists(reg["name"], reg["version"]):
         return None  # registry wiped or unreachable: the stage must run again

@@ -24,7 +24,7 @@ plus equal-budget baselines, a report (JSON + plot) and the inputs of `dspark pl
         # a tree of drafts verified per round: decoding's τ (renewal), the measured round cost, the projection
 
 Every phase is resumable from its output folder (DIR, default /work/learn-runs/<profile>): rollouts commit a
-Parquet shard per chunk in the rollout-store format (dspark/io/rollout_store.py) and skip committed
+Parquet shard per chunk in the rollout-store format (dspark/io/storage/rollout_store.py) and skip committed
 chunks; a training point with a saved drafter is skipped; an evaluation with a result file is skipped.
 Progress goes to stdout (one line per chunk / log interval).
 

@@ -76,7 +76,7 @@ def generate_rollouts(out: str, prompts: list, prof: CurveProfile, passes: int, 
     from dspark.decoding.generator import GeneratorConfig
     from dspark.models.target import load_target
     from dspark.data.rollout_engine import RolloutEngine, SamplingConfig
-    from dspark.io.rollout_store import commit_chunk, prepare_output, read_commits
+    from dspark.io.storage.rollout_store import commit_chunk, prepare_output, read_commits
 
     dtype = target_dtype(prof, dtype)
     sampling = SamplingConfig(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=prof.max_new_tokens, seed=seed)
@@ -112,7 +112,7 @@ def generate_rollouts(out: str, prompts: list, prof: CurveProfile, passes: int, 
 def write_manifest(out: str, plan) -> dict:
     from dspark.io import storage
     from dspark.data.schema import add_counts
-    from dspark.io.rollout_store import path_in, read_commits
+    from dspark.io.storage.rollout_store import path_in, read_commits
 
     commits = read_commits(out)
     counts: dict = {}

@@ -33,7 +33,7 @@ def _load_target(prof: CurveProfile):
 
 def committed_rows(folder: Path) -> list[dict]:
     """Rows of the committed chunks, in commit-plan order (pass 0 first), as dicts."""
-    from dspark.io.rollout_store import read_rollouts
+    from dspark.io.storage.rollout_store import read_rollouts
 
     table = read_rollouts(str(folder))
     cols = ["prompt_id", "domain", "input_ids", "loss_mask", "num_generated_tokens"]

@@ -67,7 +67,7 @@ def test_rollouts_spread_over_nodes_and_survive_losing_one(ray_cluster, tmp_path
     placement group once the survivor has drained the input) and every prompt is in the output
     exactly once."""
     from dspark.io import storage
-    from dspark.io.rollout_store import read_commits, read_rollouts
+    from dspark.io.storage.rollout_store import read_commits, read_rollouts
 
     output = f"s3://dspark/tests/cluster/rollouts-{uuid.uuid4().hex[:8]}"
     config = _generate_config(tmp_path, output)

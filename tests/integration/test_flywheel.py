@@ -86,7 +86,8 @@ def overfit(target, rows: list[dict], steps: int):
 
 def register_first_version(drafter, tmp: Path) -> str:
     from dspark.drafters import save_drafter
-    from dspark.io import registry, tracking
+    from dspark.io import tracking
+    from dspark.io.tracking import registry
 
     run_id = tracking.start_run(EXPERIMENT, "first-drafter")
     save_drafter(drafter, str(tmp / "drafter"))
@@ -157,12 +158,13 @@ def test_flywheel_end_to_end(local_stack, tmp_path, caplog, monkeypatch):
     from dspark.config import RayConfig, dump_config
     from dspark.flywheel import drift as drift_lib
     from dspark.flywheel.capture import read_captures, row_id_in
-    from dspark.io import registry, storage
+    from dspark.io import storage
+    from dspark.io.tracking import registry
     from dspark.models.target import load_target
     from jobs import drift, promote, retrain_data
     from jobs.serve import ServeJobConfig, deploy
     from pipelines.ray_cluster import init_ray
-    from dspark.io.rollout_store import write_parquet
+    from dspark.io.storage.rollout_store import write_parquet
     from dspark.data.schema import ROLLOUT_SCHEMA
 
     t0 = time.time()

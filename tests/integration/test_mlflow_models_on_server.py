@@ -16,8 +16,8 @@ def test_drafter_model_round_trip_through_the_tracking_server(local_stack, tmp_p
 
     from dspark.drafters import DrafterConfig, build_drafter, save_drafter
     from dspark.io import tracking
-    from dspark.io import registry
-    from dspark.io.drafter_model import drafter_version_tags
+    from dspark.io.tracking import registry
+    from dspark.io.tracking.drafter_model import drafter_version_tags
     from dspark.io.drafter_source import load_drafter_ref
     from dspark.models.target import load_target
 

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.unit.io.test_mlflow_drafter_model import store, trained_run  # noqa: F401 (fixture)
+from tests.unit.io.tracking.test_mlflow_drafter_model import store, trained_run  # noqa: F401 (fixture)
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -18,7 +18,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 def test_pyfunc_model_loads_in_a_fresh_env_with_only_its_requirements(store, tmp_path):  # noqa: F811
     import mlflow
 
-    from dspark.io import registry, tracking
+    from dspark.io import tracking
+    from dspark.io.tracking import registry
     from dspark.models.target import load_target
 
     _, ckpt, run_id = trained_run(load_target("tiny"), tmp_path, tau=2.0)

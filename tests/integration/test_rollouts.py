@@ -30,7 +30,7 @@ from dspark.data.prompts import load_prompts, prompt_id_of
 
 from dspark.data.rollout_engine import RolloutEngine
 
-from dspark.io.rollout_store import read_commits, read_rollouts
+from dspark.io.storage.rollout_store import read_commits, read_rollouts
 from tests.job_files import read_dropped, read_errors, write_jsonl
 from tests.unit.data.test_rollouts import check_row, mask_runs, tiny  # noqa: F401 (shared helpers and fixtures)
 from tests.paths import REPO
@@ -128,7 +128,7 @@ def test_end_to_end_jsonl_to_parquet_in_s3(stack_ray, tiny):
     assert {"samples.json", "manifest.json", "config.yaml"} <= artifacts
     assert storage.exists(storage.join(cfg.output, "config.yaml"))
     # lineage: the prompt file (content digest) in, the rollouts (manifest digest) out
-    from dspark.io import lineage
+    from dspark.io.tracking import lineage
 
     inputs = {d.dataset.name: d for d in logged.inputs.dataset_inputs}
     context = {name: {t.key: t.value for t in d.tags}["mlflow.data.context"] for name, d in inputs.items()}

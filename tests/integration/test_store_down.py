@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from dspark.data import schema
-from dspark.io import rollout_store, storage
+from dspark.io import storage
+from dspark.io.storage import rollout_store
 from tests.cluster.cluster_fixture import free_port, free_s3_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

@@ -5,7 +5,7 @@
   never import dspark.io — io may import them, not the reverse (KNOWN_IO_DEBT lists what is left to
   move; it may only shrink);
 - nothing imports jobs/ but jobs/ itself; benchmarks/ and recipes/ import no jobs;
-- mlflow only in dspark/io/tracking.py; ray only in pipelines/, jobs/, benchmarks/ and
+- mlflow only in dspark/io/tracking/__init__.py; ray only in pipelines/, jobs/, benchmarks/ and
   dspark/serve/deployment.py (recipes run without Ray);
 - every pipelines/ module is Ray code (Ray-free code belongs in the library);
 - no import loops between modules.

@@ -24,7 +24,7 @@ from pipelines.generate import RolloutConfig, make_plan
 
 from dspark.data.rollout_engine import RolloutEngine, SamplingConfig, row_seed
 
-from dspark.io.rollout_store import commit_chunk, prepare_output, read_commits, read_rollouts
+from dspark.io.storage.rollout_store import commit_chunk, prepare_output, read_commits, read_rollouts
 from tests.job_files import write_jsonl
 
 
@@ -201,7 +201,7 @@ def test_corrupt_rollout_shards_fail_in_the_driver_naming_the_shard(tmp_path):
     import pyarrow.parquet as pq
 
     from dspark.config import ConfigError
-    from dspark.io.rollout_store import check_rollouts
+    from dspark.io.storage.rollout_store import check_rollouts
 
     out = str(tmp_path / "out")
     result = {**{k: None for k in schema.RESULT_SCHEMA.names}, "source": "p", "domain": "", "split": "train",

@@ -90,7 +90,7 @@ def test_engine_counts_acceptance_per_position(tiny):
 def test_capture_stores_each_opted_in_request_once_and_never_the_api_key(tiny, tmp_path, monkeypatch):
     from fastapi.testclient import TestClient
 
-    from dspark.io.rollout_store import check_rollouts
+    from dspark.io.storage.rollout_store import check_rollouts
 
     target, drafter = tiny
     drafter_dir = str(tmp_path / "drafter")

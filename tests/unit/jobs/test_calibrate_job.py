@@ -45,7 +45,7 @@ def test_fit_cuts_the_ece_of_overconfident_rounds():
 
 
 def test_rollout_prompts_read_only_the_holdout_split(tmp_path):
-    from dspark.io.rollout_store import commit_chunk
+    from dspark.io.storage.rollout_store import commit_chunk
 
     def row(pid, split, messages):
         return {"prompt_id": pid, "source": "s", "domain": "", "split": split, "messages": messages,

@@ -11,7 +11,7 @@ from dspark.data.prompt_filters import (EvalIndex, FilterConfig, PromptFilter, b
                                    repeated_ngram_share)
 from dspark.data.prompts import PromptSource, load_prompts, prompt_id_of
 from dspark.data.schema import Plan
-from dspark.io.rollout_store import prepare_output
+from dspark.io.storage.rollout_store import prepare_output
 from dspark.data.rollout_engine import SamplingConfig
 from dspark.data.magpie import (DEFAULT_DOMAINS, DomainSpec, MagpieConfig, MagpieEngine, domain_counts,
                                 domain_sequence, magpie_slots)

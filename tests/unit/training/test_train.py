@@ -36,7 +36,7 @@ from dspark.training.config import TrainJobConfig
 
 from dspark.training.plan import check_resume_matches, deepspeed_config, training_steps
 
-from dspark.io.rollout_store import check_rollouts
+from dspark.io.storage.rollout_store import check_rollouts
 
 from jobs.train import prepare_run
 

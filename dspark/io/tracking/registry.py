@@ -55,14 +55,14 @@ DRAFTER_MODEL_TYPE = "dspark-drafter"
 
 def log_drafter_model(run_id: str, checkpoint_dir: str, name: str = "drafter", tags: dict | None = None) -> str:
     """Log a local drafter checkpoint as an MLflow model of the run: a LoggedModel (pyfunc flavor,
-    dspark.io.drafter_model.DrafterModel; the checkpoint under artifacts/drafter/) with the run's metrics
+    dspark.io.tracking.drafter_model.DrafterModel; the checkpoint under artifacts/drafter/) with the run's metrics
     and the drafter config (as params) linked to it. Returns the model id. Raises TrackingError."""
     import tempfile
 
     def log() -> str:
         mlflow, client = tracking.mlflow_module(), tracking.client()
         from dspark.drafters.checkpoint import read_checkpoint_config
-        from dspark.io.drafter_model import ARTIFACT_KEY, DrafterModel, code_paths, pip_requirements
+        from dspark.io.tracking.drafter_model import ARTIFACT_KEY, DrafterModel, code_paths, pip_requirements
 
         params = {k: str(v)[:6000] for k, v in flatten(read_checkpoint_config(checkpoint_dir)).items()}
         model = client.create_logged_model(client.get_run(run_id).info.experiment_id, name=name,

@@ -16,7 +16,7 @@ def git_commit() -> str | None:
     commit = os.environ.get(GIT_COMMIT_ENV, "").strip()
     if commit:
         return commit
-    root = Path(__file__).resolve().parents[2]  # the checkout (dspark/io/source_version.py)
+    root = Path(__file__).resolve().parents[3]  # the checkout (dspark/io/tracking/source_version.py)
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
         if sha.returncode != 0:

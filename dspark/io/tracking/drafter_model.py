@@ -2,7 +2,7 @@
 
 The model directory is MLflow's pyfunc layout (MLmodel, python_model.pkl, requirements) with the
 drafter checkpoint (config.json + model.safetensors, as save_drafter writes it) under
-`artifacts/drafter/`. dspark.io.registry.log_drafter_model writes it; every drafter reference
+`artifacts/drafter/`. dspark.io.tracking.registry.log_drafter_model writes it; every drafter reference
 (`models:/<name>/<version>`) finds the checkpoint inside it (dspark.io.drafter_source).
 
     model = mlflow.pyfunc.load_model("models:/tiny-dspark-drafter@champion")

@@ -1,4 +1,6 @@
-"""Thin MLflow wrapper that never kills — and never stalls — a training run.
+"""MLflow tracking: runs, metrics, the model registry and dataset lineage (the one place mlflow is imported).
+
+Thin MLflow wrapper that never kills — and never stalls — a training run.
 
 The tracking server comes from MLFLOW_TRACKING_URI; when unset, runs go to a local SQLite store
 under `<repo>/.dspark/mlruns/` (mlflow.db + artifacts/; MLflow 3 refuses plain file stores).
@@ -9,7 +11,7 @@ This is the one module that talks to MLflow's tracking API.
   the server, and when the server is slow or down the queue fills and further calls are dropped
   with a warning. `end_run`/`flush` wait for the queue, but only up to FLUSH_TIMEOUT_S. (Not MLflow's
   own async logging: against a hung server it grows without bound and delays exit; measured in
-  dspark.io.background_logger.)
+  dspark.io.tracking.background_logger.)
 - Runs are addressed by id (MlflowClient), not through MLflow's thread-local "active run", so a
   Ray Train worker can log into the driver's run (`attach_run`) without owning it.
 - A run this process started (`start_run`) never stays RUNNING: SIGTERM (`ray job stop`) and
@@ -21,10 +23,10 @@ This is the one module that talks to MLflow's tracking API.
   `start_run(..., system_metrics=True)` / `attach_run(..., system_metrics=True)` sample CPU,
   memory, disk, network (psutil) and GPU (pynvml, when installed) into `system/...` metrics, through
   MLflow's public `mlflow.start_run(run_id=..., log_system_metrics=True)`.
-- The model registry (drafters as MLflow models, versions, aliases) is dspark.io.registry, system
-  metrics dspark.io.system_metrics; where runs go (tracking URI, reachability) dspark.io.tracking_store,
-  the shaping of logged values dspark.io.tracking_values, the exit/signal hooks dspark.io.exit_hooks;
-  this module is still the one that imports MLflow.
+- The model registry (drafters as MLflow models, versions, aliases) is dspark.io.tracking.registry,
+  system metrics dspark.io.tracking.system_metrics; where runs go (tracking URI, reachability)
+  dspark.io.tracking.store, the shaping of logged values dspark.io.tracking.values, the exit/signal hooks
+  dspark.io.exit_hooks; this module is still the one that imports MLflow.
 
 `start_run` and `check_reachable` raise TrackingError (one line with the fix): they run before any
 work is done.
@@ -46,11 +48,11 @@ import tenacity
 
 from dspark.config import flatten
 from dspark.io import exit_hooks
-from dspark.io.background_logger import QUEUE_SIZE, BackgroundLogger
-from dspark.io.system_metrics import start_system_metrics, stop_system_metrics, suppress_warning  # noqa: F401
-from dspark.io.source_version import GIT_COMMIT_ENV, GIT_COMMIT_TAG, git_commit, submission_env  # noqa: F401 (re-exported)
-from dspark.io.tracking_store import TrackingError, check_reachable, ensure_experiment, tracking_uri  # noqa: F401 (check_reachable re-exported)
-from dspark.io.tracking_values import PARAM_VALUE_MAX, batches, finite_metrics, fit_digest, series_points
+from dspark.io.tracking.background_logger import QUEUE_SIZE, BackgroundLogger
+from dspark.io.tracking.system_metrics import start_system_metrics, stop_system_metrics, suppress_warning  # noqa: F401
+from dspark.io.tracking.source_version import GIT_COMMIT_ENV, GIT_COMMIT_TAG, git_commit, submission_env  # noqa: F401 (re-exported)
+from dspark.io.tracking.store import TrackingError, check_reachable, ensure_experiment, tracking_uri  # noqa: F401 (check_reachable re-exported)
+from dspark.io.tracking.values import PARAM_VALUE_MAX, batches, finite_metrics, fit_digest, series_points
 
 logger = logging.getLogger("dspark.io.tracking")
 
@@ -413,4 +415,4 @@ def python_model_base() -> type:
 
 
 # the io modules beside this one (registry, drafter_model) use these
-client, retry = _client, _retry  # (and batches, from dspark.io.tracking_values)
+client, retry = _client, _retry  # (and batches, from dspark.io.tracking.values)

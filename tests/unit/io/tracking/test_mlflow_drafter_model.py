@@ -1,4 +1,4 @@
-"""Drafters as MLflow models (dspark.io.registry.publish_drafter + dspark.io.drafter_model), the serving
+"""Drafters as MLflow models (dspark.io.tracking.registry.publish_drafter + dspark.io.tracking.drafter_model), the serving
 alias, and system metrics through MLflow's public API; against a SQLite store in a temp dir.
 
 - a registered version's source is a LoggedModel (pyfunc flavor), not a bare artifact folder; the run's
@@ -16,7 +16,7 @@ import torch
 
 from dspark.drafters import DrafterConfig, build_drafter, save_drafter
 from dspark.io import tracking
-from dspark.io import registry
+from dspark.io.tracking import registry
 from dspark.models.target import load_target
 from tests.mlflow_store import new_sqlite_store
 
@@ -51,7 +51,7 @@ def trained_run(tiny, tmp_path, tau: float):
 
 
 def test_a_registered_drafter_is_an_mlflow_model_with_linked_metrics_and_tags(store, tiny, tmp_path):
-    from dspark.io.drafter_model import drafter_version_tags
+    from dspark.io.tracking.drafter_model import drafter_version_tags
 
     drafter, ckpt, run_id = trained_run(tiny, tmp_path, tau=2.75)
     tags = drafter_version_tags(ckpt, 2.75, "training expected_accept_len")

@@ -1,4 +1,6 @@
-"""One API for local paths and `s3://bucket/key` URIs; S3 goes through pyarrow.fs.
+"""Storage: one API for local paths and s3:// URIs, the rollout store and training-run directories.
+
+One API for local paths and `s3://bucket/key` URIs; S3 goes through pyarrow.fs.
 
 S3 settings come from the environment: AWS_ENDPOINT_URL (or DSPARK_S3_ENDPOINT), AWS_ACCESS_KEY_ID,
 AWS_SECRET_ACCESS_KEY, AWS_REGION (default us-east-1). With the local stack, `source .dspark/env.sh`

@@ -19,7 +19,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from dspark.io.tracking_store import tracking_uri
+from dspark.io.tracking.store import tracking_uri
 
 logger = logging.getLogger("dspark.io.tracking")
 

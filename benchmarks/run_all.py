@@ -64,6 +64,7 @@ SCRIPT_ARGS: dict[str, ScriptArgs] = {
     "train_step": ScriptArgs(full=["--baseline", "01b9160"],  # the lean step (2026-12-06) against the step before it
                              quick=["--baseline", "HEAD", "--target", "tiny", "--steps", "1", "--rounds", "1",
                                     "--out", "/dev/null"]),
+    "accept_rows": ScriptArgs(full=[], quick=["--rows", "1,8", "--repeats", "3"]),  # the rejection step, batched
     "mlflow_logging": ScriptArgs(full=[], quick=["--calls", "200", "--pending", "20"]),  # SQLite store + a hung port
 }
 

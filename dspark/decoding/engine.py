@@ -11,9 +11,9 @@ requests. Each `step()`:
      (dspark.decoding.static_core `CoreSlots`: one row per request over its preallocated KV slot, rows
      padded to a shape bucket, compiled or eager — `decode_core`; with `decode_core: dynamic` the ragged
      store of dspark.decoding.batched_cache: tokens flattened into one row);
-  5. accepts losslessly per request (`accept_drafts`), keeps the accepted prefix in the KV slot, queues
-     its target features for the drafter context, emits the new tokens; finished requests leave, their
-     slots are recycled.
+  5. accepts losslessly (`accept_rows`: every chain row at once, as `accept_drafts` per row), keeps the accepted
+     prefix in the KV slot, queues its target features for the drafter context, emits the new tokens;
+     finished requests leave, their slots are recycled.
 With `draft_tree` set (EngineConfig), a step with at most `tree_max_rows` active requests drafts a tree per
 request instead (`drafter.draft_trees`) and verifies every node (the row's tokens attend to their ancestors
 only); the tree walk (`accept_tree`, `accept_keyed_tree`) picks the accepted
@@ -66,16 +66,17 @@ from typing import Sequence
 import torch
 
 from dspark.decoding.constraint import constrain
-from dspark.decoding.engine_config import EngineConfig, engine_core_mode
+from dspark.decoding.engine_config import EngineConfig, check_drafter, check_tree, engine_core_mode
 from dspark.decoding.kv_sequence import open_slots
 from dspark.decoding.request import (EngineUnavailableError, Listener, QueueFullError, Request, RequestStats,
                                      StepReport, TokenLogprob)
 from dspark.decoding.request_batch import RequestBatch
-from dspark.decoding.sampling import KeyedNoise, SamplingParams, accept_drafts, accept_keyed, sample, to_probs
+from dspark.decoding.batched_accept import accept_rows
+from dspark.decoding.sampling import KeyedNoise, SamplingParams, accept_keyed, sample, to_probs
 from dspark.decoding.scheduler import DraftGate, PrefixScheduler, SPSTable, prefix_survival
 from dspark.decoding.specdec import drafter_layer_ids
-from dspark.decoding.tree_specdec import (DraftTree, accept_keyed_tree, accept_tree, check_branching,
-                                          tree_expected_accepted, verify_parents)
+from dspark.decoding.tree_specdec import (DraftTree, accept_keyed_tree, accept_tree, tree_expected_accepted,
+                                          verify_parents)
 from dspark.decoding.sps_profile import engine_sps_table
 
 __all__ = ["Engine", "EngineConfig", "EngineUnavailableError", "Listener", "QueueFullError", "Request", "RequestStats",
@@ -93,8 +94,8 @@ class Engine(RequestBatch):
         self.target, self.drafter = target, drafter
         self.mode = cfg.scheduler.mode
         self.drafting = self.mode != "off"
-        self.gamma = self._check_drafter()
-        self.tree = self._check_tree()
+        self.gamma = check_drafter(cfg, drafter)
+        self.tree = check_tree(cfg, drafter, self.gamma)
         self.layer_ids = drafter_layer_ids(drafter) if self.drafting else None
         self.max_model_len = min(cfg.max_model_len, getattr(target, "max_positions", cfg.max_model_len),
                                  getattr(target, "sliding_window", None) or cfg.max_model_len)  # exact within it
@@ -114,32 +115,10 @@ class Engine(RequestBatch):
         self._explore_offset = 0  # round-robin start of the gate's exploration sample
         super().__init__(cfg, kv)  # queue, slots, totals; started_at = now, after the profiling
 
-    # ---- setup -------------------------------------------------------------------------------
-    def _check_drafter(self) -> int:
-        if not self.drafting:
-            return 0
-        d = self.drafter
-        if d is None:
-            raise ValueError(f"scheduler mode {self.mode!r} needs a drafter; pass one or use mode 'off'")
-        if self.mode in ("dynamic", "threshold", "async_topk") and not d.has_confidences:
-            raise ValueError(f"scheduler mode {self.mode!r} needs draft confidences, but this "
-                             f"{d.config.algo} drafter has no confidence head; use mode fixed/off or a DSpark drafter")
-        gamma = self.cfg.gamma or d.config.block_size
-        d.check_gamma(gamma)
-        return gamma
-
     def _draft_gate(self, decay: float, warmup: int) -> DraftGate:
         sched = self.cfg.scheduler
         return DraftGate(self.sps, sched.draft_gate_explore_every, decay=decay, warmup=warmup,
                          explore_rows=sched.draft_gate_explore_rows)
-
-    def _check_tree(self) -> tuple[int, ...] | None:
-        if self.cfg.draft_tree is None or not self.drafting:
-            return None
-        if not hasattr(self.drafter, "draft_trees"):
-            raise ValueError(f"draft_tree needs a drafter that grows draft trees (DSpark), not "
-                             f"{self.drafter.config.algo}; set draft_tree to null (engine.draft_tree in a serve config)")
-        return check_branching(self.cfg.draft_tree, self.gamma)
 
     def submit(self, prompt_ids: Sequence[int], sampling: SamplingParams | None = None, max_new_tokens: int = 64,
                stop_ids: Sequence[int] | None = None, listener: Listener | None = None,
@@ -363,28 +342,48 @@ class Engine(RequestBatch):
             self._target_only_tokens(list(self.active), outputs, report, rows if self.drafting else None)
             report.verify_s = time.perf_counter() - t0
             return
-        for req, ids, out in zip(list(self.active), rows, outputs):
-            if req.finished:
-                continue
+        live = [(req, ids, out) for req, ids, out in zip(list(self.active), rows, outputs) if not req.finished]
+        streamed = [r[0].noise is None and not isinstance(r[0].proposal, DraftTree) for r in live]
+        self._accept_chains([row for row, s in zip(live, streamed) if s], report)
+        for req, ids, out in (row for row, s in zip(live, streamed) if not s):
             try:
                 self._accept(req, ids, *out, report)
             except Exception as err:
                 self._fail(req, f"verification failed: {err}", report)
         report.verify_s = time.perf_counter() - t0
 
+    def _accept_chains(self, rows: list[tuple], report: StepReport) -> None:
+        """The chain rows drawing from their generators: the rejection rule for all of them at once
+        (`accept_rows`: each row's tokens exactly as `accept_drafts` gives them alone), one host copy."""
+        ready = []
+        for req, ids, (logits, features) in rows:
+            try:  # row k of p: draft k+1
+                p = to_probs(constrain(logits, req.constraint, ids[1:]), req.sampling)
+                ready.append((req, ids, logits, features, p, req.proposal.probs[:req.verify_len].to(p.device)
+                              if req.verify_len else p[:0]))
+            except Exception as err:
+                self._fail(req, f"verification failed: {err}", report)
+        results = accept_rows([r[1][1:] for r in ready], [r[5] for r in ready], [r[4] for r in ready],
+                              [r[0].generator for r in ready])  # per row its pair or its error
+        for (req, ids, logits, features, _, _), result in zip(ready, results):
+            try:
+                if isinstance(result, Exception):
+                    raise result
+                self._commit_chain(req, *result, ids, logits, features, report)
+            except Exception as err:
+                self._fail(req, f"verification failed: {err}", report)
+
     def _accept(self, req: Request, ids: torch.Tensor, logits: torch.Tensor, features, report: StepReport) -> None:
         if isinstance(req.proposal, DraftTree):
-            return self._accept_tree(req, ids, logits, features, report)
-        n = req.verify_len
-        target_probs = to_probs(constrain(logits, req.constraint, ids[1:]), req.sampling)  # row k: draft k+1
-        if req.noise is not None:  # row k is output position len(tokens) + k (tokens[-1], the anchor, is before)
-            n_acc, next_token = accept_keyed(ids[1:], target_probs, req.noise, len(req.tokens))
-        else:
-            draft_probs = req.proposal.probs[:n] if n else target_probs[:0]
-            n_acc, next_token = accept_drafts(ids[1:], draft_probs.to(target_probs.device), target_probs,
-                                              req.generator)
+            return self._accept_tree(req, ids, logits, features, report)  # else a keyed chain:
+        target_probs = to_probs(constrain(logits, req.constraint, ids[1:]), req.sampling)  # row k: output len(tokens)+k
+        self._commit_chain(req, *accept_keyed(ids[1:], target_probs, req.noise, len(req.tokens)), ids, logits,
+                           features, report)
+
+    def _commit_chain(self, req: Request, n_acc: int, next_token: int, ids, logits, features, report) -> None:
         proposed = int(req.proposal.tokens.shape[0]) if req.proposal is not None else 0
-        self._commit(req, list(range(1 + n_acc)), next_token, ids, logits, features, (proposed, n), report)
+        self._commit(req, list(range(1 + n_acc)), next_token, ids, logits, features, (proposed, req.verify_len),
+                     report)
 
     def _accept_tree(self, req: Request, ids: torch.Tensor, logits: torch.Tensor, features,
                      report: StepReport) -> None:

@@ -10,6 +10,7 @@ from dspark.config import StrictModel
 from dspark.decoding.sampling import LogprobsMode
 from dspark.decoding.scheduler import SchedulerConfig
 from dspark.decoding.static_core import DecodeCoreMode, default_mode
+from dspark.decoding.tree_specdec import check_branching
 
 
 class EngineConfig(StrictModel):
@@ -58,3 +59,29 @@ def engine_core_mode(decode_core: str | None, target, cpu_auto: str = "dynamic")
     if mode != "auto":
         return mode
     return "compiled" if target.device.type == "cuda" else cpu_auto
+
+
+def check_drafter(cfg: EngineConfig, drafter) -> int:
+    """The engine's γ for this drafter under cfg's scheduler mode (0 for mode off); a clear error when the mode
+    needs a drafter or draft confidences it lacks."""
+    mode = cfg.scheduler.mode
+    if mode == "off":
+        return 0
+    if drafter is None:
+        raise ValueError(f"scheduler mode {mode!r} needs a drafter; pass one or use mode 'off'")
+    if mode in ("dynamic", "threshold", "async_topk") and not drafter.has_confidences:
+        raise ValueError(f"scheduler mode {mode!r} needs draft confidences, but this "
+                         f"{drafter.config.algo} drafter has no confidence head; use mode fixed/off or a DSpark drafter")
+    gamma = cfg.gamma or drafter.config.block_size
+    drafter.check_gamma(gamma)
+    return gamma
+
+
+def check_tree(cfg: EngineConfig, drafter, gamma: int) -> tuple[int, ...] | None:
+    """cfg.draft_tree checked against the drafter and γ (None: chains only)."""
+    if cfg.draft_tree is None or cfg.scheduler.mode == "off":
+        return None
+    if not hasattr(drafter, "draft_trees"):
+        raise ValueError(f"draft_tree needs a drafter that grows draft trees (DSpark), not "
+                         f"{drafter.config.algo}; set draft_tree to null (engine.draft_tree in a serve config)")
+    return check_branching(cfg.draft_tree, gamma)

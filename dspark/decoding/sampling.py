@@ -279,14 +279,13 @@ def _to_generator_device(t: Tensor, generator: torch.Generator | None) -> Tensor
     return t if generator is None or t.device == generator.device else t.to(generator.device)
 
 
-def rows_generators(generator: Generators, mask: Tensor) -> Generators:
-    """The generators of the rows that `tensor[mask]` selects, for per-request generators (a list with
-    one per request, i.e. per row of mask [R] or [R, G]): request r's generator repeated once per
-    selected entry of row r, request-major, as boolean indexing orders them. A single generator (or
-    None) is returned as it is."""
+def rows_generators(generator: Generators, counts: Sequence[int]) -> Generators:
+    """The generators of sampled rows laid out request-major, counts[r] rows of request r (per-request
+    generators, one per request): request r's generator repeated counts[r] times. The counts come from the
+    host (the requests' γs), so choosing the rows reads nothing back from the device. A single generator
+    (or None) is returned as it is."""
     if _single(generator):
         return generator
-    counts = mask.reshape(mask.shape[0], -1).sum(-1).tolist()
     if len(counts) != len(generator):
         raise ValueError(f"{len(generator)} generators for {len(counts)} rows; pass one per request")
     return [g for g, c in zip(generator, counts) for _ in range(int(c))]

@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from dspark.drafters import draft_vocab
 from dspark.drafters.config import DrafterConfig
 from dspark.drafters.layers import KVBuffer, Rotary
-from dspark.decoding.sampling import Generators, SamplingParams, to_probs
+from dspark.decoding.sampling import Generators, SamplingParams, rows_generators, to_probs
 from dspark.decoding.tree_specdec import DraftTree  # noqa: F401 - what draft_trees returns (decoding verifies it)
 from dspark.models.small_batch_linear import use_small_batch_linear
 
@@ -328,9 +328,23 @@ class RowSampling:
         return out
 
 
-def drafting_mask(gammas: list[int], device=None) -> Tensor:
-    """bool [R, max γ]: True where request r drafts position k (k < γ_r)."""
-    return torch.arange(max(gammas), device=device) < torch.tensor(gammas, device=device).unsqueeze(-1)
+def drafting_rows(gammas: list[int], k: int, generator: Generators, device=None) -> tuple[slice | Tensor, Generators]:
+    """The requests that draft position k (k < γ_r) and their generators, from the host's γs (nothing read
+    back from the device): an index into the batch (every row: a slice, no copy) and `rows_generators`."""
+    live = [int(g > k) for g in gammas]
+    if all(live):
+        return slice(None), generator
+    return torch.tensor([r for r, on in enumerate(live) if on], device=device), rows_generators(generator, live)
+
+
+def drafted_entries(gammas: list[int], device=None) -> slice | Tensor:
+    """The (request, position) entries with k < γ_r of a [R, max γ] batch, as an index into its flattened
+    rows (request-major, as `rows_generators(generator, gammas)` lays out the generators): a slice when every
+    request drafts max γ."""
+    width = max(gammas)
+    if min(gammas) == width:
+        return slice(None)
+    return torch.tensor([r * width + k for r, g in enumerate(gammas) for k in range(g)], device=device)
 
 
 def split_proposals(tokens: Tensor, probs: Tensor, confidences: Tensor | None,

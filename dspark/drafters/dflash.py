@@ -15,7 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from dspark.drafters.anchors import block_positions
-from dspark.drafters.base import (DraftProposal, DraftState, DraftTrainOut, Drafter, RowSampling, drafting_mask,
+from dspark.drafters.base import (DraftProposal, DraftState, DraftTrainOut, Drafter, RowSampling, drafted_entries,
                                   split_proposals)
 from dspark.drafters.block_attention import BlockLayout
 from dspark.drafters.config import DrafterConfig
@@ -172,7 +172,8 @@ class DFlashDrafter(Drafter):
         """Parallel drafting: every slot is sampled independently from its own processed distribution;
         one LM-head call and one `sample` call (request-major) for all R×γ rows."""
         probs = rows.probs(self.lm_logits(h))  # [R, G, N] (N = the draft vocabulary, else V)
-        drafted = drafting_mask(gammas, self.device)
-        tokens = torch.zeros(drafted.shape, dtype=torch.long, device=self.device)
-        tokens[drafted] = self.to_target_ids(sample(probs[drafted], rows_generators(generator, drafted)).to(self.device))
+        tokens = torch.zeros(probs.shape[:2], dtype=torch.long, device=self.device)  # [R, G]
+        drafted = drafted_entries(gammas, self.device)  # request-major, as rows_generators lays them out
+        tokens.view(-1)[drafted] = self.to_target_ids(
+            sample(probs.reshape(-1, probs.shape[-1])[drafted], rows_generators(generator, gammas)).to(self.device))
         return split_proposals(tokens, self.full_vocab_probs(probs), None, gammas)

@@ -13,14 +13,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from dspark.drafters.base import (DraftProposal, DraftTrainOut, DraftTree, RowSampling, drafting_mask,
+from dspark.drafters.base import (DraftProposal, DraftTrainOut, DraftTree, RowSampling, drafting_rows,
                                   selected_tokens, split_proposals)
 from dspark.drafters.config import DrafterConfig
 from dspark.drafters.dflash import DFlashDrafter
 from dspark.drafters.heads import ConfidenceHead, build_sequential_head
 from dspark.drafters.layers import init_weights
-from dspark.decoding.sampling import (Generators, KeyedNoise, SamplingParams, draw_distinct, rows_generators,
-                                      sample, sibling_proposals, to_probs)
+from dspark.decoding.sampling import (Generators, KeyedNoise, SamplingParams, draw_distinct, sample,
+                                      sibling_proposals, to_probs)
 
 
 class DSparkDrafter(DFlashDrafter):
@@ -90,8 +90,7 @@ class DSparkDrafter(DFlashDrafter):
         W1 reads next) and the returned rows are extended by zeros to V."""
         u = self.lm_logits(h)  # [R, G, N]: all base logits in one LM-head call
         head, conf_head = self.markov_head, self.confidence_head
-        drafted = drafting_mask(gammas, self.device)  # [R, G]
-        tokens = torch.zeros(drafted.shape, dtype=torch.long, device=self.device)
+        tokens = torch.zeros(u.shape[:2], dtype=torch.long, device=self.device)  # [R, G]
         probs = torch.empty(u.shape, dtype=torch.float32, device=self.device)
         state = None if head is None else head.initial_state(h[:, 0])
         prev, conf_logits = anchors, []
@@ -102,8 +101,8 @@ class DSparkDrafter(DFlashDrafter):
                 state, bias = head.step(state, prev_emb, h[:, k])
                 logits = logits + bias.float()
             probs[:, k] = rows.probs(logits)
-            live = drafted[:, k]
-            tokens[live, k] = self.to_target_ids(sample(probs[live, k], rows_generators(generator, live)).to(self.device))
+            live, live_generators = drafting_rows(gammas, k, generator, self.device)
+            tokens[live, k] = self.to_target_ids(sample(probs[live, k], live_generators).to(self.device))
             if conf_head is not None:
                 conf_logits.append(conf_head(h[:, k], prev_emb))
             prev = tokens[:, k]

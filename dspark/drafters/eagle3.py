@@ -22,12 +22,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dspark.drafters.anchors import is_dense
-from dspark.drafters.base import (DraftProposal, DraftState, DraftTrainOut, Drafter, RowSampling, drafting_mask,
+from dspark.drafters.base import (DraftProposal, DraftState, DraftTrainOut, Drafter, RowSampling, drafting_rows,
                                   split_proposals)
 from dspark.drafters.block_attention import BlockLayout
 from dspark.drafters.config import DrafterConfig
 from dspark.drafters.layers import MLP, Attention, RMSNorm, batch_kv, init_weights, padding_mask
-from dspark.decoding.sampling import Generators, rows_generators, sample
+from dspark.decoding.sampling import Generators, sample
 
 
 class Eagle3Layer(nn.Module):
@@ -157,11 +157,11 @@ class Eagle3Drafter(Drafter):
         starts = torch.tensor(lengths, device=self.device).unsqueeze(-1)  # [R, 1]
         ctx_k, ctx_v = batch_kv([s.kv[0] for s in states], hidden.new_empty(c.num_kv_heads, 0, c.head_dim))
         keys, values = [ctx_k], [ctx_v]
-        drafted = drafting_mask(gammas, self.device)  # [R, G]
-        tokens = torch.zeros(drafted.shape, dtype=torch.long, device=self.device)
-        probs = torch.empty(*drafted.shape, self.draft_vocab_size, dtype=torch.float32, device=self.device)
+        shape = (len(gammas), max(gammas))  # [R, G]
+        tokens = torch.zeros(shape, dtype=torch.long, device=self.device)
+        probs = torch.empty(*shape, self.draft_vocab_size, dtype=torch.float32, device=self.device)
         tok = anchors
-        for k in range(drafted.shape[1]):  # autoregressive: one layer pass per drafted position
+        for k in range(shape[1]):  # autoregressive: one layer pass per drafted position
             x, res = layer.inputs(self.embed(tok.unsqueeze(-1)), hidden)  # [R, 1, 2d], [R, 1, d]
             cos, sin = self.rotary(starts + k)
             kk, vv = layer.self_attn.keys_values(x, cos, sin)
@@ -170,7 +170,7 @@ class Eagle3Drafter(Drafter):
             mask = padding_mask(lengths, k + 1, self.device)  # causal by construction: no later steps exist yet
             g = layer(x, res, cos, sin, torch.cat(keys, -2), torch.cat(values, -2), mask)
             probs[:, k] = rows.probs(self.lm_logits(self.norm(g))[:, 0])
-            live = drafted[:, k]
-            tokens[live, k] = self.to_target_ids(sample(probs[live, k], rows_generators(generator, live)).to(self.device))
+            live, live_generators = drafting_rows(gammas, k, generator, self.device)
+            tokens[live, k] = self.to_target_ids(sample(probs[live, k], live_generators).to(self.device))
             tok, hidden = tokens[:, k], g
         return split_proposals(tokens, self.full_vocab_probs(probs), None, gammas)

@@ -1,0 +1,87 @@
+"""The rejection step of a whole verify step: every chain row's accepted prefix and next token, on an accelerator
+from one batched computation and one host copy (paper §2.1; `accept_drafts` is the same rule row by row).
+
+Row r verified n_r drafts x_{r,1..n_r}, drawn from q_{r,1..n_r}, against target rows p_{r,0..n_r} (row n_r:
+the bonus distribution). Rows are padded to G = max n_r; a padded position is never accepted.
+
+Invariant: a row's (n_accepted, next_token) is exactly what `accept_drafts` returns for it with the same
+generator. Its stream is consumed the same way — n_r float32 uniforms for the accept tests, then one float64
+uniform for the next token, drawn on the generator's own device — so a request's tokens do not depend on
+the rows beside it, and batching the rule changes no output.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import Tensor
+from torch.nn.utils.rnn import pad_sequence
+
+from dspark.decoding.sampling import accept_drafts, inverse_cdf
+
+
+def _row_draws(generators: Sequence[torch.Generator | None], lengths: Sequence[int], device) -> tuple[Tensor, Tensor]:
+    """Per row: n_r accept uniforms (float32, padded with 1: never below a probability ratio's bar) and one
+    next-token uniform (float64), in `accept_drafts`' order."""
+    accept, nxt = [], []
+    for g, n in zip(generators, lengths):
+        on = g.device if g is not None else device
+        accept.append(torch.rand(n, generator=g, device=on).to(device))
+        nxt.append(torch.rand(1, 1, generator=g, device=on, dtype=torch.float64).to(device))
+    return pad_sequence(accept, batch_first=True, padding_value=1.0), torch.cat(nxt)
+
+
+def accept_rows(drafts: Sequence[Tensor], draft_probs: Sequence[Tensor], target_probs: Sequence[Tensor],
+                generators: Sequence[torch.Generator | None],
+                batched: bool | None = None) -> list[tuple[int, int] | Exception]:
+    """Per row r: drafts[r] [n_r], draft_probs[r] [n_r, V], target_probs[r] [n_r + 1, V] (same device),
+    generators[r] its request's stream -> (n_accepted, next_token) per row, or the exception its row raised
+    (one bad row fails alone). batched: one computation and one host copy for all rows (if it raises, the rows
+    are redone one by one to find the bad one); else `accept_drafts` row by row. None: by device — row by row
+    on a CPU, where host reads cost nothing and a row's distributions stay in cache (batched measured ~2x
+    slower there: benchmarks/results/accept_rows/), batched on an accelerator, where each read-back waits."""
+    if not drafts:
+        return []
+    if batched if batched is not None else target_probs[0].device.type != "cpu":
+        try:
+            return _accept_batched(drafts, draft_probs, target_probs, generators)
+        except Exception:  # noqa: BLE001 — a bad row: row by row below, so that only it fails
+            pass
+    return [_row_or_error(x, q, p, g) for x, q, p, g in zip(drafts, draft_probs, target_probs, generators)]
+
+
+def _row_or_error(x: Tensor, q: Tensor, p: Tensor, g) -> tuple[int, int] | Exception:
+    try:
+        return accept_drafts(x, q, p, g)
+    except Exception as err:  # noqa: BLE001 — returned: the caller fails this row only
+        return err
+
+
+def _accept_batched(drafts, draft_probs, target_probs, generators) -> list[tuple[int, int]]:
+    lengths = [int(d.shape[0]) for d in drafts]
+    for n, q, p in zip(lengths, draft_probs, target_probs):
+        if p.shape[0] != n + 1 or q.shape[0] != n:
+            raise ValueError(f"accept_drafts needs draft_probs [{n}, V] and target_probs [{n + 1}, V] per row, "
+                             f"got {tuple(q.shape)} and {tuple(p.shape)}")
+    device, rows = target_probs[0].device, len(lengths)
+    u, u_next = _row_draws(generators, lengths, device)
+    # p(x) and q(x) of every draft, gathered row by row (no copy of a distribution), padded to [R, G]
+    p_x = pad_sequence([p[torch.arange(n, device=device), x] for p, x, n in zip(target_probs, drafts, lengths)],
+                       batch_first=True)
+    q_x = pad_sequence([q[torch.arange(n, device=device), x] for q, x, n in zip(draft_probs, drafts, lengths)],
+                       batch_first=True)
+    live = torch.arange(p_x.shape[1], device=device) < torch.tensor(lengths, device=device)[:, None]
+    accepted = (u[:, :p_x.shape[1]] * q_x < p_x) & live               # P(u < p/q) = min(1, p/q)
+    n_acc = accepted.long().cumprod(1).sum(1)                         # [R]: the accepted prefix's length
+    full = n_acc == live.sum(1)
+    # next token: at the first rejection from norm(max(0, p - q)) (p when nothing is left: only rounding, p == q);
+    # after a full accept from the bonus row p itself — each as `accept_drafts` draws it. Row r's distributions
+    # at n_acc[r] are picked on the device (index_select: no read-back).
+    at = n_acc[:, None]
+    target_at = torch.cat([p.index_select(0, at[r]) for r, p in enumerate(target_probs)])             # [R, V]
+    draft_at = torch.cat([q.index_select(0, at[r].clamp_max(n - 1)) if n else target_at.new_zeros(1, q.shape[-1])
+                          for r, (q, n) in enumerate(zip(draft_probs, lengths))]) * ~full[:, None]
+    left = (target_at - draft_at).clamp_min(0.0)
+    left = torch.where(left.sum(-1, keepdim=True) > 0, left, target_at)
+    next_token = inverse_cdf(torch.where(full[:, None], target_at, left / left.sum(-1, keepdim=True)), u_next)
+    return [tuple(pair) for pair in torch.stack([n_acc, next_token], 1).tolist()]

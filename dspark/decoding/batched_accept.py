@@ -43,10 +43,12 @@ def accept_rows(drafts: Sequence[Tensor], draft_probs: Sequence[Tensor], target_
     if not drafts:
         return []
     if batched if batched is not None else target_probs[0].device.type != "cpu":
+        states = [(g, g.get_state()) for g in {id(g): g for g in generators if g is not None}.values()]
         try:
             return _accept_batched(drafts, draft_probs, target_probs, generators)
-        except Exception:  # noqa: BLE001 — a bad row: row by row below, so that only it fails
-            pass
+        except Exception:  # noqa: BLE001 — a bad row: row by row below, so that only it fails, every stream
+            for g, state in states:  # rewound first, so the good rows draw what they would have drawn alone
+                g.set_state(state)
     return [_row_or_error(x, q, p, g) for x, q, p, g in zip(drafts, draft_probs, target_probs, generators)]
 
 
@@ -58,30 +60,31 @@ def _row_or_error(x: Tensor, q: Tensor, p: Tensor, g) -> tuple[int, int] | Excep
 
 
 def _accept_batched(drafts, draft_probs, target_probs, generators) -> list[tuple[int, int]]:
+    """`accept_rows` batched: every row at once, one host read (the `.tolist()` at the end)."""
     lengths = [int(d.shape[0]) for d in drafts]
     for n, q, p in zip(lengths, draft_probs, target_probs):
         if p.shape[0] != n + 1 or q.shape[0] != n:
             raise ValueError(f"accept_drafts needs draft_probs [{n}, V] and target_probs [{n + 1}, V] per row, "
                              f"got {tuple(q.shape)} and {tuple(p.shape)}")
-    device, rows = target_probs[0].device, len(lengths)
+    device = target_probs[0].device
     u, u_next = _row_draws(generators, lengths, device)
     # p(x) and q(x) of every draft, gathered row by row (no copy of a distribution), padded to [R, G]
     p_x = pad_sequence([p[torch.arange(n, device=device), x] for p, x, n in zip(target_probs, drafts, lengths)],
                        batch_first=True)
     q_x = pad_sequence([q[torch.arange(n, device=device), x] for q, x, n in zip(draft_probs, drafts, lengths)],
                        batch_first=True)
-    live = torch.arange(p_x.shape[1], device=device) < torch.tensor(lengths, device=device)[:, None]
+    live = pad_sequence([torch.ones(n, dtype=torch.bool, device=device) for n in lengths], batch_first=True)
     accepted = (u[:, :p_x.shape[1]] * q_x < p_x) & live               # P(u < p/q) = min(1, p/q)
     n_acc = accepted.long().cumprod(1).sum(1)                         # [R]: the accepted prefix's length
     full = n_acc == live.sum(1)
-    # next token: at the first rejection from norm(max(0, p - q)) (p when nothing is left: only rounding, p == q);
-    # after a full accept from the bonus row p itself — each as `accept_drafts` draws it. Row r's distributions
-    # at n_acc[r] are picked on the device (index_select: no read-back).
+    # next token: at the first rejection from max(0, p - q), drawn unnormalised (p when nothing is left: only
+    # rounding, p == q); after a full accept q is zeroed, so that is p itself: the bonus row. Row r's distributions
+    # at n_acc[r] are picked on the device (index_select: no read-back); per row the same numbers as
+    # `accept_drafts`, so the same token (inverse_cdf's cumulative sum runs along each row alone).
     at = n_acc[:, None]
     target_at = torch.cat([p.index_select(0, at[r]) for r, p in enumerate(target_probs)])             # [R, V]
     draft_at = torch.cat([q.index_select(0, at[r].clamp_max(n - 1)) if n else target_at.new_zeros(1, q.shape[-1])
                           for r, (q, n) in enumerate(zip(draft_probs, lengths))]) * ~full[:, None]
     left = (target_at - draft_at).clamp_min(0.0)
-    left = torch.where(left.sum(-1, keepdim=True) > 0, left, target_at)
-    next_token = inverse_cdf(torch.where(full[:, None], target_at, left / left.sum(-1, keepdim=True)), u_next)
+    next_token = inverse_cdf(torch.where((left > 0).any(-1, keepdim=True), left, target_at), u_next)
     return [tuple(pair) for pair in torch.stack([n_acc, next_token], 1).tolist()]

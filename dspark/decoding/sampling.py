@@ -291,6 +291,15 @@ def rows_generators(generator: Generators, counts: Sequence[int]) -> Generators:
     return [g for g, c in zip(generator, counts) for _ in range(int(c))]
 
 
+def host_values(values: Sequence[int], device) -> Tensor:
+    """Host ints as a LongTensor on `device` without waiting for the device: on an accelerator the copy goes
+    from pinned memory, queued behind the work already issued (a pageable copy would wait for it)."""
+    t = torch.tensor(list(values), dtype=torch.long)
+    if torch.device(device).type == "cpu":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def _row_uniforms(generators: Sequence[torch.Generator], rows: int, device) -> Tensor:
     """u [rows, 1] float64 with row i drawn from generators[i]; consecutive rows that share a generator
     are drawn in one call, so one request's rows consume its stream exactly as a single-generator
@@ -398,7 +407,11 @@ def accept_drafts(draft_tokens: Tensor, draft_probs: Tensor, target_probs: Tenso
     n_acc = int(accepted.cumprod(0).sum())  # length of the accepted prefix
     if n_acc == n:  # all accepted: bonus token from the target at position n+1
         return n, int(sample(target_probs[n], generator))
-    return n_acc, int(sample(rejection_residual(target_probs[n_acc], draft_probs[n_acc]), generator))
+    # from norm(max(0, p_t - p_d)), drawn unnormalised (inverse_cdf scales by the row's total), so that the
+    # batched rule (dspark.decoding.batched_accept) draws the very same token from the same numbers
+    p = target_probs[n_acc]
+    left = (p - draft_probs[n_acc]).clamp_min(0.0)
+    return n_acc, int(sample(torch.where((left > 0).any(), left, p), generator))
 
 
 def rejection_residual(p: Tensor, q: Tensor) -> Tensor:

@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from dspark.drafters import draft_vocab
 from dspark.drafters.config import DrafterConfig
 from dspark.drafters.layers import KVBuffer, Rotary
-from dspark.decoding.sampling import Generators, SamplingParams, rows_generators, to_probs
+from dspark.decoding.sampling import Generators, SamplingParams, host_values, rows_generators, to_probs
 from dspark.decoding.tree_specdec import DraftTree  # noqa: F401 - what draft_trees returns (decoding verifies it)
 from dspark.models.small_batch_linear import use_small_batch_linear
 
@@ -334,7 +334,7 @@ def drafting_rows(gammas: list[int], k: int, generator: Generators, device=None)
     live = [int(g > k) for g in gammas]
     if all(live):
         return slice(None), generator
-    return torch.tensor([r for r, on in enumerate(live) if on], device=device), rows_generators(generator, live)
+    return host_values([r for r, on in enumerate(live) if on], device), rows_generators(generator, live)
 
 
 def drafted_entries(gammas: list[int], device=None) -> slice | Tensor:
@@ -344,7 +344,7 @@ def drafted_entries(gammas: list[int], device=None) -> slice | Tensor:
     width = max(gammas)
     if min(gammas) == width:
         return slice(None)
-    return torch.tensor([r * width + k for r, g in enumerate(gammas) for k in range(g)], device=device)
+    return host_values([r * width + k for r, g in enumerate(gammas) for k in range(g)], device)
 
 
 def split_proposals(tokens: Tensor, probs: Tensor, confidences: Tensor | None,

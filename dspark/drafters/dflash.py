@@ -173,6 +173,7 @@ class DFlashDrafter(Drafter):
         one LM-head call and one `sample` call (request-major) for all R×γ rows."""
         probs = rows.probs(self.lm_logits(h))  # [R, G, N] (N = the draft vocabulary, else V)
         tokens = torch.zeros(probs.shape[:2], dtype=torch.long, device=self.device)  # [R, G]
+        assert probs.shape[1] == max(gammas), f"{probs.shape[1]} positions drafted for gammas up to {max(gammas)}"
         drafted = drafted_entries(gammas, self.device)  # request-major, as rows_generators lays them out
         tokens.view(-1)[drafted] = self.to_target_ids(
             sample(probs.reshape(-1, probs.shape[-1])[drafted], rows_generators(generator, gammas)).to(self.device))

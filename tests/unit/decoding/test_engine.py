@@ -405,3 +405,27 @@ def test_the_engine_picks_its_target_step_by_hardware_and_load(wide_target, monk
     assert isinstance(rollouts, CoreSlots) and rollouts.core.mode == "eager"
     eager = _engine(wide_target, drafter, "fixed", decode_core="eager").kv
     assert isinstance(eager, CoreSlots) and eager.core.mode == "eager"
+
+
+@pytest.mark.parametrize("mode", ["fixed", "dynamic"])
+def test_the_batched_rejection_step_gives_the_engine_the_same_tokens(monkeypatch, wide_target, mode):
+    """What an accelerator runs (`accept_rows` batched: one host read per step) against a CPU's default (row by
+    row), through the engine with requests joining and leaving: the same tokens for every request and the same
+    totals (stream randomness: each request's generator is drawn from the same way either way)."""
+    import functools
+
+    import dspark.decoding.engine as engine_module
+    from dspark.decoding.batched_accept import accept_rows
+
+    drafter, sp = _drafter(wide_target, gamma=3), SamplingParams(temperature=1.0)
+    prompts = [[3, 1, 4, 1, 5], [2, 7], [1, 8, 2, 8, 1, 8], [4, 4]] * 2
+
+    def run(batched: bool):
+        monkeypatch.setattr(engine_module, "accept_rows", functools.partial(accept_rows, batched=batched))
+        engine = _engine(wide_target, drafter, mode, max_batch=3, seed=11)
+        reqs = engine.generate(prompts, sp, max_new_tokens=12, stop_ids=[])
+        return [r.tokens for r in reqs], {k: v for k, v in engine.stats()["totals"].items() if not k.endswith("_s")}
+
+    (row_tokens, row_totals), (batched_tokens, batched_totals) = run(False), run(True)
+    assert batched_tokens == row_tokens and batched_totals == row_totals
+    assert 0 < row_totals["accepted"] < row_totals["verified"]  # both accepts and rejections happened

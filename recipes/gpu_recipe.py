@@ -17,7 +17,8 @@ decoding step, training step and evaluated prompt. Rollouts get `rollout.seconds
 would not fit); training gets what is left minus the evaluation and output reserves, split into equal
 WALL-CLOCK shares, one per drafter, trained one after the other (each sizes its schedule from its own
 measured step time); evaluation gets the rest. Between rollouts and training a short `profile` phase times
-decoding steps at batch 1 and at the rollout batch under torch.profiler (wall / host / device ms per step).
+decoding steps at batch 1 and at the rollout batch under torch.profiler (wall / host / device ms per step),
+`decode_core` the batch-1 core, and `accept_rows` the engine's rejection step row by row against batched.
 Output (`--out`, default benchmarks/results/<run>/), at most 8 files: recipe.json (the summary, rewritten
 after every phase, so a stopped run leaves a valid one), results.json, recipe.png, drafters.tar.NN (bf16, in as few parts as fit). Last stdout line: the
 summary JSON. Exit status 1 when a phase failed.
@@ -260,6 +261,19 @@ def profile_phase(r: Recipe) -> None:
                                 for k, v in r.results["profile"].items()}
 
 
+def accept_rows_phase(r: Recipe) -> None:
+    """The serving engine's rejection step on this device, row by row against batched (benchmarks/accept_rows.py,
+    the target's vocabulary, same tokens checked): `accept_rows` takes the batched rule (one read-back per step)
+    on an accelerator, where each row's two read-backs wait for the device — a ratio not yet measured on a GPU
+    (on a CPU batched is ~0.5x, so a CPU stays row by row)."""
+    from benchmarks import accept_rows
+
+    report = accept_rows.main(["--device", str(r.target.device), "--vocab", str(r.target.vocab_size),
+                               "--rows", "1,16,64", "--repeats", "5"])
+    r.results["accept_rows"] = report
+    r.summary["accept_rows_row_over_batched"] = {str(row["rows"]): row["ratio"] for row in report["rows"]}
+
+
 def profile_steps(r: Recipe, rows: int, steps: int, top: int = 12) -> dict:
     """`steps` decoding steps of `rows` sequences (rollout prompts) under torch.profiler, after a prefill
     and one decoding step left out of it (profiler schedule: the generator's stop check marks each step)."""
@@ -446,6 +460,7 @@ def main(argv=None) -> int:
     if ok:
         r.phase("profile", lambda: profile_phase(r), fatal=False)
         r.phase("decode_core", lambda: decode_core_phase(r), fatal=False)
+        r.phase("accept_rows", lambda: accept_rows_phase(r), fatal=False)
         share = max(0.0, r.deadline.left() - cfg.eval.reserve_s - cfg.output_reserve_s) / len(cfg.drafters)
         for name in cfg.drafters:  # each drafter its own share and failure scope
             ok &= r.phase(f"train:{name}", lambda name=name: train_phase(r, name, share), fatal=False)

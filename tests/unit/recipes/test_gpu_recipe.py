@@ -114,6 +114,19 @@ def test_the_decode_core_phase_times_batch_1_and_falls_back_to_eager_saying_why(
     assert r.summary["target_ms_per_token_batch1"] > 0
 
 
+def test_the_accept_rows_phase_records_row_by_row_over_batched_on_the_device(tiny, tmp_path):
+    from recipes.gpu_recipe import accept_rows_phase
+
+    r = Recipe(recipe_config(), tmp_path)
+    r.target = tiny
+    accept_rows_phase(r)  # the benchmark checks that both ways give the same tokens (it exits otherwise)
+    report = r.results["accept_rows"]
+    assert report["device"] == "cpu" and report["vocab"] == tiny.vocab_size
+    assert report["default_on_this_device"] == "row_by_row"
+    assert set(r.summary["accept_rows_row_over_batched"]) == {"1", "16", "64"}
+    assert all(ratio > 0 for ratio in r.summary["accept_rows_row_over_batched"].values())
+
+
 def test_the_deadline_stops_training_mid_phase(tiny):
     rows = _rows(tiny)
     cfg = DrafterConfig(algo="dflash", block_size=3, num_layers=1, anchors_per_seq=4)

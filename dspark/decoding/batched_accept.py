@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 from torch.nn.utils.rnn import pad_sequence
 
-from dspark.decoding.sampling import accept_drafts, inverse_cdf
+from dspark.decoding.sampling import accept_drafts, check_accept_shapes, inverse_cdf, residual_weights
 
 
 def _row_draws(generators: Sequence[torch.Generator | None], lengths: Sequence[int], device) -> tuple[Tensor, Tensor]:
@@ -63,9 +63,7 @@ def _accept_batched(drafts, draft_probs, target_probs, generators) -> list[tuple
     """`accept_rows` batched: every row at once, one host read (the `.tolist()` at the end)."""
     lengths = [int(d.shape[0]) for d in drafts]
     for n, q, p in zip(lengths, draft_probs, target_probs):
-        if p.shape[0] != n + 1 or q.shape[0] != n:
-            raise ValueError(f"accept_drafts needs draft_probs [{n}, V] and target_probs [{n + 1}, V] per row, "
-                             f"got {tuple(q.shape)} and {tuple(p.shape)}")
+        check_accept_shapes(n, q, p)
     device = target_probs[0].device
     u, u_next = _row_draws(generators, lengths, device)
     # p(x) and q(x) of every draft, gathered row by row (no copy of a distribution), padded to [R, G]
@@ -77,14 +75,13 @@ def _accept_batched(drafts, draft_probs, target_probs, generators) -> list[tuple
     accepted = (u[:, :p_x.shape[1]] * q_x < p_x) & live               # P(u < p/q) = min(1, p/q)
     n_acc = accepted.long().cumprod(1).sum(1)                         # [R]: the accepted prefix's length
     full = n_acc == live.sum(1)
-    # next token: at the first rejection from max(0, p - q), drawn unnormalised (p when nothing is left: only
-    # rounding, p == q); after a full accept q is zeroed, so that is p itself: the bonus row. Row r's distributions
-    # at n_acc[r] are picked on the device (index_select: no read-back); per row the same numbers as
-    # `accept_drafts`, so the same token (inverse_cdf's cumulative sum runs along each row alone).
+    # next token: at the first rejection from `residual_weights(p, q)`; after a full accept q is zeroed, so that is
+    # p itself: the bonus row. Row r's distributions at n_acc[r] are picked on the device (index_select: no
+    # read-back); per row the same numbers as `accept_drafts`, so the same token (inverse_cdf's cumulative sum
+    # runs along each row alone).
     at = n_acc[:, None]
     target_at = torch.cat([p.index_select(0, at[r]) for r, p in enumerate(target_probs)])             # [R, V]
     draft_at = torch.cat([q.index_select(0, at[r].clamp_max(n - 1)) if n else target_at.new_zeros(1, q.shape[-1])
                           for r, (q, n) in enumerate(zip(draft_probs, lengths))]) * ~full[:, None]
-    left = (target_at - draft_at).clamp_min(0.0)
-    next_token = inverse_cdf(torch.where((left > 0).any(-1, keepdim=True), left, target_at), u_next)
+    next_token = inverse_cdf(residual_weights(target_at, draft_at), u_next)
     return [tuple(pair) for pair in torch.stack([n_acc, next_token], 1).tolist()]

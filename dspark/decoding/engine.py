@@ -355,16 +355,16 @@ class Engine(RequestBatch):
     def _accept_chains(self, rows: list[tuple], report: StepReport) -> None:
         """The chain rows drawing from their generators: the rejection rule for all of them at once
         (`accept_rows`: each row's tokens exactly as `accept_drafts` gives them alone), one host copy."""
-        ready = []
+        ready = []  # (req, ids, logits, features, target probs p, draft probs q) of the rows that got them
         for req, ids, (logits, features) in rows:
             try:  # row k of p: draft k+1
                 p = to_probs(constrain(logits, req.constraint, ids[1:]), req.sampling)
-                ready.append((req, ids, logits, features, p, req.proposal.probs[:req.verify_len].to(p.device)
-                              if req.verify_len else p[:0]))
+                q = req.proposal.probs[:req.verify_len].to(p.device) if req.verify_len else p[:0]
+                ready.append((req, ids, logits, features, p, q))
             except Exception as err:
                 self._fail(req, f"verification failed: {err}", report)
-        results = accept_rows([r[1][1:] for r in ready], [r[5] for r in ready], [r[4] for r in ready],
-                              [r[0].generator for r in ready])  # per row its pair or its error
+        results = accept_rows([ids[1:] for _, ids, *_ in ready], [q for *_, q in ready], [p for *_, p, _ in ready],
+                              [req.generator for req, *_ in ready])  # per row its pair or its error
         for (req, ids, logits, features, _, _), result in zip(ready, results):
             try:
                 if isinstance(result, Exception):

@@ -395,9 +395,7 @@ def accept_drafts(draft_tokens: Tensor, draft_probs: Tensor, target_probs: Tenso
     rejection are discarded, so every emitted token is conditioned on the emitted prefix only.
     """
     n = draft_tokens.shape[0]
-    if target_probs.shape[0] != n + 1 or draft_probs.shape[0] != n:
-        raise ValueError(f"accept_drafts needs draft_probs [{n}, V] and target_probs [{n + 1}, V], "
-                         f"got {tuple(draft_probs.shape)} and {tuple(target_probs.shape)}")
+    check_accept_shapes(n, draft_probs, target_probs)
     draft_tokens, draft_probs, target_probs = (_to_generator_device(t, generator)
                                                for t in (draft_tokens, draft_probs, target_probs))
     rows = torch.arange(n, device=draft_tokens.device)
@@ -407,16 +405,27 @@ def accept_drafts(draft_tokens: Tensor, draft_probs: Tensor, target_probs: Tenso
     n_acc = int(accepted.cumprod(0).sum())  # length of the accepted prefix
     if n_acc == n:  # all accepted: bonus token from the target at position n+1
         return n, int(sample(target_probs[n], generator))
-    # from norm(max(0, p_t - p_d)), drawn unnormalised (inverse_cdf scales by the row's total), so that the
-    # batched rule (dspark.decoding.batched_accept) draws the very same token from the same numbers
-    p = target_probs[n_acc]
-    left = (p - draft_probs[n_acc]).clamp_min(0.0)
-    return n_acc, int(sample(torch.where((left > 0).any(), left, p), generator))
+    return n_acc, int(sample(residual_weights(target_probs[n_acc], draft_probs[n_acc]), generator))
+
+
+def check_accept_shapes(n: int, draft_probs: Tensor, target_probs: Tensor) -> None:
+    """n drafts need draft_probs [n, V] and target_probs [n + 1, V] (row n: the bonus distribution)."""
+    if target_probs.shape[0] != n + 1 or draft_probs.shape[0] != n:
+        raise ValueError(f"accept_drafts needs draft_probs [{n}, V] and target_probs [{n + 1}, V], "
+                         f"got {tuple(draft_probs.shape)} and {tuple(target_probs.shape)}")
+
+
+def residual_weights(p: Tensor, q: Tensor) -> Tensor:
+    """max(0, p − q) per row [..., V], unnormalised: what a rejected draft from q leaves of the target's p; p itself
+    where nothing is left, which only rounding reaches (p == q). The next token is drawn from it as it is
+    (inverse_cdf scales by the row's total), so row-by-row and batched acceptance (dspark.decoding.batched_accept)
+    draw from the very same numbers: a total summed over [R, V] differs in the last bits from a row's own."""
+    left = (p - q).clamp_min(0.0)
+    return torch.where((left > 0).any(-1, keepdim=True), left, p)
 
 
 def rejection_residual(p: Tensor, q: Tensor) -> Tensor:
-    """norm(max(0, p − q)): what a rejected draft from q leaves of the target's p (the law the next token is
-    drawn from). p itself when nothing is left, which only rounding reaches (p == q)."""
-    left = (p - q).clamp_min(0.0)
-    left = left if left.sum() > 0 else p
-    return left / left.sum()
+    """norm(`residual_weights`): the law the next token is drawn from after a rejection, as a distribution (tree
+    walks subtract the next sibling's proposal from it)."""
+    left = residual_weights(p, q)
+    return left / left.sum(-1, keepdim=True)

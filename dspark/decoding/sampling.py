@@ -300,6 +300,18 @@ def host_values(values: Sequence[int], device) -> Tensor:
     return t.pin_memory().to(device, non_blocking=True)
 
 
+def block_uniforms(generator: Generators, gammas: Sequence[int], device) -> Tensor | None:
+    """A drafted block's uniforms, drawn before drafting: u [R, max γ] float64 on `device`, entry (r, k) for
+    k < γ_r, request-major (request r's γ_r draws in one call from its stream: on a CPU stream the very values
+    γ_r single draws give), 0 past γ_r. So drafting samples a position by `inverse_cdf` alone, with no host
+    work. None when a request draws by position (KeyedNoise): `sample` per position then."""
+    per_request = [generator] * len(gammas) if _single(generator) else list(generator)
+    if any(isinstance(g, KeyedNoise) for g in per_request):
+        return None
+    flat = _row_uniforms(rows_generators(per_request, gammas), sum(gammas), device)  # one call per stream run
+    return torch.nn.utils.rnn.pad_sequence(flat[:, 0].split(list(gammas)), batch_first=True)
+
+
 def _row_uniforms(generators: Sequence[torch.Generator], rows: int, device) -> Tensor:
     """u [rows, 1] float64 with row i drawn from generators[i]; consecutive rows that share a generator
     are drawn in one call, so one request's rows consume its stream exactly as a single-generator
@@ -312,7 +324,8 @@ def _row_uniforms(generators: Sequence[torch.Generator], rows: int, device) -> T
         while j < rows and generators[j] is generators[i]:
             j += 1
         g = generators[i]
-        draws.append(torch.rand(j - i, 1, generator=g, device=g.device, dtype=torch.float64).to(device))
+        dev = device if g is None else g.device
+        draws.append(torch.rand(j - i, 1, generator=g, device=dev, dtype=torch.float64).to(device))
         i = j
     return torch.cat(draws) if draws else torch.empty(0, 1, dtype=torch.float64, device=device)
 

@@ -22,7 +22,8 @@ from torch import Tensor, nn
 from dspark.drafters import draft_vocab
 from dspark.drafters.config import DrafterConfig
 from dspark.drafters.layers import KVBuffer, Rotary
-from dspark.decoding.sampling import Generators, SamplingParams, host_values, rows_generators, to_probs
+from dspark.decoding.sampling import (Generators, SamplingParams, block_uniforms, host_values, inverse_cdf,
+                                     rows_generators, sample, to_probs)
 from dspark.decoding.tree_specdec import DraftTree  # noqa: F401 - what draft_trees returns (decoding verifies it)
 from dspark.models.small_batch_linear import use_small_batch_linear
 
@@ -221,9 +222,9 @@ class Drafter(nn.Module):
         lengths, padded and masked). gamma / sampling / generator: one for all, or a list with one per
         request; max(gamma) positions are drafted and each proposal is cut to its own gamma.
 
-        Each request's proposal has the same distribution as `propose` on its own. Random draws: one
-        `sample` call per drafted position (rows of requests still drafting, in request order; DFlash
-        draws all positions in one call, request-major), so R = 1 reproduces `propose` exactly. With
+        Each request's proposal has the same distribution as `propose` on its own. Random draws: all of a
+        block's uniforms before drafting, request-major (`BlockDraws`; requests drawing by position: one
+        `sample` call per drafted position), so R = 1 reproduces `propose` exactly. With
         one generator per request, request r's draws come from its own generator only, so its
         proposal is exactly `propose` on its own with that generator, whatever else is in the batch.
         """
@@ -317,13 +318,16 @@ class RowSampling:
             groups.setdefault(tuple(sp.model_dump().values()), []).append(r)
         self.sps = sps
         self.groups = [(sps[rows[0]], rows) for rows in groups.values()]
+        self._indices: dict[torch.device, list[Tensor]] = {}  # the groups' rows on a device, made once
 
     def probs(self, logits: Tensor) -> Tensor:
         if len(self.groups) == 1:
             return to_probs(logits, self.sps[0])
+        indices = self._indices.get(logits.device)
+        if indices is None:
+            indices = self._indices[logits.device] = [host_values(rows, logits.device) for _, rows in self.groups]
         out = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
-        for sp, rows in self.groups:
-            idx = torch.tensor(rows, device=logits.device)
+        for (sp, _), idx in zip(self.groups, indices):
             out[idx] = to_probs(logits[idx], sp)
         return out
 
@@ -335,6 +339,24 @@ def drafting_rows(gammas: list[int], k: int, generator: Generators, device=None)
     if all(live):
         return slice(None), generator
     return host_values([r for r, on in enumerate(live) if on], device), rows_generators(generator, live)
+
+
+class BlockDraws:
+    """The random draws of one drafted block [R, max γ], position by position: with streams (torch
+    generators, one or one per request) every uniform is drawn up front (`block_uniforms`), so a position
+    costs one `inverse_cdf` over all rows and nothing on the host; rows past their γ_r get a token that is
+    never returned. Requests drawing by position (KeyedNoise) are sampled per position (`sample`)."""
+
+    def __init__(self, generator: Generators, gammas: list[int], device):
+        self.generator, self.gammas = generator, gammas
+        self.uniforms = block_uniforms(generator, gammas, device)
+
+    def draw(self, probs: Tensor, k: int) -> tuple[slice | Tensor, Tensor]:
+        """probs [R, N] of position k -> (the rows drawn, their tokens in probs' columns)."""
+        if self.uniforms is not None:
+            return slice(None), inverse_cdf(probs, self.uniforms[:, k:k + 1])
+        live, live_generators = drafting_rows(self.gammas, k, self.generator, probs.device)
+        return live, sample(probs[live], live_generators).to(probs.device)
 
 
 def drafted_entries(gammas: list[int], device=None) -> slice | Tensor:

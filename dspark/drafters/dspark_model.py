@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from dspark.drafters.base import (DraftProposal, DraftTrainOut, DraftTree, RowSampling, drafting_rows,
+from dspark.drafters.base import (BlockDraws, DraftProposal, DraftTrainOut, DraftTree, RowSampling,
                                   selected_tokens, split_proposals)
 from dspark.drafters.config import DrafterConfig
 from dspark.drafters.dflash import DFlashDrafter
@@ -93,7 +93,7 @@ class DSparkDrafter(DFlashDrafter):
         tokens = torch.zeros(u.shape[:2], dtype=torch.long, device=self.device)  # [R, G]
         probs = torch.empty(u.shape, dtype=torch.float32, device=self.device)
         state = None if head is None else head.initial_state(h[:, 0])
-        prev, conf_logits = anchors, []
+        prev, conf_logits, draws = anchors, [], BlockDraws(generator, gammas, self.device)
         for k in range(h.shape[1]):
             prev_emb = self.prev_embed(prev)  # [R, r]
             logits = u[:, k]
@@ -101,8 +101,8 @@ class DSparkDrafter(DFlashDrafter):
                 state, bias = head.step(state, prev_emb, h[:, k])
                 logits = logits + bias.float()
             probs[:, k] = rows.probs(logits)
-            live, live_generators = drafting_rows(gammas, k, generator, self.device)
-            tokens[live, k] = self.to_target_ids(sample(probs[live, k], live_generators).to(self.device))
+            live, drawn = draws.draw(probs[:, k], k)
+            tokens[live, k] = self.to_target_ids(drawn)
             if conf_head is not None:
                 conf_logits.append(conf_head(h[:, k], prev_emb))
             prev = tokens[:, k]

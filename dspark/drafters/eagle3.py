@@ -22,12 +22,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dspark.drafters.anchors import is_dense
-from dspark.drafters.base import (DraftProposal, DraftState, DraftTrainOut, Drafter, RowSampling, drafting_rows,
+from dspark.drafters.base import (BlockDraws, DraftProposal, DraftState, DraftTrainOut, Drafter, RowSampling,
                                   split_proposals)
 from dspark.drafters.block_attention import BlockLayout
 from dspark.drafters.config import DrafterConfig
 from dspark.drafters.layers import MLP, Attention, RMSNorm, batch_kv, init_weights, padding_mask
-from dspark.decoding.sampling import Generators, sample
+from dspark.decoding.sampling import Generators
 
 
 class Eagle3Layer(nn.Module):
@@ -160,7 +160,7 @@ class Eagle3Drafter(Drafter):
         shape = (len(gammas), max(gammas))  # [R, G]
         tokens = torch.zeros(shape, dtype=torch.long, device=self.device)
         probs = torch.empty(*shape, self.draft_vocab_size, dtype=torch.float32, device=self.device)
-        tok = anchors
+        tok, draws = anchors, BlockDraws(generator, gammas, self.device)
         for k in range(shape[1]):  # autoregressive: one layer pass per drafted position
             x, res = layer.inputs(self.embed(tok.unsqueeze(-1)), hidden)  # [R, 1, 2d], [R, 1, d]
             cos, sin = self.rotary(starts + k)
@@ -170,7 +170,7 @@ class Eagle3Drafter(Drafter):
             mask = padding_mask(lengths, k + 1, self.device)  # causal by construction: no later steps exist yet
             g = layer(x, res, cos, sin, torch.cat(keys, -2), torch.cat(values, -2), mask)
             probs[:, k] = rows.probs(self.lm_logits(self.norm(g))[:, 0])
-            live, live_generators = drafting_rows(gammas, k, generator, self.device)
-            tokens[live, k] = self.to_target_ids(sample(probs[live, k], live_generators).to(self.device))
+            live, drawn = draws.draw(probs[:, k], k)
+            tokens[live, k] = self.to_target_ids(drawn)
             tok, hidden = tokens[:, k], g
         return split_proposals(tokens, self.full_vocab_probs(probs), None, gammas)

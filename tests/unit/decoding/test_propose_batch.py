@@ -9,6 +9,7 @@ from scipy import stats
 
 import dspark.decoding.sampling
 from dspark.drafters import DrafterConfig, build_drafter
+from dspark.drafters.base import BlockDraws
 from dspark.decoding.sampling import SamplingParams, to_probs
 from tests.tiny_models import build_tiny_model
 
@@ -46,7 +47,8 @@ def requests(target, drafter, lens=CONTEXT_LENS, seed=5):
 
 
 class forced_sampling:
-    """`sample` inside the drafter modules returns the given tokens in order (draws nothing)."""
+    """`sample` inside the drafter modules and a block's position draws (`BlockDraws.draw`) return the given
+    tokens in order (draw nothing)."""
 
     def __init__(self, monkeypatch, tokens):
         self.mp, self.tokens = monkeypatch, [int(t) for t in tokens]
@@ -56,7 +58,11 @@ class forced_sampling:
         out, self.tokens = self.tokens[:n], self.tokens[n:]
         return torch.tensor(out, dtype=torch.long).reshape(probs.shape[:-1])
 
+    def _forced_draw(self, probs, k):
+        return slice(None), self._forced(probs)
+
     def __enter__(self):
+        self.mp.setattr(BlockDraws, "draw", lambda draws, probs, k: self._forced_draw(probs, k))
         for name, module in list(sys.modules.items()):
             if name.startswith("dspark.drafters") and getattr(module, "sample", None) is dspark.decoding.sampling.sample:
                 self.mp.setattr(module, "sample", self._forced)

@@ -25,6 +25,7 @@ import torch
 
 import dspark.decoding.sampling
 from dspark.drafters import DraftProposal, DrafterConfig, build_drafter
+from dspark.drafters.base import BlockDraws
 from dspark.eval.metrics import summarize_results
 from dspark.decoding.sampling import SamplingParams, accept_drafts, sample, to_probs
 from dspark.decoding.scheduler import PrefixScheduler, SchedulerConfig, SPSTable
@@ -55,7 +56,8 @@ def _drafter(algo: str, target, gamma: int = GAMMA, seed: int = 0, draft_ids: li
 
 # ---- replay of speculative_generate with looked-up distributions ------------------------------------
 class _ForcedSampling:
-    """Context manager: `sample` inside the drafter modules returns the given tokens in order."""
+    """Context manager: `sample` inside the drafter modules and a block's position draws (`BlockDraws.draw`)
+    return the given tokens in order."""
 
     def __init__(self, monkeypatch, tokens: list[int]):
         self.tokens, self.mp = list(tokens), monkeypatch
@@ -74,6 +76,7 @@ class _ForcedSampling:
         assert _ForcedSampling.modules, "no drafter module uses dspark.decoding.sampling.sample; update _ForcedSampling"
         for m in _ForcedSampling.modules:
             self.mp.setattr(m, "sample", self._forced)
+        self.mp.setattr(BlockDraws, "draw", lambda draws, probs, k: (slice(None), self._forced(probs)))
         return self
 
     def __exit__(self, *exc):

@@ -8,17 +8,22 @@ export RAY_USAGE_STATS_ENABLED := 0
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 export DS_ACCELERATOR := cpu
 export TOKENIZERS_PARALLELISM := false
+# where the environment sets it, every process (each test worker, Ray worker, job) would re-compile every module
+# it imports from source: let the first import keep its .pyc (pip installs without them, see $(STAMP))
+unexport PYTHONDONTWRITEBYTECODE
 
 .PHONY: venv demo test test-slow test-all test-fast test-cluster stack-up stack-down bench clean gpu-prepare gpu-sim gpu-jobs-prepare gpu-jobs-sim
 
 venv: $(STAMP)
 
 # torch is installed first from the pinned CPU build; GPU machines: see README ("GPU install").
+# --no-compile: pip would byte-compile all ~24,500 installed .py files one by one (~100 s on 2 cores, most never
+# imported); Python compiles what is imported on first use instead and keeps it (hence the unexport below).
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e ".[test]"
+	$(PY) -m pip install --quiet --no-compile --upgrade pip
+	$(PY) -m pip install --quiet --no-compile torch==2.13.0
+	$(PY) -m pip install --quiet --no-compile -e ".[test]"
 	touch $(STAMP)
 
 demo: $(STAMP)  ## the whole lifecycle on the embedded local stack (PROFILE=smoke|default|full)
@@ -30,7 +35,7 @@ demo: $(STAMP)  ## the whole lifecycle on the embedded local stack (PROFILE=smok
 # Tiers: `make test` (CI, <= 12 min on 2 cores incl. the install) skips tests marked `slow` (the long
 # end-to-end runs: smoke demo, Ray Train kill/resume, ...); `make test-slow` runs exactly
 # those; `make test-all` both. Unit tests run on every core (pytest-xdist).
-PYTEST := $(PY) -m pytest -q --timeout=900 -p no:cacheprovider
+PYTEST := $(PY) -m pytest -q --timeout=900 -p no:cacheprovider --durations=15  # durations: where CI time goes
 # `make test`'s integration runs: storage, rollouts, learning curve and the flywheel loop share one local
 # stack (the session fixture); serve
 # and the stack CLI start their own.

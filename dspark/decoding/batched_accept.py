@@ -1,5 +1,6 @@
 """The rejection step of a whole verify step: every chain row's accepted prefix and next token, on an accelerator
-from one batched computation and one host copy (paper §2.1; `accept_drafts` is the same rule row by row).
+from one batched computation and one host copy (paper §2.1; `accept_drafts` is the same rule row by row); the
+keyed rows of seeded requests likewise with one host copy (`accept_keyed_rows`, as `accept_keyed` per row).
 
 Row r verified n_r drafts x_{r,1..n_r}, drawn from q_{r,1..n_r}, against target rows p_{r,0..n_r} (row n_r:
 the bonus distribution). Rows are padded to G = max n_r; a padded position is never accepted.
@@ -17,7 +18,7 @@ import torch
 from torch import Tensor
 from torch.nn.utils.rnn import pad_sequence
 
-from dspark.decoding.sampling import accept_drafts, check_accept_shapes, inverse_cdf, residual_weights
+from dspark.decoding.sampling import KeyedNoise, accept_drafts, check_accept_shapes, inverse_cdf, residual_weights
 
 
 def _row_draws(generators: Sequence[torch.Generator | None], lengths: Sequence[int], device) -> tuple[Tensor, Tensor]:
@@ -85,3 +86,26 @@ def _accept_batched(drafts, draft_probs, target_probs, generators) -> list[tuple
                           for r, (q, n) in enumerate(zip(draft_probs, lengths))]) * ~full[:, None]
     next_token = inverse_cdf(residual_weights(target_at, draft_at), u_next)
     return [tuple(pair) for pair in torch.stack([n_acc, next_token], 1).tolist()]
+
+
+def accept_keyed_rows(drafts: Sequence[Sequence[int]], target_probs: Sequence[Tensor], noises: Sequence[KeyedNoise],
+                      positions: Sequence[int]) -> list[tuple[int, int] | Exception]:
+    """`accept_keyed` for every keyed chain row of a step with ONE host read: per row r the target's Gumbel-max
+    tokens at output positions positions[r] .. + n_r (on the device; target_probs[r] [n_r + 1, V]), read back
+    together and compared on the host with the drafts (host ints: the drafter's tokens are there already).
+    Per row exactly `accept_keyed`'s (n_accepted, next_token), or the exception its row raised (it fails alone)."""
+    picked = []  # per row: its tokens [n_r + 1] on the device, or its error
+    for x, p, noise, at in zip(drafts, target_probs, noises, positions):
+        try:
+            picked.append(noise.argmax(p, list(range(at, at + len(x) + 1))))
+        except Exception as err:  # noqa: BLE001 — returned: the caller fails this row only
+            picked.append(err)
+    good = [t for t in picked if not isinstance(t, Exception)]
+    flat, out = torch.cat(good).tolist() if good else [], []
+    for x, t in zip(drafts, picked):
+        if not isinstance(t, Exception):
+            xs, flat = flat[:len(x) + 1], flat[len(x) + 1:]
+            n_acc = next((k for k, (a, b) in enumerate(zip(xs, x)) if a != b), len(x))  # the matching prefix
+            t = (n_acc, xs[n_acc])
+        out.append(t)
+    return out

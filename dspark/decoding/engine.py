@@ -16,10 +16,9 @@ requests. Each `step()`:
      finished requests leave, their slots are recycled.
 With `draft_tree` set (EngineConfig), a step with at most `tree_max_rows` active requests drafts a tree per
 request instead (`drafter.draft_trees`) and verifies every node (the row's tokens attend to their ancestors
-only); the tree walk (`accept_tree`, `accept_keyed_tree`) picks the accepted
-path, whose KV columns move behind the prefix (`keep_columns`). Such steps bypass the scheduler; with
-the draft gate on, a gate of their own (`tree_gate`: a tree's verify cost and acceptance are not a chain's)
-decides whether drafting a tree beats a target-only step at that load.
+only); the tree walk (`accept_tree`, `accept_keyed_tree`) picks the accepted path, whose KV columns move behind
+the prefix (`keep_columns`). Such steps bypass the scheduler; with the draft gate on, a gate of their own
+(`tree_gate`: a tree's verify cost and acceptance are not a chain's) decides whether a tree beats target-only.
 The drafter context is caught up lazily: the target features of verified positions wait in
 `Request.ctx_pending` and the drafter reads them, for all requests in one `extend_contexts` pass, just
 before it next drafts (or when `context_catch_up_every` steps have piled up, which bounds the memory held).
@@ -71,8 +70,8 @@ from dspark.decoding.kv_sequence import open_slots
 from dspark.decoding.request import (EngineUnavailableError, Listener, QueueFullError, Request, RequestStats,
                                      StepReport, TokenLogprob)
 from dspark.decoding.request_batch import RequestBatch
-from dspark.decoding.batched_accept import accept_rows
-from dspark.decoding.sampling import KeyedNoise, SamplingParams, accept_keyed, sample, to_probs
+from dspark.decoding.batched_accept import accept_keyed_rows, accept_rows
+from dspark.decoding.sampling import KeyedNoise, SamplingParams, host_values, sample, to_probs
 from dspark.decoding.scheduler import DraftGate, PrefixScheduler, SPSTable, prefix_survival
 from dspark.decoding.specdec import drafter_layer_ids
 from dspark.decoding.tree_specdec import (DraftTree, accept_keyed_tree, accept_tree, tree_expected_accepted,
@@ -316,7 +315,8 @@ class Engine(RequestBatch):
             for i, tree in zip(drafted, proposals):
                 lengths[i] = len(tree.parents)
             return lengths
-        confidences = [p.confidences.tolist() if p.confidences is not None else None for p in proposals]
+        confidences = [p.host_confidences if p.host_confidences is not None or p.confidences is None  # read when
+                       else p.confidences.tolist() for p in proposals]  # drafted: one copy for every request
         for i, n in zip(drafted, self.scheduler.schedule(confidences, [int(p.tokens.shape[0]) for p in proposals])):
             lengths[i] = n
         if all(c is not None for c in confidences):  # Σ a_{r,j} over the verified drafts (for the draft gate)
@@ -329,11 +329,11 @@ class Engine(RequestBatch):
         t0 = time.perf_counter()
         lengths = self._schedule(report)
         device = self.target.device
-        rows, parents = [], []
-        for req, n in zip(self.active, lengths):
+        rows, parents, anchors = [], [], host_values([req.anchor for req in self.active], device)  # one copy
+        for req, n, anchor in zip(self.active, lengths, anchors.split(1)):
             req.verify_len = n
             drafts = req.proposal.tokens[:n].to(device) if n else torch.empty(0, dtype=torch.long, device=device)
-            rows.append(torch.cat([torch.tensor([req.anchor], device=device), drafts]))
+            rows.append(torch.cat([anchor, drafts]))
             parents.append(verify_parents(req.proposal.parents) if isinstance(req.proposal, DraftTree) else None)
         report.rows, report.batch_tokens = len(rows), sum(len(r) for r in rows)
         report.verify_lens = list(lengths)
@@ -343,18 +343,19 @@ class Engine(RequestBatch):
             report.verify_s = time.perf_counter() - t0
             return
         live = [(req, ids, out) for req, ids, out in zip(list(self.active), rows, outputs) if not req.finished]
-        streamed = [r[0].noise is None and not isinstance(r[0].proposal, DraftTree) for r in live]
-        self._accept_chains([row for row, s in zip(live, streamed) if s], report)
-        for req, ids, out in (row for row, s in zip(live, streamed) if not s):
+        trees = [isinstance(req.proposal, DraftTree) for req, *_ in live]
+        self._accept_chains([row for row, tree in zip(live, trees) if not tree], report)
+        for req, ids, out in (row for row, tree in zip(live, trees) if tree):
             try:
-                self._accept(req, ids, *out, report)
+                self._accept_tree(req, ids, *out, report)
             except Exception as err:
                 self._fail(req, f"verification failed: {err}", report)
         report.verify_s = time.perf_counter() - t0
 
     def _accept_chains(self, rows: list[tuple], report: StepReport) -> None:
-        """The chain rows drawing from their generators: the rejection rule for all of them at once
-        (`accept_rows`: each row's tokens exactly as `accept_drafts` gives them alone), one host copy."""
+        """The chain rows, each rule for all its rows at once with one host copy: the rejection rule for the rows
+        drawing from their generators (`accept_rows`: each row's tokens exactly as `accept_drafts` gives them
+        alone), the keyed rule for seeded requests' rows (`accept_keyed_rows`: as `accept_keyed`)."""
         ready = []  # (req, ids, logits, features, target probs p, draft probs q) of the rows that got them
         for req, ids, (logits, features) in rows:
             try:  # row k of p: draft k+1
@@ -363,22 +364,18 @@ class Engine(RequestBatch):
                 ready.append((req, ids, logits, features, p, q))
             except Exception as err:
                 self._fail(req, f"verification failed: {err}", report)
-        results = accept_rows([ids[1:] for _, ids, *_ in ready], [q for *_, q in ready], [p for *_, p, _ in ready],
-                              [req.generator for req, *_ in ready])  # per row its pair or its error
-        for (req, ids, logits, features, _, _), result in zip(ready, results):
+        streamed, keyed = [r for r in ready if r[0].noise is None], [r for r in ready if r[0].noise is not None]
+        pairs = accept_rows([ids[1:] for _, ids, *_ in streamed], [q for *_, q in streamed],
+                            [p for *_, p, _ in streamed], [req.generator for req, *_ in streamed])
+        pairs += accept_keyed_rows([req.drafts_on_host(ids) for req, ids, *_ in keyed], [p for *_, p, _ in keyed],
+                                   [req.noise for req, *_ in keyed], [len(req.tokens) for req, *_ in keyed])
+        for (req, ids, logits, features, _, _), result in zip(streamed + keyed, pairs):  # its pair or its error
             try:
                 if isinstance(result, Exception):
                     raise result
                 self._commit_chain(req, *result, ids, logits, features, report)
             except Exception as err:
                 self._fail(req, f"verification failed: {err}", report)
-
-    def _accept(self, req: Request, ids: torch.Tensor, logits: torch.Tensor, features, report: StepReport) -> None:
-        if isinstance(req.proposal, DraftTree):
-            return self._accept_tree(req, ids, logits, features, report)  # else a keyed chain:
-        target_probs = to_probs(constrain(logits, req.constraint, ids[1:]), req.sampling)  # row k: output len(tokens)+k
-        self._commit_chain(req, *accept_keyed(ids[1:], target_probs, req.noise, len(req.tokens)), ids, logits,
-                           features, report)
 
     def _commit_chain(self, req: Request, n_acc: int, next_token: int, ids, logits, features, report) -> None:
         proposed = int(req.proposal.tokens.shape[0]) if req.proposal is not None else 0
@@ -416,8 +413,9 @@ class Engine(RequestBatch):
         req.stats.add_round(proposed, verified, n_acc)
         report.proposed, report.verified, report.accepted = (report.proposed + proposed, report.verified + verified,
                                                               report.accepted + n_acc)
-        req.proposal = None
-        self._emit(req, ids[rows][1:].tolist() + [next_token], report, logits[rows])
+        drafts, req.proposal = getattr(req.proposal, "host_tokens", None), None  # a chain's: on the host already
+        self._emit(req, (ids[rows][1:].tolist() if drafts is None else drafts[:n_acc]) + [next_token], report,
+                   logits[rows])
 
     def _forward_rows(self, reqs: list[Request], rows: list[torch.Tensor], logits_at: str, report: StepReport,
                       parents: list[list[int] | None] | None = None, eager: bool = False) -> list[tuple]:

@@ -108,6 +108,12 @@ class Request:
     def anchor(self) -> int:
         return self.tokens[-1]
 
+    def drafts_on_host(self, ids) -> list[int]:
+        """The drafts this step verifies (ids[1:] of its verify row) as host ints: the proposal's, read to the host
+        with the whole batch's when drafted (`split_proposals`), else read now."""
+        host = getattr(self.proposal, "host_tokens", None)
+        return ids[1:].tolist() if host is None else host[:self.verify_len]
+
     def wait(self, timeout: float | None = None) -> "Request":
         if not self.done.wait(timeout):
             raise TimeoutError(f"request {self.id} did not finish within {timeout} s")

@@ -34,6 +34,14 @@ class DraftProposal:
     probs: Tensor  # float32 [n, V]: the exact processed distribution each token was sampled from
     # (with a draft vocabulary: the distribution on the subset, zero elsewhere)
     confidences: Tensor | None = None  # [n] c_k (STS-calibrated when drafter.calibration is set)
+    host_tokens: list[int] | None = None  # the tokens on the host, read with the batch's (`split_proposals`)
+    host_confidences: list[float] | None = None  # the confidences on the host, read likewise
+
+    def __setattr__(self, name, value):
+        """Replacing the tokens or confidences drops their host copy (never stale: readers then read the tensor)."""
+        super().__setattr__(name, value)
+        if name in ("tokens", "confidences"):
+            super().__setattr__(f"host_{name}", None)
 
 
 @dataclass
@@ -372,9 +380,13 @@ def drafted_entries(gammas: list[int], device=None) -> slice | Tensor:
 def split_proposals(tokens: Tensor, probs: Tensor, confidences: Tensor | None,
                     gammas: list[int]) -> list[DraftProposal]:
     """Batched drafts tokens [R, G], probs [R, G, V], confidences [R, G] -> one proposal per request,
-    cut to its own γ_r."""
+    cut to its own γ_r. Tokens and confidences come to the host in ONE copy for all requests (`host_tokens`,
+    `host_confidences`: what a scheduler and the emitted text read), so a batch waits for the device once."""
+    host = torch.stack([tokens.double()] + ([] if confidences is None else [confidences.double()])).tolist()
     return [DraftProposal(tokens=tokens[r, :g], probs=probs[r, :g],
-                          confidences=None if confidences is None else confidences[r, :g])
+                          confidences=None if confidences is None else confidences[r, :g],
+                          host_tokens=[int(t) for t in host[0][r][:g]],
+                          host_confidences=None if confidences is None else host[1][r][:g])
             for r, g in enumerate(gammas)]
 
 

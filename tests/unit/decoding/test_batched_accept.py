@@ -1,13 +1,14 @@
 """dspark/decoding/batched_accept.py: the batched rejection step gives every row exactly what `accept_drafts`
 gives it alone with the same generator (lengths 0..G, greedy and sampled rows, full accepts and rejections),
-batched or row by row (a CPU's default), and a mis-shaped row fails alone."""
+batched or row by row (a CPU's default), and a mis-shaped row fails alone; the keyed rows of seeded requests
+(`accept_keyed_rows`) get exactly `accept_keyed`'s pair with one host read for all of them."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from dspark.decoding.batched_accept import accept_rows
-from dspark.decoding.sampling import accept_drafts
+from dspark.decoding.batched_accept import accept_keyed_rows, accept_rows
+from dspark.decoding.sampling import KeyedNoise, accept_drafts, accept_keyed
 
 V = 7
 
@@ -93,3 +94,29 @@ def test_a_row_failing_after_the_draws_leaves_the_other_rows_as_alone():
     assert isinstance(got[1], IndexError)
     assert got[0] == accept_drafts(x, q, p, torch.Generator().manual_seed(5))
     assert got[2] == accept_drafts(x, q, p, torch.Generator().manual_seed(7))
+
+
+def test_keyed_rows_are_what_accept_keyed_gives_each_alone(monkeypatch):
+    g = torch.Generator().manual_seed(1)
+    for trial in range(60):
+        lengths = torch.randint(0, 5, (int(torch.randint(1, 6, (1,), generator=g)),), generator=g).tolist()
+        rows = [_row(g, n, peaked=trial % 2 == 0) for n in lengths]
+        noises = [KeyedNoise(seed=trial * 10 + r, vocab_size=V, device="cpu") for r in range(len(rows))]
+        positions = [int(torch.randint(0, 50, (1,), generator=g)) for _ in rows]
+        for r, (x, q, p) in enumerate(rows):  # half the rows draft the target's own keyed tokens: long accepts
+            if r % 2:
+                x[:] = noises[r].argmax(p, list(range(positions[r], positions[r] + len(x) + 1)))[:len(x)]
+        alone = [accept_keyed(x, p, noise, at) for (x, _, p), noise, at in zip(rows, noises, positions)]
+        reads = []
+        real_tolist = torch.Tensor.tolist
+        monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.append(1) or real_tolist(t))
+        got = accept_keyed_rows([x.tolist() for x, _, _ in rows], [p for _, _, p in rows], noises, positions)
+        monkeypatch.undo()
+        assert got == alone and len(reads) == 1 + len(rows)  # the drafts' own .tolist() above, then one read
+
+
+def test_a_mis_shaped_keyed_row_fails_alone():
+    p = torch.softmax(torch.randn(3, V), -1)
+    noise = KeyedNoise(seed=5, vocab_size=V, device="cpu")
+    got = accept_keyed_rows([[1, 2], [1, 2]], [p, p[:, :4]], [noise, noise], [0, 0])
+    assert got[0] == accept_keyed(torch.tensor([1, 2]), p, noise, 0) and isinstance(got[1], Exception)

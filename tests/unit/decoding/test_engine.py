@@ -429,3 +429,41 @@ def test_the_batched_rejection_step_gives_the_engine_the_same_tokens(monkeypatch
     (row_tokens, row_totals), (batched_tokens, batched_totals) = run(False), run(True)
     assert batched_tokens == row_tokens and batched_totals == row_totals
     assert 0 < row_totals["accepted"] < row_totals["verified"]  # both accepts and rejections happened
+
+
+@pytest.mark.parametrize("mode,seeded", [("fixed", False), ("dynamic", False), ("dynamic", True)])
+def test_a_drafting_step_reads_the_device_back_twice(monkeypatch, wide_target, mode, seeded):
+    """On an accelerator each read of a device value waits for the device. A steady chain step with the batched
+    rejection step (an accelerator's default) reads back twice whatever the number of requests: the drafts
+    (every request's tokens and confidences in one copy, which the scheduler and the emitted text use) and the
+    acceptance results (one copy; seeded requests' keyed rule likewise); the anchors go to the device in one copy."""
+    import functools
+
+    import dspark.decoding.engine as engine_module
+    from dspark.decoding.batched_accept import accept_rows
+
+    monkeypatch.setattr(engine_module, "accept_rows", functools.partial(accept_rows, batched=True))
+    engine = _engine(wide_target, _drafter(wide_target, gamma=3), mode, max_batch=6, seed=3)
+    reqs = [engine.submit([3, 1, 4, 1, 5][: 2 + r % 4], SamplingParams(temperature=1.0), max_new_tokens=200,
+                          stop_ids=[], seed=r if seeded else None) for r in range(6)]
+    assert all((r.noise is not None) == seeded for r in reqs)
+    engine.step()  # admission: the prefill's first tokens
+    reads = []
+    real = {name: getattr(torch.Tensor, name) for name in ("tolist", "item", "__int__", "__float__", "__bool__")}
+
+    def counted(name, fn):
+        def read(t, *args):
+            reads.append(name)
+            return fn(t, *args)
+        return read
+
+    for name, fn in real.items():
+        monkeypatch.setattr(torch.Tensor, name, counted(name, fn))
+    per_step = []
+    for _ in range(4):
+        reads.clear()
+        engine.step()
+        per_step.append(list(reads))
+    monkeypatch.undo()
+    assert all(not r.finished for r in reqs)
+    assert per_step == [["tolist", "tolist"]] * 4, per_step

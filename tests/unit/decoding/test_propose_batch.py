@@ -203,3 +203,21 @@ def test_draft_temperature_scales_the_request_temperature(target, algo, head):
     for g, w in zip(got, want):
         assert torch.equal(g.tokens, w.tokens) and torch.allclose(g.probs, w.probs)
     assert drafter.draft_sampling(sps[1]).greedy and drafter.draft_sampling(sps[0]).temperature == pytest.approx(0.54)
+
+
+@pytest.mark.parametrize("algo", ["dspark", "dflash", "eagle3"])
+def test_proposals_carry_their_tokens_and_confidences_on_the_host(target, algo):
+    """One read for the whole batch (`split_proposals`): the host copies equal the tensors; replacing a
+    proposal's tokens or confidences drops the copy (readers then read the tensor, never a stale list)."""
+    drafter = make(target, algo)
+    states, anchors = requests(target, drafter)
+    batch = drafter.propose_batch(states, anchors, GAMMAS, SAMPLINGS, torch.Generator().manual_seed(2))
+    for got in batch:
+        assert got.host_tokens == got.tokens.tolist()
+        assert got.host_confidences == (None if got.confidences is None else got.confidences.tolist())
+    proposal = batch[0]
+    proposal.tokens = proposal.tokens.flip(0)
+    assert proposal.host_tokens is None
+    if proposal.confidences is not None:
+        proposal.confidences = proposal.confidences * 0.5
+        assert proposal.host_confidences is None

@@ -18,7 +18,7 @@ venv: $(STAMP)
 
 # torch is installed first from the pinned CPU build; GPU machines: see README ("GPU install").
 # --no-compile: pip would byte-compile all ~24,500 installed .py files one by one (~100 s on 2 cores, most never
-# imported); Python compiles what is imported on first use instead and keeps it (hence the unexport below).
+# imported); Python compiles what is imported on first use instead and keeps it (hence the unexport above).
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --no-compile --upgrade pip

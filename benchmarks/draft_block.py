@@ -11,7 +11,9 @@ the engine), with the block's random draws made two ways, interleaved in one run
 
 JSON (the last stdout line; --out writes it too): per row count, the median wall ms of one pass each way,
 per_position / up_front (> 1 = up front faster), and `ops_per_pass` each way (operators dispatched, counted
-with torch.profiler). Both ways give every request the same tokens (checked on every repeat).
+with torch.profiler). On a CPU both ways give every request the same tokens (checked on every repeat:
+`same_tokens`); a CUDA stream's one call of n draws gives other values than n single calls (`same_tokens`
+null: same distribution, not comparable token by token).
 """
 from __future__ import annotations
 
@@ -28,25 +30,21 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import dspark.drafters.base as drafter_base  # noqa: E402
 from dspark.decoding.sampling import SamplingParams  # noqa: E402
 from dspark.drafters import DrafterConfig, build_drafter  # noqa: E402
+from dspark.drafters.base import BlockDraws  # noqa: E402
 
 MODES = ("per_position", "up_front")
 
 
 @contextmanager
 def drawing(mode: str):
-    """`per_position`: BlockDraws falls back to drawing each position from the streams (as before)."""
-    if mode == "up_front":
-        yield
-        return
-    original = drafter_base.block_uniforms
-    drafter_base.block_uniforms = lambda *args, **kwargs: None
+    """`per_position`: BlockDraws draws the streams position by position (as before)."""
+    BlockDraws.up_front = mode == "up_front"
     try:
         yield
     finally:
-        drafter_base.block_uniforms = original
+        BlockDraws.up_front = True
 
 
 def requests(target, drafter, rows: int, context: int):
@@ -66,6 +64,11 @@ def one_pass(drafter, states, anchors, gamma: int, seed: int):
     return drafter.propose_batch(states, anchors, gamma, SamplingParams(temperature=1.0), streams)
 
 
+def synchronize(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def ops_per_pass(drafter, states, anchors, gamma: int, mode: str) -> int:
     with drawing(mode), profile(activities=[ProfilerActivity.CPU]) as prof:
         one_pass(drafter, states, anchors, gamma, 0)
@@ -74,22 +77,25 @@ def ops_per_pass(drafter, states, anchors, gamma: int, mode: str) -> int:
 
 def measure(drafter, target, rows: int, args) -> dict:
     states, anchors = requests(target, drafter, rows, args.context)
-    times = {m: [] for m in MODES}
+    times, same_values = {m: [] for m in MODES}, torch.device(drafter.device).type == "cpu"
     for rep in range(args.warmup + args.reps):
         tokens = {}
         for mode in MODES if rep % 2 == 0 else MODES[::-1]:  # alternate which goes first
             with drawing(mode):
+                synchronize(drafter.device)
                 t0 = time.perf_counter()
                 out = one_pass(drafter, states, anchors, args.gamma, 1000 * rep)
+                synchronize(drafter.device)
                 elapsed = (time.perf_counter() - t0) * 1e3
             tokens[mode] = [p.tokens.tolist() for p in out]
             if rep >= args.warmup:
                 times[mode].append(elapsed)
-        assert tokens["per_position"] == tokens["up_front"], "the two ways drew different tokens"
+        if same_values:  # a CPU stream: one call of n draws = n single draws; a CUDA stream's values differ
+            assert tokens["per_position"] == tokens["up_front"], "the two ways drew different tokens"
     ms = {m: round(statistics.median(t), 3) for m, t in times.items()}
     return {"rows": rows, "ms_per_pass": ms, "per_position_over_up_front": round(ms["per_position"] / ms["up_front"], 3),
             "ops_per_pass": {m: ops_per_pass(drafter, states, anchors, args.gamma, m) for m in MODES},
-            "same_tokens": True}
+            "same_tokens": True if same_values else None}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -104,11 +110,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def main(argv=None) -> dict:
+def main(argv=None, target=None) -> dict:
+    """target: an already loaded target (the GPU recipe's, on its device) instead of --target."""
     args = parse_args(argv)
-    from dspark.models.target import load_target
+    if target is None:
+        from dspark.models.target import load_target
 
-    target = load_target(args.target)
+        target = load_target(args.target)
     torch.manual_seed(0)
     cfg = DrafterConfig(algo="dspark", head="markov", block_size=args.gamma, num_layers=1, num_context_layers=2,
                         rank=32)

@@ -18,7 +18,8 @@ would not fit); training gets what is left minus the evaluation and output reser
 WALL-CLOCK shares, one per drafter, trained one after the other (each sizes its schedule from its own
 measured step time); evaluation gets the rest. Between rollouts and training a short `profile` phase times
 decoding steps at batch 1 and at the rollout batch under torch.profiler (wall / host / device ms per step),
-`decode_core` the batch-1 core, and `accept_rows` the engine's rejection step row by row against batched.
+`decode_core` the batch-1 core, `accept_rows` the engine's rejection step row by row against batched, and
+`draft_block` a drafting pass with its random draws per position against up front.
 Output (`--out`, default benchmarks/results/<run>/), at most 8 files: recipe.json (the summary, rewritten
 after every phase, so a stopped run leaves a valid one), results.json, recipe.png, drafters.tar.NN (bf16, in as few parts as fit). Last stdout line: the
 summary JSON. Exit status 1 when a phase failed.
@@ -274,6 +275,18 @@ def accept_rows_phase(r: Recipe) -> None:
     r.summary["accept_rows_row_over_batched"] = {str(row["rows"]): row["ratio"] for row in report["rows"]}
 
 
+def draft_block_phase(r: Recipe) -> None:
+    """A DSpark drafting pass for 1 / 16 / 64 requests on this device, the block's random draws made per position
+    against up front (benchmarks/draft_block.py, same tokens checked): the launches and host work saved per pass,
+    timed where they cost (on a CPU the pass is vocabulary-bound: 0.97-1.02x)."""
+    from benchmarks import draft_block
+
+    report = draft_block.main(["--rows", "1,16,64", "--reps", "10"], target=r.target)
+    r.results["draft_block"] = report
+    r.summary["draft_block_per_position_over_up_front"] = {str(row["rows"]): row["per_position_over_up_front"]
+                                                           for row in report["rows"]}
+
+
 def profile_steps(r: Recipe, rows: int, steps: int, top: int = 12) -> dict:
     """`steps` decoding steps of `rows` sequences (rollout prompts) under torch.profiler, after a prefill
     and one decoding step left out of it (profiler schedule: the generator's stop check marks each step)."""
@@ -461,6 +474,7 @@ def main(argv=None) -> int:
         r.phase("profile", lambda: profile_phase(r), fatal=False)
         r.phase("decode_core", lambda: decode_core_phase(r), fatal=False)
         r.phase("accept_rows", lambda: accept_rows_phase(r), fatal=False)
+        r.phase("draft_block", lambda: draft_block_phase(r), fatal=False)
         share = max(0.0, r.deadline.left() - cfg.eval.reserve_s - cfg.output_reserve_s) / len(cfg.drafters)
         for name in cfg.drafters:  # each drafter its own share and failure scope
             ok &= r.phase(f"train:{name}", lambda name=name: train_phase(r, name, share), fatal=False)

@@ -12,6 +12,7 @@ the rows beside it, and batching the rule changes no output.
 """
 from __future__ import annotations
 
+from itertools import accumulate
 from typing import Sequence
 
 import torch
@@ -101,11 +102,22 @@ def accept_keyed_rows(drafts: Sequence[Sequence[int]], target_probs: Sequence[Te
         except Exception as err:  # noqa: BLE001 — returned: the caller fails this row only
             picked.append(err)
     good = [t for t in picked if not isinstance(t, Exception)]
-    flat, out = torch.cat(good).tolist() if good else [], []
+    try:  # the one read: every row's tokens together, cut back into rows on the host
+        flat, ends = torch.cat(good).tolist() if good else [], list(accumulate(len(t) for t in good))
+        per_row = iter([flat[a:b] for a, b in zip([0] + ends, ends)])
+    except Exception:  # noqa: BLE001 — some row cannot join the others: each row read alone
+        per_row = iter([_read_or_error(t) for t in good])
+    out = []
     for x, t in zip(drafts, picked):
-        if not isinstance(t, Exception):
-            xs, flat = flat[:len(x) + 1], flat[len(x) + 1:]
-            n_acc = next((k for k, (a, b) in enumerate(zip(xs, x)) if a != b), len(x))  # the matching prefix
-            t = (n_acc, xs[n_acc])
+        if not isinstance(t, Exception) and not isinstance(t := next(per_row), Exception):
+            n_acc = next((k for k, (a, b) in enumerate(zip(t, x)) if a != b), len(x))  # the matching prefix
+            t = (n_acc, t[n_acc])
         out.append(t)
     return out
+
+
+def _read_or_error(t: Tensor) -> list | Exception:
+    try:
+        return t.tolist()
+    except Exception as err:  # noqa: BLE001 — returned: the caller fails this row only
+        return err

@@ -295,21 +295,27 @@ def host_values(values: Sequence[int], device) -> Tensor:
     """Host ints as a LongTensor on `device` without waiting for the device: on an accelerator the copy goes
     from pinned memory, queued behind the work already issued (a pageable copy would wait for it)."""
     t = torch.tensor(list(values), dtype=torch.long)
-    if torch.device(device).type == "cpu":
-        return t
-    return t.pin_memory().to(device, non_blocking=True)
+    return t if torch.device(device).type == "cpu" else t.pin_memory().to(device, non_blocking=True)
 
 
-def block_uniforms(generator: Generators, gammas: Sequence[int], device) -> Tensor | None:
+def block_uniforms(generator: Generators, gammas: Sequence[int], device) -> Tensor:
     """A drafted block's uniforms, drawn before drafting: u [R, max γ] float64 on `device`, entry (r, k) for
     k < γ_r, request-major (request r's γ_r draws in one call from its stream: on a CPU stream the very values
-    γ_r single draws give), 0 past γ_r. So drafting samples a position by `inverse_cdf` alone, with no host
-    work. None when a request draws by position (KeyedNoise): `sample` per position then."""
+    γ_r single draws give), 0 past γ_r and for requests drawing by position (KeyedNoise: nothing drawn)."""
     per_request = [generator] * len(gammas) if _single(generator) else list(generator)
-    if any(isinstance(g, KeyedNoise) for g in per_request):
-        return None
-    flat = _row_uniforms(rows_generators(per_request, gammas), sum(gammas), device)  # one call per stream run
-    return torch.nn.utils.rnn.pad_sequence(flat[:, 0].split(list(gammas)), batch_first=True)
+    if len(per_request) != len(gammas):
+        raise ValueError(f"{len(per_request)} generators for {len(gammas)} requests; pass one per request")
+    counts, width = [0 if isinstance(g, KeyedNoise) else int(n) for g, n in zip(per_request, gammas)], max(gammas)
+    if _single(generator) and not isinstance(generator, KeyedNoise):  # one stream: every draw in one call
+        on = device if generator is None else generator.device
+        rows = torch.rand(sum(counts), generator=generator, device=on, dtype=torch.float64).to(device).split(counts)
+    else:  # a stream per request (a keyed request draws nothing)
+        rows = [torch.rand(n, generator=g, device=device if g is None else g.device, dtype=torch.float64).to(device)
+                if n else torch.zeros(0, dtype=torch.float64, device=device) for g, n in zip(per_request, counts)]
+    if min(counts) == width:  # every request draws the whole block
+        return torch.stack(list(rows))
+    u = torch.nn.utils.rnn.pad_sequence(list(rows), batch_first=True)
+    return u if u.shape[1] == width else torch.nn.functional.pad(u, (0, width - u.shape[1]))
 
 
 def _row_uniforms(generators: Sequence[torch.Generator], rows: int, device) -> Tensor:

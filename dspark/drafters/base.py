@@ -12,7 +12,7 @@ the newly verified positions, so no rollback is needed.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
@@ -22,10 +22,25 @@ from torch import Tensor, nn
 from dspark.drafters import draft_vocab
 from dspark.drafters.config import DrafterConfig
 from dspark.drafters.layers import KVBuffer, Rotary
-from dspark.decoding.sampling import (Generators, SamplingParams, block_uniforms, host_values, inverse_cdf,
-                                     rows_generators, sample, to_probs)
+from dspark.decoding.sampling import (Generators, KeyedNoise, SamplingParams, block_uniforms, host_values,
+                                     inverse_cdf, rows_generators, sample, to_probs)
 from dspark.decoding.tree_specdec import DraftTree  # noqa: F401 - what draft_trees returns (decoding verifies it)
 from dspark.models.small_batch_linear import use_small_batch_linear
+
+
+class HostCopy:
+    """A drafted batch's tokens [R, G] and confidences [R, G] on the host: ONE device-to-host read for all its
+    requests, made when first asked for (a scheduler's confidences, the emitted tokens), never if nobody asks."""
+
+    def __init__(self, tokens: Tensor, confidences: Tensor | None):
+        self._tensors, self._rows = (tokens, confidences), None
+
+    def rows(self) -> tuple[list, list | None]:
+        if self._rows is None:
+            tokens, conf = self._tensors
+            host = torch.stack([tokens.double()] + ([] if conf is None else [conf.double()])).tolist()
+            self._rows = (host[0], host[1] if conf is not None else None)
+        return self._rows
 
 
 @dataclass
@@ -34,14 +49,22 @@ class DraftProposal:
     probs: Tensor  # float32 [n, V]: the exact processed distribution each token was sampled from
     # (with a draft vocabulary: the distribution on the subset, zero elsewhere)
     confidences: Tensor | None = None  # [n] c_k (STS-calibrated when drafter.calibration is set)
-    host_tokens: list[int] | None = None  # the tokens on the host, read with the batch's (`split_proposals`)
-    host_confidences: list[float] | None = None  # the confidences on the host, read likewise
+    host: tuple | None = field(default=None, repr=False, compare=False)  # (HostCopy, row, its tokens, confidences)
 
-    def __setattr__(self, name, value):
-        """Replacing the tokens or confidences drops their host copy (never stale: readers then read the tensor)."""
-        super().__setattr__(name, value)
-        if name in ("tokens", "confidences"):
-            super().__setattr__(f"host_{name}", None)
+    @property
+    def host_tokens(self) -> list[int] | None:
+        """The tokens as host ints from the batch's one read (`split_proposals`); None when not drafted in a batch
+        or when `tokens` was replaced since (writes into the tensor itself are not tracked)."""
+        if self.host is None or self.host[2] is not self.tokens:
+            return None
+        return [int(t) for t in self.host[0].rows()[0][self.host[1]][:self.tokens.shape[0]]]
+
+    @property
+    def host_confidences(self) -> list[float] | None:
+        """The confidences as host floats from the same read (None likewise, or without confidences)."""
+        if self.host is None or self.confidences is None or self.host[3] is not self.confidences:
+            return None
+        return self.host[0].rows()[1][self.host[1]][:self.confidences.shape[0]]
 
 
 @dataclass
@@ -231,8 +254,8 @@ class Drafter(nn.Module):
         request; max(gamma) positions are drafted and each proposal is cut to its own gamma.
 
         Each request's proposal has the same distribution as `propose` on its own. Random draws: all of a
-        block's uniforms before drafting, request-major (`BlockDraws`; requests drawing by position: one
-        `sample` call per drafted position), so R = 1 reproduces `propose` exactly. With
+        block's uniforms before drafting, request-major (`BlockDraws`; a keyed request is drawn by its key at
+        each position), so R = 1 reproduces `propose` exactly. With
         one generator per request, request r's draws come from its own generator only, so its
         proposal is exactly `propose` on its own with that generator, whatever else is in the batch.
         """
@@ -350,21 +373,31 @@ def drafting_rows(gammas: list[int], k: int, generator: Generators, device=None)
 
 
 class BlockDraws:
-    """The random draws of one drafted block [R, max γ], position by position: with streams (torch
-    generators, one or one per request) every uniform is drawn up front (`block_uniforms`), so a position
-    costs one `inverse_cdf` over all rows and nothing on the host; rows past their γ_r get a token that is
-    never returned. Requests drawing by position (KeyedNoise) are sampled per position (`sample`)."""
+    """The random draws of one drafted block [R, max γ], position by position. Requests drawing from streams
+    (torch generators: one for all, or one per request) have every uniform drawn up front (`block_uniforms`), so
+    a position costs one `inverse_cdf` over all rows and no host work; requests drawing by position (KeyedNoise)
+    are drawn by their key at each position they draft. Rows past their γ_r get a token never returned.
+    `up_front = False` (class switch, for references and benchmarks): the streams are drawn position by position
+    instead — on a CPU stream the very same values; a CUDA stream's values differ (same distribution)."""
+
+    up_front = True
 
     def __init__(self, generator: Generators, gammas: list[int], device):
         self.generator, self.gammas = generator, gammas
-        self.uniforms = block_uniforms(generator, gammas, device)
+        per_request = list(generator) if isinstance(generator, (list, tuple)) else [generator] * len(gammas)
+        self.keyed = [(r, g) for r, g in enumerate(per_request) if isinstance(g, KeyedNoise)]
+        self.uniforms = block_uniforms(generator, gammas, device) if self.up_front else None
 
     def draw(self, probs: Tensor, k: int) -> tuple[slice | Tensor, Tensor]:
         """probs [R, N] of position k -> (the rows drawn, their tokens in probs' columns)."""
-        if self.uniforms is not None:
-            return slice(None), inverse_cdf(probs, self.uniforms[:, k:k + 1])
-        live, live_generators = drafting_rows(self.gammas, k, self.generator, probs.device)
-        return live, sample(probs[live], live_generators).to(probs.device)
+        if self.uniforms is None:
+            live, live_generators = drafting_rows(self.gammas, k, self.generator, probs.device)
+            return live, sample(probs[live], live_generators).to(probs.device)
+        tokens = inverse_cdf(probs, self.uniforms[:, k:k + 1])
+        for r, noise in self.keyed:
+            if k < self.gammas[r]:
+                tokens[r] = noise.draw(probs[r:r + 1]).to(probs.device)[0]
+        return slice(None), tokens
 
 
 def drafted_entries(gammas: list[int], device=None) -> slice | Tensor:
@@ -380,14 +413,14 @@ def drafted_entries(gammas: list[int], device=None) -> slice | Tensor:
 def split_proposals(tokens: Tensor, probs: Tensor, confidences: Tensor | None,
                     gammas: list[int]) -> list[DraftProposal]:
     """Batched drafts tokens [R, G], probs [R, G, V], confidences [R, G] -> one proposal per request,
-    cut to its own γ_r. Tokens and confidences come to the host in ONE copy for all requests (`host_tokens`,
-    `host_confidences`: what a scheduler and the emitted text read), so a batch waits for the device once."""
-    host = torch.stack([tokens.double()] + ([] if confidences is None else [confidences.double()])).tolist()
-    return [DraftProposal(tokens=tokens[r, :g], probs=probs[r, :g],
-                          confidences=None if confidences is None else confidences[r, :g],
-                          host_tokens=[int(t) for t in host[0][r][:g]],
-                          host_confidences=None if confidences is None else host[1][r][:g])
-            for r, g in enumerate(gammas)]
+    cut to its own γ_r. Their host copies share ONE read of the whole batch (`HostCopy`), so a step that needs
+    the tokens or confidences on the host waits for the device once, not once per request."""
+    copy, out = HostCopy(tokens, confidences), []
+    for r, g in enumerate(gammas):
+        row_tokens, row_conf = tokens[r, :g], None if confidences is None else confidences[r, :g]
+        out.append(DraftProposal(tokens=row_tokens, probs=probs[r, :g], confidences=row_conf,
+                                 host=(copy, r, row_tokens, row_conf)))
+    return out
 
 
 def selected_tokens(input_ids: Tensor, anchors: Tensor, steps: int, offset: int) -> Tensor:

@@ -85,7 +85,7 @@ class DSparkDrafter(DFlashDrafter):
                       generator: Generators) -> list[DraftProposal]:
         """Left to right, each step batched over the R requests: p_k = to_probs(U_k + B_k(x_{k-1}, state))
         per row with its request's params; x_k ~ p_k; c_k from [h_k; W1[x_{k-1}]].
-        h [R, G, d]; rows past their own γ_r are computed but neither sampled nor returned.
+        h [R, G, d]; rows past their own γ_r are computed (and drawn: `BlockDraws`) but never returned.
         With a draft vocabulary everything runs on its N columns; x_k is mapped to its target id (what
         W1 reads next) and the returned rows are extended by zeros to V."""
         u = self.lm_logits(h)  # [R, G, N]: all base logits in one LM-head call

@@ -1,6 +1,7 @@
 """Batched drafting (`Drafter.propose_batch`): one drafter pass for many requests gives every request
 the proposal distribution it would get from `propose` on its own, whatever the mix of context lengths
 (an empty one included), sampling params and gammas in the batch."""
+import dataclasses
 import sys
 
 import pytest
@@ -207,8 +208,8 @@ def test_draft_temperature_scales_the_request_temperature(target, algo, head):
 
 @pytest.mark.parametrize("algo", ["dspark", "dflash", "eagle3"])
 def test_proposals_carry_their_tokens_and_confidences_on_the_host(target, algo):
-    """One read for the whole batch (`split_proposals`): the host copies equal the tensors; replacing a
-    proposal's tokens or confidences drops the copy (readers then read the tensor, never a stale list)."""
+    """One read for the whole batch (`split_proposals`, on first use): the host copies equal the tensors; a
+    proposal whose tokens or confidences were replaced has none (readers then read the tensor)."""
     drafter = make(target, algo)
     states, anchors = requests(target, drafter)
     batch = drafter.propose_batch(states, anchors, GAMMAS, SAMPLINGS, torch.Generator().manual_seed(2))
@@ -216,6 +217,7 @@ def test_proposals_carry_their_tokens_and_confidences_on_the_host(target, algo):
         assert got.host_tokens == got.tokens.tolist()
         assert got.host_confidences == (None if got.confidences is None else got.confidences.tolist())
     proposal = batch[0]
+    assert dataclasses.replace(proposal, tokens=proposal.tokens.flip(0)).host_tokens is None
     proposal.tokens = proposal.tokens.flip(0)
     assert proposal.host_tokens is None
     if proposal.confidences is not None:

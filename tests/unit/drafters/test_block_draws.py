@@ -1,30 +1,27 @@
 """A drafted block's random draws (`dspark.drafters.base.BlockDraws`, `sampling.block_uniforms`): drawing the
-whole block's uniforms up front gives each request exactly the tokens that drawing position by position from
-its own stream gives, for mixed γs, a draft vocabulary's columns and a batch of one with a shared stream."""
+streams' uniforms up front gives each request exactly the tokens that drawing position by position gives on a
+CPU stream (mixed γs, a batch of one sharing a stream, keyed requests beside streamed ones) and leaves each
+stream where per-position draws leave it; through the drafters too (DSpark's Markov and RNN heads, Eagle3, a
+draft vocabulary)."""
 import pytest
 import torch
 
-from dspark.decoding.sampling import KeyedNoise, block_uniforms, rows_generators, sample
-from dspark.drafters.base import BlockDraws, drafting_rows
+from dspark.decoding.sampling import KeyedNoise, SamplingParams, block_uniforms
+from dspark.drafters import DrafterConfig, build_drafter
+from dspark.drafters.base import BlockDraws
+from tests.tiny_models import build_tiny_model
 
 
-def _per_position(probs, gammas, generator):
-    """The reference: position by position, only the requests still drafting, each from its stream."""
-    tokens = torch.full(probs.shape[:2], -1, dtype=torch.long)
-    for k in range(probs.shape[1]):
-        live, gens = drafting_rows(gammas, k, generator, probs.device)
-        tokens[live, k] = sample(probs[live, k], gens)
-    return tokens
-
-
-def _up_front(probs, gammas, generator):
+def _drawn(probs, gammas, generator, up_front: bool, monkeypatch):
+    """Tokens [R, G] (-1 where a request does not draft) from BlockDraws, up front or position by position."""
+    monkeypatch.setattr(BlockDraws, "up_front", up_front)
     tokens = torch.full(probs.shape[:2], -1, dtype=torch.long)
     draws = BlockDraws(generator, gammas, probs.device)
-    assert draws.uniforms is not None
+    assert (draws.uniforms is not None) == up_front
     for k in range(probs.shape[1]):
         live, drawn = draws.draw(probs[:, k], k)
         tokens[live, k] = drawn
-    return tokens
+    return [tokens[r, :g].tolist() for r, g in enumerate(gammas)]  # positions past γ_r are never returned
 
 
 def _probs(rows, width, vocab, seed):
@@ -36,32 +33,46 @@ def _probs(rows, width, vocab, seed):
 
 @pytest.mark.parametrize("gammas", [[4, 4, 4], [4, 1, 3, 2], [2], [1, 4]])
 @pytest.mark.parametrize("vocab", [7, 4096])
-def test_per_request_streams_give_the_per_position_tokens(gammas, vocab):
+def test_per_request_streams_give_the_per_position_tokens(monkeypatch, gammas, vocab):
     probs = _probs(len(gammas), max(gammas), vocab, seed=len(gammas) + vocab)
     for seed in range(5):
         streams = lambda: [torch.Generator().manual_seed(seed * 100 + r) for r in range(len(gammas))]  # noqa: E731
-        want, got = _per_position(probs, gammas, streams()), _up_front(probs, gammas, streams())
-        for r, g in enumerate(gammas):  # positions past γ_r are never returned
-            assert torch.equal(got[r, :g], want[r, :g])
+        assert _drawn(probs, gammas, streams(), True, monkeypatch) == _drawn(probs, gammas, streams(), False,
+                                                                             monkeypatch)
 
 
-def test_a_batch_of_one_with_a_shared_stream_draws_as_before():
+def test_a_batch_of_one_with_a_shared_stream_draws_as_before(monkeypatch):
     probs = _probs(1, 5, 50, seed=3)
     for seed in range(5):
-        want = _per_position(probs, [5], torch.Generator().manual_seed(seed))
-        got = _up_front(probs, [5], torch.Generator().manual_seed(seed))
-        assert torch.equal(got, want)
+        assert _drawn(probs, [5], torch.Generator().manual_seed(seed), True, monkeypatch) == \
+            _drawn(probs, [5], torch.Generator().manual_seed(seed), False, monkeypatch)
 
 
-def test_the_streams_are_left_where_per_position_draws_leave_them():
+def test_the_streams_are_left_where_per_position_draws_leave_them(monkeypatch):
     """The acceptance step draws from the same streams next: it must see the same state."""
-    gammas = [3, 1, 2]
+    gammas, probs = [3, 1, 2], _probs(3, 3, 11, seed=0)
     a = [torch.Generator().manual_seed(r) for r in range(3)]
     b = [torch.Generator().manual_seed(r) for r in range(3)]
-    probs = _probs(3, 3, 11, seed=0)
-    _per_position(probs, gammas, a)
-    _up_front(probs, gammas, b)
+    _drawn(probs, gammas, a, False, monkeypatch)
+    _drawn(probs, gammas, b, True, monkeypatch)
     assert [torch.rand(1, generator=g).item() for g in a] == [torch.rand(1, generator=g).item() for g in b]
+
+
+def test_keyed_requests_beside_streamed_ones_draw_by_their_key(monkeypatch):
+    """A keyed request is drawn by its key at each position it drafts; the streamed requests beside it still
+    draw up front, exactly as position by position."""
+    gammas, probs = [3, 2, 3], _probs(3, 3, 9, seed=1)
+
+    def generators():
+        return [torch.Generator().manual_seed(0), KeyedNoise(seed=7, vocab_size=9, device="cpu"),
+                torch.Generator().manual_seed(2)]
+
+    keyed = generators()
+    up_front = _drawn(probs, gammas, keyed, True, monkeypatch)
+    assert up_front == _drawn(probs, gammas, generators(), False, monkeypatch)
+    assert keyed[1].cursor == 2  # drew its 2 positions, by key
+    u = block_uniforms(generators(), gammas, "cpu")
+    assert u.shape == (3, 3) and bool((u[1] == 0).all()) and bool((u[0] > 0).all())
 
 
 def test_uniforms_are_request_major_and_zero_past_each_gamma():
@@ -72,11 +83,29 @@ def test_uniforms_are_request_major_and_zero_past_each_gamma():
         block_uniforms([torch.Generator()], [1, 2], "cpu")
 
 
-def test_keyed_requests_are_drawn_by_position():
-    keyed = KeyedNoise(seed=7, vocab_size=9, device="cpu")
-    assert block_uniforms([torch.Generator(), keyed], [2, 2], "cpu") is None
-    draws = BlockDraws([torch.Generator().manual_seed(0), keyed], [2, 1], "cpu")
-    probs = _probs(2, 2, 9, seed=1)
-    live, drawn = draws.draw(probs[:, 1], 1)  # position 1: only request 0 drafts it
-    assert live.tolist() == [0] and drawn.shape == (1,)
-    assert rows_generators(keyed, [2]) is keyed
+@pytest.mark.parametrize("algo,head,draft_ids", [("dspark", "rnn", [0, 2, 3, 5, 7, 9, 11, 12]),
+                                                 ("dspark", "markov", None), ("eagle3", "markov", [1, 2, 4, 8, 9])])
+def test_drafters_propose_the_same_tokens_either_way(monkeypatch, algo, head, draft_ids):
+    target = build_tiny_model(vocab_size=16)
+    torch.manual_seed(0)
+    kw = {} if algo == "eagle3" else {"num_layers": 2}
+    cfg = DrafterConfig(algo=algo, head=head, rank=8, block_size=4, ttt_steps=4,
+                        draft_vocab_size=None if draft_ids is None else len(draft_ids), **kw)
+    drafter = build_drafter(cfg, target, draft_ids=None if draft_ids is None else torch.tensor(draft_ids)).eval()
+    ids = torch.randint(0, 16, (3, 8), generator=torch.Generator().manual_seed(4))
+    feats = target.forward(ids, layer_ids=drafter.layer_ids, logits_at=None).features
+    states = []
+    for r in range(3):
+        states.append(drafter.new_state())
+        drafter.extend_context(states[-1], feats[r, :7], ids[r, :7])
+    gammas, sps = [4, 2, 3], [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=4),
+                              SamplingParams(temperature=0)]
+    out = {}
+    for up_front in (True, False):
+        monkeypatch.setattr(BlockDraws, "up_front", up_front)
+        streams = [torch.Generator().manual_seed(10 + r) for r in range(3)]
+        out[up_front] = [p.tokens.tolist() for p in drafter.propose_batch(states, ids[:, 7].tolist(), gammas, sps,
+                                                                           streams)]
+    assert out[True] == out[False] and [len(t) for t in out[True]] == gammas
+    if draft_ids is not None:
+        assert all(t in draft_ids for row in out[True] for t in row)

@@ -127,6 +127,19 @@ def test_the_accept_rows_phase_records_row_by_row_over_batched_on_the_device(tin
     assert all(ratio > 0 for ratio in r.summary["accept_rows_row_over_batched"].values())
 
 
+def test_the_draft_block_phase_records_per_position_over_up_front_on_the_device(tiny, tmp_path):
+    from recipes.gpu_recipe import draft_block_phase
+
+    r = Recipe(recipe_config(), tmp_path)
+    r.target = tiny
+    draft_block_phase(r)  # the benchmark asserts that both ways draw the same tokens
+    report = r.results["draft_block"]
+    assert report["device"] == "cpu" and report["vocab"] == tiny.vocab_size
+    assert set(r.summary["draft_block_per_position_over_up_front"]) == {"1", "16", "64"}
+    assert all(row["same_tokens"] and row["ops_per_pass"]["up_front"] < row["ops_per_pass"]["per_position"]
+               for row in report["rows"][1:])
+
+
 def test_the_deadline_stops_training_mid_phase(tiny):
     rows = _rows(tiny)
     cfg = DrafterConfig(algo="dflash", block_size=3, num_layers=1, anchors_per_seq=4)

@@ -73,13 +73,13 @@ def accept_tree(tokens: Tensor, parents: list[int], draft_probs: Tensor, target_
     row each node was drawn from), target_probs [1 + M, V] (row 0: after the anchor; row 1 + i: after
     node i). Children are tried in index order (the order they were drawn)."""
     device = generator.device if generator is not None else target_probs.device
-    tokens, draft_probs, target_probs = tokens.to(device), draft_probs.to(device), target_probs.to(device)
-    children = children_of(parents)
+    draft_probs, target_probs = draft_probs.to(device), target_probs.to(device)
+    children, token_ids = children_of(parents), tokens.tolist()  # the nodes' tokens in one read
     path, at = [], -1
     while True:
         residual = target_probs[at + 1]
         for child in children.get(at, []):
-            x, q = int(tokens[child]), draft_probs[child]
+            x, q = token_ids[child], draft_probs[child]
             if float(torch.rand((), generator=generator, device=device)) * q[x] < residual[x]:
                 path.append(child)
                 at = child
@@ -95,14 +95,14 @@ def tree_expected_accepted(tokens: Tensor, parents: list[int], draft_probs: Tens
     siblings were rejected. The draft gate's acceptance figure for trees: the conditional mean of the realized
     length, far less noisy than one round's count (and known only after the verify, so lossless to use)."""
     target_probs, draft_probs = target_probs.float(), draft_probs.to(target_probs.device).float()
-    children = children_of(parents)
+    children, token_ids = children_of(parents), tokens.tolist()  # the nodes' tokens in one read
     reach, total = {-1: 1.0}, 0.0
     for at in [-1, *range(len(parents))]:  # parents come before their children
         if reach.get(at, 0.0) == 0.0:
             continue
         residual, left = target_probs[at + 1], reach[at]
         for child in children.get(at, []):
-            x, q = int(tokens[child]), draft_probs[child]
+            x, q = token_ids[child], draft_probs[child]
             accept = min(1.0, float(residual[x]) / max(float(q[x]), 1e-30))
             reach[child] = left * accept
             total, left = total + reach[child], left * (1.0 - accept)
@@ -121,7 +121,8 @@ def accept_keyed_tree(tokens: Tensor, parents: list[int], target_probs: Tensor, 
     Gumbel-max token at output position `position + depth` is computed from the current node's row; the
     walk moves to the child holding that token, and stops at the first node that has none (or at a
     leaf), returning (path, that token). The output is the keyed target sample whatever was drafted."""
-    children = {at: {int(tokens[node]): node for node in reversed(kids)}  # a token's first child wins
+    token_ids = tokens.tolist()  # the nodes' tokens in one read
+    children = {at: {token_ids[node]: node for node in reversed(kids)}  # a token's first child wins
                 for at, kids in children_of(parents).items()}
     path, at = [], -1
     while True:
@@ -170,5 +171,6 @@ def _tree_round(target, drafter, state, seq, anchor: int, gamma: int, branching:
     stats = RoundStats(proposed=len(tree.parents), verified=gamma, accepted=len(path),
                        outcomes=[True] * len(path) + ([False] if len(path) < gamma else []),
                        draft_s=t1 - t0, verify_s=time.perf_counter() - t1)
-    new = [int(tree.tokens[node]) for node in path] + [next_token]
+    tree_ids = tree.tokens.tolist()  # one read
+    new = [tree_ids[node] for node in path] + [next_token]
     return stats, new, out.features[0, kept], verify_ids[kept]

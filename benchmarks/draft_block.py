@@ -18,7 +18,6 @@ null: same distribution, not comparable token by token).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -30,6 +29,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.output import emit  # noqa: E402
 from dspark.decoding.sampling import SamplingParams  # noqa: E402
 from dspark.drafters import DrafterConfig, build_drafter  # noqa: E402
 from dspark.drafters.base import BlockDraws  # noqa: E402
@@ -128,11 +128,7 @@ def main(argv=None, target=None) -> dict:
         print(f"rows {row['rows']:>3}: per_position {row['ms_per_pass']['per_position']:.2f} ms, up_front "
               f"{row['ms_per_pass']['up_front']:.2f} ms ({row['per_position_over_up_front']:.2f}x); ops "
               f"{row['ops_per_pass']['per_position']} -> {row['ops_per_pass']['up_front']}", flush=True)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result))
-    return result
+    return emit(result, args.out)
 
 
 if __name__ == "__main__":

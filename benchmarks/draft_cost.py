@@ -21,7 +21,6 @@ reported coverage depends on it). The last stdout line is one JSON object.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -32,6 +31,7 @@ import torch
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
+from benchmarks.output import emit  # noqa: E402
 from dspark.config import read_yaml  # noqa: E402
 from dspark.drafters import draft_vocab  # noqa: E402
 from dspark.drafters import DrafterConfig, build_drafter  # noqa: E402
@@ -195,11 +195,7 @@ def main(argv=None) -> dict:
                                                    "head", "rank") if k in section},
               "vocab_counts_from": counted, "target_step_ms": round(target_ms, 3), "goal_ratio": GOAL,
               "variants": rows, "sizes_meeting_goal": meeting}
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result))
-    return result
+    return emit(result, args.out)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ part of this benchmark.) The last stdout line is one JSON object.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -29,6 +28,7 @@ import torch
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
+from benchmarks.output import emit  # noqa: E402
 from dspark.decoding.engine import Engine, EngineConfig  # noqa: E402
 from dspark.decoding.sampling import SamplingParams  # noqa: E402
 from dspark.decoding.scheduler import SchedulerConfig  # noqa: E402
@@ -92,11 +92,7 @@ def main(argv=None) -> dict:
     rows = sweep(target, rollouts, [float(s) for s in args.sigmas.split(",")], args.noise_draws, args.gamma)
     result = {"benchmark": "seeded_acceptance", "target": args.target, "positions": len(rollouts) * len(rollouts[0]),
               "noise_draws": args.noise_draws, "gamma": args.gamma, "synthetic_drafters": rows}
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result))
-    return result
+    return emit(result, args.out)
 
 
 if __name__ == "__main__":

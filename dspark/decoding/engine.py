@@ -199,19 +199,19 @@ class Engine(RequestBatch):
         outputs = self._forward_rows(newcomers, rows, "last", report, eager=True)
         if not self.drafting:
             return self._target_only_tokens(newcomers, outputs, report)
-        for req, ids, out in zip(newcomers, rows, outputs):
-            if req.finished:
-                continue
+        drawn = []  # (request, its first token on the device, its logits row): all read back in one copy
+        for req, ids, (logits, features) in ((r, i, o) for r, i, o in zip(newcomers, rows, outputs) if not r.finished):
             try:
-                logits, features = out
                 req.draft_state = self.drafter.new_state()  # (a drafting engine: see above)
                 req.ctx_pending = [(features, ids)]  # read when the request first drafts
                 self.kv.set_length(req.slot, len(req.prompt_ids))
                 probs = to_probs(constrain(logits[-1:], req.constraint)[0], req.sampling)
-                token = int(req.noise.argmax(probs[None], [0])[0]) if req.noise else int(sample(probs, req.generator))
-                self._emit(req, [token], report, logits[-1:])
+                token = req.noise.argmax(probs[None], [0]) if req.noise else sample(probs[None], req.generator)
+                drawn.append((req, token.to(self.target.device).reshape(1), logits[-1:]))
             except Exception as err:
                 self._fail(req, f"prefill failed: {err}", report)
+        for (req, _, logits), token in zip(drawn, torch.cat([t for _, t, _ in drawn]).tolist() if drawn else []):
+            self._emit(req, [token], report, logits)
 
     def _draft_rows(self, gate: DraftGate | None) -> list[Request]:
         """Who drafts this step: every active request, or, on the draft gate's exploration steps, a

@@ -436,7 +436,8 @@ def test_a_drafting_step_reads_the_device_back_twice(monkeypatch, wide_target, m
     """On an accelerator each read of a device value waits for the device. A steady chain step with the batched
     rejection step (an accelerator's default) reads back twice whatever the number of requests: the drafts
     (every request's tokens and confidences in one copy, which the scheduler and the emitted text use) and the
-    acceptance results (one copy; seeded requests' keyed rule likewise); the anchors go to the device in one copy."""
+    acceptance results (one copy; seeded requests' keyed rule likewise); the anchors go to the device in one copy.
+    A step that admits requests reads their first tokens in one more copy."""
     import functools
 
     import dspark.decoding.engine as engine_module
@@ -447,7 +448,6 @@ def test_a_drafting_step_reads_the_device_back_twice(monkeypatch, wide_target, m
     reqs = [engine.submit([3, 1, 4, 1, 5][: 2 + r % 4], SamplingParams(temperature=1.0), max_new_tokens=200,
                           stop_ids=[], seed=r if seeded else None) for r in range(6)]
     assert all((r.noise is not None) == seeded for r in reqs)
-    engine.step()  # admission: the prefill's first tokens
     reads = []
     real = {name: getattr(torch.Tensor, name) for name in ("tolist", "item", "__int__", "__float__", "__bool__")}
 
@@ -460,10 +460,10 @@ def test_a_drafting_step_reads_the_device_back_twice(monkeypatch, wide_target, m
     for name, fn in real.items():
         monkeypatch.setattr(torch.Tensor, name, counted(name, fn))
     per_step = []
-    for _ in range(4):
+    for _ in range(5):  # the first step admits the 6 requests: their first tokens are one more read
         reads.clear()
         engine.step()
         per_step.append(list(reads))
     monkeypatch.undo()
     assert all(not r.finished for r in reqs)
-    assert per_step == [["tolist", "tolist"]] * 4, per_step
+    assert per_step[0] == ["tolist"] * 3 and per_step[1:] == [["tolist", "tolist"]] * 4, per_step

@@ -83,8 +83,9 @@ def _stop_set(target, stop_ids: Sequence[int] | None) -> set[int]:
 
 
 def _prefill(seq, ids: list[int], layer_ids, sp: SamplingParams, generator):
-    """Run the prompt through the target into `seq`; returns (features [T, m*d] | None, first token)."""
-    out = seq.extend(ids, layer_ids or (), logits="last")
+    """Run the prompt through the target into `seq` (eager, as the engine's prefill: compiled graphs are for the
+    per-token steps); returns (features [T, m*d] | None, first token)."""
+    out = seq.extend(ids, layer_ids or (), logits="last", eager=True)
     first = int(sample(to_probs(out.logits[0, -1], sp), generator))
     return (out.features[0] if out.features is not None else None), first
 

@@ -260,15 +260,16 @@ class CoreSequence:
         core.owner = self
 
     def extend(self, ids: list[int] | Tensor, layer_ids=(), logits: str = "all", depth: Tensor | None = None,
-               seen: Tensor | None = None, pad_to: int | None = None) -> StepOut:
+               seen: Tensor | None = None, pad_to: int | None = None, eager: bool = False) -> StepOut:
         """Append tokens (their KV stays: `crop` or `keep_path` drop rejected ones); logits "all" or "last".
         depth [N] / seen [N, N]: a tree layout (default a chain). pad_to: pad the new tokens to this many
-        (stale columns) so steps of varying length share a graph (compiled cores pad to `token_bucket`)."""
+        (stale columns) so steps of varying length share a graph (compiled cores pad to `token_bucket`).
+        eager: run this step eager on a compiled core (a prompt's prefill: once per request, no graph to build)."""
         if self.core.owner is not self:
             raise RuntimeError("this decoding core now holds another sequence (one sequence per core at a time)")
         ids = torch.as_tensor(ids, dtype=torch.long).reshape(-1)
         n = ids.shape[0]
-        if pad_to is None and self.core.mode == "compiled" and n <= COMPILED_MAX_TOKENS:
+        if pad_to is None and self.core.mode == "compiled" and n <= COMPILED_MAX_TOKENS and not eager:
             pad_to = token_bucket(n)
         width = max(n, pad_to or 0)
         if width > n:
@@ -281,7 +282,7 @@ class CoreSequence:
         pick = torch.tensor([[n - 1]]) if logits == "last" else None
         out = self.core.step(ids[None], [self.length], tuple(layer_ids), pick=pick,
                              depth=None if depth is None else depth.reshape(1, -1),
-                             seen=None if seen is None else seen.reshape(1, width, width))
+                             seen=None if seen is None else seen.reshape(1, width, width), eager=eager)
         self.length += n
         if width > n:  # drop the padding's outputs ("last" already picked a real token)
             out = StepOut(out.logits if logits == "last" else out.logits[:, :n],

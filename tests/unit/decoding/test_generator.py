@@ -53,7 +53,7 @@ def test_greedy_equals_hf_greedy_with_joins_and_leaves(tiny, core):
     texts = ["hi", "what is 2 + 3", "def f(x): return x * 2 and then some more words here", "list the primes",
              "a b c d e f g h i j k l m n o p", "sum the list", "why"]
     prompts = [_chat(tiny, t) for t in texts]
-    gen = BatchGenerator(tiny, GeneratorConfig(max_batch=3, max_prefill_tokens=40, decode_core=core))
+    gen = BatchGenerator(tiny, GeneratorConfig(max_batch=4, max_prefill_tokens=40, decode_core=core))  # 7 requests
     out = gen.generate(prompts, SamplingParams(temperature=0.0), seeds=[0] * len(prompts),
                        max_new_tokens=[12, 5, 20, 3, 16, 9, 1])
     for (tokens, finish), p, budget in zip(out, prompts, [12, 5, 20, 3, 16, 9, 1]):

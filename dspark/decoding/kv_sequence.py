@@ -30,7 +30,8 @@ class DynamicSequence:
         self.target, self.cache, self.length = target, target.new_cache(), 0
 
     def extend(self, ids, layer_ids=(), logits: str = "all", depth: Tensor | None = None,
-               seen: Tensor | None = None) -> StepOut:
+               seen: Tensor | None = None, eager: bool = True) -> StepOut:
+        """As `CoreSequence.extend` (every step here is eager)."""
         t = self.target
         ids = torch.as_tensor(ids, dtype=torch.long).reshape(1, -1).to(t.device)
         mask = positions = None

@@ -315,8 +315,8 @@ class Engine(RequestBatch):
             for i, tree in zip(drafted, proposals):
                 lengths[i] = len(tree.parents)
             return lengths
-        confidences = [p.host_confidences if p.host_confidences is not None or p.confidences is None  # read when
-                       else p.confidences.tolist() for p in proposals]  # drafted: one copy for every request
+        confidences = [c if (c := p.host_confidences) is not None or p.confidences is None  # read when drafted:
+                       else p.confidences.tolist() for p in proposals]  # one copy for every request
         for i, n in zip(drafted, self.scheduler.schedule(confidences, [int(p.tokens.shape[0]) for p in proposals])):
             lengths[i] = n
         if all(c is not None for c in confidences):  # Σ a_{r,j} over the verified drafts (for the draft gate)
@@ -379,8 +379,8 @@ class Engine(RequestBatch):
 
     def _commit_chain(self, req: Request, n_acc: int, next_token: int, ids, logits, features, report) -> None:
         proposed = int(req.proposal.tokens.shape[0]) if req.proposal is not None else 0
-        self._commit(req, list(range(1 + n_acc)), next_token, ids, logits, features, (proposed, req.verify_len),
-                     report)
+        self._commit(req, list(range(1 + n_acc)), req.drafts_on_host(ids)[:n_acc] + [next_token], ids, logits,
+                     features, (proposed, req.verify_len), report)
 
     def _accept_tree(self, req: Request, ids: torch.Tensor, logits: torch.Tensor, features,
                      report: StepReport) -> None:
@@ -395,13 +395,14 @@ class Engine(RequestBatch):
             expected = tree_expected_accepted(tree.tokens, tree.parents, tree.probs, target_probs)
         report.expected_accepted = (report.expected_accepted or 0.0) + expected  # for the tree gate
         # proposed: the nodes; verified: the depth any path reaches (so position k's acceptance reads as a chain's)
-        self._commit(req, [0, *(1 + node for node in path)], next_token, ids, logits, features,
+        kept = [0, *(1 + node for node in path)]  # in the verified row [anchor, nodes]
+        self._commit(req, kept, ids[kept[1:]].tolist() + [next_token], ids, logits, features,
                      (len(tree.parents), max(tree.depths, default=0)), report)
 
-    def _commit(self, req: Request, kept: list[int], next_token: int, ids: torch.Tensor, logits: torch.Tensor,
+    def _commit(self, req: Request, kept: list[int], new: list[int], ids: torch.Tensor, logits: torch.Tensor,
                 features, proposed_verified: tuple[int, int], report: StepReport) -> None:
         """Keep the verified row's positions `kept` (the anchor, 0, and the accepted drafts, ascending) in the
-        KV slot and for the drafter context; emit their drafts and `next_token`."""
+        KV slot and for the drafter context; emit `new` (their drafts and the next token, host ints)."""
         n_acc, (proposed, verified) = len(kept) - 1, proposed_verified
         if req.noise is not None:
             req.noise.forget_before(len(req.tokens) + n_acc + 1)
@@ -413,9 +414,8 @@ class Engine(RequestBatch):
         req.stats.add_round(proposed, verified, n_acc)
         report.proposed, report.verified, report.accepted = (report.proposed + proposed, report.verified + verified,
                                                               report.accepted + n_acc)
-        drafts, req.proposal = getattr(req.proposal, "host_tokens", None), None  # a chain's: on the host already
-        self._emit(req, (ids[rows][1:].tolist() if drafts is None else drafts[:n_acc]) + [next_token], report,
-                   logits[rows])
+        req.proposal = None
+        self._emit(req, new, report, logits[rows])
 
     def _forward_rows(self, reqs: list[Request], rows: list[torch.Tensor], logits_at: str, report: StepReport,
                       parents: list[list[int] | None] | None = None, eager: bool = False) -> list[tuple]:

@@ -29,8 +29,8 @@ from pathlib import Path
 
 import tenacity
 
-from dspark.devstack.config import (BUCKETS, HOST, SERVICES, StackConfig, StackError, client_env, load_credentials,
-                                    load_env, write_env_file)
+from dspark.devstack.config import (BUCKETS, HOST, LOCAL_RAY_ENV, SERVICES, StackConfig, StackError, client_env,
+                                    load_credentials, load_env, write_env_file)
 from dspark.devstack.processes import (ServiceRecord, _last_log_line, _spawn, _wait_ports_free, port_is_free,
                                        port_owner, proc_start_time, process_name, session_processes, terminate)
 from dspark.io import storage
@@ -239,7 +239,7 @@ def start_ray(cfg: StackConfig, creds: dict) -> ServiceRecord:
     env = _base_env() | jobs_env | {
         "PATH": f"{venv_bin()}{os.pathsep}{os.environ.get('PATH', '')}",
         "VIRTUAL_ENV": str(venv_bin().parent),
-        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "DS_ACCELERATOR": "cpu"}
+        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "DS_ACCELERATOR": "cpu"} | LOCAL_RAY_ENV
     log_path = cfg.path("logs", "ray.log")
     proc = _spawn(cmd, env, log_path, cwd=cfg.state_dir)
     leader_started = proc_start_time(proc.pid) or 0

@@ -7,9 +7,13 @@ silently skipping what it did):
   (pipelines/ray_cluster._refresh_ray_auth);
 - ray._private.state.actors: the actor table without a dashboard (ray.util.state needs one), to name what
   holds a cluster's CPUs (pipelines/actor_pool.resource_holders).
-MLflow is used through public APIs only (dspark/io)."""
+MLflow is used through public APIs only (dspark/io). Ray Serve's proxy-check variables (LOCAL_RAY_ENV) are
+checked against the source of the module that reads them."""
 import importlib
+import os
 import re
+
+import pytest
 
 from tests.paths import REPO
 
@@ -43,3 +47,37 @@ def test_the_late_bound_serve_ingress_is_public_documented_api():
 
     doc = serve.ingress.__doc__
     assert "Pass nothing to defer the app to" in doc and "__serve_build_asgi_app__" in doc
+
+
+class _Spawned(Exception):
+    pass
+
+
+def test_a_local_ray_gives_the_serve_proxy_the_patience_ray_serve_reads(monkeypatch, tmp_path):
+    """LOCAL_RAY_ENV names variables Ray Serve reads at import (a rename would silently bring back the 10 s
+    proxy checks a loaded 2-core machine misses), each above Ray's default; a job's own local Ray
+    (`loopback_env`, before `ray.init`) and the stack's `ray start --head` both get them."""
+    from ray.serve._private import constants
+
+    from dspark.devstack import stack
+    from dspark.devstack.config import LOCAL_RAY_ENV, StackConfig
+    from pipelines.ray_cluster import loopback_env
+
+    source = open(constants.__file__).read()
+    for name, value in LOCAL_RAY_ENV.items():
+        default = re.search(rf'"{name}",\s*([0-9.]+)', source)
+        assert default and float(value) > float(default.group(1)), name
+        monkeypatch.delenv(name, raising=False)
+    loopback_env()
+    assert {name: os.environ[name] for name in LOCAL_RAY_ENV} == LOCAL_RAY_ENV
+
+    def spawn(cmd, env, *args, **kw):
+        raise _Spawned(env)
+
+    for name in LOCAL_RAY_ENV:  # the stack's Ray gets them whatever this shell holds
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("DSPARK_STATE_DIR", str(tmp_path))
+    monkeypatch.setattr(stack, "_spawn", spawn)
+    with pytest.raises(_Spawned) as spawned:
+        stack.start_ray(StackConfig.from_env(), {"access_key_id": "k", "secret_access_key": "s"})
+    assert LOCAL_RAY_ENV.items() <= spawned.value.args[0].items()

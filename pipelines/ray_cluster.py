@@ -10,7 +10,8 @@ from pathlib import Path
 from dspark.config import ConfigError, RayConfig
 from dspark.devstack.config import LOCAL_RAY_ENV
 
-# Ray on one machine must bind to loopback (PLATFORM-NOTES); set before Ray starts any process.
+# Ray on one machine must bind to loopback (PLATFORM-NOTES), and its Serve proxy gets more patience
+# (LOCAL_RAY_ENV); set before Ray starts any process, unless the shell already sets them.
 LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0", "DS_ACCELERATOR": "cpu",
                 **LOCAL_RAY_ENV}
 

@@ -236,10 +236,10 @@ def start_ray(cfg: StackConfig, creds: dict) -> ServiceRecord:
            f"--temp-dir={cfg.ray_temp_dir()}", "--disable-usage-stats"]
     jobs_env = {k: v for k, v in client_env(cfg, creds).items()
                 if k not in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS")}
-    env = _base_env() | jobs_env | {
+    env = LOCAL_RAY_ENV | _base_env() | jobs_env | {  # what the user's shell sets wins over LOCAL_RAY_ENV
         "PATH": f"{venv_bin()}{os.pathsep}{os.environ.get('PATH', '')}",
         "VIRTUAL_ENV": str(venv_bin().parent),
-        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "DS_ACCELERATOR": "cpu"} | LOCAL_RAY_ENV
+        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "DS_ACCELERATOR": "cpu"}
     log_path = cfg.path("logs", "ray.log")
     proc = _spawn(cmd, env, log_path, cwd=cfg.state_dir)
     leader_started = proc_start_time(proc.pid) or 0

@@ -56,7 +56,8 @@ class _Spawned(Exception):
 def test_a_local_ray_gives_the_serve_proxy_the_patience_ray_serve_reads(monkeypatch, tmp_path):
     """LOCAL_RAY_ENV names variables Ray Serve reads at import (a rename would silently bring back the 10 s
     proxy checks a loaded 2-core machine misses), each above Ray's default; a job's own local Ray
-    (`loopback_env`, before `ray.init`) and the stack's `ray start --head` both get them."""
+    (`loopback_env`, before `ray.init`) and the stack's `ray start --head` both get them, unless the shell sets
+    one itself."""
     from ray.serve._private import constants
 
     from dspark.devstack import stack
@@ -74,10 +75,12 @@ def test_a_local_ray_gives_the_serve_proxy_the_patience_ray_serve_reads(monkeypa
     def spawn(cmd, env, *args, **kw):
         raise _Spawned(env)
 
-    for name in LOCAL_RAY_ENV:  # the stack's Ray gets them whatever this shell holds
-        monkeypatch.delenv(name)
+    monkeypatch.setenv("RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S", "7")  # what the user's shell sets wins
+    monkeypatch.delenv("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S")
     monkeypatch.setenv("DSPARK_STATE_DIR", str(tmp_path))
     monkeypatch.setattr(stack, "_spawn", spawn)
     with pytest.raises(_Spawned) as spawned:
         stack.start_ray(StackConfig.from_env(), {"access_key_id": "k", "secret_access_key": "s"})
-    assert LOCAL_RAY_ENV.items() <= spawned.value.args[0].items()
+    env = spawned.value.args[0]
+    assert env["RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S"] == LOCAL_RAY_ENV["RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S"]
+    assert env["RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S"] == "7"

@@ -10,14 +10,10 @@ from pathlib import Path
 from dspark.config import ConfigError, RayConfig
 from dspark.devstack.config import LOCAL_RAY_ENV
 
-# Ray on one machine must bind to loopback (PLATFORM-NOTES), and its Serve proxy gets more patience
-# (LOCAL_RAY_ENV); set before Ray starts any process, unless the shell already sets them.
-LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0", "DS_ACCELERATOR": "cpu",
-                **LOCAL_RAY_ENV}
-
 
 def loopback_env() -> None:
-    for key, value in LOOPBACK_ENV.items():
+    """Set before Ray starts any process: a Ray on this machine binds to loopback (LOCAL_RAY_ENV)."""
+    for key, value in LOCAL_RAY_ENV.items():
         os.environ.setdefault(key, value)
 
 

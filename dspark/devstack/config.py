@@ -23,11 +23,14 @@ PORT_ENV = {"s3": "DSPARK_S3_PORT", "mlflow": "DSPARK_MLFLOW_PORT", "ray": "DSPA
 MAX_PORT = {"s3": 40000, "mlflow": 65535, "ray": 19000, "dashboard": 65535}
 SERVICES = ("s3", "mlflow", "ray")  # start order; stopped in reverse
 GRPC_OFFSET = 10000  # SeaweedFS serves gRPC on every HTTP port + 10000
-# A Ray on this machine shares its cores with the work it runs. Serve kills a proxy that misses 3 health
-# checks of 10 s (Ray's defaults): on a loaded 2-core machine the proxy is still importing then (measured:
-# `serve.start` failed with ActorDiedError "killed by ray.kill ... never ran" beside 2 busy processes, and
-# passed with these). Local Rays (the stack's, and a job's own) give the proxy a minute.
-LOCAL_RAY_ENV = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "60"}
+# The environment a Ray on this machine starts with (the stack's `ray start`, and a job's own local Ray through
+# pipelines/ray_cluster.loopback_env), unless the shell sets a variable itself: bound to loopback
+# (PLATFORM-NOTES), and Serve's proxy given a minute. That Ray shares its cores with the work it runs: Serve kills
+# a proxy that misses 3 health checks of 10 s (Ray's defaults), and on a loaded 2-core machine the proxy is still
+# importing then (measured: `serve.start` failed with ActorDiedError "killed by ray.kill ... never ran" beside 2
+# busy processes, and passed with these).
+LOCAL_RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0", "DS_ACCELERATOR": "cpu",
+                 "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "60"}
 
 
 class StackError(RuntimeError):

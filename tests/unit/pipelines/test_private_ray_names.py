@@ -65,10 +65,14 @@ def test_a_local_ray_gives_the_serve_proxy_the_patience_ray_serve_reads(monkeypa
     from pipelines.ray_cluster import loopback_env
 
     source = open(constants.__file__).read()
-    for name, value in LOCAL_RAY_ENV.items():
+    serve_env = {name: value for name, value in LOCAL_RAY_ENV.items() if name.startswith("RAY_SERVE_")}
+    assert len(serve_env) == 2
+    for name, value in serve_env.items():
         default = re.search(rf'"{name}",\s*([0-9.]+)', source)
         assert default and float(value) > float(default.group(1)), name
-        monkeypatch.delenv(name, raising=False)
+    for name in LOCAL_RAY_ENV:  # loopback_env writes os.environ itself: record each name, so teardown undoes it
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     loopback_env()
     assert {name: os.environ[name] for name in LOCAL_RAY_ENV} == LOCAL_RAY_ENV
 

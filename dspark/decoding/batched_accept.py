@@ -15,22 +15,33 @@ from __future__ import annotations
 from itertools import accumulate
 from typing import Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 from torch.nn.utils.rnn import pad_sequence
 
+from dspark.decoding.counter_random import all_counter_streams, on_device, round_down, stream_table, uniform_rows
 from dspark.decoding.sampling import KeyedNoise, accept_drafts, check_accept_shapes, inverse_cdf, residual_weights
 
 
-def _row_draws(generators: Sequence[torch.Generator | None], lengths: Sequence[int], device) -> tuple[Tensor, Tensor]:
+def acceptance_uniforms(generators: Sequence, lengths: Sequence[int], device) -> tuple[Tensor, Tensor]:
     """Per row: n_r accept uniforms (float32, padded with 1: never below a probability ratio's bar) and one
-    next-token uniform (float64), in `accept_drafts`' order."""
-    accept, nxt = [], []
-    for g, n in zip(generators, lengths):
-        on = g.device if g is not None else device
-        accept.append(torch.rand(n, generator=g, device=on).to(device))
-        nxt.append(torch.rand(1, 1, generator=g, device=on, dtype=torch.float64).to(device))
-    return pad_sequence(accept, batch_first=True, padding_value=1.0), torch.cat(nxt)
+    next-token uniform (float64), in `accept_drafts`' order (counter streams: every row in one host hash and
+    one copy; generators: a call per row)."""
+    if all_counter_streams(generators):
+        width = max(lengths)
+        table = stream_table(generators, [n + 1 for n in lengths], width + 1, fill=1.0)  # row r: n_r, then next
+        rows, n = np.arange(len(lengths)), np.asarray(lengths)
+        table[:, width] = table[rows, n]  # the next-token draw to the last column, its place back to the padding
+        short = n < width
+        table[rows[short], n[short]] = 1.0
+        table[:, :width] = round_down(table[:, :width], torch.float32)
+        both = on_device(table, device)
+        return both[:, :width].float(), both[:, width:]
+    streams = [g for g in generators for _ in range(2)]
+    counts = [c for n in lengths for c in (n, 1)]
+    drawn = uniform_rows(streams, counts, device, [torch.float32, torch.float64] * len(lengths))
+    return pad_sequence(drawn[0::2], batch_first=True, padding_value=1.0), torch.stack(drawn[1::2])
 
 
 def accept_rows(drafts: Sequence[Tensor], draft_probs: Sequence[Tensor], target_probs: Sequence[Tensor],
@@ -67,7 +78,7 @@ def _accept_batched(drafts, draft_probs, target_probs, generators) -> list[tuple
     for n, q, p in zip(lengths, draft_probs, target_probs):
         check_accept_shapes(n, q, p)
     device = target_probs[0].device
-    u, u_next = _row_draws(generators, lengths, device)
+    u, u_next = acceptance_uniforms(generators, lengths, device)
     # p(x) and q(x) of every draft, gathered row by row (no copy of a distribution), padded to [R, G]
     p_x = pad_sequence([p[torch.arange(n, device=device), x] for p, x, n in zip(target_probs, drafts, lengths)],
                        batch_first=True)

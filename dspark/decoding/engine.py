@@ -34,9 +34,10 @@ computes the same logits as a per-request forward with a KV cache (each row sees
 Randomness: without a drafter (mode off: rollouts, target-only serving) every token is drawn on the device
 with counter-based randomness keyed by (the request's seed, output position), all rows in one call
 (`sample_keyed`; a keyed seeded request gets the Gumbel-max token below); so does a drafting engine's step
-where no row verifies a draft. Otherwise every request draws from its own torch.Generator (on the target's
-device), seeded with the request's `seed` or, without one, from the engine's seed stream (EngineConfig.seed).
-Its prefill sample, its drafts and its acceptance draws come from that generator only, so a request's random
+where no row verifies a draft. Otherwise every request draws from its own counter-based stream of uniforms
+(`counter_random.CounterStream`: draw i = a hash of (key, i), made on the target's device, every request's draws
+of a step in one call), keyed by the request's `seed` or, without one, by the engine's seed stream (EngineConfig.seed).
+Its prefill sample, its drafts and its acceptance draws come from that stream only, so a request's random
 draws never depend on the other requests in the batch; but how many draws a round consumes depends
 on its verify length, which the dynamic/async_topk schedulers and the draft gate choose over the
 whole batch. So a request with a `seed` uses, by default (EngineConfig.seeded_sampling="keyed"),
@@ -71,7 +72,8 @@ from dspark.decoding.request import (EngineUnavailableError, Listener, QueueFull
                                      StepReport, TokenLogprob)
 from dspark.decoding.request_batch import RequestBatch
 from dspark.decoding.batched_accept import accept_keyed_rows, accept_rows
-from dspark.decoding.sampling import KeyedNoise, SamplingParams, host_values, sample, to_probs
+from dspark.decoding.counter_random import host_values
+from dspark.decoding.sampling import KeyedNoise, SamplingParams, sample, to_probs
 from dspark.decoding.scheduler import DraftGate, PrefixScheduler, SPSTable, prefix_survival
 from dspark.decoding.specdec import drafter_layer_ids
 from dspark.decoding.tree_specdec import (DraftTree, accept_keyed_tree, accept_tree, tree_expected_accepted,

@@ -10,8 +10,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Callable
 
-import torch
 
+from dspark.decoding.counter_random import CounterStream
 from dspark.decoding.sampling import KeyedNoise, SamplingParams
 
 
@@ -91,7 +91,7 @@ class Request:
     cancelled: bool = False
     # engine-private
     slot: int = -1
-    generator: torch.Generator | None = None  # this request's own RNG (see dspark.decoding.engine's docstring)
+    generator: CounterStream | None = None  # this request's own uniforms (see dspark.decoding.engine's docstring)
     key_seed: int = 0  # its seed, or the one drawn for it: keys its target-only tokens (engine without a drafter)
     noise: KeyedNoise | None = None  # position-keyed randomness of a seeded request (seeded_sampling=keyed)
     constraint: object = None  # dspark.decoding.constraint.TokenConstraint: structured output (grammar)

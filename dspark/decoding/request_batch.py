@@ -22,6 +22,7 @@ import torch
 from dspark.decoding.engine_config import EngineConfig
 from dspark.decoding.request import EngineUnavailableError, QueueFullError, Request, StepReport, TokenLogprob
 from dspark.decoding.constraint import constrain
+from dspark.decoding.counter_random import CounterStream
 from dspark.decoding.sampling import sample_keyed, to_logprobs
 from dspark.decoding.specdec import _keep
 from dspark.models.openmp_pool import release_openmp_pool
@@ -60,8 +61,9 @@ class RequestBatch:
 
     # ---- queue -------------------------------------------------------------------------------
     def _enqueue(self, req: Request, device: torch.device) -> None:
-        """Queue a built request (thread-safe) with its own generator on `device`, seeded with
-        req.seed or from the engine's seed stream. Raises EngineUnavailableError / QueueFullError."""
+        """Queue a built request (thread-safe) with its own uniform stream on `device` (a CounterStream: every
+        request's draws of a step come from one device call), keyed by req.seed or from the engine's seed stream.
+        Raises EngineUnavailableError / QueueFullError."""
         with self._lock:
             if not self.healthy or self._stop:
                 raise EngineUnavailableError(f"engine cannot serve: {self.health_error or 'stopped'}")
@@ -69,7 +71,7 @@ class RequestBatch:
                 self.totals["rejected"] += 1
                 raise QueueFullError(f"engine queue is full ({self.cfg.max_waiting} waiting); retry later")
             req.key_seed = req.seed if req.seed is not None else self._seeds.getrandbits(63)
-            req.generator = torch.Generator(device=device).manual_seed(req.key_seed)
+            req.generator = CounterStream(req.key_seed, device)
             self.waiting.append(req)
             self.totals["submitted"] += 1
         self._wakeup.set()

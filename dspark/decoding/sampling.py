@@ -6,10 +6,11 @@ top-k, top-p); the target and every drafter use this same function, so the distr
 one-hot at the argmax, and the acceptance rule then reduces to "accept iff argmax matches".
 `to_logprobs` gives the log-probabilities reported to clients (raw or processed).
 
-Two sources of randomness: a request's torch.Generator stream (draws consumed in order, so how
-many are consumed depends on how many drafts were verified), or `KeyedNoise` (the noise of output
-position j is a function of (seed, j) alone; tokens are drawn by Gumbel-max with that noise, so the
-target's token at j does not depend on what was drafted or verified — see `KeyedNoise`). The keyed noise
+Two sources of randomness: a request's stream of uniforms (the engine's `counter_random.CounterStream`, or
+a torch.Generator for batch-1 decoding; draws consumed in order, so how many are consumed depends on how
+many drafts were verified), or `KeyedNoise` (the noise of output position j is a function of (seed, j) alone;
+tokens are drawn by Gumbel-max with that noise, so the target's token at j does not depend on what was drafted
+or verified — see `KeyedNoise`). The keyed noise
 is counter-based and made on the device (`keyed_gumbel`: splitmix64 of (seed, position, token)), so the
 target-only tokens of a whole batch are drawn in one call (`sample_keyed`: the engine without a drafter; the
 rollout generator's tokens by inverse CDF at the counter-based uniform `keyed_uniform(seed, position)`).
@@ -24,6 +25,8 @@ from pydantic import Field
 from torch import Tensor
 
 from dspark.config import StrictModel
+from dspark.decoding.counter_random import (CounterStream, keyed_gumbel, keyed_uniform, on_device, signed64,
+                                           stream_table, uniform_rows, uniforms)
 
 # The sampling fields, defined once: every schema that samples (SamplingParams, the HTTP bodies, the
 # rollout and evaluation configs) uses these types, with its own default.
@@ -105,51 +108,7 @@ def _nucleus(probs: Tensor, top_p: float) -> Tensor:
     return kept / kept.sum(-1, keepdim=True)
 
 
-# ---- counter-based randomness keyed by output position ----------------------------------------------
-_MASK64 = 2**64 - 1
-
-
-def _mix64(x: int) -> int:
-    """splitmix64's finaliser: a bijection of 64-bit integers that scatters nearby inputs."""
-    x = (x + 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
-
-
-def _signed(c: int) -> int:
-    return c - 2**64 if c >= 2**63 else c
-
-
-def _mix64_tensor(x: Tensor) -> Tensor:
-    """`_mix64` on int64 tensors (two's-complement wrap-around is arithmetic mod 2**64; `>>` on int64 is
-    arithmetic, so the shifted-in sign bits are masked off to make it the logical shift)."""
-    def lsr(v: Tensor, k: int) -> Tensor:
-        return (v >> k) & ((1 << (64 - k)) - 1)
-    x = x + _signed(0x9E3779B97F4A7C15)
-    x = (x ^ lsr(x, 30)) * _signed(0xBF58476D1CE4E5B9)
-    x = (x ^ lsr(x, 27)) * _signed(0x94D049BB133111EB)
-    return x ^ lsr(x, 31)
-
-
-def keyed_gumbel(seeds: Tensor, positions: Tensor, vocab_size: int) -> Tensor:
-    """Counter-based Gumbel noise on the device: g [N, V] float64, g[i, x] a function of (seeds[i],
-    positions[i], x) alone: u = the top 53 bits of splitmix64(splitmix64(splitmix64(seed) ^ position) ^ x),
-    g = -log(-log u) (u = 0 gives -inf: never chosen). No generator state, no host round trip: the noise of
-    every row of a step in one call (`KeyedNoise`, `sample_keyed`)."""
-    row = _mix64_tensor(_mix64_tensor(seeds.long().reshape(-1, 1)) ^ positions.long().reshape(-1, 1))
-    bits = _mix64_tensor(row ^ torch.arange(vocab_size, device=row.device))
-    u = ((bits >> 11) & ((1 << 53) - 1)).double() * 2.0**-53
-    return -torch.log(-torch.log(u))
-
-
-def keyed_uniform(seeds: Tensor, positions: Tensor) -> Tensor:
-    """Counter-based uniforms on the device: u [N] float64 in [0, 1), u[i] a function of (seeds[i],
-    positions[i]) alone (the top 53 bits of splitmix64(splitmix64(seed) ^ position))."""
-    x = _mix64_tensor(_mix64_tensor(seeds.long()) ^ positions.long())
-    return ((x >> 11) & ((1 << 53) - 1)).double() * 2.0**-53
-
-
+# ---- target-only tokens keyed by (seed, position) ------------------------------------------------
 def sample_keyed(logits: Tensor, samplings: Sequence[SamplingParams], seeds: Sequence[int],
                  positions: Sequence[int], gumbel: Sequence[bool] | None = None) -> Tensor:
     """One target-only token per row of logits [R, V], drawn from to_probs(logits[r], samplings[r]) with
@@ -160,7 +119,7 @@ def sample_keyed(logits: Tensor, samplings: Sequence[SamplingParams], seeds: Seq
     together (usually all of them: one call, no per-row work)."""
     dev, rows_n = logits.device, logits.shape[0]
     gumbel = list(gumbel) if gumbel is not None else [False] * rows_n
-    keys = torch.tensor([_signed(s & _MASK64) for s in seeds], device=dev)
+    keys = torch.tensor([signed64(s) for s in seeds], device=dev)
     where = torch.tensor(list(positions), device=dev)
     tokens = torch.empty(rows_n, dtype=torch.long, device=dev)
     groups: dict[tuple, tuple[SamplingParams, list[int]]] = {}
@@ -181,14 +140,6 @@ def sample_keyed(logits: Tensor, samplings: Sequence[SamplingParams], seeds: Seq
         noise = keyed_gumbel(keys[by_gumbel], where[by_gumbel], logits.shape[-1])
         tokens[by_gumbel] = (probs[mask].double().log() + noise).argmax(-1)
     return tokens
-
-
-def derive_seed(seed: int, *keys: int) -> int:
-    """A seed in [0, 2**63) that is a function of (seed, keys) alone (e.g. (request seed, position))."""
-    x = _mix64(seed & _MASK64)
-    for key in keys:
-        x = _mix64(x ^ (key & _MASK64))
-    return x >> 1
 
 
 class KeyedNoise:
@@ -217,7 +168,7 @@ class KeyedNoise:
     def gumbel(self, position: int) -> Tensor:
         g = self._noise.get(position)
         if g is None:
-            g = self._noise[position] = keyed_gumbel(torch.tensor([_signed(self.seed & _MASK64)], device=self.device),
+            g = self._noise[position] = keyed_gumbel(torch.tensor([signed64(self.seed)], device=self.device),
                                                      torch.tensor([position], device=self.device), self.vocab_size)[0]
         return g
 
@@ -268,14 +219,16 @@ def accept_keyed(draft_tokens: Tensor, target_probs: Tensor, noise: KeyedNoise, 
 
 # One generator for every row, or one per row (a list: per-request randomness in the batched engine);
 # a KeyedNoise draws by position instead of from a stream.
-Generators = Union[torch.Generator, KeyedNoise, Sequence[Union[torch.Generator, KeyedNoise]], None]
+# A request's stream is a CounterStream (the engine's: drawn for all requests in one call) or a torch.Generator.
+Generators = Union[torch.Generator, CounterStream, KeyedNoise,
+                   Sequence[Union[torch.Generator, CounterStream, KeyedNoise]], None]
 
 
 def _single(generator) -> bool:
-    return generator is None or isinstance(generator, (torch.Generator, KeyedNoise))
+    return generator is None or isinstance(generator, (torch.Generator, CounterStream, KeyedNoise))
 
 
-def _to_generator_device(t: Tensor, generator: torch.Generator | None) -> Tensor:
+def _to_generator_device(t: Tensor, generator: torch.Generator | CounterStream | None) -> Tensor:
     return t if generator is None or t.device == generator.device else t.to(generator.device)
 
 
@@ -291,49 +244,43 @@ def rows_generators(generator: Generators, counts: Sequence[int]) -> Generators:
     return [g for g, c in zip(generator, counts) for _ in range(int(c))]
 
 
-def host_values(values: Sequence[int], device) -> Tensor:
-    """Host ints as a LongTensor on `device` without waiting for the device: on an accelerator the copy goes
-    from pinned memory, queued behind the work already issued (a pageable copy would wait for it)."""
-    t = torch.tensor(list(values), dtype=torch.long)
-    return t if torch.device(device).type == "cpu" else t.pin_memory().to(device, non_blocking=True)
-
-
 def block_uniforms(generator: Generators, gammas: Sequence[int], device) -> Tensor:
     """A drafted block's uniforms, drawn before drafting: u [R, max γ] float64 on `device`, entry (r, k) for
-    k < γ_r, request-major (request r's γ_r draws in one call from its stream: on a CPU stream the very values
-    γ_r single draws give), 0 past γ_r and for requests drawing by position (KeyedNoise: nothing drawn)."""
+    k < γ_r, request-major (request r's γ_r draws in one take from its stream: the very values γ_r single draws
+    give), 0 past γ_r and for requests drawing by position (KeyedNoise: nothing drawn). One stream for all:
+    every draw in one call; counter streams: every request's draws in one call."""
     per_request = [generator] * len(gammas) if _single(generator) else list(generator)
     if len(per_request) != len(gammas):
         raise ValueError(f"{len(per_request)} generators for {len(gammas)} requests; pass one per request")
     counts, width = [0 if isinstance(g, KeyedNoise) else int(n) for g, n in zip(per_request, gammas)], max(gammas)
+    if all(isinstance(g, (CounterStream, KeyedNoise)) for g in per_request):  # the engine's: one hash, one copy
+        return on_device(stream_table(per_request, counts, width), device)
     if _single(generator) and not isinstance(generator, KeyedNoise):  # one stream: every draw in one call
-        on = device if generator is None else generator.device
-        rows = torch.rand(sum(counts), generator=generator, device=on, dtype=torch.float64).to(device).split(counts)
+        rows = uniform_rows([generator], [sum(counts)], device)[0].split(counts)
     else:  # a stream per request (a keyed request draws nothing)
-        rows = [torch.rand(n, generator=g, device=device if g is None else g.device, dtype=torch.float64).to(device)
-                if n else torch.zeros(0, dtype=torch.float64, device=device) for g, n in zip(per_request, counts)]
+        rows = uniform_rows([None if isinstance(g, KeyedNoise) else g for g in per_request], counts, device)
     if min(counts) == width:  # every request draws the whole block
         return torch.stack(list(rows))
     u = torch.nn.utils.rnn.pad_sequence(list(rows), batch_first=True)
     return u if u.shape[1] == width else torch.nn.functional.pad(u, (0, width - u.shape[1]))
 
 
-def _row_uniforms(generators: Sequence[torch.Generator], rows: int, device) -> Tensor:
+def _row_uniforms(generators: Sequence, rows: int, device) -> Tensor:
     """u [rows, 1] float64 with row i drawn from generators[i]; consecutive rows that share a generator
-    are drawn in one call, so one request's rows consume its stream exactly as a single-generator
-    `sample` over those rows alone would."""
+    are drawn in one take, so one request's rows consume its stream exactly as a single-generator
+    `sample` over those rows alone would (and counter streams are all drawn in one call)."""
     if len(generators) != rows:
         raise ValueError(f"{len(generators)} generators for {rows} sampled rows; pass one per row")
-    draws, i = [], 0
-    while i < rows:
-        j = i
-        while j < rows and generators[j] is generators[i]:
-            j += 1
-        g = generators[i]
-        dev = device if g is None else g.device
-        draws.append(torch.rand(j - i, 1, generator=g, device=dev, dtype=torch.float64).to(device))
-        i = j
-    return torch.cat(draws) if draws else torch.empty(0, 1, dtype=torch.float64, device=device)
+    streams, counts = [], []
+    for g in generators:
+        if streams and g is streams[-1]:
+            counts[-1] += 1
+        else:
+            streams.append(g)
+            counts.append(1)
+    if not streams:
+        return torch.empty(0, 1, dtype=torch.float64, device=device)
+    return torch.cat(uniform_rows(streams, counts, device))[:, None]
 
 
 def sample(probs: Tensor, generator: Generators = None) -> Tensor:
@@ -352,16 +299,15 @@ def sample(probs: Tensor, generator: Generators = None) -> Tensor:
     if per_row:
         u = _row_uniforms(list(generator), flat.shape[0], flat.device)
     else:
-        u = torch.rand(flat.shape[0], 1, generator=generator, device=flat.device, dtype=torch.float64)
+        u = uniforms(generator, (flat.shape[0], 1), flat.device)
     return inverse_cdf(flat, u).reshape(probs.shape[:-1])
 
 
-def draw_distinct(probs: Tensor, n: int, generator: torch.Generator | None = None) -> Tensor:
+def draw_distinct(probs: Tensor, n: int, generator: torch.Generator | CounterStream | None = None) -> Tensor:
     """min(n, V) distinct tokens per row of probs [R, V] -> [R, n'], in the order sequential sampling
     without replacement draws them (Gumbel top-n: the j-th is drawn from `sibling_proposals`' row j).
     Tokens of probability 0 come last, once the row's support is used up (their proposal row is 0)."""
-    u = torch.rand(probs.shape, generator=generator, device=generator.device if generator is not None else probs.device,
-                   dtype=torch.float64).to(probs.device)
+    u = uniforms(generator, probs.shape, probs.device)
     keys = probs.double().log() - torch.log(-torch.log(u.clamp(1e-300, 1 - 1e-16)))  # log p + Gumbel noise
     return keys.topk(min(n, probs.shape[-1]), dim=-1).indices
 
@@ -404,7 +350,7 @@ def inverse_cdf(probs: Tensor, u: Tensor) -> Tensor:
 
 
 def accept_drafts(draft_tokens: Tensor, draft_probs: Tensor, target_probs: Tensor,
-                  generator: torch.Generator | None = None) -> tuple[int, int]:
+                  generator: torch.Generator | CounterStream | None = None) -> tuple[int, int]:
     """Speculative rejection sampling. draft_tokens [n], draft_probs [n, V], target_probs [n+1, V]
     (row n = the bonus distribution). Returns (n_accepted, next_token).
 
@@ -419,7 +365,7 @@ def accept_drafts(draft_tokens: Tensor, draft_probs: Tensor, target_probs: Tenso
                                                for t in (draft_tokens, draft_probs, target_probs))
     rows = torch.arange(n, device=draft_tokens.device)
     p_t, p_d = target_probs[rows, draft_tokens], draft_probs[rows, draft_tokens]
-    u = torch.rand(n, generator=generator, device=draft_tokens.device)
+    u = uniforms(generator, (n,), draft_tokens.device, torch.float32)
     accepted = (u * p_d < p_t).long()  # P(u < p_t/p_d) = min(1, p_t/p_d) for u ~ U[0, 1)
     n_acc = int(accepted.cumprod(0).sum())  # length of the accepted prefix
     if n_acc == n:  # all accepted: bonus token from the target at position n+1

@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 
 from dspark.decoding.batched_cache import tree_visibility
+from dspark.decoding.counter_random import uniforms
 from dspark.decoding.sampling import KeyedNoise, SamplingParams, rejection_residual, sample, to_probs
 from dspark.decoding.specdec import GenerationResult, RoundStats, generate_rounds
 
@@ -80,7 +81,7 @@ def accept_tree(tokens: Tensor, parents: list[int], draft_probs: Tensor, target_
         residual = target_probs[at + 1]
         for child in children.get(at, []):
             x, q = token_ids[child], draft_probs[child]
-            if float(torch.rand((), generator=generator, device=device)) * q[x] < residual[x]:
+            if float(uniforms(generator, (), device, torch.float32)) * q[x] < residual[x]:
                 path.append(child)
                 at = child
                 break

@@ -22,8 +22,9 @@ from torch import Tensor, nn
 from dspark.drafters import draft_vocab
 from dspark.drafters.config import DrafterConfig
 from dspark.drafters.layers import KVBuffer, Rotary
-from dspark.decoding.sampling import (Generators, KeyedNoise, SamplingParams, block_uniforms, host_values,
-                                     inverse_cdf, rows_generators, sample, to_probs)
+from dspark.decoding.counter_random import host_values
+from dspark.decoding.sampling import (Generators, KeyedNoise, SamplingParams, block_uniforms, inverse_cdf,
+                                     rows_generators, sample, to_probs)
 from dspark.decoding.tree_specdec import DraftTree  # noqa: F401 - what draft_trees returns (decoding verifies it)
 from dspark.models.small_batch_linear import use_small_batch_linear
 
@@ -374,11 +375,12 @@ def drafting_rows(gammas: list[int], k: int, generator: Generators, device=None)
 
 class BlockDraws:
     """The random draws of one drafted block [R, max γ], position by position. Requests drawing from streams
-    (torch generators: one for all, or one per request) have every uniform drawn up front (`block_uniforms`), so
+    (counter streams or torch generators: one for all, or one per request) have every uniform drawn up front
+    (`block_uniforms`: counter streams of all requests in one call), so
     a position costs one `inverse_cdf` over all rows and no host work; requests drawing by position (KeyedNoise)
     are drawn by their key at each position they draft. Rows past their γ_r get a token never returned.
     `up_front = False` (class switch, for references and benchmarks): the streams are drawn position by position
-    instead — on a CPU stream the very same values; a CUDA stream's values differ (same distribution)."""
+    instead — on a counter stream or a CPU generator the very same values; a CUDA generator's differ (same law)."""
 
     up_front = True
 

@@ -12,7 +12,7 @@ from typing import Protocol
 
 from dspark.decoding.constraint import TokenConstraint, response_format_constraint
 from dspark.decoding.engine import Engine, EngineUnavailableError, QueueFullError, Request, TokenLogprob
-from dspark.decoding.sampling import derive_seed
+from dspark.decoding.counter_random import derive_seed
 from dspark.serve.config import PROMPT_CHARS_PER_TOKEN, ServeConfig, served_name
 from dspark.serve.protocol import ApiError, ChatBody, CompletionBody, ModelList, RequestBody, ServedModel
 from dspark.serve.prometheus import PrometheusMetrics

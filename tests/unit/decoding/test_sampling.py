@@ -108,7 +108,8 @@ def test_counter_based_draws_are_functions_of_seed_and_position_and_follow_the_d
     """keyed_uniform / keyed_gumbel (device-side, no generator): the same (seed, position) gives the same value
     whatever else is in the call; sample_keyed's inverse-CDF and Gumbel-max draws follow to_probs exactly
     (χ² over 20k positions), and its Gumbel rows are KeyedNoise's tokens."""
-    from dspark.decoding.sampling import KeyedNoise, keyed_gumbel, keyed_uniform, sample_keyed
+    from dspark.decoding.counter_random import keyed_gumbel, keyed_uniform
+    from dspark.decoding.sampling import KeyedNoise, sample_keyed
 
     seeds, positions = torch.tensor([7, 7, 8, -3]), torch.tensor([0, 1, 0, 5])
     u = keyed_uniform(seeds, positions)

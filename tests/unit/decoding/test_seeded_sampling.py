@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from dspark.decoding.engine import Engine, EngineConfig
-from dspark.decoding.sampling import KeyedNoise, SamplingParams, derive_seed, sample
+from dspark.decoding.counter_random import derive_seed
+from dspark.decoding.sampling import KeyedNoise, SamplingParams, sample
 from dspark.decoding.scheduler import SchedulerConfig
 from dspark.drafters import DrafterConfig, build_drafter
 from tests.lossless_stats import chi2_pvalue, exact_joint

@@ -352,6 +352,11 @@ class RowSampling:
         self.groups = [(sps[rows[0]], rows) for rows in groups.values()]
         self._indices: dict[torch.device, list[Tensor]] = {}  # the groups' rows on a device, made once
 
+    @property
+    def single(self) -> bool:
+        """Every row samples with the same parameters."""
+        return len(self.groups) == 1
+
     def probs(self, logits: Tensor) -> Tensor:
         if len(self.groups) == 1:
             return to_probs(logits, self.sps[0])
@@ -389,6 +394,12 @@ class BlockDraws:
         per_request = list(generator) if isinstance(generator, (list, tuple)) else [generator] * len(gammas)
         self.keyed = [(r, g) for r, g in enumerate(per_request) if isinstance(g, KeyedNoise)]
         self.uniforms = block_uniforms(generator, gammas, device) if self.up_front else None
+
+    @property
+    def from_table(self) -> bool:
+        """Every draw comes from the uniform table (no keyed request): position k's tokens are a pure function
+        of its probabilities and column k (what a captured graph of the γ-loop needs)."""
+        return self.uniforms is not None and not self.keyed
 
     def draw(self, probs: Tensor, k: int) -> tuple[slice | Tensor, Tensor]:
         """probs [R, N] of position k -> (the rows drawn, their tokens in probs' columns)."""

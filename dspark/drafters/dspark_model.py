@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from dspark.drafters import chain_capture
 from dspark.drafters.base import (BlockDraws, DraftProposal, DraftTrainOut, DraftTree, RowSampling,
                                   selected_tokens, split_proposals)
 from dspark.drafters.config import DrafterConfig
@@ -89,25 +90,38 @@ class DSparkDrafter(DFlashDrafter):
         With a draft vocabulary everything runs on its N columns; x_k is mapped to its target id (what
         W1 reads next) and the returned rows are extended by zeros to V."""
         u = self.lm_logits(h)  # [R, G, N]: all base logits in one LM-head call
+        draws = BlockDraws(generator, gammas, self.device)
+        if draws.from_table and rows.single and chain_capture.wanted(self):  # the γ-loop as one captured graph
+            tokens, probs, conf_logits = chain_capture.run(self, u, h, anchors, draws.uniforms, rows.sps[0])
+        else:
+            tokens, probs, conf_logits = self.draft_chain(u, h, anchors, rows.probs, draws.draw)
+        conf = None if conf_logits is None else self.confidences(conf_logits)
+        return split_proposals(tokens, self.full_vocab_probs(probs), conf, gammas)
+
+    def draft_chain(self, u: Tensor, h: Tensor, anchors: Tensor, probs_of,
+                    draw) -> tuple[Tensor, Tensor, Tensor | None]:
+        """`sample_blocks`' γ-loop: u [R, G, N] base logits, h [R, G, d], anchors [R]; probs_of(logits [R, N]) ->
+        probs; draw(probs [R, N], k) -> (rows drawn, their draft ids) -> tokens [R, G] (target ids), probs
+        [R, G, N], confidence logits [R, G] or None. Tensors only between positions (no host reads), so with a
+        draw from a uniform table and one sampling setting torch.compile captures it whole (`chain_capture`)."""
         head, conf_head = self.markov_head, self.confidence_head
-        tokens = torch.zeros(u.shape[:2], dtype=torch.long, device=self.device)  # [R, G]
-        probs = torch.empty(u.shape, dtype=torch.float32, device=self.device)
+        tokens = torch.zeros(u.shape[:2], dtype=torch.long, device=u.device)  # [R, G]
+        probs = torch.empty(u.shape, dtype=torch.float32, device=u.device)
         state = None if head is None else head.initial_state(h[:, 0])
-        prev, conf_logits, draws = anchors, [], BlockDraws(generator, gammas, self.device)
+        prev, conf_logits = anchors, []
         for k in range(h.shape[1]):
             prev_emb = self.prev_embed(prev)  # [R, r]
             logits = u[:, k]
             if head is not None:
                 state, bias = head.step(state, prev_emb, h[:, k])
                 logits = logits + bias.float()
-            probs[:, k] = rows.probs(logits)
-            live, drawn = draws.draw(probs[:, k], k)
+            probs[:, k] = probs_of(logits)
+            live, drawn = draw(probs[:, k], k)
             tokens[live, k] = self.to_target_ids(drawn)
             if conf_head is not None:
                 conf_logits.append(conf_head(h[:, k], prev_emb))
             prev = tokens[:, k]
-        conf = self.confidences(torch.stack(conf_logits, dim=-1)) if conf_logits else None
-        return split_proposals(tokens, self.full_vocab_probs(probs), conf, gammas)
+        return tokens, probs, torch.stack(conf_logits, dim=-1) if conf_logits else None
 
     @torch.no_grad()
     def draft_tree(self, state, anchor: int, gamma: int, branching: tuple[int, ...], sampling: SamplingParams,

@@ -1,0 +1,85 @@
+"""DSpark's γ-loop captured as one graph (dspark.drafters.chain_capture): it traces without a graph break (what a
+CUDA graph needs), and the captured loop proposes exactly what the eager loop proposes from the same streams
+(Markov and RNN heads, confidences, a draft vocabulary, a batch padded to a power of two, greedy and sampled);
+if capturing fails the drafter warns once and drafts eager. Traced with the aot_eager backend (the same graph
+inductor would compile, without a C++ build)."""
+import pytest
+import torch
+
+import dspark.drafters.chain_capture as chain_capture
+from dspark.decoding.counter_random import CounterStream
+from dspark.decoding.sampling import SamplingParams
+from dspark.drafters import DrafterConfig, build_drafter
+from tests.tiny_models import build_tiny_model
+
+VOCAB = 16
+
+
+def _drafter_and_states(head: str, draft_ids: list[int] | None, rows: int = 3):
+    target = build_tiny_model(vocab_size=VOCAB)
+    torch.manual_seed(0)
+    cfg = DrafterConfig(algo="dspark", head=head, rank=8, block_size=4, num_layers=2,
+                        draft_vocab_size=None if draft_ids is None else len(draft_ids))
+    drafter = build_drafter(cfg, target, draft_ids=None if draft_ids is None else torch.tensor(draft_ids)).eval()
+    ids = torch.randint(0, VOCAB, (rows, 8), generator=torch.Generator().manual_seed(4))
+    feats = target.forward(ids, layer_ids=drafter.layer_ids, logits_at=None).features
+    states = []
+    for r in range(rows):
+        states.append(drafter.new_state())
+        drafter.extend_context(states[-1], feats[r, :7], ids[r, :7])
+    return drafter, states, ids[:, 7].tolist()
+
+
+def _propose(drafter, states, anchors, gammas, sp):
+    streams = [CounterStream(10 + r, "cpu") for r in range(len(states))]
+    return drafter.propose_batch(states, anchors, gammas, sp, streams)
+
+
+def test_the_loop_traces_as_one_graph():
+    drafter, _, _ = _drafter_and_states("rnn", None)
+    gen = torch.Generator().manual_seed(0)
+    u, h = torch.randn(4, 3, VOCAB, generator=gen), torch.randn(4, 3, drafter.hidden_size, generator=gen)
+    anchors, uniforms = torch.tensor([1, 2, 3, 4]), torch.rand(4, 3, generator=gen, dtype=torch.float64)
+    params = chain_capture.ChainParams.of(SamplingParams(temperature=0.8, top_k=5))
+    whole = torch.compile(chain_capture.chain_from_uniforms, backend="aot_eager", fullgraph=True)  # raises on a break
+    with torch.no_grad():
+        traced, eager = (f(drafter, u, h, anchors, uniforms, params)
+                         for f in (whole, chain_capture.chain_from_uniforms))
+    assert all(torch.equal(a, b) for a, b in zip(traced, eager))
+
+
+@pytest.mark.parametrize("head,draft_ids", [("markov", None), ("rnn", [0, 2, 3, 5, 7, 9, 11, 12])])
+@pytest.mark.parametrize("sp", [SamplingParams(temperature=1.0), SamplingParams(temperature=0)])
+def test_the_captured_loop_proposes_what_the_eager_loop_proposes(monkeypatch, head, draft_ids, sp):
+    drafter, states, anchors = _drafter_and_states(head, draft_ids)
+    gammas = [4, 2, 3]
+    eager = _propose(drafter, states, anchors, gammas, sp)
+    monkeypatch.setattr(chain_capture, "BACKEND", "aot_eager")
+    monkeypatch.setattr(chain_capture, "wanted", lambda d: True)
+    calls = []
+    real = chain_capture.run
+    monkeypatch.setattr(chain_capture, "run", lambda *a: calls.append(a[1].shape[0]) or real(*a))
+    captured = _propose(drafter, states, anchors, gammas, sp)
+    assert calls == [3] and not drafter.__dict__.get("_chain_capture_failed")  # 3 rows (4 inside), no fallback
+    for a, b in zip(eager, captured):
+        assert torch.equal(a.tokens, b.tokens) and torch.equal(a.probs, b.probs)
+        assert torch.equal(a.confidences, b.confidences)
+    assert [len(p.tokens) for p in captured] == gammas
+
+
+def test_a_failed_capture_warns_once_and_drafts_eager(monkeypatch, caplog):
+    drafter, states, anchors = _drafter_and_states("markov", None)
+    sp = SamplingParams(temperature=1.0)
+    eager = _propose(drafter, states, anchors, [3, 3, 3], sp)
+
+    def broken(device):
+        raise RuntimeError("no compiler here")
+
+    monkeypatch.setattr(chain_capture, "_compiled_chain", broken)
+    monkeypatch.setattr(chain_capture, "default_mode", lambda: "compiled")
+    assert chain_capture.wanted(drafter)
+    first = _propose(drafter, states, anchors, [3, 3, 3], sp)
+    assert "drafting it eager" in caplog.text and not chain_capture.wanted(drafter)
+    assert all(torch.equal(a.tokens, b.tokens) for a, b in zip(eager, first))
+    again = _propose(drafter, states, anchors, [3, 3, 3], sp)
+    assert all(torch.equal(a.tokens, b.tokens) for a, b in zip(eager, again))

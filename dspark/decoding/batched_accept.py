@@ -21,7 +21,8 @@ from torch import Tensor
 from torch.nn.utils.rnn import pad_sequence
 
 from dspark.decoding.counter_random import all_counter_streams, on_device, round_down, stream_table, uniform_rows
-from dspark.decoding.sampling import KeyedNoise, accept_drafts, check_accept_shapes, inverse_cdf, residual_weights
+from dspark.decoding.sampling import (KeyedNoise, accept_drafts, check_accept_shapes, inverse_cdf, prefetch_noise,
+                                     residual_weights)
 
 
 def acceptance_uniforms(generators: Sequence, lengths: Sequence[int], device) -> tuple[Tensor, Tensor]:
@@ -106,6 +107,11 @@ def accept_keyed_rows(drafts: Sequence[Sequence[int]], target_probs: Sequence[Te
     tokens at output positions positions[r] .. + n_r (on the device; target_probs[r] [n_r + 1, V]), read back
     together and compared on the host with the drafts (host ints: the drafter's tokens are there already).
     Per row exactly `accept_keyed`'s (n_accepted, next_token), or the exception its row raised (it fails alone)."""
+    try:  # every row's missing noise in one call (usually the bonus positions: the drafts' were made drafting)
+        prefetch_noise([(noise, p) for x, noise, at in zip(drafts, noises, positions)
+                        for p in range(at, at + len(x) + 1)])
+    except Exception:  # noqa: BLE001 — each row then makes its own noise below, and a bad one fails alone
+        pass
     picked = []  # per row: its tokens [n_r + 1] on the device, or its error
     for x, p, noise, at in zip(drafts, target_probs, noises, positions):
         try:

@@ -207,6 +207,21 @@ class KeyedNoise:
         return self.argmax(probs, positions)
 
 
+def prefetch_noise(pairs: Sequence[tuple[KeyedNoise, int]]) -> None:
+    """Make the missing noise of (noise, output position) pairs in one `keyed_gumbel` call per (vocabulary,
+    device) — a step's keyed rows: every position of their drafted blocks, or of their verify rows — instead of
+    one call per pair. Each row of keyed_gumbel is computed alone (elementwise), so the noise is the same."""
+    groups: dict[tuple, dict[tuple[int, int], tuple[KeyedNoise, int]]] = {}
+    for noise, position in pairs:
+        if position not in noise._noise:
+            groups.setdefault((noise.vocab_size, noise.device), {})[(id(noise), position)] = (noise, position)
+    for (vocab, device), missing in groups.items():
+        seeds = torch.tensor([signed64(n.seed) for n, _ in missing.values()], device=device)
+        positions = torch.tensor([p for _, p in missing.values()], device=device)
+        for (noise, position), g in zip(missing.values(), keyed_gumbel(seeds, positions, vocab)):
+            noise._noise[position] = g
+
+
 def accept_keyed(draft_tokens: Tensor, target_probs: Tensor, noise: KeyedNoise, position: int) -> tuple[int, int]:
     """The keyed counterpart of `accept_drafts` (see `KeyedNoise`): target_probs [n+1, V], row k the
     distribution of output position `position + k`. Draft k is accepted iff it equals the target's

@@ -24,7 +24,7 @@ from dspark.drafters.config import DrafterConfig
 from dspark.drafters.layers import KVBuffer, Rotary
 from dspark.decoding.counter_random import host_values
 from dspark.decoding.sampling import (Generators, KeyedNoise, SamplingParams, block_uniforms, inverse_cdf,
-                                     rows_generators, sample, to_probs)
+                                     prefetch_noise, rows_generators, sample, to_probs)
 from dspark.decoding.tree_specdec import DraftTree  # noqa: F401 - what draft_trees returns (decoding verifies it)
 from dspark.models.small_batch_linear import use_small_batch_linear
 
@@ -394,6 +394,8 @@ class BlockDraws:
         per_request = list(generator) if isinstance(generator, (list, tuple)) else [generator] * len(gammas)
         self.keyed = [(r, g) for r, g in enumerate(per_request) if isinstance(g, KeyedNoise)]
         self.uniforms = block_uniforms(generator, gammas, device) if self.up_front else None
+        # keyed rows draw position by position, from noise made for the whole block at once
+        prefetch_noise([(noise, noise.cursor + k) for r, noise in self.keyed for k in range(gammas[r])])
 
     @property
     def from_table(self) -> bool:

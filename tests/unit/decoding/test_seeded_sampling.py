@@ -106,3 +106,20 @@ def test_stream_seeded_sampling_is_still_available(wide_target):
     engine2 = Engine(wide_target, _drafter(wide_target), EngineConfig(
         scheduler=SchedulerConfig(mode="fixed"), seeded_sampling="stream", seed=None))
     assert engine2.generate([prompt], sp, max_new_tokens=8, stop_ids=[], seeds=[5])[0].tokens == req.tokens
+
+
+def test_a_steps_keyed_noise_is_made_in_one_call_and_is_the_same(monkeypatch):
+    """`prefetch_noise`: the missing noise of several requests' positions in one keyed_gumbel call, equal to what
+    each KeyedNoise makes alone; positions already made are not made again."""
+    import dspark.decoding.sampling as sampling
+
+    alone = [KeyedNoise(seed, VOCAB, "cpu") for seed in (3, 4)]
+    expected = {(i, p): alone[i].gumbel(p) for i in range(2) for p in range(5, 9)}
+    noises = [KeyedNoise(seed, VOCAB, "cpu") for seed in (3, 4)]
+    noises[0].gumbel(5)  # already made: not asked again
+    calls = []
+    real = sampling.keyed_gumbel
+    monkeypatch.setattr(sampling, "keyed_gumbel", lambda s, p, v: calls.append(p.tolist()) or real(s, p, v))
+    sampling.prefetch_noise([(noises[i], p) for i in range(2) for p in range(5, 9)])
+    assert calls == [[6, 7, 8, 5, 6, 7, 8]]
+    assert all(torch.equal(noises[i].gumbel(p), g) for (i, p), g in expected.items()) and len(calls) == 1

@@ -207,6 +207,18 @@ class KeyedNoise:
         return self.argmax(probs, positions)
 
 
+def draw_keyed_rows(noises: Sequence[KeyedNoise], probs: Tensor) -> Tensor:
+    """Row i of probs [n, V or N] drawn by noises[i] at its next position — each row's `KeyedNoise.draw` — in one
+    argmax over the stacked noise (rows of one drafter share its draft-vocabulary columns; otherwise row by row)."""
+    first = noises[0]
+    if any(n.columns is not first.columns or n.device != first.device for n in noises):
+        return torch.cat([n.draw(probs[i:i + 1]).to(first.device) for i, n in enumerate(noises)])
+    g = torch.stack([n.gumbel(n.cursor) for n in noises])
+    for n in noises:
+        n.cursor += 1
+    return first._keys(probs, g).argmax(-1)
+
+
 def prefetch_noise(pairs: Sequence[tuple[KeyedNoise, int]]) -> None:
     """Make the missing noise of (noise, output position) pairs in one `keyed_gumbel` call per (vocabulary,
     device) — a step's keyed rows: every position of their drafted blocks, or of their verify rows — instead of

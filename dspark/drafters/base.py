@@ -23,8 +23,8 @@ from dspark.drafters import draft_vocab
 from dspark.drafters.config import DrafterConfig
 from dspark.drafters.layers import KVBuffer, Rotary
 from dspark.decoding.counter_random import host_values
-from dspark.decoding.sampling import (Generators, KeyedNoise, SamplingParams, block_uniforms, inverse_cdf,
-                                     prefetch_noise, rows_generators, sample, to_probs)
+from dspark.decoding.sampling import (Generators, KeyedNoise, SamplingParams, block_uniforms, draw_keyed_rows,
+                                     inverse_cdf, prefetch_noise, rows_generators, sample, to_probs)
 from dspark.decoding.tree_specdec import DraftTree  # noqa: F401 - what draft_trees returns (decoding verifies it)
 from dspark.models.small_batch_linear import use_small_batch_linear
 
@@ -409,9 +409,10 @@ class BlockDraws:
             live, live_generators = drafting_rows(self.gammas, k, self.generator, probs.device)
             return live, sample(probs[live], live_generators).to(probs.device)
         tokens = inverse_cdf(probs, self.uniforms[:, k:k + 1])
-        for r, noise in self.keyed:
-            if k < self.gammas[r]:
-                tokens[r] = noise.draw(probs[r:r + 1]).to(probs.device)[0]
+        keyed = [(r, noise) for r, noise in self.keyed if k < self.gammas[r]]
+        if keyed:  # every keyed row drafting position k in one argmax
+            rows = host_values([r for r, _ in keyed], probs.device)
+            tokens[rows] = draw_keyed_rows([noise for _, noise in keyed], probs[rows]).to(probs.device)
         return slice(None), tokens
 
 

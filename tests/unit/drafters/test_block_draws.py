@@ -109,3 +109,18 @@ def test_drafters_propose_the_same_tokens_either_way(monkeypatch, algo, head, dr
     assert out[True] == out[False] and [len(t) for t in out[True]] == gammas
     if draft_ids is not None:
         assert all(t in draft_ids for row in out[True] for t in row)
+
+
+def test_several_keyed_requests_draw_a_position_together_as_each_would_alone(monkeypatch):
+    """Keyed rows drafting position k are drawn in one argmax (`draw_keyed_rows`): the same tokens as each
+    request's own position-by-position draws, and each cursor ends after its own γ."""
+    gammas, probs = [3, 1, 3, 2], _probs(4, 3, 9, seed=5)
+
+    def generators():
+        return [KeyedNoise(seed=7, vocab_size=9, device="cpu"), KeyedNoise(seed=8, vocab_size=9, device="cpu"),
+                torch.Generator().manual_seed(2), KeyedNoise(seed=9, vocab_size=9, device="cpu")]
+
+    together = generators()
+    assert _drawn(probs, gammas, together, True, monkeypatch) == _drawn(probs, gammas, generators(), False,
+                                                                         monkeypatch)
+    assert [together[i].cursor for i in (0, 1, 3)] == [3, 1, 2]

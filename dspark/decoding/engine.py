@@ -35,8 +35,9 @@ Randomness: without a drafter (mode off: rollouts, target-only serving) every to
 with counter-based randomness keyed by (the request's seed, output position), all rows in one call
 (`sample_keyed`; a keyed seeded request gets the Gumbel-max token below); so does a drafting engine's step
 where no row verifies a draft. Otherwise every request draws from its own counter-based stream of uniforms
-(`counter_random.CounterStream`: draw i = a hash of (key, i), made on the target's device, every request's draws
-of a step in one call), keyed by the request's `seed` or, without one, by the engine's seed stream (EngineConfig.seed).
+(`counter_random.CounterStream`: draw i = a hash of (key, i); every request's draws of a step hashed together
+on the host and copied to the device once), keyed by the request's `seed` or, without one, by the engine's
+seed stream (EngineConfig.seed).
 Its prefill sample, its drafts and its acceptance draws come from that stream only, so a request's random
 draws never depend on the other requests in the batch; but how many draws a round consumes depends
 on its verify length, which the dynamic/async_topk schedulers and the draft gate choose over the

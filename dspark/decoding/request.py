@@ -10,7 +10,6 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Callable
 
-
 from dspark.decoding.counter_random import CounterStream
 from dspark.decoding.sampling import KeyedNoise, SamplingParams
 

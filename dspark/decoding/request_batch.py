@@ -62,7 +62,7 @@ class RequestBatch:
     # ---- queue -------------------------------------------------------------------------------
     def _enqueue(self, req: Request, device: torch.device) -> None:
         """Queue a built request (thread-safe) with its own uniform stream on `device` (a CounterStream: every
-        request's draws of a step come from one device call), keyed by req.seed or from the engine's seed stream.
+        request's draws of a step reach the device in one copy), keyed by req.seed or from the engine's seed stream.
         Raises EngineUnavailableError / QueueFullError."""
         with self._lock:
             if not self.healthy or self._stop:

@@ -166,11 +166,9 @@ class KeyedNoise:
         self._noise: dict[int, Tensor] = {}  # position -> g [V] float64 (drafts and verify share it)
 
     def gumbel(self, position: int) -> Tensor:
-        g = self._noise.get(position)
-        if g is None:
-            g = self._noise[position] = keyed_gumbel(torch.tensor([signed64(self.seed)], device=self.device),
-                                                     torch.tensor([position], device=self.device), self.vocab_size)[0]
-        return g
+        if position not in self._noise:
+            prefetch_noise([(self, position)])
+        return self._noise[position]
 
     def forget_before(self, position: int) -> None:
         """Drop the noise of positions already emitted (they are never drawn again)."""

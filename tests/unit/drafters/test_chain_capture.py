@@ -62,8 +62,11 @@ def test_the_captured_loop_proposes_what_the_eager_loop_proposes(monkeypatch, he
     captured = _propose(drafter, states, anchors, gammas, sp)
     assert calls == [3] and not drafter.__dict__.get("_chain_capture_failed")  # 3 rows (4 inside), no fallback
     for a, b in zip(eager, captured):
-        assert torch.equal(a.tokens, b.tokens) and torch.equal(a.probs, b.probs)
-        assert torch.equal(a.confidences, b.confidences)
+        assert torch.equal(a.tokens, b.tokens)
+        # the padded 4-row matmuls may round a last bit differently from the 3-row eager ones (the confidences did,
+        # once another test in the worker had changed the thread count): q and confidences to float32's precision
+        torch.testing.assert_close(a.probs, b.probs, rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(a.confidences, b.confidences, rtol=1e-6, atol=1e-7)
     assert [len(p.tokens) for p in captured] == gammas
 
 

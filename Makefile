@@ -38,7 +38,8 @@ demo: $(STAMP)  ## the whole lifecycle on the embedded local stack (PROFILE=smok
 # start-up and polling, two inductor builds and a flywheel loop on 2 cores), and a run ends when the slower ends.
 # Tiers: `make test` (CI, <= 12 min on 2 cores incl. the install) skips tests marked `slow` (the long
 # end-to-end runs: smoke demo, Ray Train kill/resume, ...); `make test-slow` runs exactly
-# those; `make test-all` both. Unit tests run on every core (pytest-xdist).
+# those; `make test-all` both. Unit tests run on every core (pytest-xdist). `make test-fast` also skips the unit
+# tests marked `heavy` (each over ~4.5 s: inductor builds, thousands of χ² samples, SmolLM2, spawned gloo ranks).
 PYTEST := $(PY) -m pytest -q --timeout=900 -p no:cacheprovider --durations=15  # durations: where CI time goes
 # `make test`'s integration runs: storage, rollouts, learning curve and the flywheel loop share one local
 # stack (the session fixture); serve
@@ -66,8 +67,8 @@ test-all: test test-slow  ## everything but the multi-node cluster tests
 test-cluster: $(STAMP)  ## multi-node Ray: rollouts, ZeRO-3 training and serving survive losing a node
 	$(PY) -m pytest -q --timeout=1800 -m cluster tests/cluster
 
-test-fast: $(STAMP)  ## unit tests only (no servers, no slow tests)
-	$(PY) -m pytest -q -m "not slow" tests/unit
+test-fast: $(STAMP)  ## the developer's loop (~2 min): unit tests not marked slow or heavy, on every core
+	$(PY) -m pytest -q -n auto --dist worksteal -p no:cacheprovider -m "not slow and not heavy" tests/unit
 
 stack-up: $(STAMP)
 	$(VENV)/bin/dspark stack up

@@ -5,6 +5,7 @@ import pytest
 from benchmarks.decode_speed import main
 
 
+@pytest.mark.heavy
 def test_modes_per_dtype_and_both_speedups():
     report = main(["--target", "tiny", "--quick", "--algo", "dspark", "--datasets", "gsm8k",
                    "--dtypes", "float32,bfloat16", "--max-new-tokens", "6", "--device", "cpu"])

@@ -21,6 +21,8 @@ from dspark.drafters import DrafterConfig, build_drafter
 from tests.lossless_stats import chi2_pvalue, engine_three_token_pvalues, exact_joint
 from tests.tiny_models import build_tiny_model
 
+pytestmark = pytest.mark.heavy  # `make test` runs these; `make test-fast` skips them (README, Testing)
+
 VOCAB, PROMPT, N_TOKENS, GAMMA, RUNS, TREE_RUNS = 6, [1, 5, 2, 4, 3], 3, 3, 3000, 2000
 SP = SamplingParams(temperature=1.0)
 COMPILED = "compiled"

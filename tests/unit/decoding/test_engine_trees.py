@@ -63,6 +63,7 @@ def test_a_tree_row_scores_every_node_on_its_path_and_keeps_the_accepted_one(wid
     torch.testing.assert_close(logits[0], _last_logits(target, tree_prefix + [9, 6, 2, 3]), atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("tree,draft_ids", [([3], None), ([2, 2], [0, 1, 3, 4, 6])])
 def test_engine_with_trees_is_lossless_at_temperature_one(micro_target, tree, draft_ids):
     """3000 concurrent requests (joining and leaving between steps; steps alternate between trees and the

@@ -25,6 +25,7 @@ def _chat(target, text: str) -> list[int]:
     return target.chat_ids([{"role": "user", "content": text}])
 
 
+@pytest.mark.heavy
 def test_first_two_tokens_follow_the_exact_target_joint(tiny):
     """3000 samples of one prompt, interleaved with longer 'filler' sequences of other prompts so that
     sequences join and leave mid-batch at different ages: the joint of the first two tokens matches
@@ -48,7 +49,7 @@ def test_first_two_tokens_follow_the_exact_target_joint(tiny):
     assert gen.stats.max_active == 16 and gen.stats.generated_tokens == 2 * runs + 9 * (runs // 10)
 
 
-@pytest.mark.parametrize("core", ["eager", "compiled", "dynamic"])
+@pytest.mark.parametrize("core", ["eager", pytest.param("compiled", marks=pytest.mark.heavy), "dynamic"])
 def test_greedy_equals_hf_greedy_with_joins_and_leaves(tiny, core):
     texts = ["hi", "what is 2 + 3", "def f(x): return x * 2 and then some more words here", "list the primes",
              "a b c d e f g h i j k l m n o p", "sum the list", "why"]
@@ -73,7 +74,7 @@ def test_a_long_answer_does_not_hold_the_batch(tiny):
     assert gen.stats.steps <= 41 and gen.kv.used == 0
 
 
-@pytest.mark.parametrize("core", ["eager", "compiled"])
+@pytest.mark.parametrize("core", ["eager", pytest.param("compiled", marks=pytest.mark.heavy)])
 def test_same_seed_same_answer_whatever_the_batch(tiny, core):
     prompts = [_chat(tiny, f"tell me about number {i}" * (1 + i)) for i in range(4)]
     gen = BatchGenerator(tiny, GeneratorConfig(max_batch=4, decode_core=core))

@@ -196,6 +196,7 @@ def _lossless_check(monkeypatch, target, drafter, verify_len, label, runs=RUNS, 
     return p, lengths
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("algo", ALGOS)
 def test_lossless_full_verification(monkeypatch, micro_target, algo):
     _lossless_check(monkeypatch, micro_target, _drafter(algo, micro_target), None, f"{algo} γ={GAMMA}")
@@ -214,6 +215,7 @@ def test_lossless_with_a_draft_vocabulary(monkeypatch, micro_target, algo):
     _lossless_check(monkeypatch, micro_target, drafter, None, f"{algo} γ={GAMMA}, draft vocab 4/{VOCAB}")
 
 
+@pytest.mark.heavy
 def test_lossless_with_a_draft_temperature(monkeypatch, micro_target):
     """Drafts from a sharpened q (draft_temperature 0.5): acceptance compares p with that q, so the
     output is still the target's distribution."""
@@ -239,6 +241,7 @@ def test_lossless_partial_verification(monkeypatch, micro_target, algo, hook):
         assert lengths[GAMMA] == 0, lengths
 
 
+@pytest.mark.heavy
 def test_anticipating_verify_len_is_detected(monkeypatch, micro_target):
     """Power check (Appendix A): verifying draft 1 only when it is the token the target likes most
     biases the output, and the same χ² test, with the same number of runs, must see it."""
@@ -336,6 +339,7 @@ def _tau(target, drafter, prompts, sp, max_new_tokens=40) -> float:
     return summarize_results(results)["tau"]
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("algo", ["dspark", pytest.param("dflash", marks=SLOW), pytest.param("eagle3", marks=SLOW)])
 def test_training_raises_tau(wide_target, algo):
     """Overfitting a drafter on a few greedy target rollouts (dspark.training.loss.drafter_loss + AdamW) must

@@ -36,6 +36,7 @@ def _drafter(target, head="rnn", draft_ids=None):
     return build_drafter(cfg, target, draft_ids=None if draft_ids is None else torch.tensor(draft_ids)).eval()
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("branching,head,draft_ids", [((3,), "rnn", None), ((2, 2), "markov", [0, 1, 3, 5])])
 def test_tree_decoding_is_lossless(micro_target, branching, head, draft_ids):
     drafter = _drafter(micro_target, head, draft_ids)
@@ -58,6 +59,7 @@ def test_tree_decoding_is_lossless(micro_target, branching, head, draft_ids):
     assert set(nodes) == {expected_nodes}
 
 
+@pytest.mark.heavy
 def test_the_walk_emits_the_target_law_at_the_first_position():
     """Three distinct candidates drawn from q at the root, a tiny vocabulary: P(first token = x) = p(x)
     exactly, whether it comes from an accepted child or from the last residual."""

@@ -18,6 +18,8 @@ from dspark.drafters import load_drafter
 from dspark.export import export_ref
 from dspark.models.target import load_target
 
+pytestmark = pytest.mark.heavy  # `make test` runs these; `make test-fast` skips them (README, Testing)
+
 DRAFTER = Path(__file__).resolve().parents[3] / "benchmarks" / "results" / "learning_curve" / "drafter-cpu-mix2"
 PROMPT = ("Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
           "How many clips did Natalia sell altogether in April and May?")

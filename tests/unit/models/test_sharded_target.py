@@ -80,6 +80,7 @@ def run_ranks(target_dir: str, out, world: int = 2, shards: int | None = None) -
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
 
 
+@pytest.mark.heavy
 def test_sharded_moe_target_splits_its_experts(tmp_path):
     from transformers import AutoModelForCausalLM
 
@@ -96,6 +97,7 @@ def test_sharded_moe_target_splits_its_experts(tmp_path):
         assert r["bytes_sharded"] < 0.8 * r["bytes_whole"]
 
 
+@pytest.mark.heavy
 def test_sharded_target_on_two_ranks_is_the_whole_target_with_half_the_layers(target_dir, tmp_path):
     """One run of 2 ranks (one spawn: the checks share it, whichever xdist worker runs them): each rank gets the
     whole target's features and final states, trains to the same losses, and holds the plan's share."""
@@ -144,6 +146,7 @@ def test_shards_must_divide_the_workers():
                                        "scaling": {"num_workers": 3, "target_shards": 2}})
 
 
+@pytest.mark.heavy
 def test_sharded_target_across_two_nodes_is_one_copy_per_node(target_dir, tmp_path):
     """4 ranks, target_shards 2 (two "nodes" of two workers): a 2-D mesh, replicate x shard; every rank gets the
     whole target's features and losses on its own batch and holds half of the layers, as on one node."""

@@ -79,6 +79,7 @@ def _rows(target, n=12, seed=0):
             for _ in range(n)]
 
 
+@pytest.mark.heavy
 def test_the_profile_phase_times_decoding_steps_at_batch_1_and_the_rollout_batch(tiny, tmp_path):
     from recipes.gpu_recipe import profile_phase
 

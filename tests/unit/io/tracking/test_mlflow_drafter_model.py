@@ -149,6 +149,7 @@ def test_an_attached_worker_samples_system_metrics_and_leaves_the_run_running(st
     assert any(k.startswith("system/worker-1/cpu_utilization") for k in run.data.metrics), run.data.metrics
 
 
+@pytest.mark.heavy
 def test_the_mlflow_model_loads_where_dspark_is_not_installed(store, tiny, tmp_path):
     """The pyfunc model carries the dspark code (code_paths) and lists what that code imports, so
     `mlflow.pyfunc.load_model` works in a process that cannot import an installed dspark."""

@@ -397,12 +397,6 @@ class BlockDraws:
         # keyed rows draw position by position, from noise made for the whole block at once
         prefetch_noise([(noise, noise.cursor + k) for r, noise in self.keyed for k in range(gammas[r])])
 
-    @property
-    def from_table(self) -> bool:
-        """Every draw comes from the uniform table (no keyed request): position k's tokens are a pure function
-        of its probabilities and column k (what a captured graph of the γ-loop needs)."""
-        return self.uniforms is not None and not self.keyed
-
     def draw(self, probs: Tensor, k: int) -> tuple[slice | Tensor, Tensor]:
         """probs [R, N] of position k -> (the rows drawn, their tokens in probs' columns)."""
         if self.uniforms is None:

@@ -1,12 +1,14 @@
 """DSpark's γ-loop (the Markov/RNN head's left-to-right sampling, `DSparkDrafter.draft_chain`) captured as one
 compiled graph: on a GPU one CUDA-graph replay per drafted block instead of ~10 launches per position.
 
-Capturable when every draw of the block comes from its uniform table (`BlockDraws.from_table`: no keyed request)
-and every row samples with the same parameters (`RowSampling.single`): position k's token is then
-inverse_cdf(p_k, u[:, k]) — a pure function of tensors — so the loop has no host reads and no Python state.
+Capturable when every row samples with the same parameters (`RowSampling.single`) and every draw of the block is
+made before the loop (`capturable`): a stream's row from its uniform table, position k's token inverse_cdf(p_k,
+u[:, k]); a keyed (seeded) row from its noise table, argmax(log p_k + g[:, k]) — `KeyedNoise.draw`'s Gumbel-max
+token at the row's next positions (`keyed_tables`). Both are pure functions of tensors, so the loop has no host
+reads and no Python state.
 Rows are padded to a power of two (one graph per bucket, not per batch size); padding rows draw from zeros and
 are cut off. Invariant: the same tokens, probabilities and confidence logits as the eager loop given the same
-uniforms (the very same function, traced). Used where the decoding core is compiled (DSPARK_DECODE_CORE; auto:
+uniforms and noise (the very same function, traced). Used where the decoding core is compiled (DSPARK_DECODE_CORE; auto:
 on CUDA); if compiling or running the graph fails, the drafter warns once and runs the loop eager from then on.
 """
 from __future__ import annotations
@@ -38,10 +40,44 @@ class ChainParams(NamedTuple):
         return cls(sp.greedy, sp.temperature, sp.min_p, sp.top_k, sp.top_p)
 
 
-def chain_from_uniforms(drafter, u: Tensor, h: Tensor, anchors: Tensor, uniforms: Tensor, params: ChainParams):
-    """`draft_chain` with position k drawn as inverse_cdf(p_k, uniforms[:, k]) and one sampling setting."""
-    return drafter.draft_chain(u, h, anchors, lambda logits: to_probs(logits, params),
-                               lambda probs, k: (slice(None), inverse_cdf(probs, uniforms[:, k:k + 1])))
+def chain_from_uniforms(drafter, u: Tensor, h: Tensor, anchors: Tensor, uniforms: Tensor, params: ChainParams,
+                        noise: Tensor | None = None, keyed: Tensor | None = None):
+    """`draft_chain` with one sampling setting and position k drawn as inverse_cdf(p_k, uniforms[:, k]), or for
+    the rows with keyed [R] set as argmax(log p_k + noise[:, k]) (noise [R, G, N] float64; None: no keyed row)."""
+    def draw(probs: Tensor, k: int):
+        tokens = inverse_cdf(probs, uniforms[:, k:k + 1])
+        if noise is not None:
+            tokens = torch.where(keyed, (probs.double().log() + noise[:, k]).argmax(-1), tokens)
+        return slice(None), tokens
+
+    return drafter.draft_chain(u, h, anchors, lambda logits: to_probs(logits, params), draw)
+
+
+def capturable(draws) -> bool:
+    """A block's draws (`BlockDraws`) are all made before the loop: streams' uniforms drawn up front, and keyed
+    rows (if any) sharing one draft-vocabulary layout and device (one stacked noise table)."""
+    noises = [noise for _, noise in draws.keyed]
+    return draws.uniforms is not None and all(
+        n.columns is noises[0].columns and n.device == noises[0].device for n in noises)
+
+
+def keyed_tables(draws, columns: int) -> tuple[Tensor | None, Tensor | None]:
+    """(noise [R, max γ, N] float64, keyed [R] bool) of a capturable block's keyed rows — row r's noise at its
+    positions cursor .. cursor + γ_r - 1 (zeros past γ_r and for stream rows), restricted to the draft vocabulary
+    as `KeyedNoise._keys` does — advancing each keyed row's cursor by γ_r as its position-by-position draws
+    would; (None, None) without keyed rows. The noise was made for the whole block by `BlockDraws`."""
+    if not draws.keyed:
+        return None, None
+    first = draws.keyed[0][1]
+    noise = torch.zeros(len(draws.gammas), max(draws.gammas), columns, dtype=torch.float64, device=first.device)
+    for r, row_noise in draws.keyed:
+        g = torch.stack([row_noise.gumbel(row_noise.cursor + k) for k in range(draws.gammas[r])])
+        noise[r, :g.shape[0]] = g if row_noise.columns is None or columns == g.shape[-1] else \
+            g[:, row_noise.columns]
+        row_noise.cursor += draws.gammas[r]
+    keyed = torch.zeros(len(draws.gammas), dtype=torch.bool)
+    keyed[[r for r, _ in draws.keyed]] = True
+    return noise, keyed.to(first.device)
 
 
 def wanted(drafter) -> bool:
@@ -68,16 +104,19 @@ def _pad_rows(t: Tensor, rows: int) -> Tensor:
     return t if t.shape[0] == rows else torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])])
 
 
-def run(drafter, u: Tensor, h: Tensor, anchors: Tensor, uniforms: Tensor, sp: SamplingParams):
-    """(tokens [R, G], probs [R, G, N], confidence logits [R, G] or None) of the block, through the graph."""
+def run(drafter, u: Tensor, h: Tensor, anchors: Tensor, draws, sp: SamplingParams):
+    """(tokens [R, G], probs [R, G, N], confidence logits [R, G] or None) of the block, through the graph; draws:
+    a `capturable` BlockDraws (its keyed rows' cursors advance)."""
     rows, params = u.shape[0], ChainParams.of(sp)
+    noise, keyed = keyed_tables(draws, u.shape[-1])
     bucket = token_bucket(rows)
-    padded = [_pad_rows(t, bucket) for t in (u, h, anchors, uniforms)]
+    padded = [None if t is None else _pad_rows(t.to(u.device), bucket)
+              for t in (u, h, anchors, draws.uniforms, noise, keyed)]
     try:
-        out = _compiled_chain(u.device)(drafter, *padded, params)
+        out = _compiled_chain(u.device)(drafter, *padded[:4], params, *padded[4:])
     except Exception:  # noqa: BLE001 — the loop still runs, eager; the reason is logged once
         log.warning("capturing the drafter's sequential loop failed; drafting it eager from now on", exc_info=True)
         drafter.__dict__["_chain_capture_failed"] = True
-        return chain_from_uniforms(drafter, u, h, anchors, uniforms, params)
+        return chain_from_uniforms(drafter, u, h, anchors, draws.uniforms, params, noise, keyed)
     # cut the padding rows; a CUDA graph's outputs are overwritten by its next replay: copy them
     return tuple(None if t is None else t[:rows].clone() for t in out)

@@ -91,8 +91,8 @@ class DSparkDrafter(DFlashDrafter):
         W1 reads next) and the returned rows are extended by zeros to V."""
         u = self.lm_logits(h)  # [R, G, N]: all base logits in one LM-head call
         draws = BlockDraws(generator, gammas, self.device)
-        if draws.from_table and rows.single and chain_capture.wanted(self):  # the γ-loop as one captured graph
-            tokens, probs, conf_logits = chain_capture.run(self, u, h, anchors, draws.uniforms, rows.sps[0])
+        if rows.single and chain_capture.capturable(draws) and chain_capture.wanted(self):  # one captured graph
+            tokens, probs, conf_logits = chain_capture.run(self, u, h, anchors, draws, rows.sps[0])
         else:
             tokens, probs, conf_logits = self.draft_chain(u, h, anchors, rows.probs, draws.draw)
         conf = None if conf_logits is None else self.confidences(conf_logits)

@@ -1,6 +1,7 @@
 """DSpark's γ-loop captured as one graph (dspark.drafters.chain_capture): it traces without a graph break (what a
 CUDA graph needs), and the captured loop proposes exactly what the eager loop proposes from the same streams
-(Markov and RNN heads, confidences, a draft vocabulary, a batch padded to a power of two, greedy and sampled);
+(Markov and RNN heads, confidences, a draft vocabulary, a batch padded to a power of two, greedy and sampled, keyed
+(seeded) rows beside stream rows);
 if capturing fails the drafter warns once and drafts eager. Traced with the aot_eager backend (the same graph
 inductor would compile, without a C++ build)."""
 import pytest
@@ -8,7 +9,7 @@ import torch
 
 import dspark.drafters.chain_capture as chain_capture
 from dspark.decoding.counter_random import CounterStream
-from dspark.decoding.sampling import SamplingParams
+from dspark.decoding.sampling import KeyedNoise, SamplingParams
 from dspark.drafters import DrafterConfig, build_drafter
 from tests.tiny_models import build_tiny_model
 
@@ -68,6 +69,74 @@ def test_the_captured_loop_proposes_what_the_eager_loop_proposes(monkeypatch, he
         torch.testing.assert_close(a.probs, b.probs, rtol=1e-6, atol=1e-7)
         torch.testing.assert_close(a.confidences, b.confidences, rtol=1e-6, atol=1e-7)
     assert [len(p.tokens) for p in captured] == gammas
+
+
+def _capture_on(monkeypatch) -> list:
+    monkeypatch.setattr(chain_capture, "BACKEND", "aot_eager")
+    monkeypatch.setattr(chain_capture, "wanted", lambda d: True)
+    calls, real = [], chain_capture.run
+    monkeypatch.setattr(chain_capture, "run", lambda *a: calls.append(a[1].shape[0]) or real(*a))
+    return calls
+
+
+@pytest.mark.parametrize("head,draft_ids", [("markov", None), ("rnn", [0, 2, 3, 5, 7, 9, 11, 12])])
+def test_keyed_rows_are_captured_with_the_tokens_and_cursors_of_their_keyed_draws(monkeypatch, head, draft_ids):
+    """Seeded requests (KeyedNoise) beside stream rows: the captured block gives each keyed row the Gumbel-max
+    tokens of its own positions (what `KeyedNoise.draw` gives position by position) and advances its cursor by
+    its γ, exactly as the eager loop does."""
+    drafter, states, anchors = _drafter_and_states(head, draft_ids, rows=4)
+    sp, gammas = SamplingParams(temperature=1.0), [4, 2, 3, 4]
+
+    def streams():
+        keyed = [KeyedNoise(seed, VOCAB, "cpu", drafter.draft_ids) for seed in (21, 22)]
+        for noise, cursor in zip(keyed, (5, 0)):
+            noise.cursor = cursor
+        return [CounterStream(10, "cpu"), keyed[0], CounterStream(12, "cpu"), keyed[1]]
+
+    eager_streams, captured_streams = streams(), streams()
+    eager = drafter.propose_batch(states, anchors, gammas, sp, eager_streams)
+    calls = _capture_on(monkeypatch)
+    captured = drafter.propose_batch(states, anchors, gammas, sp, captured_streams)
+    assert calls == [4] and not drafter.__dict__.get("_chain_capture_failed")
+    for a, b in zip(eager, captured):
+        assert torch.equal(a.tokens, b.tokens)
+        torch.testing.assert_close(a.probs, b.probs, rtol=1e-6, atol=1e-7)
+    assert [captured_streams[i].cursor for i in (1, 3)] == [eager_streams[i].cursor for i in (1, 3)] == [5 + 2, 4]
+    assert [s.get_state() for s in captured_streams[::2]] == [s.get_state() for s in eager_streams[::2]]
+    # the keyed rows' tokens are their own Gumbel-max draws at those positions, whatever the batch
+    alone = KeyedNoise(21, VOCAB, "cpu", drafter.draft_ids)
+    alone.cursor = 5
+    (single,) = drafter.propose_batch([states[1]], [anchors[1]], [2], sp, [alone])
+    assert torch.equal(single.tokens, captured[1].tokens)
+
+
+def test_a_seeded_request_gets_the_same_tokens_with_its_blocks_captured_among_others(monkeypatch):
+    """Through the engine: a seeded request's tokens (keyed sampling) are the same drafted eager alone and drafted
+    in captured blocks beside unseeded and other seeded requests; alone, captured blocks draft what eager ones do
+    (the same accepted drafts: keyed output would be the same even from wrong drafts)."""
+    from dspark.decoding.engine import Engine, EngineConfig
+    from dspark.decoding.scheduler import SchedulerConfig
+
+    target = build_tiny_model(vocab_size=64, seed=1, num_layers=3, hidden_size=32, init_std=0.8)
+    torch.manual_seed(0)
+    drafter = build_drafter(DrafterConfig(algo="dspark", block_size=4, num_layers=1, num_context_layers=2, rank=8,
+                                          init_std=0.2), target).eval()
+    sp, prompt = SamplingParams(temperature=1.0), [3, 1, 4, 1, 5]
+
+    def run(prompts, seeds):
+        engine = Engine(target, drafter, EngineConfig(seed=0, max_batch=8,  # every draft verified (no timing)
+                                                      scheduler=SchedulerConfig(mode="fixed")))
+        tokens = [r.tokens for r in engine.generate(prompts, sp, max_new_tokens=24, stop_ids=[], seeds=seeds)]
+        return tokens, engine.stats()["totals"]
+
+    (alone,), eager_totals = run([prompt], [1234])
+    calls = _capture_on(monkeypatch)
+    (captured_alone,), captured_totals = run([prompt], [1234])
+    assert calls and captured_alone == alone
+    assert (captured_totals["accepted"], captured_totals["verified"]) == (eager_totals["accepted"],
+                                                                        eager_totals["verified"])
+    batched, _ = run([[7, 8], prompt, [9] * 11, [2, 3, 4]], [None, 1234, 55, None])
+    assert batched[1] == alone
 
 
 def test_a_failed_capture_warns_once_and_drafts_eager(monkeypatch, caplog):

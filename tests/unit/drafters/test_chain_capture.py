@@ -36,15 +36,18 @@ def _propose(drafter, states, anchors, gammas, sp):
     return drafter.propose_batch(states, anchors, gammas, sp, streams)
 
 
-def test_the_loop_traces_as_one_graph():
+@pytest.mark.parametrize("keyed", [False, True])
+def test_the_loop_traces_as_one_graph(keyed):
     drafter, _, _ = _drafter_and_states("rnn", None)
     gen = torch.Generator().manual_seed(0)
     u, h = torch.randn(4, 3, VOCAB, generator=gen), torch.randn(4, 3, drafter.hidden_size, generator=gen)
     anchors, uniforms = torch.tensor([1, 2, 3, 4]), torch.rand(4, 3, generator=gen, dtype=torch.float64)
+    noise = torch.randn(4, 3, VOCAB, generator=gen, dtype=torch.float64) if keyed else None
+    rows = torch.tensor([False, True, False, True]) if keyed else None
     params = chain_capture.ChainParams.of(SamplingParams(temperature=0.8, top_k=5))
     whole = torch.compile(chain_capture.chain_from_uniforms, backend="aot_eager", fullgraph=True)  # raises on a break
     with torch.no_grad():
-        traced, eager = (f(drafter, u, h, anchors, uniforms, params)
+        traced, eager = (f(drafter, u, h, anchors, uniforms, params, noise, rows)
                          for f in (whole, chain_capture.chain_from_uniforms))
     assert all(torch.equal(a, b) for a, b in zip(traced, eager))
 

@@ -189,14 +189,18 @@ class KeyedNoise:
         return self._keys(probs, self.gumbel(position)).topk(min(n, probs.shape[-1]), dim=-1).indices
 
     def _keys(self, probs: Tensor, g: Tensor) -> Tensor:
-        """log probs + Gumbel noise g [..., V], g restricted to the draft vocabulary's columns when probs
-        cover one (N < V columns)."""
-        if probs.shape[-1] != self.vocab_size:
-            if self.columns is None or self.columns.shape[0] != probs.shape[-1]:
-                raise ValueError(f"probs have {probs.shape[-1]} columns: not the vocabulary ({self.vocab_size}) "
-                                 "nor the draft vocabulary this noise was given")
-            g = g[..., self.columns]
-        return probs.to(self.device, torch.float64).log() + g
+        """log probs + Gumbel noise g [..., V] (`restrict`ed to probs' columns)."""
+        return probs.to(self.device, torch.float64).log() + self.restrict(g, probs.shape[-1])
+
+    def restrict(self, g: Tensor, columns: int) -> Tensor:
+        """Noise g [..., V] for probs of `columns` columns: g itself (the vocabulary), or its draft vocabulary's
+        columns (N < V)."""
+        if columns == self.vocab_size:
+            return g
+        if self.columns is None or self.columns.shape[0] != columns:
+            raise ValueError(f"probs have {columns} columns: not the vocabulary ({self.vocab_size}) "
+                             "nor the draft vocabulary this noise was given")
+        return g[..., self.columns]
 
     def draw(self, probs: Tensor) -> Tensor:
         """Rows of probs [n, ·] are consecutive positions from `cursor` on (a drafter's draws)."""

@@ -42,12 +42,12 @@ class ChainParams(NamedTuple):
 
 def chain_from_uniforms(drafter, u: Tensor, h: Tensor, anchors: Tensor, uniforms: Tensor, params: ChainParams,
                         noise: Tensor | None = None, keyed: Tensor | None = None):
-    """`draft_chain` with one sampling setting and position k drawn as inverse_cdf(p_k, uniforms[:, k]), or for
-    the rows with keyed [R] set as argmax(log p_k + noise[:, k]) (noise [R, G, N] float64; None: no keyed row)."""
+    """`draft_chain` with one sampling setting and entry (r, k) drawn as inverse_cdf(p_k, uniforms[r, k]), or
+    where keyed [R, G] is set as argmax(log p_k + noise[r, k]) (noise [R, G, N] float64; None: no keyed row)."""
     def draw(probs: Tensor, k: int):
         tokens = inverse_cdf(probs, uniforms[:, k:k + 1])
         if noise is not None:
-            tokens = torch.where(keyed, (probs.double().log() + noise[:, k]).argmax(-1), tokens)
+            tokens = torch.where(keyed[:, k], (probs.double().log() + noise[:, k]).argmax(-1), tokens)
         return slice(None), tokens
 
     return drafter.draft_chain(u, h, anchors, lambda logits: to_probs(logits, params), draw)
@@ -55,29 +55,31 @@ def chain_from_uniforms(drafter, u: Tensor, h: Tensor, anchors: Tensor, uniforms
 
 def capturable(draws) -> bool:
     """A block's draws (`BlockDraws`) are all made before the loop: streams' uniforms drawn up front, and keyed
-    rows (if any) sharing one draft-vocabulary layout and device (one stacked noise table)."""
+    rows (if any) each with its own noise, all sharing one draft-vocabulary layout and device (one stacked table;
+    a noise shared by several rows draws them position by position, `draw_keyed_rows`)."""
     noises = [noise for _, noise in draws.keyed]
-    return draws.uniforms is not None and all(
+    return draws.uniforms is not None and len({id(n) for n in noises}) == len(noises) and all(
         n.columns is noises[0].columns and n.device == noises[0].device for n in noises)
 
 
-def keyed_tables(draws, columns: int) -> tuple[Tensor | None, Tensor | None]:
-    """(noise [R, max γ, N] float64, keyed [R] bool) of a capturable block's keyed rows — row r's noise at its
-    positions cursor .. cursor + γ_r - 1 (zeros past γ_r and for stream rows), restricted to the draft vocabulary
-    as `KeyedNoise._keys` does — advancing each keyed row's cursor by γ_r as its position-by-position draws
-    would; (None, None) without keyed rows. The noise was made for the whole block by `BlockDraws`."""
+def keyed_tables(draws, rows: int, columns: int, device) -> tuple[Tensor | None, Tensor | None]:
+    """(noise [rows, max γ, N] float64, keyed [rows, max γ] bool) on `device` for a capturable block's keyed rows
+    (rows >= R: padding rows stay unkeyed): entry (r, k), k < γ_r, is the noise of row r's position cursor + k,
+    restricted to the draft vocabulary (`KeyedNoise.restrict`); each keyed row's cursor advances by γ_r, as its
+    position-by-position draws would. Past γ_r and for stream rows: unkeyed (their uniforms, 0 for a keyed row,
+    as `BlockDraws.draw` gives). (None, None) without keyed rows. The noise was made for the block by `BlockDraws`."""
     if not draws.keyed:
         return None, None
-    first = draws.keyed[0][1]
-    noise = torch.zeros(len(draws.gammas), max(draws.gammas), columns, dtype=torch.float64, device=first.device)
+    width = max(draws.gammas)
+    noise = torch.zeros(rows, width, columns, dtype=torch.float64, device=device)
+    keyed = torch.zeros(rows, width, dtype=torch.bool)
     for r, row_noise in draws.keyed:
-        g = torch.stack([row_noise.gumbel(row_noise.cursor + k) for k in range(draws.gammas[r])])
-        noise[r, :g.shape[0]] = g if row_noise.columns is None or columns == g.shape[-1] else \
-            g[:, row_noise.columns]
-        row_noise.cursor += draws.gammas[r]
-    keyed = torch.zeros(len(draws.gammas), dtype=torch.bool)
-    keyed[[r for r, _ in draws.keyed]] = True
-    return noise, keyed.to(first.device)
+        gamma = draws.gammas[r]
+        g = torch.stack([row_noise.gumbel(row_noise.cursor + k) for k in range(gamma)])
+        noise[r, :gamma] = row_noise.restrict(g, columns).to(device)
+        keyed[r, :gamma] = True
+        row_noise.cursor += gamma
+    return noise, keyed.to(device)
 
 
 def wanted(drafter) -> bool:
@@ -108,15 +110,14 @@ def run(drafter, u: Tensor, h: Tensor, anchors: Tensor, draws, sp: SamplingParam
     """(tokens [R, G], probs [R, G, N], confidence logits [R, G] or None) of the block, through the graph; draws:
     a `capturable` BlockDraws (its keyed rows' cursors advance)."""
     rows, params = u.shape[0], ChainParams.of(sp)
-    noise, keyed = keyed_tables(draws, u.shape[-1])
     bucket = token_bucket(rows)
-    padded = [None if t is None else _pad_rows(t.to(u.device), bucket)
-              for t in (u, h, anchors, draws.uniforms, noise, keyed)]
+    noise, keyed = keyed_tables(draws, bucket, u.shape[-1], u.device)  # made at the bucket's rows
+    padded = [_pad_rows(t.to(u.device), bucket) for t in (u, h, anchors, draws.uniforms)]
     try:
-        out = _compiled_chain(u.device)(drafter, *padded[:4], params, *padded[4:])
+        out = _compiled_chain(u.device)(drafter, *padded, params, noise, keyed)
     except Exception:  # noqa: BLE001 — the loop still runs, eager; the reason is logged once
         log.warning("capturing the drafter's sequential loop failed; drafting it eager from now on", exc_info=True)
         drafter.__dict__["_chain_capture_failed"] = True
-        return chain_from_uniforms(drafter, u, h, anchors, draws.uniforms, params, noise, keyed)
+        out = chain_from_uniforms(drafter, *padded, params, noise, keyed)  # the same function, eager
     # cut the padding rows; a CUDA graph's outputs are overwritten by its next replay: copy them
     return tuple(None if t is None else t[:rows].clone() for t in out)

@@ -102,8 +102,9 @@ class DSparkDrafter(DFlashDrafter):
                     draw) -> tuple[Tensor, Tensor, Tensor | None]:
         """`sample_blocks`' γ-loop: u [R, G, N] base logits, h [R, G, d], anchors [R]; probs_of(logits [R, N]) ->
         probs; draw(probs [R, N], k) -> (rows drawn, their draft ids) -> tokens [R, G] (target ids), probs
-        [R, G, N], confidence logits [R, G] or None. Tensors only between positions (no host reads), so with a
-        draw from a uniform table and one sampling setting torch.compile captures it whole (`chain_capture`)."""
+        [R, G, N], confidence logits [R, G] or None. Tensors only between positions (no host reads), so with
+        every draw made before the loop (uniform table; keyed rows' noise table) and one sampling setting,
+        torch.compile captures it whole (`chain_capture`)."""
         head, conf_head = self.markov_head, self.confidence_head
         tokens = torch.zeros(u.shape[:2], dtype=torch.long, device=u.device)  # [R, G]
         probs = torch.empty(u.shape, dtype=torch.float32, device=u.device)

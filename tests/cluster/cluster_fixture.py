@@ -302,7 +302,7 @@ def ray_cluster(stack_services):
 
 def _patient_node_start(patch: pytest.MonkeyPatch) -> None:
     """Ray gives a starting raylet 30 s to register with the GCS (ray._private.node, not configurable);
-    on a shared 2-core machine under load (niced, as these tests run) that is not always enough. Let
+    on a shared 2-core machine under load that is not always enough. Let
     the registration poll retry for NODE_START_TIMEOUT_S instead."""
     import ray._private.services as services
 

@@ -10,6 +10,7 @@ import torch
 import dspark.drafters.chain_capture as chain_capture
 from dspark.decoding.counter_random import CounterStream
 from dspark.decoding.sampling import KeyedNoise, SamplingParams
+from dspark.drafters.base import BlockDraws, RowSampling
 from dspark.drafters import DrafterConfig, build_drafter
 from tests.tiny_models import build_tiny_model
 
@@ -43,7 +44,7 @@ def test_the_loop_traces_as_one_graph(keyed):
     u, h = torch.randn(4, 3, VOCAB, generator=gen), torch.randn(4, 3, drafter.hidden_size, generator=gen)
     anchors, uniforms = torch.tensor([1, 2, 3, 4]), torch.rand(4, 3, generator=gen, dtype=torch.float64)
     noise = torch.randn(4, 3, VOCAB, generator=gen, dtype=torch.float64) if keyed else None
-    rows = torch.tensor([False, True, False, True]) if keyed else None
+    rows = torch.tensor([[False] * 3, [True] * 3, [False] * 3, [True, True, False]]) if keyed else None
     params = chain_capture.ChainParams.of(SamplingParams(temperature=0.8, top_k=5))
     whole = torch.compile(chain_capture.chain_from_uniforms, backend="aot_eager", fullgraph=True)  # raises on a break
     with torch.no_grad():
@@ -142,9 +143,46 @@ def test_a_seeded_request_gets_the_same_tokens_with_its_blocks_captured_among_ot
     assert batched[1] == alone
 
 
-def test_a_failed_capture_warns_once_and_drafts_eager(monkeypatch, caplog):
-    drafter, states, anchors = _drafter_and_states("markov", None)
+def _mixed_streams(drafter) -> list:
+    keyed = [KeyedNoise(seed, VOCAB, "cpu", drafter.draft_ids) for seed in (21, 22)]
+    keyed[0].cursor = 5
+    return [CounterStream(10, "cpu"), keyed[0], CounterStream(12, "cpu"), keyed[1]]
+
+
+@pytest.mark.parametrize("draft_ids", [None, [0, 2, 3, 5, 7, 9, 11, 12]])
+def test_the_whole_block_with_keyed_rows_is_the_eager_loops_past_each_rows_gamma_too(draft_ids):
+    """The function the graph runs, on the whole [R, max γ] block (entries past a row's γ_r included, which are
+    drafted but never returned): the eager loop's tokens, probabilities and confidence logits, bit for bit."""
+    drafter, _, _ = _drafter_and_states("markov", draft_ids, rows=4)
+    gen = torch.Generator().manual_seed(3)
+    gammas = [4, 2, 3, 1]
+    h, anchors = torch.randn(4, 4, drafter.hidden_size, generator=gen), torch.tensor([1, 2, 3, 4])
     sp = SamplingParams(temperature=1.0)
+    with torch.no_grad():
+        u = drafter.lm_logits(h)  # [R, G, N]
+        eager_draws = BlockDraws(_mixed_streams(drafter), gammas, "cpu")
+        eager = drafter.draft_chain(u, h, anchors, RowSampling([sp] * 4).probs, eager_draws.draw)
+        draws = BlockDraws(_mixed_streams(drafter), gammas, "cpu")
+        assert chain_capture.capturable(draws)
+        whole = chain_capture.chain_from_uniforms(drafter, u, h, anchors, draws.uniforms,
+                                                  chain_capture.ChainParams.of(sp),
+                                                  *chain_capture.keyed_tables(draws, 4, u.shape[-1], "cpu"))
+    assert all(torch.equal(a, b) for a, b in zip(eager, whole))
+    assert [n.cursor for _, n in draws.keyed] == [n.cursor for _, n in eager_draws.keyed] == [5 + 2, 1]
+
+
+def test_a_noise_shared_by_several_rows_is_not_captured():
+    drafter, _, _ = _drafter_and_states("markov", None)
+    shared = KeyedNoise(3, VOCAB, "cpu")
+    assert not chain_capture.capturable(BlockDraws([shared, CounterStream(1, "cpu"), shared], [2, 2, 2], "cpu"))
+
+
+def test_a_failed_capture_warns_once_and_drafts_eager(monkeypatch, caplog):
+    drafter, states, anchors = _drafter_and_states("markov", None, rows=4)
+    sp = SamplingParams(temperature=1.0)
+    eager_streams = _mixed_streams(drafter)
+    keyed_eager = drafter.propose_batch(states, anchors, [3, 1, 2, 3], sp, eager_streams)
+    states, anchors = states[:3], anchors[:3]
     eager = _propose(drafter, states, anchors, [3, 3, 3], sp)
 
     def broken(device):
@@ -158,3 +196,11 @@ def test_a_failed_capture_warns_once_and_drafts_eager(monkeypatch, caplog):
     assert all(torch.equal(a.tokens, b.tokens) for a, b in zip(eager, first))
     again = _propose(drafter, states, anchors, [3, 3, 3], sp)
     assert all(torch.equal(a.tokens, b.tokens) for a, b in zip(eager, again))
+    # a block with keyed rows whose capture fails: the eager loop's tokens, each cursor advanced once
+    drafter.__dict__.pop("_chain_capture_failed")
+    _, all_states, all_anchors = _drafter_and_states("markov", None, rows=4)
+    fallback_streams = _mixed_streams(drafter)
+    keyed = drafter.propose_batch(all_states, all_anchors, [3, 1, 2, 3], sp, fallback_streams)
+    assert not chain_capture.wanted(drafter)
+    assert all(torch.equal(a.tokens, b.tokens) for a, b in zip(keyed_eager, keyed))
+    assert [s.cursor for s in fallback_streams[1::2]] == [s.cursor for s in eager_streams[1::2]] == [5 + 1, 3]

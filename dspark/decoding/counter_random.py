@@ -172,12 +172,12 @@ def uniform_rows(streams: Sequence[Stream], counts: Sequence[int], device,
     from one host hash and one copy (`stream_values`); a torch.Generator entry from its own call."""
     dtypes = list(dtypes) if dtypes is not None else [torch.float64] * len(streams)
     out: list[Tensor | None] = [None] * len(streams)
-    keyed = [i for i, s in enumerate(streams) if isinstance(s, CounterStream)]
-    if keyed:
-        sizes = [counts[i] for i in keyed]
-        parts = np.split(stream_values([streams[i] for i in keyed], sizes), np.cumsum(sizes)[:-1])
-        drawn = on_device(np.concatenate([round_down(u, dtypes[i]) for i, u in zip(keyed, parts)]), device)
-        for i, u in zip(keyed, drawn.split(sizes)):
+    counter = [i for i, s in enumerate(streams) if isinstance(s, CounterStream)]
+    if counter:
+        sizes = [counts[i] for i in counter]
+        parts = np.split(stream_values([streams[i] for i in counter], sizes), np.cumsum(sizes)[:-1])
+        drawn = on_device(np.concatenate([round_down(u, dtypes[i]) for i, u in zip(counter, parts)]), device)
+        for i, u in zip(counter, drawn.split(sizes)):
             out[i] = u.to(dtypes[i])
     for i, s in enumerate(streams):
         if out[i] is None:  # a torch.Generator (or the global one): its own call, on its device

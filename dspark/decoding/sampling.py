@@ -209,11 +209,16 @@ class KeyedNoise:
         return self.argmax(probs, positions)
 
 
+def one_layout(noises: Sequence[KeyedNoise]) -> bool:
+    """The noises share one draft-vocabulary layout and device (their noise stacks into one table)."""
+    return all(n.columns is noises[0].columns and n.device == noises[0].device for n in noises)
+
+
 def draw_keyed_rows(noises: Sequence[KeyedNoise], probs: Tensor) -> Tensor:
     """Row i of probs [n, V or N] drawn by noises[i] at its next position — each row's `KeyedNoise.draw` — in one
     argmax over the stacked noise (rows of one drafter share its draft-vocabulary columns; otherwise row by row)."""
     first = noises[0]
-    if any(n.columns is not first.columns or n.device != first.device for n in noises):
+    if not one_layout(noises):
         return torch.cat([n.draw(probs[i:i + 1]).to(first.device) for i, n in enumerate(noises)])
     g = torch.stack([n.gumbel(n.cursor) for n in noises])
     for n in noises:

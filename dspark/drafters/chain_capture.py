@@ -19,7 +19,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from dspark.decoding.sampling import SamplingParams, inverse_cdf, to_probs
+from dspark.decoding.sampling import SamplingParams, inverse_cdf, one_layout, to_probs
 from dspark.decoding.static_core import default_mode, resolve_mode, token_bucket
 
 log = logging.getLogger(__name__)
@@ -58,8 +58,7 @@ def capturable(draws) -> bool:
     rows (if any) each with its own noise, all sharing one draft-vocabulary layout and device (one stacked table;
     a noise shared by several rows draws them position by position, `draw_keyed_rows`)."""
     noises = [noise for _, noise in draws.keyed]
-    return draws.uniforms is not None and len({id(n) for n in noises}) == len(noises) and all(
-        n.columns is noises[0].columns and n.device == noises[0].device for n in noises)
+    return draws.uniforms is not None and len({id(n) for n in noises}) == len(noises) and one_layout(noises)
 
 
 def keyed_tables(draws, rows: int, columns: int, device) -> tuple[Tensor | None, Tensor | None]:

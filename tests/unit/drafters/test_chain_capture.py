@@ -37,6 +37,20 @@ def _propose(drafter, states, anchors, gammas, sp):
     return drafter.propose_batch(states, anchors, gammas, sp, streams)
 
 
+def _capture_on(monkeypatch) -> list:
+    monkeypatch.setattr(chain_capture, "BACKEND", "aot_eager")
+    monkeypatch.setattr(chain_capture, "wanted", lambda d: True)
+    calls, real = [], chain_capture.run
+    monkeypatch.setattr(chain_capture, "run", lambda *a: calls.append(a[1].shape[0]) or real(*a))
+    return calls
+
+
+def _mixed_streams(drafter) -> list:
+    keyed = [KeyedNoise(seed, VOCAB, "cpu", drafter.draft_ids) for seed in (21, 22)]
+    keyed[0].cursor = 5
+    return [CounterStream(10, "cpu"), keyed[0], CounterStream(12, "cpu"), keyed[1]]
+
+
 @pytest.mark.parametrize("keyed", [False, True])
 def test_the_loop_traces_as_one_graph(keyed):
     drafter, _, _ = _drafter_and_states("rnn", None)
@@ -59,11 +73,7 @@ def test_the_captured_loop_proposes_what_the_eager_loop_proposes(monkeypatch, he
     drafter, states, anchors = _drafter_and_states(head, draft_ids)
     gammas = [4, 2, 3]
     eager = _propose(drafter, states, anchors, gammas, sp)
-    monkeypatch.setattr(chain_capture, "BACKEND", "aot_eager")
-    monkeypatch.setattr(chain_capture, "wanted", lambda d: True)
-    calls = []
-    real = chain_capture.run
-    monkeypatch.setattr(chain_capture, "run", lambda *a: calls.append(a[1].shape[0]) or real(*a))
+    calls = _capture_on(monkeypatch)
     captured = _propose(drafter, states, anchors, gammas, sp)
     assert calls == [3] and not drafter.__dict__.get("_chain_capture_failed")  # 3 rows (4 inside), no fallback
     for a, b in zip(eager, captured):
@@ -75,14 +85,6 @@ def test_the_captured_loop_proposes_what_the_eager_loop_proposes(monkeypatch, he
     assert [len(p.tokens) for p in captured] == gammas
 
 
-def _capture_on(monkeypatch) -> list:
-    monkeypatch.setattr(chain_capture, "BACKEND", "aot_eager")
-    monkeypatch.setattr(chain_capture, "wanted", lambda d: True)
-    calls, real = [], chain_capture.run
-    monkeypatch.setattr(chain_capture, "run", lambda *a: calls.append(a[1].shape[0]) or real(*a))
-    return calls
-
-
 @pytest.mark.parametrize("head,draft_ids", [("markov", None), ("rnn", [0, 2, 3, 5, 7, 9, 11, 12])])
 def test_keyed_rows_are_captured_with_the_tokens_and_cursors_of_their_keyed_draws(monkeypatch, head, draft_ids):
     """Seeded requests (KeyedNoise) beside stream rows: the captured block gives each keyed row the Gumbel-max
@@ -90,14 +92,7 @@ def test_keyed_rows_are_captured_with_the_tokens_and_cursors_of_their_keyed_draw
     its γ, exactly as the eager loop does."""
     drafter, states, anchors = _drafter_and_states(head, draft_ids, rows=4)
     sp, gammas = SamplingParams(temperature=1.0), [4, 2, 3, 4]
-
-    def streams():
-        keyed = [KeyedNoise(seed, VOCAB, "cpu", drafter.draft_ids) for seed in (21, 22)]
-        for noise, cursor in zip(keyed, (5, 0)):
-            noise.cursor = cursor
-        return [CounterStream(10, "cpu"), keyed[0], CounterStream(12, "cpu"), keyed[1]]
-
-    eager_streams, captured_streams = streams(), streams()
+    eager_streams, captured_streams = _mixed_streams(drafter), _mixed_streams(drafter)
     eager = drafter.propose_batch(states, anchors, gammas, sp, eager_streams)
     calls = _capture_on(monkeypatch)
     captured = drafter.propose_batch(states, anchors, gammas, sp, captured_streams)
@@ -141,12 +136,6 @@ def test_a_seeded_request_gets_the_same_tokens_with_its_blocks_captured_among_ot
                                                                         eager_totals["verified"])
     batched, _ = run([[7, 8], prompt, [9] * 11, [2, 3, 4]], [None, 1234, 55, None])
     assert batched[1] == alone
-
-
-def _mixed_streams(drafter) -> list:
-    keyed = [KeyedNoise(seed, VOCAB, "cpu", drafter.draft_ids) for seed in (21, 22)]
-    keyed[0].cursor = 5
-    return [CounterStream(10, "cpu"), keyed[0], CounterStream(12, "cpu"), keyed[1]]
 
 
 @pytest.mark.parametrize("draft_ids", [None, [0, 2, 3, 5, 7, 9, 11, 12]])

@@ -57,12 +57,12 @@ def resolve_mode(mode: str, device: torch.device) -> str:
     return mode
 
 
-def window_bucket(need: int, capacity: int) -> int:
+def window_bucket(need: int, capacity: int | None = None) -> int:
     """The KV window of a step: the smallest power of two >= need (>= MIN_WINDOW), at most capacity."""
     window = MIN_WINDOW
     while window < need:
         window *= 2
-    return min(window, capacity)
+    return window if capacity is None else min(window, capacity)
 
 
 def token_bucket(n: int) -> int:

@@ -81,10 +81,21 @@ def keyed_tables(draws, rows: int, columns: int, device) -> tuple[Tensor | None,
     return noise, keyed.to(device)
 
 
-def wanted(drafter) -> bool:
-    """Capture where the decoding core is compiled, unless capturing failed for this drafter before."""
-    return (resolve_mode(default_mode(), drafter.device) == "compiled"
-            and not drafter.__dict__.get("_chain_capture_failed", False))
+def compiled_for(drafter, states=()) -> bool:
+    """The requests' decoding core is compiled: `DraftState.captured` (set by batch-1 decoding from its core) when
+    every state says; else where DSPARK_DECODE_CORE compiles (auto: on CUDA)."""
+    flags = {s.captured for s in states}
+    if flags and None not in flags:
+        return flags == {True}
+    return resolve_mode(default_mode(), drafter.device) == "compiled"
+
+
+def wanted(drafter, states=(), part: str = "chain") -> bool:
+    """Capture `part` ("chain": this γ-loop; "block": `block_capture`'s passes, for one request) where the requests'
+    core is compiled, unless capturing it failed for this drafter before."""
+    if part == "block" and len(states) != 1:
+        return False
+    return compiled_for(drafter, states) and not drafter.__dict__.get(f"_{part}_capture_failed", False)
 
 
 _compiled = {}  # (backend, device type) -> the compiled chain_from_uniforms

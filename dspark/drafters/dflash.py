@@ -15,6 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from dspark.drafters.anchors import block_positions
+from dspark.drafters import block_capture, chain_capture
 from dspark.drafters.base import (DraftProposal, DraftState, DraftTrainOut, Drafter, RowSampling, drafted_entries,
                                   split_proposals)
 from dspark.drafters.block_attention import BlockLayout
@@ -107,6 +108,8 @@ class DFlashDrafter(Drafter):
         n = features.shape[0]
         if n == 0:
             return
+        if n <= block_capture.MAX_NEW and chain_capture.wanted(self, [state], "block"):
+            return block_capture.extend(self, state, features)
         positions = torch.arange(state.length, state.length + n, device=self.device)
         for (k, v), buf in zip(self.context_kv(self.context_states(features).unsqueeze(0), positions), state.kv):
             buf.append(k[0], v[0])
@@ -152,6 +155,8 @@ class DFlashDrafter(Drafter):
         Invariant: row r equals block_hidden(states[r], anchors[r]): the contexts (their last
         context_window positions, with a window) are right-padded to the longest and the padded key
         columns are masked out of every query row."""
+        if chain_capture.wanted(self, states, "block"):  # one request: the captured pass (same hidden states)
+            return block_capture.hidden(self, states[0], anchors)
         c, L, window = self.config, self.block_len, self.config.context_window
         x = self.block_inputs(anchors)  # [R, L, d]
         lengths = [s.length for s in states]
@@ -165,10 +170,10 @@ class DFlashDrafter(Drafter):
                     generator: Generators) -> list[DraftProposal]:
         first = self.first_pred_slot
         h = self.blocks_hidden(states, anchors)[:, first:first + max(gammas)]  # [R, G, d]
-        return self.sample_blocks(h, anchors, gammas, rows, generator)
+        return self.sample_blocks(h, anchors, gammas, rows, generator, states)
 
     def sample_blocks(self, h: Tensor, anchors: Tensor, gammas: list[int], rows: RowSampling,
-                      generator: Generators) -> list[DraftProposal]:
+                      generator: Generators, states=()) -> list[DraftProposal]:
         """Parallel drafting: every slot is sampled independently from its own processed distribution;
         one LM-head call and one `sample` call (request-major) for all R×γ rows."""
         probs = rows.probs(self.lm_logits(h))  # [R, G, N] (N = the draft vocabulary, else V)

@@ -83,7 +83,7 @@ class DSparkDrafter(DFlashDrafter):
 
     # ---- inference ------------------------------------------------------------------------
     def sample_blocks(self, h: Tensor, anchors: Tensor, gammas: list[int], rows: RowSampling,
-                      generator: Generators) -> list[DraftProposal]:
+                      generator: Generators, states=()) -> list[DraftProposal]:
         """Left to right, each step batched over the R requests: p_k = to_probs(U_k + B_k(x_{k-1}, state))
         per row with its request's params; x_k ~ p_k; c_k from [h_k; W1[x_{k-1}]].
         h [R, G, d]; rows past their own γ_r are computed (and drawn: `BlockDraws`) but never returned.
@@ -91,7 +91,7 @@ class DSparkDrafter(DFlashDrafter):
         W1 reads next) and the returned rows are extended by zeros to V."""
         u = self.lm_logits(h)  # [R, G, N]: all base logits in one LM-head call
         draws = BlockDraws(generator, gammas, self.device)
-        if rows.single and chain_capture.capturable(draws) and chain_capture.wanted(self):  # one captured graph
+        if rows.single and chain_capture.capturable(draws) and chain_capture.wanted(self, states):  # one captured graph
             tokens, probs, conf_logits = chain_capture.run(self, u, h, anchors, draws, rows.sps[0])
         else:
             tokens, probs, conf_logits = self.draft_chain(u, h, anchors, rows.probs, draws.draw)

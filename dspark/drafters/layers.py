@@ -164,7 +164,9 @@ class InjectedLayer(nn.Module):
 
 
 class KVBuffer:
-    """Per-layer K/V of the verified context, [KV, n, hd] each, grown by doubling (amortised O(1) append)."""
+    """Per-layer K/V of the verified context, [KV, n, hd] each, grown by doubling (amortised O(1) append).
+    Columns past `length` are zeros or stale values, never uninitialised memory: a captured pass reads a whole
+    window of them under a mask (dspark.drafters.block_capture), and a masked NaN would still poison it."""
 
     def __init__(self):
         self.k: Tensor | None = None
@@ -175,8 +177,8 @@ class KVBuffer:
         n = k.shape[-2]
         if self.k is None:
             cap = max(16, n)
-            self.k = k.new_empty(*k.shape[:-2], cap, k.shape[-1])
-            self.v = v.new_empty(*v.shape[:-2], cap, v.shape[-1])
+            self.k = k.new_zeros(*k.shape[:-2], cap, k.shape[-1])
+            self.v = v.new_zeros(*v.shape[:-2], cap, v.shape[-1])
         elif self.length + n > self.k.shape[-2]:
             cap = max(2 * self.k.shape[-2], self.length + n)
             self.k = _grow(self.k, self.length, cap)
@@ -184,6 +186,17 @@ class KVBuffer:
         self.k[..., self.length:self.length + n, :] = k
         self.v[..., self.length:self.length + n, :] = v
         self.length += n
+
+    def reserve(self, columns: int, like: Tensor, chunk: int) -> None:
+        """At least `columns` columns, grown to a multiple of `chunk` (zeros past `length`); like [KV, 0, hd]."""
+        if self.k is not None and columns <= self.k.shape[-2]:
+            return
+        cap = -(-columns // chunk) * chunk
+        if self.k is None:
+            self.k = like.new_zeros(*like.shape[:-2], cap, like.shape[-1])
+            self.v = torch.zeros_like(self.k)
+        else:
+            self.k, self.v = _grow(self.k, self.length, cap), _grow(self.v, self.length, cap)
 
     def view(self, like: Tensor, last: int | None = None) -> tuple[Tensor, Tensor]:
         """(k, v) [KV, n, hd] (the `last` positions only, when given); empty tensors shaped/typed like
@@ -228,7 +241,7 @@ def padding_mask(lengths: list[int], extra: int, device=None) -> Tensor | None:
 
 
 def _grow(buf: Tensor, used: int, cap: int) -> Tensor:
-    new = buf.new_empty(*buf.shape[:-2], cap, buf.shape[-1])
+    new = buf.new_zeros(*buf.shape[:-2], cap, buf.shape[-1])
     new[..., :used, :] = buf[..., :used, :]
     return new
 

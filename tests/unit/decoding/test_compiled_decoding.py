@@ -2,7 +2,7 @@
 inductor on CPU here, CUDA graphs on a GPU): lossless at temperature 1 through the real decoder (χ² of the
 first tokens' joint against the exact target joint, chain with a load-aware verify length and tree), the
 Appendix A power check (a peeking verify length must be caught by the same test), and greedy output equal
-to HF `generate` token for token (target-only, chain and tree). The same through the continuous-batching
+to HF `generate` token for token (target-only, chain and tree), the drafter's passes captured as well. The same through the continuous-batching
 engine on the core's compiled slots (`EngineConfig.decode_core`): χ² of the first tokens' joints with chains
 and with trees, greedy == HF `generate` with requests joining and leaving, and a seeded request's tokens the
 same alone and batched with others."""
@@ -87,6 +87,8 @@ def test_compiled_greedy_equals_hf_generate(micro_target):
     tree = tree_speculative_generate(micro_target, drafter, PROMPT, greedy, 30, (2,), stop_ids=[],
                                      core_mode=COMPILED)
     assert chain.token_ids == reference and tree.token_ids == reference
+    # the drafter's passes ran captured too (block_capture, chain_capture), not their eager fallbacks
+    assert not drafter.__dict__.get("_block_capture_failed") and not drafter.__dict__.get("_chain_capture_failed")
 
 
 # ---- the continuous-batching engine on the compiled core (few rows: each (rows, width) bucket compiles once) ----

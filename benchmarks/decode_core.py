@@ -10,7 +10,7 @@ Rows of the JSON (the last stdout line; also written to benchmarks/results/decod
   A compiled step's fused C++/Triton kernels are not aten calls: what it still dispatches is what is counted.
 - host_ms_per_step: wall time of that step (median of `--step-repeats`).
 - tok_per_s: target_batch1 (target-only decoding, `target_generate`), speculative_batch1 (`speculative_generate`
-  with the drafter), modes taking turns prompt by prompt (order rotating); rollout = the rollout generator
+  with the drafter; compiled: the drafter's passes captured too, dspark.drafters.block_capture), modes taking turns prompt by prompt (order rotating); rollout = the rollout generator
   (BatchGenerator at max_batch `--rollout-rows`, 2 x rows seeded sequences; dynamic = its ragged KV store).
 - compile_s: seconds the first compiled calls took (one graph per shape bucket: rows, new tokens, KV window);
   the decode rows are timed after a warm-up that decodes every prompt once compiled.

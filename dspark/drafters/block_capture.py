@@ -10,7 +10,8 @@ Nothing in a graph depends on the request's length as a Python value:
   j >= length - context_window with a window), then the block's own L keys;
 - `extend` writes n new positions at columns length.., padded to a power of two (at most MAX_NEW; longer
   updates, i.e. prompts, run eager): padding columns hold stale finite values that no pass sees (j >= length).
-Graphs: one per (window, new-token bucket, buffer capacity). Invariant: `hidden` is `DFlashDrafter.block_hidden`
+Graphs: one per (window, new-token bucket, buffer capacity). With a context window the pass still reads all W
+columns (the mask keeps the last context_window): exact, but wasteful for contexts far past the window. Invariant: `hidden` is `DFlashDrafter.block_hidden`
 (masked keys weigh nothing) and the buffers' first `length` columns are what eager `extend_context` appends, up to
 float rounding (sums over other counts of terms). Where a capture fails the drafter warns once and runs these
 same functions eager from then on.
@@ -83,6 +84,8 @@ def _buffers(drafter, state, columns: int) -> tuple[list[Tensor], list[Tensor]]:
     for buf in state.kv:
         buf.reserve(columns, like, CHUNK)
         if drafter.device.type == "cuda":  # CUDA graphs then read and write the buffers in place
+            import torch._dynamo
+
             torch._dynamo.mark_static_address(buf.k)
             torch._dynamo.mark_static_address(buf.v)
     return [buf.k for buf in state.kv], [buf.v for buf in state.kv]

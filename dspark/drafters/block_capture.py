@@ -84,10 +84,10 @@ def _buffers(drafter, state, columns: int) -> tuple[list[Tensor], list[Tensor]]:
     for buf in state.kv:
         buf.reserve(columns, like, CHUNK)
         if drafter.device.type == "cuda":  # CUDA graphs then read and write the buffers in place
-            import torch._dynamo
+            from torch._dynamo import mark_static_address
 
-            torch._dynamo.mark_static_address(buf.k)
-            torch._dynamo.mark_static_address(buf.v)
+            mark_static_address(buf.k)
+            mark_static_address(buf.v)
     return [buf.k for buf in state.kv], [buf.v for buf in state.kv]
 
 

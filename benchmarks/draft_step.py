@@ -92,10 +92,6 @@ def round_ops(drafter, state, anchor, new_features, new_ids) -> dict:
     return {"propose": propose, "extend_context": extend, "round": total}
 
 
-def _ratio(ops: dict, kind: str) -> float:
-    return round(ops["eager"]["round"][kind] / max(1, ops["captured"]["round"][kind]), 1)
-
-
 def main(argv=None) -> dict:
     args = parse_args(argv)
     from dspark.io import storage
@@ -131,8 +127,9 @@ def main(argv=None) -> dict:
         "algo": drafter.algo, "drafter_layers": drafter.config.num_layers, "gamma": drafter.config.block_size,
         "dtype": str(dtype).removeprefix("torch."), "torch": torch.__version__, "context": len(ids),
         "new_positions_per_round": n_new, "ops_per_round": ops, "host_ms_per_round": ms, "compile_s": compile_s,
-        "round_ops_eager_over_captured": _ratio(ops, "aten"),
-        "round_top_level_eager_over_captured": _ratio(ops, "top_level"),
+        **{f"round_{name}_eager_over_captured":
+           round(ops["eager"]["round"][kind] / max(1, ops["captured"]["round"][kind]), 1)
+           for name, kind in (("ops", "aten"), ("top_level", "top_level"))},
         "captured_speedup_host": round(ms["eager"] / ms["captured"], 3),
         "captured_failed": bool(drafter.__dict__.get("_block_capture_failed")
                                 or drafter.__dict__.get("_chain_capture_failed")),

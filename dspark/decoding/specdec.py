@@ -129,7 +129,8 @@ def generate_rounds(target, drafter, prompt_ids, sp: SamplingParams, max_new_tok
     seq = open_sequence(target, core_mode)
     features, anchor = _prefill(seq, ids, layer_ids, sp, generator)
     state = drafter.new_state()
-    state.captured = getattr(getattr(seq, "core", None), "mode", None) == "compiled"  # the drafter's passes too
+    if hasattr(state, "captured"):  # a DraftState: the drafter's passes compiled where the target's core is
+        state.captured = getattr(getattr(seq, "core", None), "mode", None) == "compiled"
     drafter.extend_context(state, features, torch.tensor(ids, device=features.device))
     tokens, rounds = [anchor], []
     finish = "stop" if anchor in stops else ("length" if max_new_tokens == 1 else None)

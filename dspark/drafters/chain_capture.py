@@ -84,7 +84,7 @@ def keyed_tables(draws, rows: int, columns: int, device) -> tuple[Tensor | None,
 def compiled_for(drafter, states=()) -> bool:
     """The requests' decoding core is compiled: `DraftState.captured` (set by batch-1 decoding from its core) when
     every state says; else where DSPARK_DECODE_CORE compiles (auto: on CUDA)."""
-    flags = {s.captured for s in states}
+    flags = {getattr(s, "captured", None) for s in states}
     if flags and None not in flags:
         return flags == {True}
     return resolve_mode(default_mode(), drafter.device) == "compiled"

@@ -10,8 +10,9 @@ Rows of the JSON (the last stdout line; also written to benchmarks/results/decod
   A compiled step's fused C++/Triton kernels are not aten calls: what it still dispatches is what is counted.
 - host_ms_per_step: wall time of that step (median of `--step-repeats`).
 - tok_per_s: target_batch1 (target-only decoding, `target_generate`), speculative_batch1 (`speculative_generate`
-  with the drafter; compiled: the drafter's passes captured too, dspark.drafters.block_capture), modes taking turns prompt by prompt (order rotating); rollout = the rollout generator
-  (BatchGenerator at max_batch `--rollout-rows`, 2 x rows seeded sequences; dynamic = its ragged KV store).
+  with the drafter; compiled: the drafter's passes captured too, dspark.drafters.block_capture), modes taking
+  turns prompt by prompt (order rotating); rollout = the rollout generator (BatchGenerator at max_batch
+  `--rollout-rows`, 2 x rows seeded sequences; dynamic = its ragged KV store).
 - compile_s: seconds the first compiled calls took (one graph per shape bucket: rows, new tokens, KV window);
   the decode rows are timed after a warm-up that decodes every prompt once compiled.
 - cpu_default: the mode `auto` picks on a CPU (dspark.decoding.static_core.resolve_mode), with the ratios that
@@ -41,13 +42,19 @@ CORE_MODES = ("eager", "compiled")
 DEFAULT_DRAFTER = str(REPO_ROOT / "benchmarks/results/learning_curve/drafter-cpu-mix2")
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def model_args(description: str, drafter_help: str) -> argparse.ArgumentParser:
+    """A parser with the target, drafter, precision, device and prompt-folder options the decoding benchmarks share."""
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--target", default="smollm2-135m", help="tiny | smollm2-135m | model dir")
-    ap.add_argument("--drafter", default=DEFAULT_DRAFTER, help="drafter reference for speculative_batch1, or untrained")
+    ap.add_argument("--drafter", default=DEFAULT_DRAFTER, help=drafter_help)
     ap.add_argument("--dtype", default="auto", help="auto (bf16 where native) | float32 | bfloat16")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--data-dir", default=str(REPO_ROOT / "data" / "eval"))
+    return ap
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = model_args(__doc__.split("\n")[0], "drafter reference for speculative_batch1, or untrained")
     ap.add_argument("--datasets", default="gsm8k,humaneval,mt-bench")
     ap.add_argument("--prompts", type=int, default=2, help="prompts per dataset")
     ap.add_argument("--max-new-tokens", type=int, default=48)

@@ -29,7 +29,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
 from benchmarks.decode_core import (DEFAULT_DRAFTER, count_ops, device_label, drafter_or_untrained,  # noqa: E402
-                                    write_result)
+                                    model_args, write_result)
 from benchmarks.decode_speed import eval_prompt_ids  # noqa: E402
 from dspark.decoding.kv_sequence import open_sequence  # noqa: E402
 from dspark.decoding.sampling import SamplingParams  # noqa: E402
@@ -40,12 +40,7 @@ WAYS = ("eager", "captured")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--target", default="smollm2-135m", help="tiny | smollm2-135m | model dir")
-    ap.add_argument("--drafter", default=DEFAULT_DRAFTER, help="drafter reference, or untrained (a fresh DSpark)")
-    ap.add_argument("--dtype", default="auto", help="auto (bf16 where native) | float32 | bfloat16")
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--data-dir", default=str(REPO_ROOT / "data" / "eval"))
+    ap = model_args(__doc__.split("\n")[0], "drafter reference, or untrained (a fresh DSpark)")
     ap.add_argument("--dataset", default="mt-bench", help="the prompt's dataset (its first prompt)")
     ap.add_argument("--accepted", type=int, default=1, help="drafts accepted per round (extend_context adds +1)")
     ap.add_argument("--repeats", type=int, default=30)

@@ -11,9 +11,9 @@ Nothing in a graph depends on the request's length as a Python value:
 - `extend` writes n new positions at columns length.., padded to a power of two (at most MAX_NEW; longer
   updates, i.e. prompts, run eager): padding columns hold stale finite values that no pass sees (j >= length).
 Graphs: one per (window, new-token bucket, buffer capacity). With a context window the pass still reads all W
-columns (the mask keeps the last context_window): exact, but wasteful for contexts far past the window. Invariant: `hidden` is `DFlashDrafter.block_hidden`
-(masked keys weigh nothing) and the buffers' first `length` columns are what eager `extend_context` appends, up to
-float rounding (sums over other counts of terms). Where a capture fails the drafter warns once and runs these
+columns (the mask keeps the last context_window): exact, but wasteful for contexts far past the window.
+Invariant: `hidden` is `DFlashDrafter.block_hidden` (masked keys weigh nothing) and the buffers' first `length`
+columns are what eager `extend_context` appends, up to float rounding (sums over other counts of terms). Where a capture fails the drafter warns once and runs these
 same functions eager from then on.
 """
 from __future__ import annotations
@@ -57,20 +57,9 @@ def _extend(drafter, keys: list[Tensor], values: list[Tensor], features: Tensor,
         v_buf[:, columns] = v[0].to(v_buf.dtype)
 
 
-_compiled: dict = {}  # (function name, backend, device type) -> its torch.compile wrapper
-
-
 def _run(drafter, fn, *args):
-    key = (fn.__name__, chain_capture.BACKEND, drafter.device.type)
-    if key not in _compiled:
-        import torch._dynamo
-
-        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-        cuda_graphs = drafter.device.type == "cuda" and chain_capture.BACKEND == "inductor"
-        _compiled[key] = torch.compile(fn, backend=chain_capture.BACKEND, dynamic=False,
-                                       mode="reduce-overhead" if cuda_graphs else None)
     try:
-        return _compiled[key](drafter, *args)
+        return chain_capture.compiled(fn, drafter.device)(drafter, *args)
     except Exception:  # noqa: BLE001 — the pass still runs, eager; the reason is logged once
         log.warning("capturing the drafter's %s pass failed; running its passes eager from now on",
                     fn.__name__.strip("_"), exc_info=True)

@@ -98,17 +98,19 @@ def wanted(drafter, states=(), part: str = "chain") -> bool:
     return compiled_for(drafter, states) and not drafter.__dict__.get(f"_{part}_capture_failed", False)
 
 
-_compiled = {}  # (backend, device type) -> the compiled chain_from_uniforms
+_compiled = {}  # (function name, backend, device type) -> its torch.compile wrapper
 
 
-def _compiled_chain(device: torch.device):
-    key = (BACKEND, device.type)
+def compiled(fn, device: torch.device):
+    """`fn` under torch.compile with BACKEND, static shapes, CUDA graphs on a GPU (inductor), made once per
+    (function, backend, device type): the γ-loop here and `block_capture`'s passes."""
+    key = (fn.__name__, BACKEND, device.type)
     if key not in _compiled:
         import torch._dynamo
 
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
         mode = "reduce-overhead" if device.type == "cuda" and BACKEND == "inductor" else None
-        _compiled[key] = torch.compile(chain_from_uniforms, backend=BACKEND, mode=mode, dynamic=False)
+        _compiled[key] = torch.compile(fn, backend=BACKEND, mode=mode, dynamic=False)
     return _compiled[key]
 
 
@@ -124,7 +126,7 @@ def run(drafter, u: Tensor, h: Tensor, anchors: Tensor, draws, sp: SamplingParam
     noise, keyed = keyed_tables(draws, bucket, u.shape[-1], u.device)  # made at the bucket's rows
     padded = [_pad_rows(t.to(u.device), bucket) for t in (u, h, anchors, draws.uniforms)]
     try:
-        out = _compiled_chain(u.device)(drafter, *padded, params, noise, keyed)
+        out = compiled(chain_from_uniforms, u.device)(drafter, *padded, params, noise, keyed)
     except Exception:  # noqa: BLE001 — the loop still runs, eager; the reason is logged once
         log.warning("capturing the drafter's sequential loop failed; drafting it eager from now on", exc_info=True)
         drafter.__dict__["_chain_capture_failed"] = True

@@ -105,7 +105,7 @@ def test_a_failed_capture_warns_once_and_runs_eager(monkeypatch, caplog):
     def broken(*args, **kwargs):
         raise RuntimeError("no compiler here")
 
-    monkeypatch.setattr(block_capture, "_compiled", {})
+    monkeypatch.setattr(chain_capture, "_compiled", {})
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: broken)
     for state in (eager, captured):
         drafter.extend_context(state, features, ids)

@@ -175,10 +175,10 @@ def test_a_failed_capture_warns_once_and_drafts_eager(monkeypatch, caplog):
     states, anchors = states[:3], anchors[:3]
     eager = _propose(drafter, states, anchors, [3, 3, 3], sp)
 
-    def broken(device):
+    def broken(fn, device):
         raise RuntimeError("no compiler here")
 
-    monkeypatch.setattr(chain_capture, "_compiled_chain", broken)
+    monkeypatch.setattr(chain_capture, "compiled", broken)
     monkeypatch.setattr(chain_capture, "default_mode", lambda: "compiled")
     assert chain_capture.wanted(drafter)
     first = _propose(drafter, states, anchors, [3, 3, 3], sp)

@@ -76,7 +76,9 @@ def free_port() -> int:
 
 
 def run_ranks(target_dir: str, out, world: int = 2, shards: int | None = None) -> list[dict]:
-    torch.multiprocessing.spawn(rank_main, args=(world, free_port(), target_dir, str(out), shards), nprocs=world)
+    # forked, not spawned: a rank starts from this process's imports (torch, transformers) instead of its own
+    torch.multiprocessing.start_processes(rank_main, args=(world, free_port(), target_dir, str(out), shards),
+                                          nprocs=world, start_method="fork")
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
 
 

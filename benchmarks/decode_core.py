@@ -189,13 +189,14 @@ def decode_rows(target, drafter, prompts, sp, max_new_tokens: int, compile_s: di
 
 
 def drafter_or_untrained(ref: str, target):
-    """The drafter reference, or with "untrained" a fresh DSpark drafter (a speed smoke run, τ ≈ 1)."""
+    """The drafter reference, or with "untrained" a fresh DSpark drafter (a speed smoke run, τ ≈ 1);
+    "untrained-<algo>" a fresh drafter of that algorithm (dspark, dflash, eagle3)."""
     from dspark.drafters import DrafterConfig, build_drafter
     from dspark.io.drafter_source import load_drafter_ref
 
-    if ref == "untrained":
+    if ref == "untrained" or ref.startswith("untrained-"):
         torch.manual_seed(0)
-        return build_drafter(DrafterConfig(algo="dspark"), target).eval()
+        return build_drafter(DrafterConfig(algo=ref.removeprefix("untrained").lstrip("-") or "dspark"), target).eval()
     return load_drafter_ref(ref, target).eval()
 
 

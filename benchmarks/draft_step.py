@@ -1,8 +1,10 @@
 """A batch-1 drafting round (`propose` of a block, then `extend_context` with the verified positions) with the
-drafter's passes eager and captured (dspark.drafters.block_capture + chain_capture), side by side in one run.
+drafter's passes eager and captured (block drafters: dspark.drafters.block_capture + chain_capture; Eagle3:
+eagle3_capture), side by side in one run.
 
     python benchmarks/draft_step.py                                     # smollm2-135m, the committed CPU drafter
     python benchmarks/draft_step.py --target tiny --drafter untrained   # a minute
+    python benchmarks/draft_step.py --drafter untrained-eagle3          # a fresh Eagle3 on SmolLM2
 
 Rows of the JSON (the last stdout line; also benchmarks/results/draft_step/<device>.json with the defaults):
 - ops_per_round: operators one round dispatches, counted with torch.profiler (`aten`: every aten call, nested too;
@@ -40,7 +42,7 @@ WAYS = ("eager", "captured")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = model_args(__doc__.split("\n")[0], "drafter reference, or untrained (a fresh DSpark)")
+    ap = model_args(__doc__.split("\n")[0], "drafter reference, or untrained[-<algo>] (a fresh DSpark, or that algo)")
     ap.add_argument("--dataset", default="mt-bench", help="the prompt's dataset (its first prompt)")
     ap.add_argument("--accepted", type=int, default=1, help="drafts accepted per round (extend_context adds +1)")
     ap.add_argument("--repeats", type=int, default=30)

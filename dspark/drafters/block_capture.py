@@ -57,7 +57,8 @@ def _extend(drafter, keys: list[Tensor], values: list[Tensor], features: Tensor,
         v_buf[:, columns] = v[0].to(v_buf.dtype)
 
 
-def _run(drafter, fn, *args):
+def call_captured(drafter, fn, *args):
+    """fn(drafter, *args) through its captured graph (`chain_capture.compiled`); eager where capturing failed."""
     try:
         return chain_capture.compiled(fn, drafter.device)(drafter, *args)
     except Exception:  # noqa: BLE001 — the pass still runs, eager; the reason is logged once
@@ -67,7 +68,8 @@ def _run(drafter, fn, *args):
         return fn(drafter, *args)
 
 
-def _buffers(drafter, state, columns: int) -> tuple[list[Tensor], list[Tensor]]:
+def reserved_buffers(drafter, state, columns: int) -> tuple[list[Tensor], list[Tensor]]:
+    """The state's K/V buffers, per layer, holding at least `columns` columns (grown in chunks of CHUNK)."""
     c = drafter.config
     like = torch.empty(c.num_kv_heads, 0, c.head_dim, device=drafter.device, dtype=drafter.dtype)
     for buf in state.kv:
@@ -83,9 +85,9 @@ def _buffers(drafter, state, columns: int) -> tuple[list[Tensor], list[Tensor]]:
 def hidden(drafter, state, anchors: Tensor) -> Tensor:
     """`blocks_hidden` of one state ([1, L, d]) through the captured backbone pass."""
     window = window_bucket(state.length)
-    keys, values = _buffers(drafter, state, window)
+    keys, values = reserved_buffers(drafter, state, window)
     length = torch.tensor([state.length], device=drafter.device)
-    out = _run(drafter, _hidden, keys, values, window, length, anchors.reshape(1).to(drafter.device))
+    out = call_captured(drafter, _hidden, keys, values, window, length, anchors.reshape(1).to(drafter.device))
     return out.clone() if drafter.device.type == "cuda" else out  # a CUDA graph's output is overwritten next replay
 
 
@@ -96,8 +98,8 @@ def extend(drafter, state, features: Tensor) -> None:
     padded = features.to(drafter.device)
     if bucket > n:
         padded = torch.cat([padded, padded.new_zeros(bucket - n, padded.shape[1])])
-    keys, values = _buffers(drafter, state, state.length + bucket)
-    _run(drafter, _extend, keys, values, padded, torch.tensor([state.length], device=drafter.device))
+    keys, values = reserved_buffers(drafter, state, state.length + bucket)
+    call_captured(drafter, _extend, keys, values, padded, torch.tensor([state.length], device=drafter.device))
     for buf in state.kv:
         buf.length += n
     state.length += n

@@ -42,15 +42,22 @@ class ChainParams(NamedTuple):
 
 def chain_from_uniforms(drafter, u: Tensor, h: Tensor, anchors: Tensor, uniforms: Tensor, params: ChainParams,
                         noise: Tensor | None = None, keyed: Tensor | None = None):
-    """`draft_chain` with one sampling setting and entry (r, k) drawn as inverse_cdf(p_k, uniforms[r, k]), or
-    where keyed [R, G] is set as argmax(log p_k + noise[r, k]) (noise [R, G, N] float64; None: no keyed row)."""
+    """`draft_chain` with one sampling setting and every draw made before the loop (`drawn_ahead`)."""
+    draw = drawn_ahead(uniforms, noise, keyed)
+    return drafter.draft_chain(u, h, anchors, lambda logits: to_probs(logits, params), draw)
+
+
+def drawn_ahead(uniforms: Tensor, noise: Tensor | None = None, keyed: Tensor | None = None):
+    """draw(probs [R, N], k) -> (every row, tokens [R]) from draws made before the loop: entry (r, k) is
+    inverse_cdf(p_k, uniforms[r, k]), or where keyed [R, G] is set argmax(log p_k + noise[r, k]) (noise [R, G, N]
+    float64; None: no keyed row) — what `BlockDraws.draw` gives, as a pure function of tensors."""
     def draw(probs: Tensor, k: int):
         tokens = inverse_cdf(probs, uniforms[:, k:k + 1])
         if noise is not None:
             tokens = torch.where(keyed[:, k], (probs.double().log() + noise[:, k]).argmax(-1), tokens)
         return slice(None), tokens
 
-    return drafter.draft_chain(u, h, anchors, lambda logits: to_probs(logits, params), draw)
+    return draw
 
 
 def capturable(draws) -> bool:
@@ -98,13 +105,13 @@ def wanted(drafter, states=(), part: str = "chain") -> bool:
     return compiled_for(drafter, states) and not drafter.__dict__.get(f"_{part}_capture_failed", False)
 
 
-_compiled = {}  # (function name, backend, device type) -> its torch.compile wrapper
+_compiled = {}  # (module, function name, backend, device type) -> its torch.compile wrapper
 
 
 def compiled(fn, device: torch.device):
     """`fn` under torch.compile with BACKEND, static shapes, CUDA graphs on a GPU (inductor), made once per
     (function, backend, device type): the γ-loop here and `block_capture`'s passes."""
-    key = (fn.__name__, BACKEND, device.type)
+    key = (fn.__module__, fn.__qualname__, BACKEND, device.type)
     if key not in _compiled:
         import torch._dynamo
 

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from dspark.drafters import block_capture, chain_capture, eagle3_capture
 from dspark.drafters.anchors import is_dense
 from dspark.drafters.base import (BlockDraws, DraftProposal, DraftState, DraftTrainOut, Drafter, RowSampling,
                                   split_proposals)
@@ -136,6 +137,8 @@ class Eagle3Drafter(Drafter):
         n = features.shape[0]
         if n == 0:
             return
+        if n <= block_capture.MAX_NEW and chain_capture.wanted(self, [state], "block"):
+            return eagle3_capture.extend_captured(self, state, features, token_ids)
         fused = self.fused(features)
         first = state.last_fused if state.last_fused is not None else fused.new_zeros(fused.shape[-1])
         prev = torch.cat([first.unsqueeze(0), fused[:-1]], dim=0)
@@ -148,29 +151,45 @@ class Eagle3Drafter(Drafter):
 
     def draft_batch(self, states: list[DraftState], anchors: Tensor, gammas: list[int], rows: RowSampling,
                     generator: Generators) -> list[DraftProposal]:
-        """Autoregressive, each step one layer pass for all R requests: step k of request r sits at
-        position len_r + k and attends to r's own cached context (padding masked) and its earlier steps."""
-        c, layer, d = self.config, self.midlayer, self.hidden_size
+        """Autoregressive, each step one layer pass for all R requests (`draft_steps`); one request on a compiled
+        core: the captured steps (`eagle3_capture`)."""
+        draws = BlockDraws(generator, gammas, self.device)
+        if rows.single and chain_capture.capturable(draws) and chain_capture.wanted(self, states, "block"):
+            tokens, probs = eagle3_capture.draft_captured(self, states[0], anchors, draws, rows.sps[0])
+            return split_proposals(tokens, self.full_vocab_probs(probs), None, gammas)
+        c, d = self.config, self.hidden_size
         zeros = torch.zeros(d, device=self.device, dtype=self.dtype)  # empty context: f_{-1} = 0, as in training
         hidden = torch.stack([zeros if s.last_fused is None else s.last_fused for s in states]).unsqueeze(1)
         lengths = [s.length for s in states]
-        starts = torch.tensor(lengths, device=self.device).unsqueeze(-1)  # [R, 1]
         ctx_k, ctx_v = batch_kv([s.kv[0] for s in states], hidden.new_empty(c.num_kv_heads, 0, c.head_dim))
-        keys, values = [ctx_k], [ctx_v]
-        shape = (len(gammas), max(gammas))  # [R, G]
-        tokens = torch.zeros(shape, dtype=torch.long, device=self.device)
-        probs = torch.empty(*shape, self.draft_vocab_size, dtype=torch.float32, device=self.device)
-        tok, draws = anchors, BlockDraws(generator, gammas, self.device)
-        for k in range(shape[1]):  # autoregressive: one layer pass per drafted position
+        visible = padding_mask(lengths, 0, self.device)  # [R, 1, 1, N] or None (no request padded)
+        tokens, probs = self.draft_steps(ctx_k, ctx_v, None if visible is None else visible[:, 0, 0], hidden, anchors,
+                                         torch.tensor(lengths, device=self.device).unsqueeze(-1), max(gammas),
+                                         rows.probs, draws.draw)
+        return split_proposals(tokens, self.full_vocab_probs(probs), None, gammas)
+
+    def draft_steps(self, ctx_k: Tensor, ctx_v: Tensor, visible: Tensor | None, hidden: Tensor, anchors: Tensor,
+                    starts: Tensor, width: int, probs_of, draw) -> tuple[Tensor, Tensor]:
+        """The γ-loop: ctx_k/ctx_v [R, KV, C, hd] the requests' context entries, visible [R, C] bool those each may
+        see (None: all), hidden [R, 1, d] the fused feature before the anchor, anchors [R], starts [R, 1] the
+        anchors' positions; step k sits at starts + k and attends to the visible context and steps 0..k (causal by
+        construction: no later step exists yet). probs_of(logits [R, N]) -> probs; draw(probs [R, N], k) -> (rows
+        drawn, draft ids). -> tokens [R, width] (target ids), probs [R, width, N]. Tensors only between steps (no
+        host reads), so with every draw made before the loop torch.compile captures it whole (`eagle3_capture`)."""
+        layer, rows = self.midlayer, anchors.shape[0]
+        tokens = torch.zeros(rows, width, dtype=torch.long, device=anchors.device)
+        probs = torch.empty(rows, width, self.draft_vocab_size, dtype=torch.float32, device=anchors.device)
+        keys, values, tok = [ctx_k], [ctx_v], anchors
+        for k in range(width):
             x, res = layer.inputs(self.embed(tok.unsqueeze(-1)), hidden)  # [R, 1, 2d], [R, 1, d]
             cos, sin = self.rotary(starts + k)
             kk, vv = layer.self_attn.keys_values(x, cos, sin)
             keys.append(kk)
             values.append(vv)
-            mask = padding_mask(lengths, k + 1, self.device)  # causal by construction: no later steps exist yet
+            mask = None if visible is None else torch.cat([visible, visible.new_ones(rows, k + 1)], -1)[:, None, None]
             g = layer(x, res, cos, sin, torch.cat(keys, -2), torch.cat(values, -2), mask)
-            probs[:, k] = rows.probs(self.lm_logits(self.norm(g))[:, 0])
-            live, drawn = draws.draw(probs[:, k], k)
+            probs[:, k] = probs_of(self.lm_logits(self.norm(g))[:, 0])
+            live, drawn = draw(probs[:, k], k)
             tokens[live, k] = self.to_target_ids(drawn)
             tok, hidden = tokens[:, k], g
-        return split_proposals(tokens, self.full_vocab_probs(probs), None, gammas)
+        return tokens, probs

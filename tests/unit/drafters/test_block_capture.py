@@ -41,7 +41,7 @@ def test_each_pass_traces_as_one_graph():
     state = drafter.new_state()
     state.captured = True
     width = drafter.hidden_size * len(drafter.layer_ids)
-    keys, values = block_capture._buffers(drafter, state, 128)
+    keys, values = block_capture.reserved_buffers(drafter, state, 128)
     start = torch.tensor([0])
     with torch.no_grad():
         torch.compile(block_capture._extend, backend="aot_eager", fullgraph=True)(  # raises on a graph break

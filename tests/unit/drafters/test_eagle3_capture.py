@@ -1,0 +1,102 @@
+"""Eagle3's batch-1 passes captured as static-shape graphs (dspark.drafters.eagle3_capture): each traces as one
+graph (what a CUDA graph needs); a captured state holds what an eager one holds (K/V columns, the last fused
+feature) and proposes what it proposes (tokens and probabilities; a stream or a keyed (seeded) request, a draft
+vocabulary, updates of 1 to 64 positions and an eager prompt beyond); batch-1 decoding captures Eagle3 where its
+core is compiled and gives the target's greedy tokens. Traced with the aot_eager backend (the same graph inductor
+would compile, without a C++ build)."""
+import pytest
+import torch
+
+import dspark.drafters.chain_capture as chain_capture
+import dspark.drafters.eagle3_capture as eagle3_capture
+from dspark.decoding.counter_random import CounterStream
+from dspark.decoding.sampling import KeyedNoise, SamplingParams
+from dspark.drafters import DrafterConfig, build_drafter
+from tests.tiny_models import build_tiny_model
+
+VOCAB = 32
+UPDATES = [5, 1, 3, 4, 2, 30, 4, 1, 70, 2]  # positions per extend_context; 70 > MAX_NEW runs eager
+
+
+@pytest.fixture(autouse=True)
+def _aot_eager(monkeypatch):
+    monkeypatch.setattr(chain_capture, "BACKEND", "aot_eager")
+
+
+def _drafter(draft_ids: list[int] | None = None):
+    target = build_tiny_model(vocab_size=VOCAB, num_layers=3, hidden_size=32)
+    torch.manual_seed(0)
+    cfg = DrafterConfig(algo="eagle3", block_size=4, num_context_layers=2, init_std=0.2,
+                        draft_vocab_size=None if draft_ids is None else len(draft_ids))
+    return target, build_drafter(cfg, target, draft_ids=None if draft_ids is None else torch.tensor(draft_ids)).eval()
+
+
+def test_each_pass_traces_as_one_graph():
+    _, drafter = _drafter()
+    state = drafter.new_state()
+    width, d = drafter.hidden_size * len(drafter.layer_ids), drafter.hidden_size
+    keys, values = eagle3_capture.block_capture.reserved_buffers(drafter, state, 128)
+    params = chain_capture.ChainParams.of(SamplingParams(temperature=1.0))
+    with torch.no_grad():
+        fused = torch.compile(eagle3_capture._context_update, backend="aot_eager", fullgraph=True)(  # raises on a break
+            drafter, keys, values, torch.randn(4, width), torch.arange(4), torch.zeros(d), torch.tensor([0]))
+        tokens, probs = torch.compile(eagle3_capture._draft_steps, backend="aot_eager", fullgraph=True)(
+            drafter, keys, values, 128, torch.tensor([4]), torch.tensor([3]), fused[-1].reshape(1, 1, -1),
+            torch.rand(1, 4), params, None, None)
+    assert tokens.shape == (1, 4) and probs.shape == (1, 4, VOCAB)
+
+
+def _rng(kind: str, step: int, drafter):
+    if kind == "keyed":
+        noise = KeyedNoise(seed=step, vocab_size=VOCAB, device="cpu", columns=drafter.draft_ids)
+        noise.cursor = 3 * step
+        return noise
+    return CounterStream(100 + step, "cpu")
+
+
+@pytest.mark.parametrize("kind,draft_ids", [("stream", None), ("keyed", None), ("stream", [0, 2, 3, 5, 7, 11, 13, 17])])
+def test_a_captured_state_holds_and_proposes_what_an_eager_one_does(kind, draft_ids):
+    _, drafter = _drafter(draft_ids)
+    eager, captured = drafter.new_state(), drafter.new_state()
+    eager.captured, captured.captured = False, True
+    width, gen = drafter.hidden_size * len(drafter.layer_ids), torch.Generator().manual_seed(0)
+    for step, n in enumerate(UPDATES):
+        features, ids = torch.randn(n, width, generator=gen), torch.randint(0, VOCAB, (n,), generator=gen)
+        drafter.extend_context(eager, features, ids)
+        drafter.extend_context(captured, features, ids)
+        assert eager.length == captured.length == eager.kv[0].length == captured.kv[0].length
+        torch.testing.assert_close(eager.kv[0].k[:, :eager.length], captured.kv[0].k[:, :captured.length])
+        torch.testing.assert_close(eager.kv[0].v[:, :eager.length], captured.kv[0].v[:, :captured.length])
+        torch.testing.assert_close(eager.last_fused, captured.last_fused)
+        anchor, sp = int(ids[-1]), SamplingParams(temperature=1.0)
+        rngs = [_rng(kind, step, drafter) for _ in range(2)]
+        want, got = (drafter.propose(s, anchor, 4, sp, rng) for s, rng in zip((eager, captured), rngs))
+        assert torch.equal(want.tokens, got.tokens)
+        torch.testing.assert_close(want.probs, got.probs, rtol=1e-5, atol=1e-6)
+        if kind == "keyed":
+            assert rngs[0].cursor == rngs[1].cursor == 3 * step + 4  # each drew its 4 positions
+    assert captured.kv[0].k.shape[-2] % eagle3_capture.block_capture.CHUNK == 0  # preallocated in chunks
+    assert not drafter.__dict__.get("_block_capture_failed")
+
+
+def test_batch1_eagle3_decoding_captures_where_its_core_is_compiled(monkeypatch):
+    """Greedy speculative decoding on a compiled core (aot_eager here) drafts Eagle3 through the captured passes
+    and gives target-only decoding's tokens; on an eager core it drafts eager."""
+    from dspark.decoding import static_core
+    from dspark.decoding.specdec import speculative_generate, target_generate
+
+    monkeypatch.setattr(static_core.DecodeCore, "_compiled_step",
+                        lambda self: torch.compile(static_core._step, backend="aot_eager", dynamic=False))
+    target, drafter = _drafter()
+    calls = []
+    for name in ("draft_captured", "extend_captured"):
+        real = getattr(eagle3_capture, name)
+        monkeypatch.setattr(eagle3_capture, name, lambda *a, _real=real, _name=name: calls.append(_name) or _real(*a))
+    greedy, prompt = SamplingParams(temperature=0), [1, 5, 2, 4, 3]
+    reference = target_generate(target, prompt, greedy, 16, stop_ids=[], core_mode="eager").token_ids
+    eager = speculative_generate(target, drafter, prompt, greedy, 16, stop_ids=[], core_mode="eager")
+    assert eager.token_ids == reference and calls == []
+    captured = speculative_generate(target, drafter, prompt, greedy, 16, stop_ids=[], core_mode="compiled")
+    assert captured.token_ids == reference
+    assert calls.count("draft_captured") == len(captured.rounds)
+    assert calls.count("extend_captured") >= len(captured.rounds)

@@ -7,14 +7,15 @@ Nothing in a graph depends on the request's length as a Python value:
 - the state's K/V buffers are preallocated in chunks of CHUNK columns (`KVBuffer.reserve`);
 - `hidden` reads the first W columns, W a power of two >= length (the decoding core's `window_bucket`), under a
   key mask built on the device from the length (a 1-element tensor): column j is visible iff j < length (and
-  j >= length - context_window with a window), then the block's own L keys;
+  j >= length - context_window with a window), then the block's own L keys. With a context window and a length
+  past its bucket S (`window_bucket(context_window)`), it reads only the S columns before the length (gathered
+  by a device-built index), so a pass costs the window, not the context;
 - `extend` writes n new positions at columns length.., padded to a power of two (at most MAX_NEW; longer
   updates, i.e. prompts, run eager): padding columns hold stale finite values that no pass sees (j >= length).
-Graphs: one per (window, new-token bucket, buffer capacity). With a context window the pass still reads all W
-columns (the mask keeps the last context_window): exact, but wasteful for contexts far past the window.
+Graphs: one per (window, new-token bucket, buffer capacity), and one gathered per context-window bucket.
 Invariant: `hidden` is `DFlashDrafter.block_hidden` (masked keys weigh nothing) and the buffers' first `length`
-columns are what eager `extend_context` appends, up to float rounding (sums over other counts of terms). Where a capture fails the drafter warns once and runs these
-same functions eager from then on.
+columns are what eager `extend_context` appends, up to float rounding (sums over other counts of terms). Where a
+capture fails the drafter warns once and runs these same functions eager from then on.
 """
 from __future__ import annotations
 
@@ -31,17 +32,23 @@ CHUNK = 1024  # K/V columns a captured state's buffers grow by (a growth retrace
 MAX_NEW = 64  # context updates longer than this (prompts) run eager
 
 
-def _hidden(drafter, keys: list[Tensor], values: list[Tensor], window: int, length: Tensor, anchor: Tensor) -> Tensor:
+def _hidden(drafter, keys: list[Tensor], values: list[Tensor], window: int, length: Tensor, anchor: Tensor,
+            gather: bool = False) -> Tensor:
     """Final-normed hidden states [1, L, d] of the block anchored at position `length` (tensor [1]) over the first
-    `window` columns of the buffers ([KV, capacity, hd] per layer)."""
+    `window` columns of the buffers ([KV, capacity, hd] per layer), or with `gather` over the `window` columns
+    just before `length` (length >= window)."""
     L, device = drafter.block_len, anchor.device
-    columns = torch.arange(window, device=device)
+    if gather:  # columns length-W .. length-1: all held; the keys carry their own positions (RoPE at insert)
+        columns = length - window + torch.arange(window, device=device)
+        context = [(k[None, :, columns], v[None, :, columns]) for k, v in zip(keys, values)]
+    else:
+        columns = torch.arange(window, device=device)
+        context = [(k[None, :, :window], v[None, :, :window]) for k, v in zip(keys, values)]
     visible = columns < length
     if drafter.config.context_window:
         visible = visible & (columns >= length - drafter.config.context_window)
     mask = torch.cat([visible, visible.new_ones(L)])[None, None, None, :]  # [1, 1, 1, W + L]: context, then block
     positions = length[:, None] + torch.arange(L, device=device)  # [1, L]
-    context = [(k[None, :, :window], v[None, :, :window]) for k, v in zip(keys, values)]
     return drafter.run_blocks(drafter.block_inputs(anchor), positions, context, mask)
 
 
@@ -84,10 +91,12 @@ def reserved_buffers(drafter, state, columns: int) -> tuple[list[Tensor], list[T
 
 def hidden(drafter, state, anchors: Tensor) -> Tensor:
     """`blocks_hidden` of one state ([1, L, d]) through the captured backbone pass."""
-    window = window_bucket(state.length)
-    keys, values = reserved_buffers(drafter, state, window)
+    span = window_bucket(drafter.config.context_window) if drafter.config.context_window else None
+    gather = span is not None and state.length > span  # a window far behind: read only its bucket
+    window = span if gather else window_bucket(state.length)
+    keys, values = reserved_buffers(drafter, state, state.length if gather else window)
     length = torch.tensor([state.length], device=drafter.device)
-    out = call_captured(drafter, _hidden, keys, values, window, length, anchors.reshape(1).to(drafter.device))
+    out = call_captured(drafter, _hidden, keys, values, window, length, anchors.reshape(1).to(drafter.device), gather)
     return out.clone() if drafter.device.type == "cuda" else out  # a CUDA graph's output is overwritten next replay
 
 

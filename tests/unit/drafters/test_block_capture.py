@@ -14,7 +14,8 @@ from dspark.drafters import DrafterConfig, build_drafter
 from tests.tiny_models import build_tiny_model
 
 VOCAB = 32
-UPDATES = [5, 1, 3, 4, 2, 30, 4, 1, 70, 2]  # positions per extend_context; 70 > MAX_NEW runs eager
+UPDATES = [5, 1, 3, 4, 2, 30, 4, 1, 70, 2, 64, 3]  # positions per extend_context; 70 > MAX_NEW runs eager; past 128
+# positions a context window of 40 is read gathered (its bucket, 128 columns before the length)
 
 
 @pytest.fixture(autouse=True)
@@ -48,7 +49,9 @@ def test_each_pass_traces_as_one_graph():
             drafter, keys, values, torch.randn(4, width), start)
         out = torch.compile(block_capture._hidden, backend="aot_eager", fullgraph=True)(
             drafter, keys, values, 128, torch.tensor([4]), torch.tensor([3]))
-    assert out.shape == (1, drafter.block_len, drafter.hidden_size)
+        far = torch.compile(block_capture._hidden, backend="aot_eager", fullgraph=True)(  # the gathered window
+            drafter, keys, values, 64, torch.tensor([100]), torch.tensor([3]), True)
+    assert out.shape == far.shape == (1, drafter.block_len, drafter.hidden_size)
 
 
 @pytest.mark.parametrize("algo,context_window", [("dspark", None), ("dspark", 40), ("dflash", 40)])
@@ -72,6 +75,7 @@ def test_a_captured_state_holds_and_proposes_what_an_eager_one_does(algo, contex
         torch.testing.assert_close(want.probs, got.probs, rtol=1e-5, atol=1e-6)
     assert captured.kv[0].k.shape[-2] % block_capture.CHUNK == 0  # preallocated in chunks
     assert not drafter.__dict__.get("_block_capture_failed")
+    assert sum(UPDATES[:-1]) > 128  # the last two blocks of a windowed drafter were read gathered
 
 
 def test_batch1_decoding_captures_where_its_core_is_compiled(monkeypatch):

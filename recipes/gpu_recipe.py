@@ -124,7 +124,7 @@ class Recipe:
         self.summary = {"run": cfg.run, "target": cfg.target, "device": None, "rollout_tokens": 0,
                         "rollout_tok_per_s": None, "decode_core": None, "target_ms_per_token_batch1": None,
                         "eval_prompts": 0, "tau": {}, "tau_mean": {}, "tau_ci95": {}, "speedup_batch1": {},
-                        "tau_engine": {}, "eval_prompts_engine": 0,
+                        "tau_engine": {}, "eval_prompts_engine": 0, "drafter_capture_fell_back": {},
                         "train_share": "equal wall-clock per drafter", "train": {}, "phases": {}, "errors": {}}
         self.results: dict = {"config": json.loads(cfg.model_dump_json())}
         self.target_memo = None  # the frozen target's outputs, shared by the drafters trained (train_phase)
@@ -419,6 +419,7 @@ def save_phase(r: Recipe) -> None:
 
 
 def eval_phase(r: Recipe) -> None:
+    from dspark.drafters import chain_capture
     from dspark.eval.evaluate import aggregate, evaluate_round_robin, tau_ci95
 
     if r.cfg.eval.engine_tau:
@@ -435,6 +436,8 @@ def eval_phase(r: Recipe) -> None:
         r.summary["tau_ci95"][name] = tau_ci95(convs, name)
         r.summary["speedup_batch1"][name] = block["overall"].get("speedup")
     r.summary["eval_prompts"] = len({(c.benchmark, c.index) for c in convs})
+    # on a compiled core batch-1 drafting runs captured graphs; a capture that failed ran eager (and logged why)
+    r.summary["drafter_capture_fell_back"] = {n: chain_capture.fell_back(d) for n, d in r.drafters.items()}
     r.summary["errors"].update({f"eval:{n}": e for n, e in failed.items()})
 
 

@@ -58,6 +58,8 @@ def check_output(out: Path, last_line: str) -> list[str]:
     problems += [f"recipe.json lacks {k}" for k in FIELDS if k not in summary]
     problems += [f"phase {p}: {v}" for p, v in summary.get("phases", {}).items()
                  if v.get("status") != "ok" or not isinstance(v.get("seconds"), (int, float))]
+    problems += [f"drafter {name}'s {part} capture fell back to eager (see the log)"
+                 for name, parts in summary.get("drafter_capture_fell_back", {}).items() for part in parts]
     try:
         if json.loads(last_line) != summary:
             problems.append("the last stdout line is not recipe.json's summary")

@@ -105,6 +105,11 @@ def wanted(drafter, states=(), part: str = "chain") -> bool:
     return compiled_for(drafter, states) and not drafter.__dict__.get(f"_{part}_capture_failed", False)
 
 
+def fell_back(drafter) -> list[str]:
+    """The drafter's captures ("block": its batch-1 passes, "chain": this γ-loop) that failed and now run eager."""
+    return [part for part in ("block", "chain") if drafter.__dict__.get(f"_{part}_capture_failed")]
+
+
 _compiled = {}  # (module, function name, backend, device type) -> its torch.compile wrapper
 
 

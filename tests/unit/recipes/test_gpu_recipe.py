@@ -55,6 +55,21 @@ def test_a_phase_that_raises_leaves_a_valid_partial_summary(tmp_path):
         "phase plot: %s" % json.loads((tmp_path / "recipe.json").read_text())["phases"]["plot"]]
 
 
+def test_a_drafter_capture_that_fell_back_is_a_problem_of_the_simulated_run(tmp_path):
+    """recipe.json names, per drafter, the captures that failed and ran eager; `make gpu-sim` reports them."""
+    from types import SimpleNamespace
+
+    from dspark.drafters import chain_capture
+
+    captured, fell_back = SimpleNamespace(), SimpleNamespace(_block_capture_failed=True)
+    assert chain_capture.fell_back(captured) == [] and chain_capture.fell_back(fell_back) == ["block"]
+    r = Recipe(recipe_config(), tmp_path)
+    r.summary["drafter_capture_fell_back"] = {"dspark": [], "eagle3": chain_capture.fell_back(fell_back)}
+    r.write()
+    assert check_output(tmp_path, json.dumps(json.loads((tmp_path / "recipe.json").read_text()))) == [
+        "drafter eagle3's block capture fell back to eager (see the log)"]
+
+
 class CountingDeadline(Deadline):
     """A deadline that passes at its n-th check: the steps it lets through are exactly counted."""
 

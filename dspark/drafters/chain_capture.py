@@ -106,7 +106,8 @@ def wanted(drafter, states=(), part: str = "chain") -> bool:
 
 
 def fell_back(drafter) -> list[str]:
-    """The drafter's captures ("block": its batch-1 passes, "chain": this γ-loop) that failed and now run eager."""
+    """The drafter's captures ("block": its batch-1 passes, "chain": this γ-loop) that failed and now run eager.
+    Not counted: a function past dynamo's graph-cache limit (64 graphs), which dynamo runs eager with a warning."""
     return [part for part in ("block", "chain") if drafter.__dict__.get(f"_{part}_capture_failed")]
 
 

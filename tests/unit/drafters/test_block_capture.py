@@ -14,8 +14,9 @@ from dspark.drafters import DrafterConfig, build_drafter
 from tests.tiny_models import build_tiny_model
 
 VOCAB = 32
-UPDATES = [5, 1, 3, 4, 2, 30, 4, 1, 70, 2, 64, 3]  # positions per extend_context; 70 > MAX_NEW runs eager; past 128
-# positions a context window of 40 is read gathered (its bucket, 128 columns before the length)
+UPDATES = [5, 1, 3, 4, 2, 30, 4, 1, 70, 2, 64, 3, 130, 2]  # positions per extend_context; > MAX_NEW runs eager;
+# past 128 positions a context window of 40 is read gathered (its bucket: 128 columns before the length), past 256
+# one of 200 (256 columns)
 
 
 @pytest.fixture(autouse=True)
@@ -54,9 +55,12 @@ def test_each_pass_traces_as_one_graph():
     assert out.shape == far.shape == (1, drafter.block_len, drafter.hidden_size)
 
 
-@pytest.mark.parametrize("algo,context_window", [("dspark", None), ("dspark", 40), ("dflash", 40)])
-def test_a_captured_state_holds_and_proposes_what_an_eager_one_does(algo, context_window):
+@pytest.mark.parametrize("algo,context_window", [("dspark", None), ("dspark", 40), ("dflash", 40), ("dflash", 200)])
+def test_a_captured_state_holds_and_proposes_what_an_eager_one_does(algo, context_window, monkeypatch):
     _, drafter = _drafter(algo, context_window)
+    gathered, call = [], block_capture.call_captured  # per backbone pass: read gathered?
+    monkeypatch.setattr(block_capture, "call_captured", lambda d, fn, *a: (
+        gathered.append(a[-1]) if fn is block_capture._hidden else None) or call(d, fn, *a))
     eager, captured = _pair(drafter)
     width, gen = drafter.hidden_size * len(drafter.layer_ids), torch.Generator().manual_seed(0)
     for step, n in enumerate(UPDATES):
@@ -75,7 +79,9 @@ def test_a_captured_state_holds_and_proposes_what_an_eager_one_does(algo, contex
         torch.testing.assert_close(want.probs, got.probs, rtol=1e-5, atol=1e-6)
     assert captured.kv[0].k.shape[-2] % block_capture.CHUNK == 0  # preallocated in chunks
     assert not drafter.__dict__.get("_block_capture_failed")
-    assert sum(UPDATES[:-1]) > 128  # the last two blocks of a windowed drafter were read gathered
+    # two passes a step (hidden, propose); past the window's bucket gathered: the last 2 steps with a window of 200
+    # (bucket 256), the last 4 with one of 40 (bucket 128)
+    assert sum(gathered) == {None: 0, 40: 8, 200: 4}[context_window] and len(gathered) == 2 * len(UPDATES)
 
 
 def test_batch1_decoding_captures_where_its_core_is_compiled(monkeypatch):

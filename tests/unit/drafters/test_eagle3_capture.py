@@ -15,7 +15,11 @@ from dspark.drafters import DrafterConfig, build_drafter
 from tests.tiny_models import build_tiny_model
 
 VOCAB = 32
-UPDATES = [5, 1, 3, 4, 2, 30, 4, 1, 70, 2]  # positions per extend_context; 70 > MAX_NEW runs eager
+# positions per extend_context: 70 and 900 > MAX_NEW run eager; the context passes windows of 128, 256 and 2048
+# columns, and the buffers grow past their first chunk of 1024 (new graphs, new buffers)
+UPDATES = [5, 1, 3, 4, 2, 30, 4, 1, 70, 2, 64, 3, 900, 7]
+DRAFT_IDS = [0, 2, 3, 5, 7, 11, 13, 17]
+T1, TOP5 = SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_k=5)
 
 
 @pytest.fixture(autouse=True)
@@ -54,8 +58,9 @@ def _rng(kind: str, step: int, drafter):
     return CounterStream(100 + step, "cpu")
 
 
-@pytest.mark.parametrize("kind,draft_ids", [("stream", None), ("keyed", None), ("stream", [0, 2, 3, 5, 7, 11, 13, 17])])
-def test_a_captured_state_holds_and_proposes_what_an_eager_one_does(kind, draft_ids):
+@pytest.mark.parametrize("kind,draft_ids,sp", [("stream", None, T1), ("keyed", None, T1), ("keyed", DRAFT_IDS, T1),
+                                              ("stream", DRAFT_IDS, TOP5)])
+def test_a_captured_state_holds_and_proposes_what_an_eager_one_does(kind, draft_ids, sp):
     _, drafter = _drafter(draft_ids)
     eager, captured = drafter.new_state(), drafter.new_state()
     eager.captured, captured.captured = False, True
@@ -68,14 +73,14 @@ def test_a_captured_state_holds_and_proposes_what_an_eager_one_does(kind, draft_
         torch.testing.assert_close(eager.kv[0].k[:, :eager.length], captured.kv[0].k[:, :captured.length])
         torch.testing.assert_close(eager.kv[0].v[:, :eager.length], captured.kv[0].v[:, :captured.length])
         torch.testing.assert_close(eager.last_fused, captured.last_fused)
-        anchor, sp = int(ids[-1]), SamplingParams(temperature=1.0)
+        anchor = int(ids[-1])
         rngs = [_rng(kind, step, drafter) for _ in range(2)]
         want, got = (drafter.propose(s, anchor, 4, sp, rng) for s, rng in zip((eager, captured), rngs))
         assert torch.equal(want.tokens, got.tokens)
         torch.testing.assert_close(want.probs, got.probs, rtol=1e-5, atol=1e-6)
         if kind == "keyed":
             assert rngs[0].cursor == rngs[1].cursor == 3 * step + 4  # each drew its 4 positions
-    assert captured.kv[0].k.shape[-2] % eagle3_capture.block_capture.CHUNK == 0  # preallocated in chunks
+    assert captured.kv[0].k.shape[-2] == 2 * eagle3_capture.block_capture.CHUNK  # preallocated in chunks, regrown
     assert not drafter.__dict__.get("_block_capture_failed")
 
 

@@ -7,6 +7,7 @@ Across nodes (4 ranks, 2 shards) the mesh is replicate x shard, with the same re
 import json
 import os
 import socket
+import time
 
 import pytest
 import torch
@@ -75,10 +76,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(target_dir: str, out, world: int = 2, shards: int | None = None) -> list[dict]:
-    # forked, not spawned: a rank starts from this process's imports (torch, transformers) instead of its own
-    torch.multiprocessing.start_processes(rank_main, args=(world, free_port(), target_dir, str(out), shards),
-                                          nprocs=world, start_method="fork")
+def run_ranks(target_dir: str, out, world: int = 2, shards: int | None = None, timeout: float = 180.0) -> list[dict]:
+    # forked, not spawned: a rank starts from this process's imports (torch, transformers) instead of its own;
+    # a rank that hangs is killed at the deadline (a failed rank raises from join)
+    ranks = torch.multiprocessing.start_processes(rank_main, args=(world, free_port(), target_dir, str(out), shards),
+                                                  nprocs=world, join=False, start_method="fork")
+    deadline = time.monotonic() + timeout
+    while not ranks.join(timeout=1):
+        if time.monotonic() > deadline:
+            for proc in ranks.processes:
+                proc.kill()
+            pytest.fail(f"{world} forked gloo ranks did not finish in {timeout:.0f} s")
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
 
 

@@ -8,7 +8,8 @@ Rows of the JSON (the last stdout line; also written to benchmarks/results/decod
   ones too), `top_level` = aten calls not inside another op. batch1 = one new token of one sequence; rollout =
   one new token for each of `--rollout-rows` sequences. `dynamic` = the pre-core path (HF DynamicCache forward).
   A compiled step's fused C++/Triton kernels are not aten calls: what it still dispatches is what is counted.
-- host_ms_per_step: wall time of that step (median of `--step-repeats`).
+- host_ms_per_step: wall time of that step (median of `--step-repeats`). Row prefill_batch1: one prefill of the
+  shortest prompt at batch 1 (compiled: one graph of its token bucket where it has at most 64 tokens, else eager).
 - tok_per_s: target_batch1 (target-only decoding, `target_generate`), speculative_batch1 (`speculative_generate`
   with the drafter; compiled: the drafter's passes captured too, dspark.drafters.block_capture), modes taking
   turns prompt by prompt (order rotating); rollout = the rollout generator (BatchGenerator at max_batch
@@ -143,6 +144,25 @@ def measure_steps(target, rows: int, context: int, repeats: int, compile_s: dict
     return ops, ms
 
 
+def measure_prefill(target, ids: list[int], repeats: int, compile_s: dict):
+    """ops and host ms of one prompt's batch-1 prefill (what speculative and target-only decoding run first),
+    eager and compiled: a prompt of at most COMPILED_MAX_TOKENS tokens is one replay of its bucket's graph."""
+    from dspark.decoding.kv_sequence import open_sequence
+
+    ops, ms = {}, {}
+    for mode in CORE_MODES:
+        def prefill(_, mode=mode):
+            open_sequence(target, mode).extend(ids, (), logits="last")
+
+        t0 = time.perf_counter()
+        prefill(None)  # warm-up; the compiled mode compiles here
+        if mode == "compiled":
+            compile_s["prefill_batch1"] = round(time.perf_counter() - t0, 1)
+        ops[mode] = count_ops(prefill, None)
+        ms[mode] = round(1000 * time_step(prefill, None, repeats), 3)
+    return ops, ms
+
+
 # ---- whole decodes -----------------------------------------------------------------------------
 def tok_per_s_interleaved(prompts, modes: dict, max_new_tokens: int) -> dict:
     """tok/s per mode; modes take turns per prompt, in an order that rotates."""
@@ -240,13 +260,17 @@ def main(argv=None) -> dict:
     for label, rows in (("batch1", 1), ("rollout", args.rollout_rows)):
         ops[label], host_ms[label] = measure_steps(target, rows, context, args.step_repeats, compile_s, label)
         print(label, json.dumps({"ops": ops[label], "host_ms": host_ms[label]}), flush=True)
+    shortest = min((ids for _, ids in prompts), key=len)
+    ops["prefill_batch1"], host_ms["prefill_batch1"] = measure_prefill(target, shortest, args.step_repeats, compile_s)
+    print("prefill_batch1", len(shortest), "tokens", json.dumps({"ops": ops["prefill_batch1"],
+                                                                  "host_ms": host_ms["prefill_batch1"]}), flush=True)
     tok_per_s = decode_rows(target, drafter, prompts, SamplingParams(temperature=1.0), args.max_new_tokens, compile_s)
     tok_per_s["rollout"] = rollout_row(target, prompts, args.rollout_rows, args.max_new_tokens, compile_s)
     ratios = {row: round(v["compiled"] / v["eager"], 3) for row, v in tok_per_s.items()}
     result = {
         "device": device_label(args.device), "target": target.name, "dtype": str(dtype).removeprefix("torch."),
         "torch": torch.__version__, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
-        "rollout_rows": args.rollout_rows, "context": context,
+        "rollout_rows": args.rollout_rows, "context": context, "prefill_tokens": len(shortest),
         "ops_per_step": ops, "host_ms_per_step": host_ms, "tok_per_s": tok_per_s, "compile_s": compile_s,
         "batch1_ops_eager_over_compiled": round(ops["batch1"]["eager"]["aten"] / max(1, ops["batch1"]["compiled"]["aten"]), 1),
         "compiled_over_eager_tok_per_s": ratios,

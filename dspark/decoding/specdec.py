@@ -83,9 +83,11 @@ def _stop_set(target, stop_ids: Sequence[int] | None) -> set[int]:
 
 
 def _prefill(seq, ids: list[int], layer_ids, sp: SamplingParams, generator):
-    """Run the prompt through the target into `seq` (eager, as the engine's prefill: compiled graphs are for the
-    per-token steps); returns (features [T, m*d] | None, first token)."""
-    out = seq.extend(ids, layer_ids or (), logits="last", eager=True)
+    """Run the prompt through the target into `seq`; returns (features [T, m*d] | None, first token). On a compiled
+    core a prompt of at most COMPILED_MAX_TOKENS tokens is one replay of its token bucket's graph (the verify
+    steps' graphs: eager, a short prompt's prefill is host-bound on a GPU, ~2,000 operators for any length);
+    longer prompts run eager (compute-bound: no graph per prompt length)."""
+    out = seq.extend(ids, layer_ids or (), logits="last")
     first = int(sample(to_probs(out.logits[0, -1], sp), generator))
     return (out.features[0] if out.features is not None else None), first
 

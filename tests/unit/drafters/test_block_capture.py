@@ -63,7 +63,8 @@ def test_a_captured_state_holds_and_proposes_what_an_eager_one_does(algo, contex
         gathered.append(a[-1]) if fn is block_capture._hidden else None) or call(d, fn, *a))
     eager, captured = _pair(drafter)
     width, gen = drafter.hidden_size * len(drafter.layer_ids), torch.Generator().manual_seed(0)
-    for step, n in enumerate(UPDATES):
+    updates = UPDATES if context_window == 200 else UPDATES[:12]  # 321 or 189 positions
+    for step, n in enumerate(updates):
         features, ids = torch.randn(n, width, generator=gen), torch.randint(0, VOCAB, (n,), generator=gen)
         drafter.extend_context(eager, features, ids)
         drafter.extend_context(captured, features, ids)
@@ -80,8 +81,8 @@ def test_a_captured_state_holds_and_proposes_what_an_eager_one_does(algo, contex
     assert captured.kv[0].k.shape[-2] % block_capture.CHUNK == 0  # preallocated in chunks
     assert not drafter.__dict__.get("_block_capture_failed")
     # two passes a step (hidden, propose); past the window's bucket gathered: the last 2 steps with a window of 200
-    # (bucket 256), the last 4 with one of 40 (bucket 128)
-    assert sum(gathered) == {None: 0, 40: 8, 200: 4}[context_window] and len(gathered) == 2 * len(UPDATES)
+    # (bucket 256) or of 40 (bucket 128)
+    assert sum(gathered) == {None: 0, 40: 4, 200: 4}[context_window] and len(gathered) == 2 * len(updates)
 
 
 def test_batch1_decoding_captures_where_its_core_is_compiled(monkeypatch):

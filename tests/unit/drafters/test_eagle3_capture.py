@@ -15,8 +15,9 @@ from dspark.drafters import DrafterConfig, build_drafter
 from tests.tiny_models import build_tiny_model
 
 VOCAB = 32
-# positions per extend_context: 70 and 900 > MAX_NEW run eager; the context passes windows of 128, 256 and 2048
-# columns, and the buffers grow past their first chunk of 1024 (new graphs, new buffers)
+# positions per extend_context: 70 and 900 > MAX_NEW run eager; in full (the first case) the context passes windows
+# of 128, 256 and 2048 columns and the buffers grow past their first chunk of 1024 (new graphs, new buffers); the
+# other cases stop at 122 positions
 UPDATES = [5, 1, 3, 4, 2, 30, 4, 1, 70, 2, 64, 3, 900, 7]
 DRAFT_IDS = [0, 2, 3, 5, 7, 11, 13, 17]
 T1, TOP5 = SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_k=5)
@@ -65,7 +66,8 @@ def test_a_captured_state_holds_and_proposes_what_an_eager_one_does(kind, draft_
     eager, captured = drafter.new_state(), drafter.new_state()
     eager.captured, captured.captured = False, True
     width, gen = drafter.hidden_size * len(drafter.layer_ids), torch.Generator().manual_seed(0)
-    for step, n in enumerate(UPDATES):
+    long = (kind, draft_ids, sp) == ("stream", None, T1)
+    for step, n in enumerate(UPDATES if long else UPDATES[:10]):
         features, ids = torch.randn(n, width, generator=gen), torch.randint(0, VOCAB, (n,), generator=gen)
         drafter.extend_context(eager, features, ids)
         drafter.extend_context(captured, features, ids)
@@ -80,7 +82,8 @@ def test_a_captured_state_holds_and_proposes_what_an_eager_one_does(kind, draft_
         torch.testing.assert_close(want.probs, got.probs, rtol=1e-5, atol=1e-6)
         if kind == "keyed":
             assert rngs[0].cursor == rngs[1].cursor == 3 * step + 4  # each drew its 4 positions
-    assert captured.kv[0].k.shape[-2] == 2 * eagle3_capture.block_capture.CHUNK  # preallocated in chunks, regrown
+    chunks = captured.kv[0].k.shape[-2] / eagle3_capture.block_capture.CHUNK  # preallocated in chunks
+    assert chunks == (2 if long else 1)  # and regrown past the first
     assert not drafter.__dict__.get("_block_capture_failed")
 
 

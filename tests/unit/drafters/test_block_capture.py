@@ -85,25 +85,31 @@ def test_a_captured_state_holds_and_proposes_what_an_eager_one_does(algo, contex
     assert sum(gathered) == {None: 0, 40: 4, 200: 4}[context_window] and len(gathered) == 2 * len(updates)
 
 
-def test_batch1_decoding_captures_where_its_core_is_compiled(monkeypatch):
-    """Greedy speculative decoding on a compiled core (aot_eager here) drafts through the captured passes and
-    gives target-only decoding's tokens; on an eager core it drafts eager."""
+def greedy_both_ways(monkeypatch, target, drafter, module, names: tuple[str, ...]):
+    """Greedy speculative decoding on an eager core, then on a compiled one (aot_eager), each checked against
+    target-only decoding; -> (the compiled run, the calls of module.<names> it made: the eager run makes none)."""
     from dspark.decoding import static_core
     from dspark.decoding.specdec import speculative_generate, target_generate
 
     monkeypatch.setattr(static_core.DecodeCore, "_compiled_step",
                         lambda self: torch.compile(static_core._step, backend="aot_eager", dynamic=False))
-    target, drafter = _drafter("dspark")
     calls = []
-    for name in ("hidden", "extend"):
-        real = getattr(block_capture, name)
-        monkeypatch.setattr(block_capture, name, lambda *a, _real=real, _name=name: calls.append(_name) or _real(*a))
+    for name in names:
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _real=real, _name=name: calls.append(_name) or _real(*a))
     greedy, prompt = SamplingParams(temperature=0), [1, 5, 2, 4, 3]
     reference = target_generate(target, prompt, greedy, 16, stop_ids=[], core_mode="eager").token_ids
     eager = speculative_generate(target, drafter, prompt, greedy, 16, stop_ids=[], core_mode="eager")
     assert eager.token_ids == reference and calls == []
     captured = speculative_generate(target, drafter, prompt, greedy, 16, stop_ids=[], core_mode="compiled")
     assert captured.token_ids == reference
+    return captured, calls
+
+
+def test_batch1_decoding_captures_where_its_core_is_compiled(monkeypatch):
+    """Greedy speculative decoding on a compiled core (aot_eager here) drafts through the captured passes and
+    gives target-only decoding's tokens; on an eager core it drafts eager."""
+    captured, calls = greedy_both_ways(monkeypatch, *_drafter("dspark"), block_capture, ("hidden", "extend"))
     assert calls.count("hidden") == len(captured.rounds) and calls.count("extend") >= len(captured.rounds)
 
 

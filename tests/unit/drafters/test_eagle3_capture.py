@@ -90,21 +90,8 @@ def test_a_captured_state_holds_and_proposes_what_an_eager_one_does(kind, draft_
 def test_batch1_eagle3_decoding_captures_where_its_core_is_compiled(monkeypatch):
     """Greedy speculative decoding on a compiled core (aot_eager here) drafts Eagle3 through the captured passes
     and gives target-only decoding's tokens; on an eager core it drafts eager."""
-    from dspark.decoding import static_core
-    from dspark.decoding.specdec import speculative_generate, target_generate
+    from tests.unit.drafters.test_block_capture import greedy_both_ways
 
-    monkeypatch.setattr(static_core.DecodeCore, "_compiled_step",
-                        lambda self: torch.compile(static_core._step, backend="aot_eager", dynamic=False))
-    target, drafter = _drafter()
-    calls = []
-    for name in ("draft_captured", "extend_captured"):
-        real = getattr(eagle3_capture, name)
-        monkeypatch.setattr(eagle3_capture, name, lambda *a, _real=real, _name=name: calls.append(_name) or _real(*a))
-    greedy, prompt = SamplingParams(temperature=0), [1, 5, 2, 4, 3]
-    reference = target_generate(target, prompt, greedy, 16, stop_ids=[], core_mode="eager").token_ids
-    eager = speculative_generate(target, drafter, prompt, greedy, 16, stop_ids=[], core_mode="eager")
-    assert eager.token_ids == reference and calls == []
-    captured = speculative_generate(target, drafter, prompt, greedy, 16, stop_ids=[], core_mode="compiled")
-    assert captured.token_ids == reference
+    captured, calls = greedy_both_ways(monkeypatch, *_drafter(), eagle3_capture, ("draft_captured", "extend_captured"))
     assert calls.count("draft_captured") == len(captured.rounds)
     assert calls.count("extend_captured") >= len(captured.rounds)

@@ -19,15 +19,12 @@ capture fails the drafter warns once and runs these same functions eager from th
 """
 from __future__ import annotations
 
-import logging
-
 import torch
 from torch import Tensor
 
 from dspark.decoding.static_core import token_bucket, window_bucket
 from dspark.drafters import chain_capture
 
-log = logging.getLogger(__name__)
 CHUNK = 1024  # K/V columns a captured state's buffers grow by (a growth retraces: rare)
 MAX_NEW = 64  # context updates longer than this (prompts) run eager
 
@@ -64,17 +61,6 @@ def _extend(drafter, keys: list[Tensor], values: list[Tensor], features: Tensor,
         v_buf[:, columns] = v[0].to(v_buf.dtype)
 
 
-def call_captured(drafter, fn, *args):
-    """fn(drafter, *args) through its captured graph (`chain_capture.compiled`); eager where capturing failed."""
-    try:
-        return chain_capture.compiled(fn, drafter.device)(drafter, *args)
-    except Exception:  # noqa: BLE001 — the pass still runs, eager; the reason is logged once
-        log.warning("capturing the drafter's %s pass failed; running its passes eager from now on",
-                    fn.__name__.strip("_"), exc_info=True)
-        drafter.__dict__["_block_capture_failed"] = True
-        return fn(drafter, *args)
-
-
 def reserved_buffers(drafter, state, columns: int) -> tuple[list[Tensor], list[Tensor]]:
     """The state's K/V buffers, per layer, holding at least `columns` columns (grown in chunks of CHUNK)."""
     c = drafter.config
@@ -96,7 +82,8 @@ def hidden(drafter, state, anchors: Tensor) -> Tensor:
     window = span if gather else window_bucket(state.length)
     keys, values = reserved_buffers(drafter, state, state.length if gather else window)
     length = torch.tensor([state.length], device=drafter.device)
-    out = call_captured(drafter, _hidden, keys, values, window, length, anchors.reshape(1).to(drafter.device), gather)
+    anchor = anchors.reshape(1).to(drafter.device)
+    out = chain_capture.call_captured(drafter, _hidden, keys, values, window, length, anchor, gather)
     return out.clone() if drafter.device.type == "cuda" else out  # a CUDA graph's output is overwritten next replay
 
 
@@ -104,11 +91,10 @@ def extend(drafter, state, features: Tensor) -> None:
     """`extend_context` of one state with n <= MAX_NEW positions through the captured context update."""
     n = features.shape[0]
     bucket = token_bucket(n)
-    padded = features.to(drafter.device)
-    if bucket > n:
-        padded = torch.cat([padded, padded.new_zeros(bucket - n, padded.shape[1])])
+    padded = chain_capture.pad_rows(features.to(drafter.device), bucket)
     keys, values = reserved_buffers(drafter, state, state.length + bucket)
-    call_captured(drafter, _extend, keys, values, padded, torch.tensor([state.length], device=drafter.device))
+    start = torch.tensor([state.length], device=drafter.device)
+    chain_capture.call_captured(drafter, _extend, keys, values, padded, start)
     for buf in state.kv:
         buf.length += n
     state.length += n

@@ -116,7 +116,7 @@ _compiled = {}  # (module, function name, backend, device type) -> its torch.com
 
 def compiled(fn, device: torch.device):
     """`fn` under torch.compile with BACKEND, static shapes, CUDA graphs on a GPU (inductor), made once per
-    (function, backend, device type): the γ-loop here and `block_capture`'s passes."""
+    (function, backend, device type): the γ-loop here, `block_capture`'s and `eagle3_capture`'s passes."""
     key = (fn.__module__, fn.__qualname__, BACKEND, device.type)
     if key not in _compiled:
         import torch._dynamo
@@ -127,7 +127,23 @@ def compiled(fn, device: torch.device):
     return _compiled[key]
 
 
-def _pad_rows(t: Tensor, rows: int) -> Tensor:
+_GAVE_UP = {"chain": "capturing the drafter's sequential loop (%s) failed; drafting it eager from now on",
+            "block": "capturing the drafter's %s pass failed; running its passes eager from now on"}
+
+
+def call_captured(drafter, fn, *args, part: str = "block"):
+    """fn(drafter, *args) through its captured graph (`compiled`). If capturing or replaying fails: warn once with
+    the reason, mark `part` failed for this drafter (`wanted` then says no, `fell_back` names it), run fn eager."""
+    try:
+        return compiled(fn, drafter.device)(drafter, *args)
+    except Exception:  # noqa: BLE001 — the pass still runs, eager; the reason is logged once
+        log.warning(_GAVE_UP[part], fn.__name__.strip("_"), exc_info=True)
+        drafter.__dict__[f"_{part}_capture_failed"] = True
+        return fn(drafter, *args)  # the same function, eager
+
+
+def pad_rows(t: Tensor, rows: int) -> Tensor:
+    """t with zero rows appended up to `rows` (a graph's bucket)."""
     return t if t.shape[0] == rows else torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])])
 
 
@@ -137,12 +153,7 @@ def run(drafter, u: Tensor, h: Tensor, anchors: Tensor, draws, sp: SamplingParam
     rows, params = u.shape[0], ChainParams.of(sp)
     bucket = token_bucket(rows)
     noise, keyed = keyed_tables(draws, bucket, u.shape[-1], u.device)  # made at the bucket's rows
-    padded = [_pad_rows(t.to(u.device), bucket) for t in (u, h, anchors, draws.uniforms)]
-    try:
-        out = compiled(chain_from_uniforms, u.device)(drafter, *padded, params, noise, keyed)
-    except Exception:  # noqa: BLE001 — the loop still runs, eager; the reason is logged once
-        log.warning("capturing the drafter's sequential loop failed; drafting it eager from now on", exc_info=True)
-        drafter.__dict__["_chain_capture_failed"] = True
-        out = chain_from_uniforms(drafter, *padded, params, noise, keyed)  # the same function, eager
+    padded = [pad_rows(t.to(u.device), bucket) for t in (u, h, anchors, draws.uniforms)]
+    out = call_captured(drafter, chain_from_uniforms, *padded, params, noise, keyed, part="chain")
     # cut the padding rows; a CUDA graph's outputs are overwritten by its next replay: copy them
     return tuple(None if t is None else t[:rows].clone() for t in out)

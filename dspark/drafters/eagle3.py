@@ -77,6 +77,13 @@ class Eagle3Drafter(Drafter):
     def fused(self, features: Tensor) -> Tensor:
         return self.fc(features.to(self.device, self.dtype))
 
+    def fused_before(self, state: DraftState) -> Tensor:
+        """The fused feature [d] of the state's last verified position: f_{-1} = 0 for an empty context, as in
+        training."""
+        if state.last_fused is not None:
+            return state.last_fused
+        return torch.zeros(self.hidden_size, device=self.device, dtype=self.dtype)
+
     # ---- training (TTT) -------------------------------------------------------------------
     def forward(self, features: Tensor, input_ids: Tensor, ctx_valid: Tensor, anchors: Tensor,
                 select: Tensor) -> DraftTrainOut:
@@ -140,8 +147,7 @@ class Eagle3Drafter(Drafter):
         if n <= block_capture.MAX_NEW and chain_capture.wanted(self, [state], "block"):
             return eagle3_capture.extend_captured(self, state, features, token_ids)
         fused = self.fused(features)
-        first = state.last_fused if state.last_fused is not None else fused.new_zeros(fused.shape[-1])
-        prev = torch.cat([first.unsqueeze(0), fused[:-1]], dim=0)
+        prev = torch.cat([self.fused_before(state).unsqueeze(0), fused[:-1]], dim=0)
         x, _ = self.midlayer.inputs(self.embed(token_ids.to(self.device)), prev)
         positions = torch.arange(state.length, state.length + n, device=self.device)
         k, v = self.midlayer.self_attn.keys_values(x.unsqueeze(0), *self.rotary(positions))
@@ -157,9 +163,8 @@ class Eagle3Drafter(Drafter):
         if rows.single and chain_capture.capturable(draws) and chain_capture.wanted(self, states, "block"):
             tokens, probs = eagle3_capture.draft_captured(self, states[0], anchors, draws, rows.sps[0])
             return split_proposals(tokens, self.full_vocab_probs(probs), None, gammas)
-        c, d = self.config, self.hidden_size
-        zeros = torch.zeros(d, device=self.device, dtype=self.dtype)  # empty context: f_{-1} = 0, as in training
-        hidden = torch.stack([zeros if s.last_fused is None else s.last_fused for s in states]).unsqueeze(1)
+        c = self.config
+        hidden = torch.stack([self.fused_before(s) for s in states]).unsqueeze(1)
         lengths = [s.length for s in states]
         ctx_k, ctx_v = batch_kv([s.kv[0] for s in states], hidden.new_empty(c.num_kv_heads, 0, c.head_dim))
         visible = padding_mask(lengths, 0, self.device)  # [R, 1, 1, N] or None (no request padded)

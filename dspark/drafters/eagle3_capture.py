@@ -1,7 +1,7 @@
 """Eagle3's passes for one request captured as static-shape graphs: the context update (`extend_captured`) and the
 γ autoregressive steps with their sampling (`draft_captured`), over the K/V buffer `block_capture` preallocates.
 A batch-1 drafting round is then two graph replays (CUDA graphs on a GPU) instead of γ layer passes of eager
-operators and a host-side draw per position (counted by benchmarks/draft_step.py --algo eagle3).
+operators and a host-side draw per position (counted by benchmarks/draft_step.py --drafter untrained-eagle3).
 
 Nothing in a graph depends on the request's length as a Python value: the steps read the first W columns of the
 buffer, W a power of two >= length (`window_bucket`), under a key mask built on the device from the length (a
@@ -46,23 +46,14 @@ def _draft_steps(drafter, keys: list[Tensor], values: list[Tensor], window: int,
                                chain_capture.drawn_ahead(uniforms, noise, keyed))
 
 
-def _last_fused(drafter, state) -> Tensor:
-    if state.last_fused is not None:
-        return state.last_fused
-    return torch.zeros(drafter.hidden_size, device=drafter.device, dtype=drafter.dtype)  # f_{-1} = 0
-
-
 def extend_captured(drafter, state, features: Tensor, token_ids: Tensor) -> None:
     """`extend_context` of one state with n <= MAX_NEW positions through the captured update."""
     n, device = features.shape[0], drafter.device
     bucket = token_bucket(n)
-    features, token_ids = features.to(device), token_ids.to(device)
-    if bucket > n:
-        features = torch.cat([features, features.new_zeros(bucket - n, features.shape[1])])
-        token_ids = torch.cat([token_ids, token_ids.new_zeros(bucket - n)])
+    features, token_ids = (chain_capture.pad_rows(t.to(device), bucket) for t in (features, token_ids))
     keys, values = block_capture.reserved_buffers(drafter, state, state.length + bucket)
-    fused = block_capture.call_captured(drafter, _context_update, keys, values, features, token_ids,
-                                        _last_fused(drafter, state), torch.tensor([state.length], device=device))
+    fused = chain_capture.call_captured(drafter, _context_update, keys, values, features, token_ids,
+                                        drafter.fused_before(state), torch.tensor([state.length], device=device))
     state.last_fused = fused[n - 1].clone()  # a CUDA graph's output is overwritten by its next replay
     state.kv[0].length += n
     state.length += n
@@ -76,7 +67,7 @@ def draft_captured(drafter, state, anchors: Tensor, draws, sp: SamplingParams) -
     keys, values = block_capture.reserved_buffers(drafter, state, window)
     noise, keyed = chain_capture.keyed_tables(draws, 1, drafter.draft_vocab_size, device)
     length = torch.tensor([state.length], device=device)
-    out = block_capture.call_captured(drafter, _draft_steps, keys, values, window, length,
-                                      anchors.reshape(1).to(device), _last_fused(drafter, state).reshape(1, 1, -1),
+    out = chain_capture.call_captured(drafter, _draft_steps, keys, values, window, length,
+                                      anchors.reshape(1).to(device), drafter.fused_before(state).reshape(1, 1, -1),
                                       draws.uniforms.to(device), chain_capture.ChainParams.of(sp), noise, keyed)
     return tuple(t.clone() for t in out) if device.type == "cuda" else out

@@ -58,9 +58,9 @@ def test_each_pass_traces_as_one_graph():
 @pytest.mark.parametrize("algo,context_window", [("dspark", None), ("dspark", 40), ("dflash", 40), ("dflash", 200)])
 def test_a_captured_state_holds_and_proposes_what_an_eager_one_does(algo, context_window, monkeypatch):
     _, drafter = _drafter(algo, context_window)
-    gathered, call = [], block_capture.call_captured  # per backbone pass: read gathered?
-    monkeypatch.setattr(block_capture, "call_captured", lambda d, fn, *a: (
-        gathered.append(a[-1]) if fn is block_capture._hidden else None) or call(d, fn, *a))
+    gathered, call = [], chain_capture.call_captured  # per backbone pass: read gathered?
+    monkeypatch.setattr(chain_capture, "call_captured", lambda d, fn, *a, **kw: (
+        gathered.append(a[-1]) if fn is block_capture._hidden else None) or call(d, fn, *a, **kw))
     eager, captured = _pair(drafter)
     width, gen = drafter.hidden_size * len(drafter.layer_ids), torch.Generator().manual_seed(0)
     updates = UPDATES if context_window == 200 else UPDATES[:12]  # 321 or 189 positions

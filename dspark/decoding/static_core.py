@@ -241,14 +241,19 @@ class DecodeCore:
         return StepOut(logits, features)
 
     def _compiled_step(self):
-        if self._compiled is None:
-            import torch._dynamo
-
-            # one graph per bucket (rows, new tokens, window, context layers): allow enough of them
-            torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-            mode = "reduce-overhead" if self.target.device.type == "cuda" else None
-            self._compiled = torch.compile(_step, dynamic=False, mode=mode)
+        if self._compiled is None:  # one graph per bucket (rows, new tokens, window, context layers)
+            self._compiled = compile_static(_step, self.target.device)
         return self._compiled
+
+
+def compile_static(fn, device: torch.device, backend: str = "inductor"):
+    """fn under torch.compile with static shapes, one graph per shape bucket (dynamo's graph cache raised to 64 of
+    them), CUDA graphs on a GPU (inductor's reduce-overhead): the core's step and the drafters' captured passes."""
+    from torch._dynamo import config as dynamo_config
+
+    dynamo_config.cache_size_limit = max(dynamo_config.cache_size_limit, 64)
+    mode = "reduce-overhead" if device.type == "cuda" and backend == "inductor" else None
+    return torch.compile(fn, backend=backend, mode=mode, dynamic=False)
 
 
 class CoreSequence:

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from dspark.decoding.sampling import SamplingParams, inverse_cdf, one_layout, to_probs
-from dspark.decoding.static_core import default_mode, resolve_mode, token_bucket
+from dspark.decoding.static_core import compile_static, default_mode, resolve_mode, token_bucket
 
 log = logging.getLogger(__name__)
 BACKEND = "inductor"  # torch.compile's backend (tests trace with "aot_eager": the same graph, no C++ build)
@@ -119,11 +119,7 @@ def compiled(fn, device: torch.device):
     (function, backend, device type): the γ-loop here, `block_capture`'s and `eagle3_capture`'s passes."""
     key = (fn.__module__, fn.__qualname__, BACKEND, device.type)
     if key not in _compiled:
-        import torch._dynamo
-
-        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-        mode = "reduce-overhead" if device.type == "cuda" and BACKEND == "inductor" else None
-        _compiled[key] = torch.compile(fn, backend=BACKEND, mode=mode, dynamic=False)
+        _compiled[key] = compile_static(fn, device, BACKEND)
     return _compiled[key]
 
 

@@ -41,6 +41,7 @@ from dspark.config import StrictModel, load_config, read_yaml
 from dspark.drafters import DrafterConfig
 from dspark.eval.evaluate import DecodeSettings
 from dspark.decoding.generator import GeneratorConfig
+from dspark.decoding.static_core import full_graph_caches
 from dspark.training.config import OptimSection
 from dspark.data.prompts import PromptSource
 from dspark.data.rollout_engine import SamplingConfig
@@ -125,6 +126,7 @@ class Recipe:
                         "rollout_tok_per_s": None, "decode_core": None, "target_ms_per_token_batch1": None,
                         "eval_prompts": 0, "tau": {}, "tau_mean": {}, "tau_ci95": {}, "speedup_batch1": {},
                         "tau_engine": {}, "eval_prompts_engine": 0, "drafter_capture_fell_back": {},
+                        "graph_caches_full": {},
                         "train_share": "equal wall-clock per drafter", "train": {}, "phases": {}, "errors": {}}
         self.results: dict = {"config": json.loads(cfg.model_dump_json())}
         self.target_memo = None  # the frozen target's outputs, shared by the drafters trained (train_phase)
@@ -141,6 +143,7 @@ class Recipe:
             self.summary["errors"][name] = f"{type(err).__name__}: {err}"
             self.results.setdefault("tracebacks", {})[name] = traceback.format_exc()
         self.summary["phases"][name] = {"status": "ok" if ok else "failed", "seconds": round(time.time() - start, 2)}
+        self.summary["graph_caches_full"] = full_graph_caches()  # compiled functions whose new buckets now run eager
         self.summary["total_s"] = round(time.time() - self.t0, 2)
         self.write()
         log(f"phase {name}: {self.summary['phases'][name]}")

@@ -60,6 +60,8 @@ def check_output(out: Path, last_line: str) -> list[str]:
                  if v.get("status") != "ok" or not isinstance(v.get("seconds"), (int, float))]
     problems += [f"drafter {name}'s {part} capture fell back to eager (see the log)"
                  for name, parts in summary.get("drafter_capture_fell_back", {}).items() for part in parts]
+    problems += [f"{fn}'s graph cache is full ({n} graphs): its new shape buckets run eager"
+                 for fn, n in summary.get("graph_caches_full", {}).items()]
     try:
         if json.loads(last_line) != summary:
             problems.append("the last stdout line is not recipe.json's summary")

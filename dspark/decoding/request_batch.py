@@ -25,6 +25,7 @@ from dspark.decoding.constraint import constrain
 from dspark.decoding.counter_random import CounterStream
 from dspark.decoding.sampling import sample_keyed, to_logprobs
 from dspark.decoding.specdec import _keep
+from dspark.decoding.static_core import full_graph_caches
 from dspark.models.openmp_pool import release_openmp_pool
 
 log = logging.getLogger("dspark.decoding.engine")  # the engine's own log (this is part of the engine)
@@ -306,4 +307,5 @@ class RequestBatch:
             "mean_batch_tokens": t["batch_tokens"] / t["steps"] if t["steps"] else None,
             "tokens_per_busy_s": t["generated_tokens"] / t["busy_s"] if t["busy_s"] else None,
             "kv_bytes": self.kv.memory_bytes(),
+            "graph_caches_full": full_graph_caches(),  # compiled steps/captures whose new buckets now run eager
         }

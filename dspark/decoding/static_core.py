@@ -246,14 +246,30 @@ class DecodeCore:
         return self._compiled
 
 
+_COMPILED_FUNCTIONS: dict[str, object] = {}  # "module.name" -> every function given to compile_static
+
+
 def compile_static(fn, device: torch.device, backend: str = "inductor"):
     """fn under torch.compile with static shapes, one graph per shape bucket (dynamo's graph cache raised to 64 of
     them), CUDA graphs on a GPU (inductor's reduce-overhead): the core's step and the drafters' captured passes."""
     from torch._dynamo import config as dynamo_config
 
     dynamo_config.cache_size_limit = max(dynamo_config.cache_size_limit, 64)
+    _COMPILED_FUNCTIONS[f"{fn.__module__}.{fn.__qualname__}"] = fn
     mode = "reduce-overhead" if device.type == "cuda" and backend == "inductor" else None
     return torch.compile(fn, backend=backend, mode=mode, dynamic=False)
+
+
+def full_graph_caches() -> dict[str, int]:
+    """The functions given to `compile_static` whose graph cache is full -> their graph count. Dynamo keeps at most
+    `recompile_limit` graphs per function (64 here) and runs a call with a shape bucket it has no graph for eager,
+    warning once and raising nothing: so a step or capture listed here may run eager from then on, unseen by the
+    fallbacks that catch failed captures. Empty: every bucket met so far has its graph."""
+    from torch._dynamo import config as dynamo_config
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    counts = {name: len(_debug_get_cache_entry_list(fn.__code__)) for name, fn in _COMPILED_FUNCTIONS.items()}
+    return {name: n for name, n in counts.items() if n >= dynamo_config.recompile_limit}
 
 
 class CoreSequence:

@@ -107,7 +107,7 @@ def wanted(drafter, states=(), part: str = "chain") -> bool:
 
 def fell_back(drafter) -> list[str]:
     """The drafter's captures ("block": its batch-1 passes, "chain": this γ-loop) that failed and now run eager.
-    Not counted: a function past dynamo's graph-cache limit (64 graphs), which dynamo runs eager with a warning."""
+    Not counted here: a function whose graph cache is full (`static_core.full_graph_caches` names those)."""
     return [part for part in ("block", "chain") if drafter.__dict__.get(f"_{part}_capture_failed")]
 
 

@@ -49,3 +49,25 @@ def test_static_cache_crop_drops_rejected_columns(target):
     fresh.extend(ids + [5])
     ref = fresh.extend([9], logits="last").logits[0, -1]
     torch.testing.assert_close(after, ref, rtol=1e-4, atol=1e-4)
+
+
+def _doubled(x):
+    return x * 2
+
+
+def test_a_full_graph_cache_is_named_with_its_graph_count():
+    """Dynamo runs a shape bucket past a function's graph limit eager and raises nothing: full_graph_caches is
+    where that shows (recipe.json's graph_caches_full, the engine's stats)."""
+    from torch._dynamo import config as dynamo_config
+
+    from dspark.decoding.static_core import compile_static, full_graph_caches
+
+    name = f"{__name__}._doubled"
+    step = compile_static(_doubled, torch.device("cpu"), backend="eager")
+    with dynamo_config.patch(recompile_limit=3):
+        for n in (1, 2):
+            assert step(torch.ones(n)).tolist() == [2.0] * n
+        assert name not in full_graph_caches()  # 2 graphs of 3
+        for n in (3, 4, 5):  # the 4th and 5th buckets get no graph: eager, same result
+            assert step(torch.ones(n)).tolist() == [2.0] * n
+        assert full_graph_caches()[name] == 3

@@ -64,9 +64,12 @@ def test_a_drafter_capture_that_fell_back_is_a_problem_of_the_simulated_run(tmp_
     assert chain_capture.fell_back(captured) == [] and chain_capture.fell_back(fell_back) == ["block"]
     r = Recipe(recipe_config(), tmp_path)
     r.summary["drafter_capture_fell_back"] = {"dspark": [], "eagle3": chain_capture.fell_back(fell_back)}
+    assert r.phase("noop", lambda: None) and r.summary["graph_caches_full"] == {}  # refreshed after every phase
+    r.summary["graph_caches_full"] = {"dspark.decoding.static_core._step": 64}
     r.write()
     assert check_output(tmp_path, json.dumps(json.loads((tmp_path / "recipe.json").read_text()))) == [
-        "drafter eagle3's block capture fell back to eager (see the log)"]
+        "drafter eagle3's block capture fell back to eager (see the log)",
+        "dspark.decoding.static_core._step's graph cache is full (64 graphs): its new shape buckets run eager"]
 
 
 class CountingDeadline(Deadline):

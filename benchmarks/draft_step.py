@@ -1,14 +1,16 @@
-"""A batch-1 drafting round (`propose` of a block, then `extend_context` with the verified positions) with the
-drafter's passes eager and captured (block drafters: dspark.drafters.block_capture + chain_capture; Eagle3:
-eagle3_capture), side by side in one run.
+"""A drafting round (`propose_batch` of a block per request, then `extend_contexts` with the verified positions)
+with the drafter's passes eager and captured (block drafters: dspark.drafters.block_capture over the slot store +
+chain_capture, any number of requests; Eagle3: eagle3_capture, one request), side by side in one run.
 
     python benchmarks/draft_step.py                                     # smollm2-135m, the committed CPU drafter
     python benchmarks/draft_step.py --target tiny --drafter untrained   # a minute
     python benchmarks/draft_step.py --drafter untrained-eagle3          # a fresh Eagle3 on SmolLM2
+    python benchmarks/draft_step.py --requests 4                        # 4 requests drafted together (the engine)
 
 Rows of the JSON (the last stdout line; also benchmarks/results/draft_step/<device>.json with the defaults):
 - ops_per_round: operators one round dispatches, counted with torch.profiler (`aten`: every aten call, nested too;
-  `top_level`: those not inside another), for `propose` and `extend_context` (`--accepted` + 1 new positions);
+  `top_level`: those not inside another), for `propose` and `extend_context` (`--accepted` + 1 new positions per
+  request; `--requests` requests, each over the same prompt's context);
   a captured graph's fused kernels are not aten calls, what it still dispatches is counted;
 - host_ms_per_round: wall ms of one round, median of `--repeats`, the two ways taking turns round by round;
 - the state is cropped back after every round, so each round drafts over the same context (the prompt's);
@@ -45,6 +47,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap = model_args(__doc__.split("\n")[0], "drafter reference, or untrained[-<algo>] (a fresh DSpark, or that algo)")
     ap.add_argument("--dataset", default="mt-bench", help="the prompt's dataset (its first prompt)")
     ap.add_argument("--accepted", type=int, default=1, help="drafts accepted per round (extend_context adds +1)")
+    ap.add_argument("--requests", type=int, default=1, help="requests drafted together (as the engine batches them)")
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--out", default=None)
@@ -57,36 +60,46 @@ def prompt_context(target, drafter, ids: list[int]) -> torch.Tensor:
     return out.features[0]
 
 
-def new_state(drafter, captured: bool, features: torch.Tensor, ids: list[int]):
-    state = drafter.new_state()
-    state.captured = captured
-    drafter.extend_context(state, features, torch.tensor(ids, device=features.device))
-    return state
+def new_states(drafter, captured: bool, features: torch.Tensor, ids: list[int], requests: int) -> list:
+    states = []
+    for _ in range(requests):
+        state = drafter.new_state()
+        state.captured = captured
+        drafter.extend_context(state, features, torch.tensor(ids, device=features.device))
+        states.append(state)
+    return states
 
 
-def one_round(drafter, state, anchor: int, new_features: torch.Tensor, new_ids: torch.Tensor, seed: int) -> None:
-    """propose a block, add the verified positions, crop back to where the round started."""
-    length = state.length
-    drafter.propose(state, anchor, drafter.config.block_size, SamplingParams(temperature=1.0),
-                    torch.Generator().manual_seed(seed))
-    drafter.extend_context(state, new_features, new_ids)
-    for buf in state.kv:
-        buf.crop(length)
-    state.length = length
+def crop(states, length: int) -> None:
+    for state in states:
+        for buf in state.kv:
+            buf.crop(length)
+        state.length = length
 
 
-def round_ops(drafter, state, anchor, new_features, new_ids) -> dict:
+def propose(drafter, states, anchor: int, seed: int):
+    n = len(states)
+    return drafter.propose_batch(states, [anchor] * n, drafter.config.block_size, [SamplingParams(temperature=1.0)] * n,
+                                 [torch.Generator().manual_seed(seed + r) for r in range(n)])
+
+
+def one_round(drafter, states, anchor: int, new_features: torch.Tensor, new_ids: torch.Tensor, seed: int) -> None:
+    """propose a block per request, add the verified positions, crop back to where the round started."""
+    length = states[0].length
+    propose(drafter, states, anchor, seed)
+    drafter.extend_contexts(states, [new_features] * len(states), [new_ids] * len(states))
+    crop(states, length)
+
+
+def round_ops(drafter, states, anchor, new_features, new_ids) -> dict:
     """Ops of propose and of extend_context in one round (counted separately, then summed)."""
-    length = state.length
-    propose = count_ops(lambda _: drafter.propose(state, anchor, drafter.config.block_size,
-                                                  SamplingParams(temperature=1.0), torch.Generator().manual_seed(0)),
-                        None)
-    extend = count_ops(lambda _: drafter.extend_context(state, new_features, new_ids), None)
-    for buf in state.kv:
-        buf.crop(length)
-    state.length = length
-    total = {k: propose[k] + extend[k] for k in propose}
-    return {"propose": propose, "extend_context": extend, "round": total}
+    length = states[0].length
+    proposed = count_ops(lambda _: propose(drafter, states, anchor, 0), None)
+    extend = count_ops(lambda _: drafter.extend_contexts(states, [new_features] * len(states),
+                                                         [new_ids] * len(states)), None)
+    crop(states, length)
+    total = {k: proposed[k] + extend[k] for k in proposed}
+    return {"propose": proposed, "extend_context": extend, "round": total}
 
 
 def main(argv=None) -> dict:
@@ -101,9 +114,9 @@ def main(argv=None) -> dict:
     features = prompt_context(target, drafter, ids)
     n_new = args.accepted + 1
     new_features, new_ids = features[:n_new], torch.tensor(ids[:n_new], device=features.device)
-    states = {way: new_state(drafter, way == "captured", features, ids) for way in WAYS}
+    states = {way: new_states(drafter, way == "captured", features, ids, args.requests) for way in WAYS}
     print(f"target {target.name} {dtype} on {args.device}; drafter {drafter.algo} γ {drafter.config.block_size}, "
-          f"{drafter.config.num_layers} layer(s); context {len(ids)}", flush=True)
+          f"{drafter.config.num_layers} layer(s); context {len(ids)}; {args.requests} request(s)", flush=True)
     compile_s = {}
     for way in WAYS:
         t0 = time.perf_counter()
@@ -123,7 +136,7 @@ def main(argv=None) -> dict:
         "drafter": args.drafter.removeprefix(str(REPO_ROOT) + "/"),
         "algo": drafter.algo, "drafter_layers": drafter.config.num_layers, "gamma": drafter.config.block_size,
         "dtype": str(dtype).removeprefix("torch."), "torch": torch.__version__, "context": len(ids),
-        "new_positions_per_round": n_new, "ops_per_round": ops, "host_ms_per_round": ms, "compile_s": compile_s,
+        "requests": args.requests, "new_positions_per_round": n_new, "ops_per_round": ops, "host_ms_per_round": ms, "compile_s": compile_s,
         **{f"round_{name}_eager_over_captured":
            round(ops["eager"]["round"][kind] / max(1, ops["captured"]["round"][kind]), 1)
            for name, kind in (("ops", "aten"), ("top_level", "top_level"))},
@@ -132,7 +145,8 @@ def main(argv=None) -> dict:
                                 or drafter.__dict__.get("_chain_capture_failed")),
     }
     if args.device == "cpu" and args.out is None and args.target == "smollm2-135m" and args.drafter == DEFAULT_DRAFTER:
-        write_result(result, "draft_step", result["device"])
+        suffix = f"_{args.requests}requests" if args.requests > 1 else ""
+        write_result(result, "draft_step", result["device"] + suffix)
     elif args.out:
         write_result(result, "draft_step", result["device"], args.out)
     print(json.dumps(result))

@@ -76,7 +76,7 @@ from dspark.decoding.batched_accept import accept_keyed_rows, accept_rows
 from dspark.decoding.counter_random import host_values
 from dspark.decoding.sampling import KeyedNoise, SamplingParams, sample, to_probs
 from dspark.decoding.scheduler import DraftGate, PrefixScheduler, SPSTable, prefix_survival
-from dspark.decoding.specdec import drafter_layer_ids
+from dspark.decoding.specdec import drafter_layer_ids, new_draft_state
 from dspark.decoding.tree_specdec import (DraftTree, accept_keyed_tree, accept_tree, tree_expected_accepted,
                                           verify_parents)
 from dspark.decoding.sps_profile import engine_sps_table
@@ -205,7 +205,7 @@ class Engine(RequestBatch):
         drawn = []  # (request, its first token on the device, its logits row): all read back in one copy
         for req, ids, (logits, features) in ((r, i, o) for r, i, o in zip(newcomers, rows, outputs) if not r.finished):
             try:
-                req.draft_state = self.drafter.new_state()  # (a drafting engine: see above)
+                req.draft_state = new_draft_state(self.drafter, self.kv)  # captured where the core compiles
                 req.ctx_pending = [(features, ids)]  # read when the request first drafts
                 self.kv.set_length(req.slot, len(req.prompt_ids))
                 probs = to_probs(constrain(logits[-1:], req.constraint)[0], req.sampling)

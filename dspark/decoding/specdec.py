@@ -92,6 +92,15 @@ def _prefill(seq, ids: list[int], layer_ids, sp: SamplingParams, generator):
     return (out.features[0] if out.features is not None else None), first
 
 
+def new_draft_state(drafter, kv):
+    """drafter.new_state(), its passes captured (a DraftState's `captured`) where the requests' decoding core
+    (`kv`: a CoreSequence or CoreSlots; the ragged store has none) is compiled, else eager."""
+    state = drafter.new_state()
+    if hasattr(state, "captured"):
+        state.captured = getattr(getattr(kv, "core", None), "mode", None) == "compiled"
+    return state
+
+
 def drafter_layer_ids(drafter) -> list[int]:
     """The target layers whose hidden states the drafter reads as context features."""
     ids = drafter.config.target_layer_ids or drafter.target_meta.get("layer_ids")
@@ -130,9 +139,7 @@ def generate_rounds(target, drafter, prompt_ids, sp: SamplingParams, max_new_tok
     start = time.perf_counter()
     seq = open_sequence(target, core_mode)
     features, anchor = _prefill(seq, ids, layer_ids, sp, generator)
-    state = drafter.new_state()
-    if hasattr(state, "captured"):  # a DraftState: the drafter's passes compiled where the target's core is
-        state.captured = getattr(getattr(seq, "core", None), "mode", None) == "compiled"
+    state = new_draft_state(drafter, seq)
     drafter.extend_context(state, features, torch.tensor(ids, device=features.device))
     tokens, rounds = [anchor], []
     finish = "stop" if anchor in stops else ("length" if max_new_tokens == 1 else None)

@@ -74,7 +74,7 @@ class DraftState:
     kv: list[KVBuffer]
     length: int = 0
     last_fused: Tensor | None = None  # eagle3: fused target feature of position length-1
-    captured: bool | None = None  # its passes as captured graphs (block drafters, batch 1); None: DSPARK_DECODE_CORE
+    captured: bool | None = None  # its passes as captured graphs (where its core compiles); None: DSPARK_DECODE_CORE
 
 
 @dataclass

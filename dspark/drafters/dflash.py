@@ -26,6 +26,7 @@ from dspark.decoding.sampling import Generators, rows_generators, sample
 
 class DFlashDrafter(Drafter):
     algo = "dflash"
+    captures_any_rows = True  # block_capture drafts any set of requests over the slot store (draft_slots)
 
     def __init__(self, config: DrafterConfig, target_meta: dict):
         super().__init__(config, target_meta)
@@ -109,7 +110,7 @@ class DFlashDrafter(Drafter):
         if n == 0:
             return
         if n <= block_capture.MAX_NEW and chain_capture.wanted(self, [state], "block"):
-            return block_capture.extend(self, state, features)
+            return block_capture.extend(self, [state], [features])
         positions = torch.arange(state.length, state.length + n, device=self.device)
         for (k, v), buf in zip(self.context_kv(self.context_states(features).unsqueeze(0), positions), state.kv):
             buf.append(k[0], v[0])
@@ -124,6 +125,12 @@ class DFlashDrafter(Drafter):
         counts = [int(f.shape[0]) for f in features]
         if len(states) != len(counts):
             raise ValueError(f"extend_contexts got {len(states)} states but {len(counts)} feature blocks")
+        if chain_capture.wanted(self, states, "block"):  # the short updates through the captured pass, together
+            short = [r for r, n in enumerate(counts) if 0 < n <= block_capture.MAX_NEW]
+            if short:
+                block_capture.extend(self, [states[r] for r in short], [features[r] for r in short])
+            long = [r for r, n in enumerate(counts) if n > block_capture.MAX_NEW]  # prompts: eager, below
+            states, features, counts = [states[r] for r in long], [features[r] for r in long], [counts[r] for r in long]
         if sum(counts) == 0:
             return
         positions = torch.cat([torch.arange(s.length, s.length + n, device=self.device) for s, n in zip(states, counts)])
@@ -155,8 +162,8 @@ class DFlashDrafter(Drafter):
         Invariant: row r equals block_hidden(states[r], anchors[r]): the contexts (their last
         context_window positions, with a window) are right-padded to the longest and the padded key
         columns are masked out of every query row."""
-        if chain_capture.wanted(self, states, "block"):  # one request: the captured pass (same hidden states)
-            return block_capture.hidden(self, states[0], anchors)
+        if chain_capture.wanted(self, states, "block"):  # the captured pass (the same hidden states)
+            return block_capture.hidden(self, states, anchors)
         c, L, window = self.config, self.block_len, self.config.context_window
         x = self.block_inputs(anchors)  # [R, L, d]
         lengths = [s.length for s in states]

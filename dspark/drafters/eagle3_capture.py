@@ -1,5 +1,6 @@
 """Eagle3's passes for one request captured as static-shape graphs: the context update (`extend_captured`) and the
-γ autoregressive steps with their sampling (`draft_captured`), over the K/V buffer `block_capture` preallocates.
+γ autoregressive steps with their sampling (`draft_captured`), over the request's own K/V buffer,
+preallocated in chunks (`reserved_buffers`).
 A batch-1 drafting round is then two graph replays (CUDA graphs on a GPU) instead of γ layer passes of eager
 operators and a host-side draw per position (counted by benchmarks/draft_step.py --drafter untrained-eagle3).
 
@@ -46,12 +47,27 @@ def _draft_steps(drafter, keys: list[Tensor], values: list[Tensor], window: int,
                                chain_capture.drawn_ahead(uniforms, noise, keyed))
 
 
+def reserved_buffers(drafter, state, columns: int) -> tuple[list[Tensor], list[Tensor]]:
+    """The state's own K/V buffers (Eagle3 drafts one request per graph, on per-request buffers), per layer,
+    holding at least `columns` columns (grown in chunks of block_capture.CHUNK)."""
+    c = drafter.config
+    like = torch.empty(c.num_kv_heads, 0, c.head_dim, device=drafter.device, dtype=drafter.dtype)
+    for buf in state.kv:
+        buf.reserve(columns, like, block_capture.CHUNK)
+        if drafter.device.type == "cuda":  # CUDA graphs then read and write the buffers in place
+            from torch._dynamo import mark_static_address
+
+            mark_static_address(buf.k)
+            mark_static_address(buf.v)
+    return [buf.k for buf in state.kv], [buf.v for buf in state.kv]
+
+
 def extend_captured(drafter, state, features: Tensor, token_ids: Tensor) -> None:
     """`extend_context` of one state with n <= MAX_NEW positions through the captured update."""
     n, device = features.shape[0], drafter.device
     bucket = token_bucket(n)
     features, token_ids = (chain_capture.pad_rows(t.to(device), bucket) for t in (features, token_ids))
-    keys, values = block_capture.reserved_buffers(drafter, state, state.length + bucket)
+    keys, values = reserved_buffers(drafter, state, state.length + bucket)
     fused = chain_capture.call_captured(drafter, _context_update, keys, values, features, token_ids,
                                         drafter.fused_before(state), torch.tensor([state.length], device=device))
     state.last_fused = fused[n - 1].clone()  # a CUDA graph's output is overwritten by its next replay
@@ -64,7 +80,7 @@ def draft_captured(drafter, state, anchors: Tensor, draws, sp: SamplingParams) -
     BlockDraws (its keyed row's cursor advances)."""
     device = drafter.device
     window = window_bucket(state.length)
-    keys, values = block_capture.reserved_buffers(drafter, state, window)
+    keys, values = reserved_buffers(drafter, state, window)
     noise, keyed = chain_capture.keyed_tables(draws, 1, drafter.draft_vocab_size, device)
     length = torch.tensor([state.length], device=device)
     out = chain_capture.call_captured(drafter, _draft_steps, keys, values, window, length,

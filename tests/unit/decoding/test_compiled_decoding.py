@@ -103,20 +103,34 @@ def _compiled_engine(target, drafter, mode="dynamic", **kw) -> Engine:
     return engine
 
 
+@pytest.fixture
+def drafter_passes(monkeypatch):
+    """The drafter's captured passes traced with aot_eager (the graphs inductor would compile; the batch-1 tests
+    above build them with inductor), and the number of requests each backbone pass drafted."""
+    from dspark.drafters import block_capture, chain_capture
+
+    monkeypatch.setattr(chain_capture, "BACKEND", "aot_eager")
+    rows, hidden = [], block_capture.hidden
+    monkeypatch.setattr(block_capture, "hidden", lambda d, states, a: rows.append(len(states)) or hidden(d, states, a))
+    return rows
+
+
 @pytest.mark.parametrize("tree", [None, [2, 2]])
-def test_compiled_engine_is_lossless(micro_target, tree):
+def test_compiled_engine_is_lossless(micro_target, tree, drafter_passes):
     """Requests joining and leaving the compiled slots (1 or 2 rows, verify widths padded to powers of two;
-    with a tree, every step verifies trees): the joints of tokens 1-2 and 2-3 match target-only sampling."""
+    with a tree, every step verifies trees; the drafter's passes captured over its slot store, both
+    requests at once): the joints of tokens 1-2 and 2-3 match target-only sampling."""
     engine = _compiled_engine(micro_target, _drafter(micro_target), max_waiting=ENGINE_RUNS, draft_tree=tree,
                               tree_max_rows=ENGINE_ROWS)
     p12, p23, totals = engine_three_token_pvalues(engine, micro_target, PROMPT, SP, VOCAB, ENGINE_RUNS)
+    assert 2 in drafter_passes  # two requests drafted by one captured pass
     print(f"\n[lossless] compiled engine, tree {tree}: p(t1,t2)={p12:.3g} p(t2,t3)={p23:.3g} "
           f"accepted {totals['accepted']}/{totals['verified']}")
     assert 0 < totals["accepted"] < totals["verified"]
     assert p12 > 1e-3 and p23 > 1e-3
 
 
-def test_compiled_engine_greedy_equals_hf_generate_and_seeds_are_batch_invariant(micro_target):
+def test_compiled_engine_greedy_equals_hf_generate_and_seeds_are_batch_invariant(micro_target, drafter_passes):
     """Greedy: every request of a batch (joining and leaving) gets HF `generate`'s tokens. Temperature 1:
     a seeded request gets the same tokens alone and among other requests (keyed randomness)."""
     greedy, drafter = SamplingParams(temperature=0), _drafter(micro_target)

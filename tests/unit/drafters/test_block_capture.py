@@ -9,6 +9,7 @@ import torch
 
 import dspark.drafters.block_capture as block_capture
 import dspark.drafters.chain_capture as chain_capture
+from dspark.drafters import draft_slots
 from dspark.decoding.sampling import SamplingParams
 from dspark.drafters import DrafterConfig, build_drafter
 from tests.tiny_models import build_tiny_model
@@ -40,19 +41,17 @@ def _pair(drafter):
 
 def test_each_pass_traces_as_one_graph():
     _, drafter = _drafter("dspark", context_window=40)
-    state = drafter.new_state()
-    state.captured = True
+    store = draft_slots.store_of(drafter)
     width = drafter.hidden_size * len(drafter.layer_ids)
-    keys, values = block_capture.reserved_buffers(drafter, state, 128)
-    start = torch.tensor([0])
+    slots, keys, values = torch.tensor([2, 0]), store.keys, store.values
     with torch.no_grad():
         torch.compile(block_capture._extend, backend="aot_eager", fullgraph=True)(  # raises on a graph break
-            drafter, keys, values, torch.randn(4, width), start)
+            drafter, keys, values, slots, torch.randn(2, 4, width), torch.tensor([0, 3]))
         out = torch.compile(block_capture._hidden, backend="aot_eager", fullgraph=True)(
-            drafter, keys, values, 128, torch.tensor([4]), torch.tensor([3]))
+            drafter, keys, values, slots, 128, torch.tensor([4, 7]), torch.tensor([3, 1]))
         far = torch.compile(block_capture._hidden, backend="aot_eager", fullgraph=True)(  # the gathered window
-            drafter, keys, values, 64, torch.tensor([100]), torch.tensor([3]), True)
-    assert out.shape == far.shape == (1, drafter.block_len, drafter.hidden_size)
+            drafter, keys, values, slots, 64, torch.tensor([100, 90]), torch.tensor([3, 1]), True)
+    assert out.shape == far.shape == (2, drafter.block_len, drafter.hidden_size)
 
 
 @pytest.mark.parametrize("algo,context_window", [("dspark", None), ("dspark", 40), ("dflash", 40), ("dflash", 200)])
@@ -73,7 +72,7 @@ def test_a_captured_state_holds_and_proposes_what_an_eager_one_does(algo, contex
             torch.testing.assert_close(a.k[:, :a.length], b.k[:, :b.length])
             torch.testing.assert_close(a.v[:, :a.length], b.v[:, :b.length])
         anchor, sp = int(ids[-1]), SamplingParams(temperature=1.0)
-        torch.testing.assert_close(block_capture.hidden(drafter, captured, torch.tensor([anchor]))[0],
+        torch.testing.assert_close(block_capture.hidden(drafter, [captured], torch.tensor([anchor]))[0],
                                    drafter.block_hidden(eager, anchor), rtol=1e-5, atol=1e-5)
         want, got = (drafter.propose(s, anchor, 3, sp, torch.Generator().manual_seed(step)) for s in (eager, captured))
         assert torch.equal(want.tokens, got.tokens)

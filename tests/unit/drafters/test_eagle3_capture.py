@@ -40,7 +40,7 @@ def test_each_pass_traces_as_one_graph():
     _, drafter = _drafter()
     state = drafter.new_state()
     width, d = drafter.hidden_size * len(drafter.layer_ids), drafter.hidden_size
-    keys, values = eagle3_capture.block_capture.reserved_buffers(drafter, state, 128)
+    keys, values = eagle3_capture.reserved_buffers(drafter, state, 128)
     params = chain_capture.ChainParams.of(SamplingParams(temperature=1.0))
     with torch.no_grad():
         fused = torch.compile(eagle3_capture._context_update, backend="aot_eager", fullgraph=True)(  # raises on a break

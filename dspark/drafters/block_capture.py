@@ -65,22 +65,13 @@ def _extend(drafter, keys: list[Tensor], values: list[Tensor], slots: Tensor, fe
         v_buf[slots[:, None], :, columns] = v.transpose(1, 2).to(v_buf.dtype)
 
 
-def _rows(drafter, states, values: list[int]) -> tuple[Tensor, Tensor, int]:
-    """(slot ids, values) [bucket] on the device for the states' rows padded to a power of two (the last row
-    repeated), and the real row count."""
-    slots = [draft_slots.bind(drafter, s) for s in states]
-    pad = token_bucket(len(states)) - len(states)
-    as_tensor = lambda xs: torch.tensor(xs + xs[-1:] * pad, device=drafter.device)  # noqa: E731
-    return as_tensor(slots), as_tensor(values), len(states)
-
-
 def hidden(drafter, states, anchors: Tensor) -> Tensor:
     """`blocks_hidden` of the states ([R, L, d]) through the captured backbone pass."""
     span = window_bucket(drafter.config.context_window) if drafter.config.context_window else None
     lengths = [s.length for s in states]
     gather = span is not None and min(lengths) > span  # every window far behind: read only its bucket
     window = span if gather else window_bucket(max(lengths))
-    slots, lengths_t, real = _rows(drafter, states, lengths)
+    slots, lengths_t, real = draft_slots.rows(drafter, states, lengths)
     store = draft_slots.store_of(drafter)
     store.reserve(window)
     anchors = anchors.reshape(-1).to(drafter.device)
@@ -95,7 +86,7 @@ def extend(drafter, states, features: list[Tensor]) -> None:
     captured context update."""
     counts = [int(f.shape[0]) for f in features]
     bucket = token_bucket(max(counts))
-    slots, starts, real = _rows(drafter, states, [s.length for s in states])
+    slots, starts, real = draft_slots.rows(drafter, states, [s.length for s in states])
     padded = torch.stack([chain_capture.pad_rows(f.to(drafter.device), bucket) for f in features])  # [R, n, m*d]
     if len(slots) > real:
         padded = torch.cat([padded, padded[-1:].expand(len(slots) - real, -1, -1)])

@@ -98,10 +98,8 @@ def compiled_for(drafter, states=()) -> bool:
 
 
 def wanted(drafter, states=(), part: str = "chain") -> bool:
-    """Capture `part` ("chain": this γ-loop; "block": the block passes, `block_capture` or `eagle3_capture`) where the requests'
-    core is compiled, unless capturing it failed for this drafter before."""
-    if part == "block" and len(states) != 1 and not getattr(drafter, "captures_any_rows", False):
-        return False  # Eagle3 captures one request at a time; block drafters any number (`draft_slots`)
+    """Capture `part` ("chain": this γ-loop; "block": the block passes, `block_capture` or `eagle3_capture`, for any
+    number of requests) where the requests' core is compiled, unless capturing it failed for this drafter before."""
     return compiled_for(drafter, states) and not drafter.__dict__.get(f"_{part}_capture_failed", False)
 
 

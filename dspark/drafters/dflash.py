@@ -26,7 +26,6 @@ from dspark.decoding.sampling import Generators, rows_generators, sample
 
 class DFlashDrafter(Drafter):
     algo = "dflash"
-    captures_any_rows = True  # block_capture drafts any set of requests over the slot store (draft_slots)
 
     def __init__(self, config: DrafterConfig, target_meta: dict):
         super().__init__(config, target_meta)

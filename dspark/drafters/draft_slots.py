@@ -20,6 +20,7 @@ import weakref
 import torch
 from torch import Tensor
 
+from dspark.decoding.static_core import token_bucket
 from dspark.drafters.layers import KVBuffer
 
 CHUNK = 1024  # columns the store grows by
@@ -103,8 +104,8 @@ def store_of(drafter) -> DraftSlots:
     store = drafter.__dict__.get("_draft_slots")
     if store is None or store.device != drafter.device or store.dtype != drafter.dtype:
         c = drafter.config
-        store = drafter.__dict__["_draft_slots"] = DraftSlots(len(drafter.layers), c.num_kv_heads, c.head_dim,
-                                                              drafter.device, drafter.dtype)
+        store = drafter.__dict__["_draft_slots"] = DraftSlots(c.depth, c.num_kv_heads, c.head_dim, drafter.device,
+                                                              drafter.dtype)
     return store
 
 
@@ -123,3 +124,13 @@ def bind(drafter, state) -> int:
     state.kv = [SlotKVBuffer(store, slot, layer, buf.length) for layer, buf in enumerate(state.kv)]
     weakref.finalize(state, store.release, slot)
     return slot
+
+
+def rows(drafter, states, values: list[int]) -> tuple[Tensor, Tensor, int]:
+    """(slot ids, values) [bucket] on the device for the states' rows (joined to the store) padded to a power of two
+    by repeating the last row (a padding row then reads, and writes, exactly what that request does), and the
+    real row count."""
+    slots = [bind(drafter, s) for s in states]
+    pad = token_bucket(len(states)) - len(states)
+    return (torch.tensor(slots + slots[-1:] * pad, device=drafter.device),
+            torch.tensor(values + values[-1:] * pad, device=drafter.device), len(states))

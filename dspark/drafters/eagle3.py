@@ -145,7 +145,7 @@ class Eagle3Drafter(Drafter):
         if n == 0:
             return
         if n <= block_capture.MAX_NEW and chain_capture.wanted(self, [state], "block"):
-            return eagle3_capture.extend_captured(self, state, features, token_ids)
+            return eagle3_capture.extend_captured(self, [state], [features], [token_ids])
         fused = self.fused(features)
         prev = torch.cat([self.fused_before(state).unsqueeze(0), fused[:-1]], dim=0)
         x, _ = self.midlayer.inputs(self.embed(token_ids.to(self.device)), prev)
@@ -155,13 +155,25 @@ class Eagle3Drafter(Drafter):
         state.last_fused = fused[-1]
         state.length += n
 
+    @torch.no_grad()
+    def extend_contexts(self, states: list[DraftState], features: list[Tensor], token_ids: list[Tensor]) -> None:
+        """extend_context of every request; on a compiled core the short updates in ONE captured pass."""
+        short = [r for r, f in enumerate(features) if 0 < f.shape[0] <= block_capture.MAX_NEW]
+        if len(short) > 1 and chain_capture.wanted(self, states, "block"):
+            for r in short:
+                self._check_features(features[r], token_ids[r])
+            eagle3_capture.extend_captured(self, *([seq[r] for r in short] for seq in (states, features, token_ids)))
+            states, features, token_ids = ([seq[r] for r in range(len(seq)) if r not in short]
+                                           for seq in (states, features, token_ids))
+        super().extend_contexts(states, features, token_ids)
+
     def draft_batch(self, states: list[DraftState], anchors: Tensor, gammas: list[int], rows: RowSampling,
                     generator: Generators) -> list[DraftProposal]:
-        """Autoregressive, each step one layer pass for all R requests (`draft_steps`); one request on a compiled
-        core: the captured steps (`eagle3_capture`)."""
+        """Autoregressive, each step one layer pass for all R requests (`draft_steps`); on a compiled core the
+        captured steps (`eagle3_capture`)."""
         draws = BlockDraws(generator, gammas, self.device)
         if rows.single and chain_capture.capturable(draws) and chain_capture.wanted(self, states, "block"):
-            tokens, probs = eagle3_capture.draft_captured(self, states[0], anchors, draws, rows.sps[0])
+            tokens, probs = eagle3_capture.draft_captured(self, states, anchors, draws, rows.sps[0])
             return split_proposals(tokens, self.full_vocab_probs(probs), None, gammas)
         c = self.config
         hidden = torch.stack([self.fused_before(s) for s in states]).unsqueeze(1)

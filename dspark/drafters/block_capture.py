@@ -27,7 +27,6 @@ from torch import Tensor
 from dspark.decoding.static_core import token_bucket, window_bucket
 from dspark.drafters import chain_capture, draft_slots
 
-CHUNK = draft_slots.CHUNK  # K/V columns the buffers grow by (a growth retraces: rare)
 MAX_NEW = 64  # context updates longer than this (prompts) run eager
 
 
@@ -71,7 +70,7 @@ def hidden(drafter, states, anchors: Tensor) -> Tensor:
     lengths = [s.length for s in states]
     gather = span is not None and min(lengths) > span  # every window far behind: read only its bucket
     window = span if gather else window_bucket(max(lengths))
-    slots, lengths_t, real = draft_slots.rows(drafter, states, lengths)
+    slots, lengths_t, real = draft_slots.padded_rows(drafter, states, lengths)
     store = draft_slots.store_of(drafter)
     store.reserve(window)
     anchors = anchors.reshape(-1).to(drafter.device)
@@ -86,7 +85,7 @@ def extend(drafter, states, features: list[Tensor]) -> None:
     captured context update."""
     counts = [int(f.shape[0]) for f in features]
     bucket = token_bucket(max(counts))
-    slots, starts, real = draft_slots.rows(drafter, states, [s.length for s in states])
+    slots, starts, real = draft_slots.padded_rows(drafter, states, [s.length for s in states])
     padded = torch.stack([chain_capture.pad_rows(f.to(drafter.device), bucket) for f in features])  # [R, n, m*d]
     if len(slots) > real:
         padded = torch.cat([padded, padded[-1:].expand(len(slots) - real, -1, -1)])

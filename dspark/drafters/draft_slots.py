@@ -23,7 +23,7 @@ from torch import Tensor
 from dspark.decoding.static_core import token_bucket
 from dspark.drafters.layers import KVBuffer
 
-CHUNK = 1024  # columns the store grows by
+CHUNK = 1024  # columns the store grows by (a growth retraces every captured pass: rare)
 FIRST_SLOTS = 4  # slots of a new store (doubled when full)
 
 
@@ -126,7 +126,7 @@ def bind(drafter, state) -> int:
     return slot
 
 
-def rows(drafter, states, values: list[int]) -> tuple[Tensor, Tensor, int]:
+def padded_rows(drafter, states, values: list[int]) -> tuple[Tensor, Tensor, int]:
     """(slot ids, values) [bucket] on the device for the states' rows (joined to the store) padded to a power of two
     by repeating the last row (a padding row then reads, and writes, exactly what that request does), and the
     real row count."""

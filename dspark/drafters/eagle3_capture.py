@@ -50,7 +50,7 @@ def _draft_steps(drafter, keys: list[Tensor], values: list[Tensor], slots: Tenso
 
 
 def _last_repeated(t: Tensor, count: int) -> Tensor:
-    """t [R, ...] with its last row repeated up to `count` rows (the padding rows of `draft_slots.rows`)."""
+    """t [R, ...] with its last row repeated up to `count` rows (the padding rows of `draft_slots.padded_rows`)."""
     return torch.cat([t, t[-1:].expand(count - t.shape[0], *t.shape[1:])]) if count > t.shape[0] else t
 
 
@@ -62,7 +62,7 @@ def extend_captured(drafter, states, features: list[Tensor], token_ids: list[Ten
     """`extend_context` of the states, each with n_r <= MAX_NEW positions, through the captured update."""
     device, counts = drafter.device, [int(f.shape[0]) for f in features]
     bucket = token_bucket(max(counts))
-    slots, starts, _ = draft_slots.rows(drafter, states, [s.length for s in states])
+    slots, starts, _ = draft_slots.padded_rows(drafter, states, [s.length for s in states])
     padded = [_last_repeated(torch.stack([chain_capture.pad_rows(t.to(device), bucket) for t in rows]), len(slots))
               for rows in (features, token_ids)]
     store = draft_slots.store_of(drafter)
@@ -80,7 +80,7 @@ def draft_captured(drafter, states, anchors: Tensor, draws, sp: SamplingParams) 
     BlockDraws (its keyed rows' cursors advance)."""
     device = drafter.device
     window = window_bucket(max(s.length for s in states))
-    slots, lengths, real = draft_slots.rows(drafter, states, [s.length for s in states])
+    slots, lengths, real = draft_slots.padded_rows(drafter, states, [s.length for s in states])
     store = draft_slots.store_of(drafter)
     store.reserve(window)
     noise, keyed = chain_capture.keyed_tables(draws, len(slots), drafter.draft_vocab_size, device)

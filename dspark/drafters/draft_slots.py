@@ -98,6 +98,13 @@ class SlotKVBuffer(KVBuffer):
     def reserve(self, columns: int, like: Tensor | None = None, chunk: int | None = None) -> None:
         self.store.reserve(columns)
 
+    def __deepcopy__(self, memo) -> KVBuffer:
+        """A copy leaves the store: a plain KVBuffer holding the same columns (two states never share a slot)."""
+        copy = KVBuffer()
+        if self.length:
+            copy.append(self.k[:, :self.length].clone(), self.v[:, :self.length].clone())
+        return copy
+
 
 def store_of(drafter) -> DraftSlots:
     """The drafter's slot store (made on first use; a new one if the drafter moved device or dtype)."""

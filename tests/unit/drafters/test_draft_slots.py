@@ -3,6 +3,7 @@ requests at once (dspark.drafters.block_capture): a state joins with its context
 frees its slot when dropped; a batch of captured states holds, reads and proposes what the same states hold, read
 and propose eager, one at a time (prompts beyond a graph's bucket and empty updates mixed in). Traced with
 aot_eager (the graph inductor would compile, without a C++ build)."""
+import copy
 import gc
 
 import pytest
@@ -52,6 +53,9 @@ def test_a_state_joins_with_its_context_keeps_it_as_the_store_grows_and_frees_it
             assert torch.equal(buf.k[:, :buf.length], k) and torch.equal(buf.v[:, :buf.length], v)
     drafter.extend_context(states[0], *_update(drafter, 2, 9))  # eager appends land in the store
     assert states[0].kv[0].length == 5 and torch.equal(store.keys[0][slots[0], :, :5], states[0].kv[0].k[:, :5])
+    copied = copy.deepcopy(states[1])  # a copy leaves the store with the same context (a tree search's branch)
+    assert not isinstance(copied.kv[0], draft_slots.SlotKVBuffer) and copied.length == states[1].length
+    assert torch.equal(copied.kv[0].k[:, :copied.length], states[1].kv[0].k[:, :copied.length])
     gone = slots[2]
     del states[2], state
     gc.collect()

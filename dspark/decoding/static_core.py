@@ -145,7 +145,7 @@ class DecodeCore:
     """A target's static KV store (`slots` sequences) and its step, compiled or eager (module doc)."""
 
     def __init__(self, target, slots: int = 1, mode: str | None = None, capacity: int = _CAPACITY_CHUNK,
-                 chunk: int = _CAPACITY_CHUNK):
+                 chunk: int = _CAPACITY_CHUNK, max_len: int | None = None):
         missing = missing_parts(target)
         if missing:
             raise NotImplementedError(f"{type(target.model).__name__}: the decoding core walks embed_tokens, "
@@ -153,6 +153,7 @@ class DecodeCore:
         from dspark.models.target import cache_kwarg_of
 
         self.target, self.slots = target, int(slots)
+        self.max_len = int(max_len or getattr(target, "max_positions", None) or 1 << 15)  # sizes the graph budget
         self.cache_kw = cache_kwarg_of(type(target.model.model.layers[0]))
         self.mode = resolve_mode(mode or default_mode(), target.device)
         cfg = target.model.config
@@ -242,19 +243,29 @@ class DecodeCore:
 
     def _compiled_step(self):
         if self._compiled is None:  # one graph per bucket (rows, new tokens, window, context layers)
-            self._compiled = compile_static(_step, self.target.device)
+            self._compiled = compile_static(_step, self.target.device, graphs=graph_grid(self.slots, self.max_len))
         return self._compiled
 
 
 _COMPILED_FUNCTIONS: dict[str, object] = {}  # "module.name" -> every function given to compile_static
 
 
-def compile_static(fn, device: torch.device, backend: str = "inductor"):
-    """fn under torch.compile with static shapes, one graph per shape bucket (dynamo's graph cache raised to 64 of
-    them), CUDA graphs on a GPU (inductor's reduce-overhead): the core's step and the drafters' captured passes."""
+def graph_grid(rows: int, max_len: int) -> int:
+    """The shape buckets a step over `rows` slots can meet: row counts (powers of two, and `rows` itself) x new-token
+    buckets (powers of two up to COMPILED_MAX_TOKENS) x KV windows (powers of two from MIN_WINDOW to max_len's)."""
+    row_buckets = token_bucket(rows).bit_length() + (rows != token_bucket(rows))
+    windows = window_bucket(max_len).bit_length() - MIN_WINDOW.bit_length() + 1
+    return row_buckets * COMPILED_MAX_TOKENS.bit_length() * windows
+
+
+def compile_static(fn, device: torch.device, backend: str = "inductor", graphs: int = 64):
+    """fn under torch.compile with static shapes, one graph per shape bucket, CUDA graphs on a GPU (inductor's
+    reduce-overhead): the core's step and the drafters' captured passes. Dynamo's graph cache (per function, and
+    in all) is raised to hold `graphs` of them: past it a bucket would run eager, unannounced (`full_graph_caches`)."""
     from torch._dynamo import config as dynamo_config
 
-    dynamo_config.cache_size_limit = max(dynamo_config.cache_size_limit, 64)
+    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, graphs)
+    dynamo_config.accumulated_recompile_limit = max(dynamo_config.accumulated_recompile_limit, graphs + 256)
     _COMPILED_FUNCTIONS[f"{fn.__module__}.{fn.__qualname__}"] = fn
     mode = "reduce-overhead" if device.type == "cuda" and backend == "inductor" else None
     return torch.compile(fn, backend=backend, mode=mode, dynamic=False)
@@ -262,9 +273,10 @@ def compile_static(fn, device: torch.device, backend: str = "inductor"):
 
 def full_graph_caches() -> dict[str, int]:
     """The functions given to `compile_static` whose graph cache is full -> their graph count. Dynamo keeps at most
-    `recompile_limit` graphs per function (64 here) and runs a call with a shape bucket it has no graph for eager,
-    warning once and raising nothing: so a step or capture listed here may run eager from then on, unseen by the
-    fallbacks that catch failed captures. Empty: every bucket met so far has its graph."""
+    `recompile_limit` graphs per function (64, or the largest core's `graph_grid`) and runs a call with a shape
+    bucket it has no graph for eager, warning once and raising nothing: so a step or capture listed here may run
+    eager from then on, unseen by the fallbacks that catch failed captures. Empty: every bucket met so far has its
+    graph."""
     from torch._dynamo import config as dynamo_config
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
@@ -347,7 +359,7 @@ class CoreSlots:
         compiled = mode == "compiled"
         up_front = min(max_len or _CAPACITY_CHUNK, _CAPACITY_CHUNK) if compiled else MIN_WINDOW
         self.core = DecodeCore(target, slots=max_batch, mode=mode, capacity=up_front,
-                               chunk=_CAPACITY_CHUNK if compiled else 256)
+                               chunk=_CAPACITY_CHUNK if compiled else 256, max_len=max_len)
         self.device = target.device
         self.lengths: list[int] = []
 

@@ -1,6 +1,6 @@
 """A drafting round (`propose_batch` of a block per request, then `extend_contexts` with the verified positions)
-with the drafter's passes eager and captured (block drafters: dspark.drafters.block_capture over the slot store +
-chain_capture, any number of requests; Eagle3: eagle3_capture, one request), side by side in one run.
+with the drafter's passes eager and captured over the drafter's slot store, any number of requests (block drafters:
+dspark.drafters.block_capture + chain_capture; Eagle3: eagle3_capture), side by side in one run.
 
     python benchmarks/draft_step.py                                     # smollm2-135m, the committed CPU drafter
     python benchmarks/draft_step.py --target tiny --drafter untrained   # a minute

@@ -250,12 +250,16 @@ class DecodeCore:
 _COMPILED_FUNCTIONS: dict[str, object] = {}  # "module.name" -> every function given to compile_static
 
 
-def graph_grid(rows: int, max_len: int) -> int:
-    """The shape buckets a step over `rows` slots can meet: row counts (powers of two, and `rows` itself) x new-token
-    buckets (powers of two up to COMPILED_MAX_TOKENS) x KV windows (powers of two from MIN_WINDOW to max_len's)."""
-    row_buckets = token_bucket(rows).bit_length() + (rows != token_bucket(rows))
-    windows = window_bucket(max_len).bit_length() - MIN_WINDOW.bit_length() + 1
-    return row_buckets * COMPILED_MAX_TOKENS.bit_length() * windows
+def graph_grid(rows: int, max_len: int, chunk: int = _CAPACITY_CHUNK) -> int:
+    """An upper bound on the graphs a step over `rows` slots can need up to `max_len` positions: row counts (powers of
+    two below `rows`, and `rows`) x new-token buckets (powers of two up to COMPILED_MAX_TOKENS) x 2 layouts (a
+    chain's and a tree's tensors differ in strides, which static guards check) x the KV windows of every capacity the
+    store passes through (a regrow retraces every bucket; a window is a power of two from MIN_WINDOW, or the
+    capacity itself; the last capacity holds max_len plus a padded step)."""
+    row_buckets = (rows - 1).bit_length() + 1
+    last = -(-(max_len + COMPILED_MAX_TOKENS) // chunk) * chunk
+    windows = sum((cap - 1).bit_length() - MIN_WINDOW.bit_length() + 2 for cap in range(chunk, last + 1, chunk))
+    return row_buckets * COMPILED_MAX_TOKENS.bit_length() * 2 * windows
 
 
 def compile_static(fn, device: torch.device, backend: str = "inductor", graphs: int = 64):

@@ -10,8 +10,9 @@ Nothing in a graph depends on the requests' lengths or slots as Python values:
 - `hidden` reads the first W columns of each row, W a power of two >= the longest length (the decoding core's
   `window_bucket`), under a key mask built on the device from the lengths: column j of row r is visible iff
   j < length_r (and j >= length_r - context_window with a window), then the block's own L keys. With a context
-  window and every length past its bucket S (`window_bucket(context_window)`), it reads only the S columns before
-  each row's length (gathered by a device-built index), so a pass costs the window, not the context;
+  window and a length past its bucket S (`window_bucket(context_window)`), every row reads only the S columns
+  before its length (its first S if shorter; gathered by a device-built index), so a pass costs the window, not
+  the context, whatever the batch mixes;
 - `extend` writes n_r new positions at columns length_r.. of row r, padded to a power of two (at most MAX_NEW;
   longer updates, i.e. prompts, run eager): padding columns hold stale finite values that no pass sees.
 Graphs: one per (rows, window, new-token bucket, store capacity), and one gathered per context-window bucket.
@@ -34,10 +35,10 @@ def _hidden(drafter, keys: list[Tensor], values: list[Tensor], slots: Tensor, wi
             anchors: Tensor, gather: bool = False) -> Tensor:
     """Final-normed hidden states [R, L, d] of the blocks anchored at positions `lengths` ([R]) of rows `slots`
     ([R]) of the store ([S, KV, capacity, hd] per layer), over each row's first `window` columns, or with `gather`
-    over the `window` columns just before its length (every length >= window)."""
+    over the `window` columns just before its length (the first `window` for a shorter row)."""
     L, device = drafter.block_len, anchors.device
-    if gather:  # columns length-W .. length-1: all held; the keys carry their own positions (RoPE at insert)
-        columns = lengths[:, None] - window + torch.arange(window, device=device)  # [R, W]
+    if gather:  # columns length-W .. length-1 (0 .. W-1 for a shorter row); the keys carry their positions (RoPE)
+        columns = (lengths[:, None] - window).clamp(min=0) + torch.arange(window, device=device)  # [R, W]
         context = [(k[slots[:, None], :, columns].transpose(1, 2), v[slots[:, None], :, columns].transpose(1, 2))
                    for k, v in zip(keys, values)]
     else:
@@ -68,7 +69,7 @@ def hidden(drafter, states, anchors: Tensor) -> Tensor:
     """`blocks_hidden` of the states ([R, L, d]) through the captured backbone pass."""
     span = window_bucket(drafter.config.context_window) if drafter.config.context_window else None
     lengths = [s.length for s in states]
-    gather = span is not None and min(lengths) > span  # every window far behind: read only its bucket
+    gather = span is not None and max(lengths) > span  # a window far behind: every row reads only its bucket
     window = span if gather else window_bucket(max(lengths))
     slots, lengths_t, real = draft_slots.padded_rows(drafter, states, lengths)
     store = draft_slots.store_of(drafter)

@@ -124,6 +124,8 @@ def bind(drafter, state) -> int:
         return held.slot
     slot = store.acquire()
     store.reserve(state.length)
+    for t in (*store.keys, *store.values):  # a reused slot holds its last request's columns: never read unmasked,
+        t[slot].zero_()  # but a masked non-finite value would still poison attention (0 x NaN)
     for layer, buf in enumerate(state.kv):
         if buf.length:
             store.keys[layer][slot, :, : buf.length] = buf.k[:, : buf.length]

@@ -77,7 +77,6 @@ def test_a_captured_state_holds_and_proposes_what_an_eager_one_does(algo, contex
         want, got = (drafter.propose(s, anchor, 3, sp, torch.Generator().manual_seed(step)) for s in (eager, captured))
         assert torch.equal(want.tokens, got.tokens)
         torch.testing.assert_close(want.probs, got.probs, rtol=1e-5, atol=1e-6)
-    assert captured.kv[0].k.shape[-2] % draft_slots.CHUNK == 0  # preallocated in chunks
     assert not drafter.__dict__.get("_block_capture_failed")
     # two passes a step (hidden, propose); past the window's bucket gathered: the last 2 steps with a window of 200
     # (bucket 256) or of 40 (bucket 128)

@@ -52,14 +52,22 @@ def test_a_state_joins_with_its_context_keeps_it_as_the_store_grows_and_frees_it
         for buf, (k, v) in zip(state.kv, held):
             assert torch.equal(buf.k[:, :buf.length], k) and torch.equal(buf.v[:, :buf.length], v)
     drafter.extend_context(states[0], *_update(drafter, 2, 9))  # eager appends land in the store
-    assert states[0].kv[0].length == 5 and torch.equal(store.keys[0][slots[0], :, :5], states[0].kv[0].k[:, :5])
+    reference = drafter.new_state()  # the same two updates on plain buffers
+    for n, seed in ((3, 0), (2, 9)):
+        drafter.extend_context(reference, *_update(drafter, n, seed))
+    assert states[0].length == states[0].kv[0].length == 5
+    for layer, buf in enumerate(reference.kv):
+        assert torch.equal(store.keys[layer][slots[0], :, :5], buf.k[:, :5])
+        assert torch.equal(store.values[layer][slots[0], :, :5], buf.v[:, :5])
     copied = copy.deepcopy(states[1])  # a copy leaves the store with the same context (a tree search's branch)
     assert not isinstance(copied.kv[0], draft_slots.SlotKVBuffer) and copied.length == states[1].length
     assert torch.equal(copied.kv[0].k[:, :copied.length], states[1].kv[0].k[:, :copied.length])
     gone = slots[2]
     del states[2], state
     gc.collect()
-    assert gone in store.free and draft_slots.bind(drafter, drafter.new_state()) == gone
+    assert gone in store.free
+    store.keys[0][gone].fill_(float("nan"))  # whatever its last request left there
+    assert draft_slots.bind(drafter, drafter.new_state()) == gone and not store.keys[0][gone].isnan().any()
 
 
 @pytest.mark.parametrize("context_window", [None, 40])
@@ -73,7 +81,8 @@ def test_a_captured_batch_holds_reads_and_proposes_what_each_eager_state_does(co
         s.captured = False
     for s in captured:
         s.captured = True
-    rounds = [[3, 0, 70, 1, 5], [140, 150, 60, 200, 130], [2, 1, 3, 4, 64]]  # then every row past 128: gathered
+    rounds = [[3, 0, 70, 1, 5], [140, 150, 2, 200, 130], [2, 1, 3, 4, 64]]  # then rows past 128: gathered, and
+    # row 2 (72, then 75 positions) read from its first columns in the same pass
     for step, counts in enumerate(rounds):
         updates = [_update(drafter, n, 10 * step + r) for r, n in enumerate(counts)]
         drafter.extend_contexts(eager, [f for f, _ in updates], [i for _, i in updates])

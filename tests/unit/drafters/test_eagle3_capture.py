@@ -104,9 +104,11 @@ def test_a_captured_batch_holds_and_proposes_what_each_eager_request_does(kind, 
     """Three requests of different lengths (one update a prompt beyond a graph, one empty) extended and drafted
     together: each captured row is the eager request's, drafted alone."""
     _, drafter = _drafter(DRAFT_IDS if kind == "keyed" else None)
-    rows, draft = [], eagle3_capture.draft_captured
+    rows, extended, draft, extend = [], [], eagle3_capture.draft_captured, eagle3_capture.extend_captured
     monkeypatch.setattr(eagle3_capture, "draft_captured", lambda d, states, *a: rows.append(len(states)) or
                         draft(d, states, *a))
+    monkeypatch.setattr(eagle3_capture, "extend_captured", lambda d, states, *a: extended.append(len(states)) or
+                        extend(d, states, *a))
     eager, captured = [drafter.new_state() for _ in range(3)], [drafter.new_state() for _ in range(3)]
     for e, c in zip(eager, captured):
         e.captured, c.captured = False, True
@@ -129,3 +131,4 @@ def test_a_captured_batch_holds_and_proposes_what_each_eager_request_does(kind, 
             assert torch.equal(want.tokens, got.tokens)
             torch.testing.assert_close(want.probs, got.probs, rtol=1e-5, atol=1e-6)
     assert not chain_capture.fell_back(drafter) and rows == [3, 3, 3]  # one captured pass drafted all three
+    assert extended == [2, 2, 3]  # one captured update for a round's short updates (70 ran eager, 0 nothing)

@@ -98,6 +98,8 @@ def new_draft_state(drafter, kv):
     state = drafter.new_state()
     if hasattr(state, "captured"):
         state.captured = getattr(getattr(kv, "core", None), "mode", None) == "compiled"
+        if state.captured:  # a slot for each of the core's sequences, up front (no regrow as the batch fills)
+            drafter.reserve_capture_slots(kv.core.slots)
     return state
 
 

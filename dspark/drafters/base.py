@@ -233,6 +233,13 @@ class Drafter(nn.Module):
     def new_state(self) -> DraftState:
         return DraftState(kv=[KVBuffer() for _ in range(self.config.depth)])
 
+    def reserve_capture_slots(self, requests: int) -> None:
+        """Room for `requests` at once in the captured passes' slot store (`draft_slots`), made up front: a store
+        that grows as a batch fills retraces every captured pass."""
+        from dspark.drafters import draft_slots
+
+        draft_slots.store_of(self).reserve_slots(requests)
+
     def extend_context(self, state: DraftState, features: Tensor, token_ids: Tensor) -> None:
         raise NotImplementedError
 

@@ -64,6 +64,12 @@ class DraftSlots:
         if columns > self.capacity:
             self._grow(self.slots, -(-columns // CHUNK) * CHUNK)
 
+    def reserve_slots(self, slots: int) -> None:
+        """At least `slots` slots (contents kept; the new ones handed out after the free ones, lowest first)."""
+        if slots > self.slots:
+            self.free = list(range(slots - 1, self.slots - 1, -1)) + self.free
+            self._grow(slots, self.capacity)
+
     def acquire(self) -> int:
         if not self.free:  # full: double the slots
             self.free = list(range(2 * self.slots - 1, self.slots - 1, -1))

@@ -62,6 +62,9 @@ def test_a_state_joins_with_its_context_keeps_it_as_the_store_grows_and_frees_it
     copied = copy.deepcopy(states[1])  # a copy leaves the store with the same context (a tree search's branch)
     assert not isinstance(copied.kv[0], draft_slots.SlotKVBuffer) and copied.length == states[1].length
     assert torch.equal(copied.kv[0].k[:, :copied.length], states[1].kv[0].k[:, :copied.length])
+    drafter.reserve_capture_slots(12)  # up front (the engine: one per core slot): contents kept, free ones first
+    assert store.slots == 12 and torch.equal(store.keys[0][slots[0], :, :5], reference.kv[0].k[:, :5])
+    assert store.free[-3:] == [7, 6, 5] and store.free[:4] == [11, 10, 9, 8]
     gone = slots[2]
     del states[2], state
     gc.collect()

@@ -74,8 +74,7 @@ def hidden(drafter, states, anchors: Tensor) -> Tensor:
     slots, lengths_t, real = draft_slots.padded_rows(drafter, states, lengths)
     store = draft_slots.store_of(drafter)
     store.reserve(window)
-    anchors = anchors.reshape(-1).to(drafter.device)
-    anchors = chain_capture.pad_rows(anchors, len(slots)) if len(slots) > real else anchors
+    anchors = chain_capture.pad_rows(anchors.reshape(-1).to(drafter.device), len(slots))
     out = chain_capture.call_captured(drafter, _hidden, store.keys, store.values, slots, window, lengths_t, anchors,
                                       gather)[:real]
     return out.clone() if drafter.device.type == "cuda" else out  # a CUDA graph's output is overwritten next replay
@@ -86,10 +85,9 @@ def extend(drafter, states, features: list[Tensor]) -> None:
     captured context update."""
     counts = [int(f.shape[0]) for f in features]
     bucket = token_bucket(max(counts))
-    slots, starts, real = draft_slots.padded_rows(drafter, states, [s.length for s in states])
-    padded = torch.stack([chain_capture.pad_rows(f.to(drafter.device), bucket) for f in features])  # [R, n, m*d]
-    if len(slots) > real:
-        padded = torch.cat([padded, padded[-1:].expand(len(slots) - real, -1, -1)])
+    slots, starts, _ = draft_slots.padded_rows(drafter, states, [s.length for s in states])
+    padded = draft_slots.last_repeated(torch.stack([chain_capture.pad_rows(f.to(drafter.device), bucket)
+                                                    for f in features]), len(slots))  # [rows, n, m*d]
     store = draft_slots.store_of(drafter)
     store.reserve(max(s.length for s in states) + bucket)
     chain_capture.call_captured(drafter, _extend, store.keys, store.values, slots, padded, starts)

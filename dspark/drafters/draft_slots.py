@@ -72,8 +72,7 @@ class DraftSlots:
 
     def acquire(self) -> int:
         if not self.free:  # full: double the slots
-            self.free = list(range(2 * self.slots - 1, self.slots - 1, -1))
-            self._grow(2 * self.slots, self.capacity)
+            self.reserve_slots(2 * self.slots)
         return self.free.pop()
 
     def release(self, slot: int) -> None:
@@ -149,3 +148,9 @@ def padded_rows(drafter, states, values: list[int]) -> tuple[Tensor, Tensor, int
     pad = token_bucket(len(states)) - len(states)
     return (torch.tensor(slots + slots[-1:] * pad, device=drafter.device),
             torch.tensor(values + values[-1:] * pad, device=drafter.device), len(states))
+
+
+def last_repeated(t: Tensor, rows: int) -> Tensor:
+    """t [R, ...] with its last row repeated up to `rows` rows: a tensor argument's padding rows, as `padded_rows`
+    pads the slot ids."""
+    return torch.cat([t, t[-1:].expand(rows - t.shape[0], *t.shape[1:])]) if rows > t.shape[0] else t

@@ -49,13 +49,8 @@ def _draft_steps(drafter, keys: list[Tensor], values: list[Tensor], slots: Tenso
                                chain_capture.drawn_ahead(uniforms, noise, keyed))
 
 
-def _last_repeated(t: Tensor, count: int) -> Tensor:
-    """t [R, ...] with its last row repeated up to `count` rows (the padding rows of `draft_slots.padded_rows`)."""
-    return torch.cat([t, t[-1:].expand(count - t.shape[0], *t.shape[1:])]) if count > t.shape[0] else t
-
-
 def _fused_before(drafter, states, count: int) -> Tensor:
-    return _last_repeated(torch.stack([drafter.fused_before(s) for s in states]), count)  # [count, d]
+    return draft_slots.last_repeated(torch.stack([drafter.fused_before(s) for s in states]), count)  # [count, d]
 
 
 def extend_captured(drafter, states, features: list[Tensor], token_ids: list[Tensor]) -> None:
@@ -63,8 +58,8 @@ def extend_captured(drafter, states, features: list[Tensor], token_ids: list[Ten
     device, counts = drafter.device, [int(f.shape[0]) for f in features]
     bucket = token_bucket(max(counts))
     slots, starts, _ = draft_slots.padded_rows(drafter, states, [s.length for s in states])
-    padded = [_last_repeated(torch.stack([chain_capture.pad_rows(t.to(device), bucket) for t in rows]), len(slots))
-              for rows in (features, token_ids)]
+    padded = [draft_slots.last_repeated(torch.stack([chain_capture.pad_rows(t.to(device), bucket) for t in rows]),
+                                        len(slots)) for rows in (features, token_ids)]
     store = draft_slots.store_of(drafter)
     store.reserve(max(s.length for s in states) + bucket)
     fused = chain_capture.call_captured(drafter, _context_update, store.keys, store.values, slots, *padded,

@@ -7,6 +7,7 @@ from torch import nn
 
 import copy
 import pickle
+import time
 
 from dspark.models.small_batch_linear import MAX_ROWS, SmallBatchLinear, small_batch_linear, use_small_batch_linear
 from tests.tiny_models import build_tiny_model
@@ -37,15 +38,54 @@ def test_only_fp32_takes_the_other_order(monkeypatch):
     assert calls == [torch.float32] and out.dtype == torch.bfloat16
 
 
-def test_training_calls_keep_the_autograd_path():
+@pytest.fixture
+def other_order_wins(monkeypatch):
+    """Routing as on a machine where the other order measured faster (the 2-core EPYC of 2026-12-02)."""
+    import dspark.models.small_batch_linear as sbl
+
+    monkeypatch.setattr(sbl, "small_batch_wins", lambda weight: True)
+
+
+def test_training_calls_keep_the_autograd_path(monkeypatch, other_order_wins):
+    import dspark.models.small_batch_linear as sbl
+
+    monkeypatch.setattr(sbl, "MIN_WEIGHT_NUMEL", 0)
     lin = nn.Linear(16, 8)
-    use_small_batch_linear(lin)
+    assert use_small_batch_linear(lin) == 1 and type(lin) is SmallBatchLinear
     x = torch.randn(4, 16)
     lin(x).sum().backward()  # the patched forward still builds a graph when the weights train
     assert lin.weight.grad is not None and lin.weight.grad.abs().sum() > 0
 
 
-def test_large_linears_are_routed_and_compute_the_same():
+def _slowed(fn, seconds):
+    def slow(*args, **kw):
+        time.sleep(seconds)
+        return fn(*args, **kw)
+    return slow
+
+
+@pytest.mark.parametrize("slower", ["other order", "F.linear"])
+def test_a_shape_is_routed_only_where_the_other_order_measures_faster(monkeypatch, slower):
+    """The routing is measured, not assumed: with one order made 2 ms slower per call, the other is chosen,
+    and the decision is kept for the shape (measured once)."""
+    import types
+
+    import dspark.models.small_batch_linear as sbl
+
+    monkeypatch.setattr(sbl, "_WINS", {})
+    if slower == "other order":
+        monkeypatch.setattr(sbl, "small_batch_linear", _slowed(sbl.small_batch_linear, 0.002))
+    else:
+        monkeypatch.setattr(sbl, "F", types.SimpleNamespace(linear=_slowed(F.linear, 0.002)))
+    lin = nn.Linear(576, 1536)
+    assert sbl.use_small_batch_linear(nn.Sequential(lin)) == (slower == "F.linear")
+    assert type(lin) is (SmallBatchLinear if slower == "F.linear" else nn.Linear)
+    assert list(sbl._WINS.values()) == [slower == "F.linear"]
+    bf16 = nn.Linear(576, 1536).bfloat16()
+    assert sbl.use_small_batch_linear(bf16) == 0 and len(sbl._WINS) == 1  # bf16 keeps F.linear, unmeasured
+
+
+def test_large_linears_are_routed_and_compute_the_same(other_order_wins):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(576, 1536), nn.SiLU(), nn.Linear(1536, 576), nn.Linear(64, 32))
     x = torch.randn(1, 4, 576)
@@ -61,7 +101,7 @@ def test_large_linears_are_routed_and_compute_the_same():
         assert type(clone) is SmallBatchLinear and torch.equal(clone.weight, model[0].weight)
 
 
-def test_the_target_and_drafters_route_their_linears(monkeypatch):
+def test_the_target_and_drafters_route_their_linears(monkeypatch, other_order_wins):
     import dspark.models.small_batch_linear as sbl
     from dspark.drafters import DrafterConfig, build_drafter
 

@@ -38,9 +38,10 @@ demo: $(STAMP)  ## the whole lifecycle on the embedded local stack (PROFILE=smok
 # start-up and polling, two inductor builds and a flywheel loop on 2 cores), and a run ends when the slower ends.
 # Tiers: `make test` (CI, <= 12 min on 2 cores incl. the install) skips tests marked `slow` (the long
 # end-to-end runs: smoke demo, Ray Train kill/resume, ...); `make test-slow` runs exactly
-# those; `make test-all` both. Unit tests run on every core (pytest-xdist): first the unit tier proper (`make
-# test-fast`, <= 3 min), then the 31 unit tests marked `heavy` (each over ~4.5 s: inductor builds, thousands of
-# χ² samples, SmolLM2, spawned gloo ranks), each with its own timing line.
+# those; `make test-all` both. Unit tests run in one pytest on every core (pytest-xdist), the 31 marked `heavy`
+# (each over ~4.5 s: inductor builds, thousands of χ² samples, SmolLM2, spawned gloo ranks) first and each
+# worker taking the next test when free (`--dist load --maxschedchunk 1`): longest first, a tail of short tests.
+# `make test-fast` (the developer's loop) skips the heavy ones.
 PYTEST := $(PY) -m pytest -q --timeout=900 -p no:cacheprovider --durations=15  # durations: where CI time goes
 # `make test`'s integration runs: storage, rollouts, learning curve and the flywheel loop share one local
 # stack (the session fixture); serve
@@ -48,11 +49,9 @@ PYTEST := $(PY) -m pytest -q --timeout=900 -p no:cacheprovider --durations=15  #
 FAST_INTEGRATION := "tests/integration/test_storage.py tests/integration/test_rollouts.py tests/integration/test_learning_curve.py tests/integration/test_flywheel.py" \
 	tests/integration/test_serve.py tests/integration/test_stack.py
 
-test: $(STAMP)  ## what CI runs: the unit tier, the heavy unit tests, then the integration tier, none marked slow (every tier runs; fails if any did)
-	@echo "== tests/unit (unit tier: not slow, not heavy)"; \
-	$(PYTEST) -n auto --dist worksteal -m "not slow and not heavy" tests/unit; failed=$$?; \
-	echo "== tests/unit (heavy: the lossless proofs through the compiled core, SmolLM2, spawned ranks)"; \
-	$(PYTEST) -n auto --dist worksteal -m "heavy and not slow" tests/unit || failed=1; \
+test: $(STAMP)  ## what CI runs: the unit tests (heavy ones first), then the integration tier, none marked slow (every tier runs; fails if any did)
+	@echo "== tests/unit (not slow; the heavy ones first: lossless proofs through the compiled core, SmolLM2, ranks)"; \
+	$(PYTEST) -n auto --dist load --maxschedchunk 1 -m "not slow" tests/unit; failed=$$?; \
 	for modules in $(FAST_INTEGRATION); do \
 	  echo "== $$modules (integration, not slow)"; \
 	  $(PYTEST) -m "integration and not slow" $$modules || failed=1; \

@@ -64,21 +64,22 @@ def shapes_table(target, rows: list[int]) -> list[dict]:
     return out
 
 
-def routed_linears(*models) -> list:
-    """The linears the models route through small_batch_linear at load (what production runs)."""
-    from dspark.models.small_batch_linear import SmallBatchLinear
+def routable_linears(*models) -> dict:
+    """The linears production may route through small_batch_linear (`routable`, whatever this machine's measurement
+    chose) -> the class it chose at load, to restore after the A/B."""
+    from dspark.models.small_batch_linear import routable
 
-    return [m for model in models for m in model.modules() if type(m) is SmallBatchLinear]
+    return {m: type(m) for model in models for m in model.modules() if routable(m)}
 
 
-def route(linears: list, fast: bool) -> None:
-    """Those linears through small_batch_linear (fast) or back to plain F.linear."""
+def route(linears: dict, fast: bool | None) -> None:
+    """Those linears through small_batch_linear (fast), plain F.linear (not fast), or as loaded (None)."""
     from torch import nn
 
     from dspark.models.small_batch_linear import SmallBatchLinear
 
-    for m in linears:
-        m.__class__ = SmallBatchLinear if fast else nn.Linear
+    for m, loaded in linears.items():
+        m.__class__ = loaded if fast is None else SmallBatchLinear if fast else nn.Linear
 
 
 def engine_ab(target, drafter, gamma: int, turns: int, steps: int) -> dict:
@@ -87,7 +88,7 @@ def engine_ab(target, drafter, gamma: int, turns: int, steps: int) -> dict:
     from dspark.decoding.scheduler import SchedulerConfig
     from benchmarks.engine_ab import prompt_ids
 
-    linears = routed_linears(target.model, drafter)
+    linears = routable_linears(target.model, drafter)
     prompt, sampling = prompt_ids(target, 1, 48)[0], SamplingParams(temperature=1.0)
 
     def engine(mode: str) -> Engine:
@@ -111,7 +112,7 @@ def engine_ab(target, drafter, gamma: int, turns: int, steps: int) -> dict:
                     acc[v][0] += time.perf_counter() - t0
                     acc[v][1] += report.emitted
                     acc[v][2] += 1
-    route(linears, True)
+    route(linears, None)
     for e in engines.values():
         e.stop()
     rows = {f"{mode}{'_small_batch' if fast else '_f_linear'}": {"tokens_per_s": tok / s, "ms_per_step": 1e3 * s / n,
@@ -131,7 +132,7 @@ def generator_ab(target, batch: int, new_tokens: int, turns: int) -> dict:
     from dspark.decoding.sampling import SamplingParams
     from benchmarks.engine_ab import prompt_ids
 
-    routed = routed_linears(target.model)
+    routed = routable_linears(target.model)
     prompts, sampling = prompt_ids(target, batch, 40), SamplingParams(temperature=0.7, top_p=0.9)
     gen, rates = BatchGenerator(target, GeneratorConfig(max_batch=batch)), {False: [], True: []}
     for turn in range(turns):
@@ -140,7 +141,7 @@ def generator_ab(target, batch: int, new_tokens: int, turns: int) -> dict:
             t0 = time.perf_counter()
             out = gen.generate(prompts, sampling, list(range(batch)), new_tokens)
             rates[fast].append(sum(len(tokens) for tokens, _ in out) / (time.perf_counter() - t0))
-    route(routed, True)
+    route(routed, None)
     return {"batch": batch, "new_tokens": new_tokens, "tokens_per_s_f_linear": rates[False],
             "tokens_per_s_small_batch": rates[True], "ratio": sum(rates[True]) / sum(rates[False])}
 

@@ -84,15 +84,22 @@ def small_batch_wins(weight: torch.Tensor, reps: int = 5) -> bool:
     return _WINS[key]
 
 
+def routable(module: nn.Module) -> bool:
+    """A linear the other order may serve: plain (or already routed), on CPU, fp32, at least MIN_WEIGHT_NUMEL
+    weights. Whether it does is `small_batch_wins`'s measurement."""
+    if type(module) not in (nn.Linear, SmallBatchLinear):
+        return False
+    weight = module.weight
+    return weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.numel() >= MIN_WEIGHT_NUMEL
+
+
 def use_small_batch_linear(model: nn.Module) -> int:
-    """Route every plain nn.Linear of a CPU model with fp32 weights of at least MIN_WEIGHT_NUMEL elements
-    through small_batch_linear where it measured faster on this machine (`small_batch_wins`); returns how many.
-    Calls that build a graph for training (grad enabled and a parameter or input requiring it) keep F.linear."""
+    """Route every `routable` plain nn.Linear of a model through small_batch_linear where it measured faster on
+    this machine (`small_batch_wins`); returns how many. Calls that build a graph for training (grad enabled and a
+    parameter or input requiring it) keep F.linear."""
     n = 0
     for module in model.modules():
-        weight = getattr(module, "weight", None)
-        if (type(module) is nn.Linear and weight.device.type == "cpu" and weight.dtype == torch.float32
-                and weight.numel() >= MIN_WEIGHT_NUMEL and small_batch_wins(weight)):
+        if type(module) is nn.Linear and routable(module) and small_batch_wins(module.weight):
             module.__class__ = SmallBatchLinear
             n += 1
     return n

@@ -86,6 +86,8 @@ def test_a_shape_is_routed_only_where_the_other_order_measures_faster(monkeypatc
 
 
 def test_large_linears_are_routed_and_compute_the_same(other_order_wins):
+    import dspark.models.small_batch_linear as sbl
+
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(576, 1536), nn.SiLU(), nn.Linear(1536, 576), nn.Linear(64, 32))
     x = torch.randn(1, 4, 576)
@@ -93,6 +95,7 @@ def test_large_linears_are_routed_and_compute_the_same(other_order_wins):
         slow = model[2](model[1](model[0](x)))
         assert use_small_batch_linear(model) == 2  # the 64x32 layer is too small to gain: left alone
         assert [type(m) for m in model] == [SmallBatchLinear, nn.SiLU, SmallBatchLinear, nn.Linear]
+        assert [sbl.routable(m) for m in model] == [True, False, True, False]  # routed ones stay routable
         fast = model[2](model[1](model[0](x)))
         one = model[0](x[:, :1])  # a single row takes F.linear itself
     torch.testing.assert_close(fast, slow, rtol=1e-5, atol=1e-5)
